@@ -1,0 +1,27 @@
+"""hybridpar: hybrid batch / model / domain parallel training on torch.distributed.
+
+Two halves that agree: the planner (`hybridpar.planner`, pure arithmetic over the alpha-beta cost
+model in `hybridpar.cost`) and the runtime that executes a plan and measures it.
+"""
+
+from hybridpar.cluster import PRESETS, Cluster, load_cluster
+from hybridpar.cost.layers import CostLayer, Strategy, cost_layers
+from hybridpar.errors import ConfigError
+from hybridpar.planner import SCENARIOS, Plan, PlanResult, make_plan, plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "SCENARIOS",
+    "Cluster",
+    "ConfigError",
+    "CostLayer",
+    "Plan",
+    "PlanResult",
+    "Strategy",
+    "cost_layers",
+    "load_cluster",
+    "make_plan",
+    "plan",
+]

@@ -1,0 +1,308 @@
+"""Command line: `hybridpar plan | simulate | profile`.
+
+Every bad input ends in one line on stderr, `hybridpar <command>: error: <what to change>`, and
+exit code 2, before any work (or process) starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hybridpar.errors import ConfigError
+
+TERMS = ("allgather", "dx_allreduce", "dw_allreduce", "halo_fwd", "halo_bwd", "redistribute")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r} needs positive integers, e.g. 8,16,32")
+    return vals
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help="zoo model: alexnet, alexnet-owt, vgg16, resnet20, digits-cnn, mlp",
+    )
+    p.add_argument("--batch", type=_positive_int, required=True, help="global mini-batch B")
+    p.add_argument(
+        "--cluster",
+        default="cori-knl",
+        help="preset (cori-knl, k20-pcie, fdr-infiniband, p100-nvlink), localhost, or a .toml/.json file",
+    )
+    p.add_argument(
+        "--input-size",
+        type=_positive_int,
+        default=None,
+        help="image side, e.g. 64 (default: the model's)",
+    )
+    p.add_argument(
+        "--compute",
+        default=None,
+        help="compute table from `hybridpar profile` (default: FLOPs / cluster rate)",
+    )
+    p.add_argument(
+        "--bytes-per-element",
+        type=float,
+        default=None,
+        help="wire bytes per element (default: the cluster's word size)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=float,
+        default=None,
+        help="GiB per process (parameters + activations)",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="hide the weight all-reduce behind the backward pass (Fig. 8)",
+    )
+
+
+def _plan_kwargs(args: argparse.Namespace) -> dict:
+    from hybridpar.cost.compute import load_table
+
+    if args.bytes_per_element is not None and args.bytes_per_element <= 0:
+        raise ConfigError("--bytes-per-element must be positive")
+    if args.memory_limit is not None and args.memory_limit <= 0:
+        raise ConfigError("--memory-limit must be a positive number of GiB")
+    return dict(
+        input_size=args.input_size,
+        compute=load_table(args.compute) if args.compute else None,
+        elem_bytes=args.bytes_per_element,
+        memory_limit=args.memory_limit * 2**30 if args.memory_limit else None,
+        overlap=args.overlap,
+    )
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:10.3f}"
+
+
+def _print_plan(result, shown: list) -> None:
+    c = result.cluster
+    print(
+        f"{result.model} on {c.name} (alpha {c.alpha * 1e6:g} us, {c.bandwidth / 1e9:g} GB/s, "
+        f"{c.flops / 1e12:g} TFLOP/s), P={result.procs}, B={result.batch}, "
+        f"{result.elem_bytes:g} bytes/element"
+    )
+    print()
+    batch = result.scenario("batch")
+    print(
+        f"{'scenario':<10} {'grid':>9} {'comm ms':>10} {'compute ms':>10} {'total ms':>10} {'vs batch':>9}"
+    )
+    for p in shown:
+        if not p.feasible:
+            print(f"{p.scenario:<10} {'-':>9}  infeasible: {p.reason}")
+            continue
+        grid = f"{p.grid[0]}x{p.grid[1]}" if p.grid else "per layer"
+        vs = f"{batch.total_s / p.total_s:8.2f}x" if batch is not None and batch.feasible else "-"
+        print(
+            f"{p.scenario:<10} {grid:>9} {_ms(p.exposed_comm_s)} {_ms(p.compute_s)} {_ms(p.total_s)} {vs:>9}"
+        )
+    best = min((p for p in shown if p.feasible), key=lambda p: (p.total_s, p.comm_s), default=None)
+    if best is None:
+        return
+    print()
+    print(f"best: {best.scenario}" + (f" on {best.grid[0]}x{best.grid[1]}" if best.grid else ""))
+    head = "".join(f"{t:>13}" for t in TERMS)
+    print(
+        f"{'layer':<8} {'kind':<6} {'params':>10} {'d_in':>8} {'d_out':>8} {'strategy':<15} {'comm ms':>9}{head}"
+    )
+    for x in best.layers:
+        terms = "".join(
+            f"{x.terms[t].seconds * 1e3:13.3f}" if t in x.terms else f"{'':13}" for t in TERMS
+        )
+        print(
+            f"{x.layer.name:<8} {x.layer.kind:<6} {x.layer.params:>10} {x.layer.d_in:>8} "
+            f"{x.layer.d_out:>8} {x.strategy.label:<15} {x.comm_s * 1e3:9.3f}{terms}"
+        )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hybridpar.cluster import load_cluster
+    from hybridpar.planner import SCENARIOS, make_plan
+
+    scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    if args.scenario != "all" and "batch" not in scenarios:
+        scenarios.insert(0, "batch")  # the baseline every speedup refers to
+    result = make_plan(
+        args.model,
+        args.procs,
+        args.batch,
+        load_cluster(args.cluster),
+        scenarios=scenarios,
+        **_plan_kwargs(args),
+    )
+    result.best  # noqa: B018  raises the one-line error when nothing fits
+    shown = [p for p in result.scenarios if args.scenario in ("all", p.scenario)]
+    if args.json:
+        data = result.to_dict()
+        if args.scenario != "all":
+            data["scenarios"] = [p.to_dict() for p in shown]
+            feasible = [p for p in shown if p.feasible]
+            if not feasible:
+                raise ConfigError(f"scenario {args.scenario} is infeasible: {shown[0].reason}")
+            best = min(feasible, key=lambda p: (p.total_s, p.comm_s))
+            data["best"] = best.to_dict()
+            b = result.scenario("batch")
+            data["speedup_vs_batch"] = (
+                {
+                    "comm": b.comm_s / best.comm_s if best.comm_s else None,
+                    "total": b.total_s / best.total_s,
+                }
+                if b is not None and b.feasible
+                else None
+            )
+        print(json.dumps(data, indent=1))
+    else:
+        if not any(p.feasible for p in shown):
+            raise ConfigError(f"scenario {args.scenario} is infeasible: {shown[0].reason}")
+        _print_plan(result, shown)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hybridpar.cluster import load_cluster
+    from hybridpar.planner import make_plan
+    from hybridpar.simulate import FIGURES, plot_sweep, run_sweep, write_csv
+
+    cluster = load_cluster(args.cluster)
+    kwargs = _plan_kwargs(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results = run_sweep(
+        args.procs,
+        lambda p: make_plan(args.model, p, args.batch, cluster, **kwargs),
+        progress=not args.quiet,
+    )
+    write_csv(results, out / "simulate.csv")
+    written = [out / "simulate.csv"]
+    if not args.no_plots:
+        for fname, (scenario, title) in FIGURES.items():
+            path = plot_sweep(results, out, scenario, title, fname)
+            if path:
+                written.append(path)
+    print(
+        f"{'P':>6} {'best':<10} {'grid':>9} {'comm ms':>10} {'total ms':>10} {'vs batch (comm)':>16}"
+    )
+    for r in results:
+        b = r.best
+        sp = r.speedup_vs_batch()
+        grid = f"{b.grid[0]}x{b.grid[1]}" if b.grid else "per layer"
+        vs = f"{sp['total']:.2f}x ({sp['comm']:.1f}x)" if sp else "batch infeasible"
+        print(f"{r.procs:>6} {b.scenario:<10} {grid:>9} {_ms(b.comm_s)} {_ms(b.total_s)} {vs:>16}")
+    print(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from hybridpar.cluster import cache_dir
+    from hybridpar.models import MODELS
+    from hybridpar.profile import profile_model, save
+
+    if args.model not in MODELS:
+        raise ConfigError(f"unknown model {args.model!r}; choose one of: {', '.join(MODELS)}")
+    table = profile_model(
+        args.model, batch=args.batch, input_size=args.input_size, repeats=args.repeats
+    )
+    path = (
+        Path(args.out)
+        if args.out
+        else cache_dir() / "profiles" / f"{args.model}-{args.input_size or 'default'}.json"
+    )
+    save(table, path)
+    total_f = sum(v[0] for v in table["per_sample_s"].values())
+    total_b = sum(v[1] for v in table["per_sample_s"].values())
+    print(
+        f"{args.model}: forward {total_f * 1e3:.3f} ms + backward {total_b * 1e3:.3f} ms per sample "
+        f"({table['threads']} threads); table written to {path}"
+    )
+    print(f"use it with: hybridpar plan --model {args.model} --compute {path} ...")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="hybridpar",
+        description="Hybrid batch/model/domain parallel training: plan it, then run it.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("plan", help="predict the cost of every strategy and pick the best")
+    _add_plan_args(p)
+    p.add_argument("--procs", type=_positive_int, required=True, help="number of processes P")
+    p.add_argument(
+        "--scenario",
+        default="all",
+        choices=["all", "batch", "model", "same-grid", "fc-grid", "domain", "per-layer"],
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("simulate", help="sweep P; write a CSV and Fig. 6/7/10-style PNG charts")
+    _add_plan_args(s)
+    s.add_argument(
+        "--procs", type=_int_list, required=True, help="comma-separated, e.g. 8,16,32,64"
+    )
+    s.add_argument("--out", default="simulate-out", help="output folder")
+    s.add_argument("--no-plots", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_simulate)
+
+    f = sub.add_parser(
+        "profile", help="measure per-layer compute time on this machine for the planner"
+    )
+    f.add_argument("--model", required=True)
+    f.add_argument("--batch", type=_positive_int, default=16)
+    f.add_argument("--input-size", type=_positive_int, default=None)
+    f.add_argument("--repeats", type=_positive_int, default=5)
+    f.add_argument(
+        "--out", default=None, help="where to write the table (default: the cache folder)"
+    )
+    f.set_defaults(func=cmd_profile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"hybridpar {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

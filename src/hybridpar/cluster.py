@@ -1,0 +1,164 @@
+"""Cluster descriptions for the alpha-beta model: latency alpha (s), inverse bandwidth beta (s/byte),
+word size (bytes per element on the wire) and a sustained compute rate (FLOP/s per process).
+
+Bandwidths are decimal: 6 GB/s is 6e9 bytes/s, the convention that makes Krizhevsky's footnote 4
+come out ("4096 floats take 2.73 us at 6 GB/s").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from hybridpar.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["PRESETS", "Cluster", "load_cluster"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    alpha: float  # seconds per message
+    beta: float  # seconds per byte (1 / bandwidth)
+    flops: float  # sustained FLOP/s of one process
+    word_bytes: int = 4  # bytes per element of an uncompressed tensor (fp32)
+    source: str = ""  # where the numbers come from
+
+    def __post_init__(self) -> None:
+        for f in ("alpha", "beta", "flops"):
+            v = getattr(self, f)
+            if (
+                not isinstance(v, int | float)
+                or not math.isfinite(v)
+                or v < 0
+                or (f != "alpha" and v == 0)
+            ):
+                raise ConfigError(
+                    f"cluster {self.name!r}: {f} must be a positive number, got {v!r}"
+                )
+        if not isinstance(self.word_bytes, int) or self.word_bytes <= 0:
+            raise ConfigError(f"cluster {self.name!r}: word_bytes must be a positive integer")
+
+    @property
+    def bandwidth(self) -> float:
+        """bytes per second"""
+        return 1.0 / self.beta
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "bandwidth_GBps": self.bandwidth / 1e9}
+
+
+PRESETS: dict[str, Cluster] = {
+    c.name: c
+    for c in (
+        Cluster(
+            "cori-knl",
+            alpha=2e-6,
+            beta=1 / 6e9,
+            flops=1.5e12,
+            source="Gholami et al. 2018, Table 1 (alpha, beta); flops: our assumption for Intel Caffe "
+            "on one KNL (the paper measures compute instead, Fig. 4)",
+        ),
+        Cluster(
+            "k20-pcie",
+            alpha=10e-6,
+            beta=1 / 6e9,
+            flops=2e12,
+            source="Krizhevsky 2014: PCIe 2.0 at about 6 GB/s, 2 TFLOP/s K20 GPUs (footnote 4); "
+            "alpha: our assumption",
+        ),
+        Cluster(
+            "fdr-infiniband",
+            alpha=1.3e-6,
+            beta=1 / 6.8e9,
+            flops=7e12,
+            source="FDR InfiniBand 4x: 56 Gb/s signalling, about 6.8 GB/s achievable; MPI latency "
+            "about 1.3 us; flops: a P100-class GPU",
+        ),
+        Cluster(
+            "p100-nvlink",
+            alpha=5e-6,
+            beta=1 / 40e9,
+            flops=7e12,
+            source="NVLink 1.0, two links (40 GB/s per direction) between P100s; sustained fp32 of "
+            "about 7 TFLOP/s: our assumptions",
+        ),
+    )
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HYBRIDPAR_CACHE", Path.home() / ".cache" / "hybridpar"))
+
+
+def localhost_path() -> Path:
+    """Where `hybridpar calibrate` caches the fitted alpha and beta of this machine."""
+    return cache_dir() / "localhost.json"
+
+
+def _from_mapping(data: dict, origin: str) -> Cluster:
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{origin}: expected a table/object with alpha, beta (or bandwidth) and flops"
+        )
+    known = {f.name for f in fields(Cluster)} | {"bandwidth", "bandwidth_GBps"}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"{origin}: unknown key(s) {sorted(unknown)}; allowed: {sorted(known)}")
+    data = dict(data)
+    bw = data.pop("bandwidth", None)
+    bw_gb = data.pop("bandwidth_GBps", None)
+    if "beta" not in data:
+        if bw is None and bw_gb is None:
+            raise ConfigError(f"{origin}: give beta (s/byte) or bandwidth (bytes/s)")
+        bw = bw if bw is not None else float(bw_gb) * 1e9
+        if not isinstance(bw, int | float) or bw <= 0:
+            raise ConfigError(f"{origin}: bandwidth must be a positive number, got {bw!r}")
+        data["beta"] = 1.0 / bw
+    missing = [k for k in ("alpha", "flops") if k not in data]
+    if missing:
+        raise ConfigError(f"{origin}: missing key(s) {missing}")
+    data.setdefault("name", Path(origin).stem)
+    data.setdefault("source", origin)
+    try:
+        return Cluster(**data)
+    except TypeError as exc:
+        raise ConfigError(f"{origin}: {exc}") from exc
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A preset name, `localhost` (after `hybridpar calibrate`), or a path to a .toml / .json file."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec == "localhost":
+        path = localhost_path()
+        if not path.exists():
+            raise ConfigError(
+                "cluster 'localhost' is not calibrated yet; run `hybridpar calibrate` first"
+            )
+        return _from_mapping(json.loads(path.read_text()), str(path))
+    path = Path(spec)
+    if path.suffix.lower() in (".toml", ".json"):
+        if not path.is_file():
+            raise ConfigError(f"cluster file {spec!r} does not exist")
+        try:
+            text = path.read_text()
+            data = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"cluster file {spec!r} is malformed: {str(exc).splitlines()[0]}"
+            ) from exc
+        return _from_mapping(data, spec)
+    raise ConfigError(
+        f"unknown cluster {spec!r}; choose a preset ({', '.join(PRESETS)}), localhost, "
+        "or a .toml/.json file with alpha, beta (or bandwidth) and flops"
+    )

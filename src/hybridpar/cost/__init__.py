@@ -1,0 +1,23 @@
+"""The alpha-beta cost model: pure arithmetic on dataclasses, no torch.distributed."""
+
+from hybridpar.cost.collectives import Comm, all_gather, all_reduce, all_to_all, broadcast, halo
+from hybridpar.cost.compute import ComputeModel, FlopsModel, TableModel, load_table
+from hybridpar.cost.layers import CostLayer, Strategy, cost_layers, layer_comms, redistribute
+
+__all__ = [
+    "Comm",
+    "ComputeModel",
+    "CostLayer",
+    "FlopsModel",
+    "Strategy",
+    "TableModel",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "cost_layers",
+    "halo",
+    "layer_comms",
+    "load_table",
+    "redistribute",
+]

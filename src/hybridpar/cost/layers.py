@@ -1,0 +1,345 @@
+"""Per-layer communication cost of each strategy: Gholami et al. (SPAA'18) Eqs. 3-9, term by term.
+
+Conventions (stated once; docs/cost-model.md repeats them with a worked example):
+
+- Only layers with weights (conv, linear) are layers i = 1..L of the equations. Pooling, activation,
+  norm and reshape layers ride along with the weighted layer before them.
+- d_i is layer i's output per sample *before* pooling; d_{i-1} is its actual input per sample
+  (after the previous layer's pooling). X (input) and Y (output) are (C, H, W) likewise.
+- Sizes are elements x bytes per element (4 for fp32, a codec's rate otherwise); beta is seconds
+  per byte; log is ceil(log2).
+- |W_i| counts weights *and* biases: both are all-reduced in practice (Eq. 2 counts weights only;
+  the difference is below 0.03 % for every layer of AlexNet).
+- Index ranges as printed: the forward all-gather sums over i = 1..L, the dX all-reduce over
+  i = 2..L (nothing is back-propagated into the input). The weight all-reduce sums are printed
+  from i = 0, but there is no layer 0 (d_0 is the input, W_0 does not exist): we sum over the
+  layers 1..L. Read literally, i = 0 would add one latency-only term 2*alpha*ceil(log P) and break
+  the identity "Eq. 9 with no domain layers is Eq. 8" that the paper states.
+- A domain layer's halo terms vanish when the image is not split (Pr = 1) and when the kernel is
+  1 wide (floor(k/2) = 0: "for a 1x1 convolution no communication is needed"); Eq. 9's backward
+  halo uses Y_i = X_{i+1} and k_w as printed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybridpar.cluster import Cluster
+from hybridpar.cost.collectives import Comm, all_gather, all_reduce, all_to_all, halo
+from hybridpar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridpar.analysis import LayerSpec
+
+__all__ = [
+    "CostLayer",
+    "Strategy",
+    "cost_layers",
+    "eq3_model",
+    "eq4_batch",
+    "eq5_volume_ratio",
+    "eq6_redistribute",
+    "eq7_domain",
+    "eq8_integrated",
+    "eq9_integrated_domain",
+    "layer_comms",
+    "redistribute",
+]
+
+
+@dataclass(frozen=True)
+class CostLayer:
+    """A weighted layer as the equations see it."""
+
+    name: str
+    kind: str  # conv | linear
+    params: int  # |W_i|, weights + biases
+    d_in: int  # d_{i-1}
+    d_out: int  # d_i, before pooling
+    x_shape: tuple[int, ...]  # (C, H, W) or (features,)
+    y_shape: tuple[int, ...]
+    kernel: tuple[int, ...] | None
+    out_units: int  # what model parallelism splits: output channels or features
+    flops: int  # forward FLOPs per sample, this layer and the unweighted ones riding along
+    members: tuple[str, ...] = field(default=())  # leaf layers folded into this one
+
+    @property
+    def spatial(self) -> bool:
+        return self.kind == "conv" and len(self.x_shape) == 3
+
+
+def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
+    """Fold the leaf layers into the weighted layers of the equations."""
+    out: list[CostLayer] = []
+    pending_flops, pending_names = 0, []
+    for s in specs:
+        if s.kind in ("conv", "linear") and s.params > 0:
+            out.append(
+                CostLayer(
+                    name=s.name,
+                    kind=s.kind,
+                    params=s.params,
+                    d_in=s.d_in,
+                    d_out=s.d_out,
+                    x_shape=s.in_shape,
+                    y_shape=s.out_shape,
+                    kernel=s.kernel,
+                    out_units=s.out_units,
+                    flops=s.flops + pending_flops,
+                    members=(*pending_names, s.name),
+                )
+            )
+            pending_flops, pending_names = 0, []
+        elif out:
+            last = out[-1]
+            out[-1] = CostLayer(
+                **{
+                    **last.__dict__,
+                    "flops": last.flops + s.flops,
+                    "members": (*last.members, s.name),
+                }
+            )
+        else:
+            pending_flops += s.flops
+            pending_names.append(s.name)
+    if not out:
+        raise ConfigError("the model has no conv or linear layer with weights: nothing to plan")
+    return out
+
+
+@dataclass(frozen=True, order=True)
+class Strategy:
+    """How one layer is split. batch = model(1, P)."""
+
+    kind: str  # "model" (1.5D; batch when pr == 1) or "domain"
+    pr: int
+    pc: int
+
+    @staticmethod
+    def batch(p: int) -> Strategy:
+        return Strategy("model", 1, p)
+
+    @staticmethod
+    def model(pr: int, pc: int) -> Strategy:
+        return Strategy("model", pr, pc)
+
+    @staticmethod
+    def domain(pr: int, pc: int) -> Strategy:
+        return Strategy("domain", pr, pc)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "model" and self.pr == 1:
+            return "batch"
+        return f"{self.kind}({self.pr}x{self.pc})"
+
+    @property
+    def layout(self) -> tuple:
+        """How the layer's output activations lie on the ranks: ("rep", pc) = split over pc batch
+        groups and replicated within each model group; ("dom", pr, pc) = also split by height."""
+        return (
+            ("dom", self.pr, self.pc) if self.kind == "domain" and self.pr > 1 else ("rep", self.pc)
+        )
+
+
+# --- the terms ------------------------------------------------------------------------------
+
+
+def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float) -> Comm:
+    """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_i: forward all-gather of Y over the model group."""
+    return all_gather(B / pc * layer.d_out * e, pr, net)
+
+
+def t_dx_allreduce(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float) -> Comm:
+    """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX."""
+    return all_reduce(B / pc * layer.d_in * e, pr, net)
+
+
+def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float) -> Comm:
+    """2*(alpha*ceil(log p) + beta*(p-1)/p*|W_i|/shard): all-reduce of the weight gradient over
+    the p ranks that hold the same 1/shard of W."""
+    return all_reduce(layer.params / shard * e, p, net)
+
+
+def _halo_rows(layer: CostLayer, axis: int) -> int:
+    if not layer.spatial or layer.kernel is None:
+        raise ConfigError(
+            f"layer {layer.name} is not a 2-d convolution: it cannot be domain-parallel"
+        )
+    return layer.kernel[axis] // 2
+
+
+def t_halo_fwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float) -> Comm:
+    """alpha + beta*(B/Pc)*X_W*X_C*floor(k_h/2): the input rows a neighbour needs."""
+    if pr <= 1:
+        return Comm.zero("halo")
+    c, _, w = layer.x_shape
+    return halo(B / pc * w * c * _halo_rows(layer, 0) * e, net)
+
+
+def t_halo_bwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float) -> Comm:
+    """alpha + beta*(B/Pc)*Y_W*Y_C*floor(k_w/2): the output-gradient rows, backward."""
+    if pr <= 1:
+        return Comm.zero("halo")
+    c, _, w = layer.y_shape
+    return halo(B / pc * w * c * _halo_rows(layer, 1) * e, net)
+
+
+def layer_comms(
+    layer: CostLayer, first: bool, s: Strategy, B: int, net: Cluster, e: float | None = None
+) -> dict[str, Comm]:
+    """The communication terms of one layer under strategy `s` (first: layer i = 1, no dX)."""
+    e = net.word_bytes if e is None else e
+    p = s.pr * s.pc
+    if s.kind == "domain":
+        return {
+            "halo_fwd": t_halo_fwd(layer, s.pr, s.pc, B, net, e),
+            "halo_bwd": t_halo_bwd(layer, s.pr, s.pc, B, net, e),
+            "dw_allreduce": t_dw_allreduce(layer, p, 1, net, e),
+        }
+    return {
+        "allgather": t_allgather(layer, s.pr, s.pc, B, net, e),
+        "dx_allreduce": Comm.zero("all_reduce", s.pr)
+        if first
+        else t_dx_allreduce(layer, s.pr, s.pc, B, net, e),
+        "dw_allreduce": t_dw_allreduce(layer, s.pc, s.pr, net, e),
+    }
+
+
+def redistribute(
+    prev: Strategy | None, nxt: Strategy, d: int, B: int, net: Cluster, e: float | None = None
+) -> Comm | None:
+    """Cost of moving the activation feeding `nxt` (d = d_{i-1} per sample) from the layout `prev`
+    left it in, forward and backward together. None when the two layouts do not nest.
+
+    Gholami Eq. 6 is the case batch -> model: an all-gather of B/Pc examples over the model group.
+    Going the other way (to more batch groups) is a local slice forward and the same all-gather of
+    dX backward. Into and out of a domain layout from the layout with the same Pc the extra step is
+    a height slice (free) and a gather of the rows; from pure batch with Pr*Pc = P it is one
+    all-to-all within the model group each way. The first layer reads its input in any layout.
+    """
+    e = net.word_bytes if e is None else e
+    if prev is None or prev.layout == nxt.layout:
+        return Comm.zero("redistribute")
+    p = nxt.pr * nxt.pc
+    a, b = prev.layout, nxt.layout
+    if a[0] == "rep" and b[0] == "rep":
+        c1, c2 = a[1], b[1]
+        lo, hi = min(c1, c2), max(c1, c2)
+        if hi % lo:
+            return None
+        g = all_gather(B / lo * d * e, hi // lo, net)  # forward if c2 < c1, backward otherwise
+        return Comm("redistribute", g.group, g.bytes, g.seconds)
+    if a[0] == "rep" and b[0] == "dom":
+        _, pr, pc = b
+        if a[1] == p:  # pure batch -> domain: all-to-all each way within the model group
+            x = all_to_all(B / p * d * e, pr, net)
+            return Comm("redistribute", pr, 2 * x.bytes, 2 * x.seconds)
+        step = redistribute(prev, Strategy.model(pr, pc), d, B, net, e)
+        if step is None:
+            return None
+        g = all_gather(B / pc * d * e, pr, net)  # backward: gather the rows of dX
+        return Comm("redistribute", pr, step.bytes + g.bytes, step.seconds + g.seconds)
+    if a[0] == "dom" and b[0] == "rep":
+        back = redistribute(nxt, Strategy.domain(a[1], a[2]), d, B, net, e)  # symmetric
+        return back
+    # domain -> another domain layout: through the replicated layout of the first
+    mid = Strategy.model(a[1], a[2])
+    x = redistribute(prev, mid, d, B, net, e)
+    y = redistribute(mid, nxt, d, B, net, e)
+    if x is None or y is None:
+        return None
+    return Comm("redistribute", max(x.group, y.group), x.bytes + y.bytes, x.seconds + y.seconds)
+
+
+# --- the equations, literally (sums of the terms above) -------------------------------------
+
+
+def _total(comms: list[Comm]) -> float:
+    return math.fsum(c.seconds for c in comms)
+
+
+def eq3_model(
+    layers: list[CostLayer], P: int, B: int, net: Cluster, e: float | None = None
+) -> float:
+    """Eq. 3, pure model parallelism on P processes."""
+    e = net.word_bytes if e is None else e
+    return _total(
+        [t_allgather(x, P, 1, B, net, e) for x in layers]
+        + [t_dx_allreduce(x, P, 1, B, net, e) for x in layers[1:]]
+    )
+
+
+def eq4_batch(layers: list[CostLayer], P: int, net: Cluster, e: float | None = None) -> float:
+    """Eq. 4, pure batch parallelism: 2 * sum (alpha*ceil(log P) + beta*(P-1)/P*|W_i|)."""
+    e = net.word_bytes if e is None else e
+    return _total([t_dw_allreduce(x, P, 1, net, e) for x in layers])
+
+
+def eq5_volume_ratio(layer: CostLayer, B: int) -> float:
+    """Eq. 5: batch/model communication volume of a conv layer, 2*kh*kw*X_C / (3*B*Y_H*Y_W).
+
+    Derived from 2|W_i| / (3*B*d_i) with |W_i| = kh*kw*X_C*Y_C and d_{i-1} taken equal to d_i, as in
+    the paper; >1 means model parallelism moves fewer bytes."""
+    if not layer.spatial or layer.kernel is None:
+        raise ConfigError(f"Eq. 5 is for conv layers; {layer.name} is {layer.kind}")
+    kh, kw = layer.kernel
+    xc = layer.x_shape[0]
+    _, yh, yw = layer.y_shape
+    return 2 * kh * kw * xc / (3 * B * yh * yw)
+
+
+def eq6_redistribute(d: int, P: int, B: int, net: Cluster, e: float | None = None) -> float:
+    """Eq. 6: alpha*ceil(log P) + beta*B*(P-1)/P*d_i, redistribution from batch to model."""
+    e = net.word_bytes if e is None else e
+    return all_gather(B * d * e, P, net).seconds
+
+
+def eq7_domain(
+    layers: list[CostLayer], P: int, B: int, net: Cluster, e: float | None = None
+) -> float:
+    """Eq. 7, pure domain parallelism: halo exchanges (whole batch B) + the weight all-reduce."""
+    e = net.word_bytes if e is None else e
+    return _total(
+        [t_halo_fwd(x, P, 1, B, net, e) for x in layers]
+        + [t_halo_bwd(x, P, 1, B, net, e) for x in layers]
+        + [t_dw_allreduce(x, P, 1, net, e) for x in layers]
+    )
+
+
+def eq8_integrated(
+    layers: list[CostLayer], pr: int, pc: int, B: int, net: Cluster, e: float | None = None
+) -> float:
+    """Eq. 8, the 1.5D algorithm on a Pr x Pc grid for every layer."""
+    e = net.word_bytes if e is None else e
+    return _total(
+        [t_allgather(x, pr, pc, B, net, e) for x in layers]
+        + [t_dx_allreduce(x, pr, pc, B, net, e) for x in layers[1:]]
+        + [t_dw_allreduce(x, pc, pr, net, e) for x in layers]
+    )
+
+
+def eq9_integrated_domain(
+    layers: list[CostLayer],
+    pr: int,
+    pc: int,
+    B: int,
+    net: Cluster,
+    domain: set[int],
+    e: float | None = None,
+) -> float:
+    """Eq. 9: layers whose index is in `domain` (L_D) split the image over Pr, the others (L_M)
+    split the model; both split the batch over Pc."""
+    e = net.word_bytes if e is None else e
+    lm = [(i, x) for i, x in enumerate(layers) if i not in domain]
+    ld = [x for i, x in enumerate(layers) if i in domain]
+    return _total(
+        [t_allgather(x, pr, pc, B, net, e) for _, x in lm]
+        + [t_dx_allreduce(x, pr, pc, B, net, e) for i, x in lm if i > 0]
+        + [t_dw_allreduce(x, pc, pr, net, e) for _, x in lm]
+        + [t_halo_fwd(x, pr, pc, B, net, e) for x in ld]
+        + [t_halo_bwd(x, pr, pc, B, net, e) for x in ld]
+        + [t_dw_allreduce(x, pr * pc, 1, net, e) for x in ld]
+    )

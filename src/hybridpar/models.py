@@ -1,0 +1,272 @@
+"""Model zoo. Every model is an nn.Sequential at top level, so the planner and the runtime can cut it
+into a conv trunk and a fully-connected tail by index.
+
+| name        | what                                                                              |
+| ----------- | --------------------------------------------------------------------------------- |
+| alexnet     | one tower with Caffe bvlc_alexnet shapes (227x227x3, 96-256-384-384-256, LRN)     |
+| alexnet-owt | Krizhevsky's "one weird trick" one-tower net: 64-192-384-384-256 filters, 224 in  |
+| vgg16       | VGG configuration D                                                                |
+| resnet20    | CIFAR-style ResNet-20 with batch norm (He et al. 2016, section 4.2)               |
+| digits-cnn  | small CNN with a 3-layer FC head for scikit-learn's 8x8 digits                     |
+| mlp         | Dettmers' MNIST network 784-1024-1024-10                                           |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from hybridpar.errors import ConfigError
+
+__all__ = ["MODELS", "ModelInfo", "build_model", "fc_tail_start", "input_shape"]
+
+
+def _conv_out(size: int, kernel: int, stride: int = 1, pad: int = 0) -> int:
+    return (size + 2 * pad - kernel) // stride + 1
+
+
+def _pool_out(size: int) -> int:  # 3x3 / stride 2 max-pool, as in both AlexNets
+    return _conv_out(size, 3, 2)
+
+
+def alexnet(input_size: int = 227, num_classes: int = 1000, in_channels: int = 3) -> nn.Sequential:
+    """Single-tower AlexNet with the shapes of Caffe's bvlc_alexnet (groups removed)."""
+    s = _pool_out(_conv_out(input_size, 11, 4))  # conv1 + pool1
+    s = _pool_out(s)  # conv2 keeps the size (pad 2), pool2
+    s = _pool_out(s)  # conv3-5 keep it (pad 1), pool5
+    if s < 1:
+        raise ConfigError(f"alexnet needs an input of at least 67 pixels, got {input_size}")
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 96, 11, stride=4), nn.ReLU(inplace=True),
+        nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75), nn.MaxPool2d(3, 2),
+        nn.Conv2d(96, 256, 5, padding=2), nn.ReLU(inplace=True),
+        nn.LocalResponseNorm(5, alpha=1e-4, beta=0.75), nn.MaxPool2d(3, 2),
+        nn.Conv2d(256, 384, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 384, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+        nn.Flatten(),
+        nn.Linear(256 * s * s, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
+        nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
+        nn.Linear(4096, num_classes),
+    )  # fmt: skip
+
+
+def alexnet_owt(
+    input_size: int = 224, num_classes: int = 1000, in_channels: int = 3, dropout: float = 0.5
+) -> nn.Sequential:
+    """Krizhevsky (2014), footnote 1: 64, 192, 384, 384, 256 filters; FC head 4096-4096-classes.
+
+    At small inputs (e.g. 64x64 for CPU benchmarks) the trunk shrinks but the head stays 4096 wide.
+    """
+    s = _pool_out(_conv_out(input_size, 11, 4, 2))
+    s = _pool_out(s)
+    s = _pool_out(s)
+    if s < 1:
+        raise ConfigError(f"alexnet-owt needs an input of at least 63 pixels, got {input_size}")
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 64, 11, stride=4, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+        nn.Conv2d(64, 192, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+        nn.Conv2d(192, 384, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 384, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+        nn.Flatten(),
+        nn.Dropout(dropout), nn.Linear(256 * s * s, 4096), nn.ReLU(inplace=True),
+        nn.Dropout(dropout), nn.Linear(4096, 4096), nn.ReLU(inplace=True),
+        nn.Linear(4096, num_classes),
+    )  # fmt: skip
+
+
+def vgg16(input_size: int = 224, num_classes: int = 1000, in_channels: int = 3) -> nn.Sequential:
+    """VGG-16 (Simonyan & Zisserman, configuration D), without batch norm."""
+    if input_size < 32 or input_size % 32:
+        raise ConfigError(f"vgg16 needs an input size that is a multiple of 32, got {input_size}")
+    layers: list[nn.Module] = []
+    c = in_channels
+    for v in (
+        64,
+        64,
+        "M",
+        128,
+        128,
+        "M",
+        256,
+        256,
+        256,
+        "M",
+        512,
+        512,
+        512,
+        "M",
+        512,
+        512,
+        512,
+        "M",
+    ):
+        if v == "M":
+            layers.append(nn.MaxPool2d(2, 2))
+        else:
+            layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU(inplace=True)]
+            c = v
+    s = input_size // 32
+    layers += [
+        nn.Flatten(),
+        nn.Linear(512 * s * s, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
+        nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(0.5),
+        nn.Linear(4096, num_classes),
+    ]  # fmt: skip
+    return nn.Sequential(*layers)
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block; option A shortcut (strided identity, zero-padded channels) as in CIFAR ResNets."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.relu2 = nn.ReLU(inplace=True)
+        self.stride, self.pad = stride, c_out - c_in
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
+        shortcut = x[:, :, :: self.stride, :: self.stride] if self.stride > 1 else x
+        if self.pad:
+            shortcut = nn.functional.pad(
+                shortcut, (0, 0, 0, 0, self.pad // 2, self.pad - self.pad // 2)
+            )
+        return self.relu2(out + shortcut)
+
+
+def resnet20(input_size: int = 32, num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
+    """ResNet-20 for CIFAR-sized inputs (3 stages x 3 blocks, 16-32-64 channels)."""
+    layers: list[nn.Module] = [
+        nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+    ]  # fmt: skip
+    c = 16
+    for stage, width in enumerate((16, 32, 64)):
+        for block in range(3):
+            layers.append(BasicBlock(c, width, 2 if stage > 0 and block == 0 else 1))
+            c = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def digits_cnn(input_size: int = 8, num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
+    """Two 3x3 convs and a 3-layer FC head, for scikit-learn's 8x8 digits."""
+    if input_size < 2 or input_size % 2:
+        raise ConfigError(f"digits-cnn needs an even input size, got {input_size}")
+    s = input_size // 2
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * s * s, 256), nn.ReLU(),
+        nn.Linear(256, 128), nn.ReLU(),
+        nn.Linear(128, num_classes),
+    )  # fmt: skip
+
+
+def mlp(input_size: int = 28, num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
+    """Dettmers (2016): 784-1024-1024-10 with ReLU (dropout left out: it is a training choice)."""
+    d = in_channels * input_size * input_size
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(d, 1024), nn.ReLU(),
+        nn.Linear(1024, 1024), nn.ReLU(),
+        nn.Linear(1024, num_classes),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    builder: Callable[..., nn.Sequential]
+    input_size: int  # default spatial size
+    in_channels: int
+    num_classes: int
+    summary: str
+
+
+MODELS: dict[str, ModelInfo] = {
+    "alexnet": ModelInfo(alexnet, 227, 3, 1000, "AlexNet, one tower, Caffe bvlc_alexnet shapes"),
+    "alexnet-owt": ModelInfo(alexnet_owt, 224, 3, 1000, "Krizhevsky's one-weird-trick net"),
+    "vgg16": ModelInfo(vgg16, 224, 3, 1000, "VGG-16 (configuration D)"),
+    "resnet20": ModelInfo(resnet20, 32, 3, 10, "CIFAR ResNet-20 with batch norm"),
+    "digits-cnn": ModelInfo(digits_cnn, 8, 1, 10, "small CNN for the 8x8 digits"),
+    "mlp": ModelInfo(mlp, 28, 1, 10, "Dettmers' 784-1024-1024-10 MLP"),
+}
+
+
+def _info(name: str) -> ModelInfo:
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def build_model(
+    name: str,
+    *,
+    input_size: int | None = None,
+    num_classes: int | None = None,
+    in_channels: int | None = None,
+) -> nn.Sequential:
+    """Build a zoo model. Wrap in `with torch.device("meta"):` to get shapes without memory."""
+    info = _info(name)
+    return info.builder(
+        input_size=input_size or info.input_size,
+        num_classes=num_classes or info.num_classes,
+        in_channels=in_channels or info.in_channels,
+    )
+
+
+def input_shape(
+    name: str, input_size: int | None = None, in_channels: int | None = None
+) -> tuple[int, ...]:
+    """Per-sample input shape (C, H, W) of a zoo model."""
+    info = _info(name)
+    s = input_size or info.input_size
+    return (in_channels or info.in_channels, s, s)
+
+
+def fc_tail_start(model: nn.Sequential) -> int:
+    """Index of the first module of the fully-connected tail: the longest suffix of `model` made of
+    Linear layers and shape-free modules (activations, dropout) that begins with a Flatten or a
+    Linear. Raises ConfigError when the model has no such tail.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(
+            "model-parallel plans need an nn.Sequential model with a fully-connected tail"
+        )
+    shape_free = (
+        nn.ReLU,
+        nn.ReLU6,
+        nn.GELU,
+        nn.SiLU,
+        nn.Tanh,
+        nn.Sigmoid,
+        nn.Dropout,
+        nn.LeakyReLU,
+        nn.Identity,
+    )
+    start = len(model)
+    for i in range(len(model) - 1, -1, -1):
+        m = model[i]
+        if (
+            isinstance(m, (nn.Linear, *shape_free))
+            or getattr(m, "hybridpar_kind", None) == "linear"
+        ):
+            start = i
+        elif isinstance(m, nn.Flatten):
+            start = i
+            break
+        else:
+            break
+    if start == len(model) or not any(isinstance(m, nn.Linear) for m in model[start:]):
+        raise ConfigError(
+            f"{type(model).__name__} has no sequential fully-connected tail; use --strategy ddp or grid:1xP"
+        )
+    return start
