@@ -216,7 +216,10 @@ class _Context:
     def why_not(self, i: int, s: Strategy) -> str:
         x = self.layers[i]
         if s.pr * s.pc != self.P or s.pc > self.B or self.B % s.pc:
-            return f"grid {s.pr}x{s.pc} does not fit P={self.P}, B={self.B}"
+            return (
+                f"grid {s.pr}x{s.pc} needs Pc={s.pc} to divide B={self.B} (each batch group gets "
+                f"B/Pc examples); change --batch or --procs"
+            )
         if s.kind == "domain":
             if not x.spatial:
                 return f"{x.name} ({x.kind}) cannot be split by height"

@@ -1,0 +1,146 @@
+import itertools
+import math
+
+import pytest
+
+from hybridpar.analysis_cache import zoo_cost_layers
+from hybridpar.cluster import PRESETS, Cluster, load_cluster
+from hybridpar.cost.layers import CostLayer, Strategy
+from hybridpar.errors import ConfigError
+from hybridpar.planner import SCENARIOS, grids, make_plan, plan
+
+KNL = PRESETS["cori-knl"]
+
+
+def test_grids_respect_batch():
+    assert grids(8, 16) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert grids(8, 2) == [(4, 2), (8, 1)]  # Pc <= B
+    assert grids(6, 4) == [(3, 2), (6, 1)]  # Pc divides B
+    assert all(pr * pc == 512 and 2048 % pc == 0 for pr, pc in grids(512, 2048))
+
+
+@pytest.mark.parametrize("P", [8, 64, 512])
+def test_per_layer_search_is_never_worse(P):
+    r = make_plan("alexnet", P, 2048, KNL)
+    per_layer = r.scenario("per-layer")
+    for p in r.scenarios:
+        if p.feasible:
+            assert per_layer.comm_s <= p.comm_s * (1 + 1e-12), p.scenario
+    assert r.best.total_s <= r.scenario("batch").total_s
+
+
+def _layers():
+    def lin(a, b):
+        return CostLayer(f"fc{a}", "linear", a * b + b, a, b, (a,), (b,), None, b, 2 * a * b)
+
+    conv = CostLayer("c", "conv", 16 * 8 * 9 + 16, 8 * 16 * 16, 16 * 16 * 16, (8, 16, 16), (16, 16, 16), (3, 3), 16, 10)
+    return [conv, lin(4096, 512), lin(512, 300), lin(300, 10)]
+
+
+def test_dp_equals_brute_force():
+    layers, P, B = _layers(), 4, 8
+    r = plan(layers, P, B, KNL, scenarios=["per-layer"])
+    gs = grids(P, B)
+    options = [[Strategy.model(*g) for g in gs] + ([Strategy.domain(*g) for g in gs if g[0] > 1] if x.kind == "conv" else []) for x in layers]
+    from hybridpar.planner import _Context
+    from hybridpar.cost.compute import FlopsModel
+
+    ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, False)
+    best = min(
+        (p.comm_s for chain in itertools.product(*options) if (p := ctx.evaluate("x", None, list(chain))).feasible),
+    )
+    assert r.scenario("per-layer").comm_s == pytest.approx(best, rel=1e-12)
+
+
+def test_fc_grid_beats_batch_and_same_grid_at_scale():
+    r = make_plan("alexnet", 512, 2048, KNL)
+    fc, same, batch = r.scenario("fc-grid"), r.scenario("same-grid"), r.scenario("batch")
+    assert fc.comm_s < same.comm_s < batch.comm_s
+    assert all(x.strategy.label == "batch" for x in fc.layers if x.layer.kind == "conv")
+    assert all(x.strategy.pr == fc.grid[0] for x in fc.layers if x.layer.kind == "linear")
+
+
+def test_domain_extends_scaling_beyond_batch():
+    """Fig. 10: B = 512 on P = 4096 processes; pure batch cannot go there."""
+    r = make_plan("alexnet", 4096, 512, KNL)
+    assert not r.scenario("batch").feasible
+    dom = r.scenario("domain")
+    assert dom.feasible and any(x.strategy.kind == "domain" for x in dom.layers)
+    assert r.speedup_vs_batch() is None
+
+
+def test_memory_limit_shapes_the_plan():
+    free = make_plan("alexnet", 16, 256, KNL, scenarios=["batch", "per-layer"])
+    need = free.scenario("per-layer").memory_bytes
+    tight = make_plan("alexnet", 16, 256, KNL, scenarios=["batch", "per-layer"], memory_limit=0.5 * free.scenario("batch").memory_bytes)
+    assert not tight.scenario("batch").feasible and "GiB" in tight.scenario("batch").reason
+    p = tight.scenario("per-layer")
+    assert p.feasible and p.memory_bytes <= 0.5 * free.scenario("batch").memory_bytes
+    assert need > 0
+
+
+def test_overlap_hides_weight_allreduce():
+    a = make_plan("alexnet", 64, 2048, KNL, scenarios=["batch"]).scenario("batch")
+    b = make_plan("alexnet", 64, 2048, KNL, scenarios=["batch"], overlap=True).scenario("batch")
+    assert b.total_s < a.total_s and b.comm_s == a.comm_s
+    assert b.exposed_comm_s == pytest.approx(max(0.0, a.comm_s - sum(x.backward_s for x in a.layers)))
+
+
+def test_codec_bytes_scale_volume_terms():
+    a = make_plan("alexnet", 64, 2048, KNL, scenarios=["batch"]).scenario("batch")
+    b = make_plan("alexnet", 64, 2048, KNL, scenarios=["batch"], elem_bytes=1).scenario("batch")
+    assert b.bytes_by_term()["dw_allreduce"] * 4 == pytest.approx(a.bytes_by_term()["dw_allreduce"])
+
+
+def test_json_shape():
+    d = make_plan("alexnet", 512, 2048, KNL).to_dict()
+    assert {"model", "procs", "batch", "cluster", "scenarios", "best", "speedup_vs_batch"} <= set(d)
+    assert [s["name"] for s in d["scenarios"]] == list(SCENARIOS)
+    same = next(s for s in d["scenarios"] if s["name"] == "same-grid")
+    assert {"name", "grid", "comm_s", "compute_s", "total_s", "layers"} <= set(same)
+    layer = same["layers"][0]
+    assert {"name", "kind", "params", "d_in", "d_out", "strategy", "pr", "pc", "comm_s", "terms"} <= set(layer)
+    assert set(d["speedup_vs_batch"]) == {"comm", "total"}
+    assert math.isfinite(d["best"]["total_s"])
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError, match="unknown model"):
+        make_plan("nope", 4, 8, KNL)
+    with pytest.raises(ConfigError, match="positive"):
+        make_plan("alexnet", 0, 8, KNL)
+    with pytest.raises(ConfigError, match="no plan fits"):
+        make_plan("digits-cnn", 1024, 1, KNL).best
+    with pytest.raises(ConfigError, match="unknown scenario"):
+        make_plan("alexnet", 4, 8, KNL, scenarios=["nope"])
+
+
+def test_cluster_files(tmp_path):
+    (tmp_path / "c.toml").write_text('name = "mine"\nalpha = 1e-6\nbandwidth_GBps = 10\nflops = 1e12\n')
+    c = load_cluster(str(tmp_path / "c.toml"))
+    assert c.name == "mine" and c.beta == pytest.approx(1e-10)
+    (tmp_path / "c.json").write_text('{"alpha": 1e-6, "beta": 1e-9, "flops": 1e12}')
+    assert load_cluster(str(tmp_path / "c.json")).beta == 1e-9
+    bad = {
+        "m.toml": "alpha = [",
+        "k.toml": "alpha = 1\nbeta = 1\nflops = 1\nspeed = 3\n",
+        "n.toml": "alpha = -1\nbeta = 1\nflops = 1\n",
+        "b.toml": "alpha = 1\nflops = 1\n",
+    }
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError):
+            load_cluster(str(tmp_path / name))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_cluster(str(tmp_path / "missing.toml"))
+    with pytest.raises(ConfigError):
+        Cluster("x", alpha=1, beta=0, flops=1)
+
+
+def test_cached_and_fresh_analysis_agree(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
+    first = zoo_cost_layers("alexnet-owt", 64)
+    second = zoo_cost_layers("alexnet-owt", 64)  # from the cache file
+    monkeypatch.setenv("HYBRIDPAR_NO_CACHE", "1")
+    assert first == second == zoo_cost_layers("alexnet-owt", 64)
+    assert list((tmp_path / "analysis").glob("*.json"))
