@@ -9,7 +9,8 @@ Conventions (stated once; docs/cost-model.md repeats them with a worked example)
 - Sizes are elements x bytes per element (4 for fp32, a codec's rate otherwise); beta is seconds
   per byte; log is ceil(log2).
 - |W_i| counts weights *and* biases: both are all-reduced in practice (Eq. 2 counts weights only;
-  the difference is below 0.03 % for every layer of AlexNet).
+  the difference is below 0.03 % for every layer of AlexNet). Parameters of an unweighted layer
+  that rides along (batch norm's scale and shift) count with its host layer.
 - Index ranges as printed: the forward all-gather sums over i = 1..L, the dX all-reduce over
   i = 2..L (nothing is back-propagated into the input). The weight all-reduce sums are printed
   from i = 0, but there is no layer 0 (d_0 is the input, W_0 does not exist): we sum over the
@@ -73,14 +74,14 @@ class CostLayer:
 def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
     """Fold the leaf layers into the weighted layers of the equations."""
     out: list[CostLayer] = []
-    pending_flops, pending_names = 0, []
+    pending_flops, pending_params, pending_names = 0, 0, []
     for s in specs:
         if s.kind in ("conv", "linear") and s.params > 0:
             out.append(
                 CostLayer(
                     name=s.name,
                     kind=s.kind,
-                    params=s.params,
+                    params=s.params + pending_params,
                     d_in=s.d_in,
                     d_out=s.d_out,
                     x_shape=s.in_shape,
@@ -91,18 +92,20 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
                     members=(*pending_names, s.name),
                 )
             )
-            pending_flops, pending_names = 0, []
-        elif out:
+            pending_flops, pending_params, pending_names = 0, 0, []
+        elif out:  # rides along with the weighted layer before it: FLOPs and parameters (BN)
             last = out[-1]
             out[-1] = CostLayer(
                 **{
                     **last.__dict__,
                     "flops": last.flops + s.flops,
+                    "params": last.params + s.params,
                     "members": (*last.members, s.name),
                 }
             )
         else:
             pending_flops += s.flops
+            pending_params += s.params
             pending_names.append(s.name)
     if not out:
         raise ConfigError("the model has no conv or linear layer with weights: nothing to plan")
