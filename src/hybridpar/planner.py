@@ -31,7 +31,7 @@ from hybridpar.cost.compute import ComputeModel, FlopsModel
 from hybridpar.cost.layers import CostLayer, Strategy, layer_comms, redistribute
 from hybridpar.errors import ConfigError
 
-__all__ = ["SCENARIOS", "LayerPlan", "Plan", "PlanResult", "grids", "make_plan", "plan"]
+__all__ = ["SCENARIOS", "LayerPlan", "Plan", "PlanResult", "evaluate", "grids", "make_plan", "plan"]
 
 SCENARIOS = ("batch", "model", "same-grid", "fc-grid", "domain", "per-layer")
 OVERLAPPABLE = ("dw_allreduce",)  # Fig. 8: the weight all-reduce can hide behind back-propagation
@@ -443,3 +443,11 @@ def make_plan(
     from hybridpar.analysis_cache import zoo_cost_layers
 
     return plan(zoo_cost_layers(model, input_size), P, B, cluster, model=model, **kwargs)
+
+
+def evaluate(layers: list[CostLayer], P: int, B: int, cluster: Cluster, strategies: list[Strategy],
+             *, elem_bytes: float | None = None, name: str = "custom") -> Plan:  # fmt: skip
+    """The predicted cost of one given chain of strategies (what the runtime is about to execute)."""
+    ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.flops),
+                   cluster.word_bytes if elem_bytes is None else elem_bytes, False)  # fmt: skip
+    return ctx.evaluate(name, None, strategies)

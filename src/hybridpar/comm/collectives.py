@@ -52,6 +52,10 @@ class Pending:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        self.finished()
+
+    def finished(self) -> None:
+        """Stamp the wall time; call from the work's future callback (never wait() there)."""
         if self.entry is not None and self.entry.seconds == 0.0:
             self.entry.seconds = time.perf_counter() - self.t0
 

@@ -44,7 +44,7 @@ def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future:  # noqa
         return fut
 
     def done(_f: torch.futures.Future) -> torch.Tensor:
-        pending.wait()
+        pending.finished()
         return buf.div_(p) if state.average else buf
 
     return pending.work.get_future().then(done)

@@ -1,0 +1,87 @@
+"""`hybridpar calibrate`: time real all-reduces on this machine, fit alpha and beta, cache them.
+
+Each size is all-reduced `repeats` times on `nproc` local ranks (gloo on CPU); the median times are
+fitted by least squares to the model the planner uses, t = 2 ceil(log p) alpha + 2 (p-1)/p n beta.
+A sustained FLOP rate per process is measured with a matrix multiply at the thread count a rank
+gets. The result is written to the cache as the cluster `localhost`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+__all__ = ["calibrate", "fit_alpha_beta"]
+
+SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes
+
+
+def _time_allreduce(sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for n in sizes:
+        t = torch.ones(n // 4)
+        dist.all_reduce(t)  # warm up the connection for this size
+        ts = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            ts.append(time.perf_counter() - t0)
+        out[n] = statistics.median(ts)
+    return out
+
+
+def _flops(threads: int) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a @ b
+    t0 = time.perf_counter()
+    k = 10
+    for _ in range(k):
+        a @ b
+    return 2 * 512**3 * k / (time.perf_counter() - t0)
+
+
+def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
+    """Least squares for t = 2 ceil(log2 p) alpha + 2 (p-1)/p n beta, both kept non-negative."""
+    import numpy as np
+
+    from hybridpar.cost.collectives import clog2
+
+    n = np.array(sorted(times), dtype=float)
+    t = np.array([times[int(k)] for k in n])
+    a = np.stack([np.full_like(n, 2 * clog2(p)), 2 * (p - 1) / p * n], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if beta <= 0:
+        beta = float(t[-1] / a[-1, 1])
+    return max(float(alpha), 0.0), float(beta)
+
+
+def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict:
+    from hybridpar.cluster import localhost_path
+    from hybridpar.train.launch import launch
+
+    times = launch(_time_allreduce, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
+    alpha, beta = fit_alpha_beta(times, nproc)
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    data = {
+        "name": "localhost",
+        "alpha": alpha,
+        "beta": beta,
+        "flops": _flops(threads),
+        "word_bytes": 4,
+        "source": f"hybridpar calibrate: gloo all-reduce on {nproc} local ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
+    }
+    path = localhost_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    data["measured_s"] = {str(k): v for k, v in times.items()}
+    data["path"] = str(path)
+    return data
