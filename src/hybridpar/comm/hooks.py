@@ -6,7 +6,6 @@ a `hybridpar.parallel.sync.Bucket` with the same `buffer()`, `index()`, `is_last
 `parameters()`). Either way the collective goes through `hybridpar.comm` and the ledger sees it.
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ class ReducerState:
     bucket_layers: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future:  # noqa: ANN001
+def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:  # noqa: ANN001  (a real annotation: DDP checks it)
     """Plain fp32 all-reduce of the bucket, logged; averaged when state.average."""
     buf = bucket.buffer()
     p = group_size(state.group) if state.group is not None else dist.get_world_size()
