@@ -18,6 +18,7 @@ install: $(BIN)/.installed
 
 demo: install
 	$(BIN)/hybridpar plan --model alexnet --procs 512 --batch 2048 --cluster cori-knl
+	$(BIN)/hybridpar train --report runs/demo.json
 
 test: install
 	$(BIN)/pytest -q

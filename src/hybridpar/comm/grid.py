@@ -9,10 +9,13 @@ which is what makes the batch -> model hand-off one all-gather within the model 
 
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.errors import ConfigError
 
@@ -43,12 +46,26 @@ class ProcessGrid:
         if not dist.is_initialized():
             raise RuntimeError("ProcessGrid needs torch.distributed to be initialised first")
         check_grid(self.pr, self.pc, dist.get_world_size())
-        self.mesh: DeviceMesh = init_device_mesh(
-            self.device, (self.pc, self.pr), mesh_dim_names=("batch", "model")
-        )
         self.rank = dist.get_rank()
+        self.mesh: DeviceMesh = self._mesh()
         self.r = self.rank % self.pr  # position in the model group (which weight shard)
         self.c = self.rank // self.pr  # position in the batch group (which examples)
+
+    def _mesh(self) -> DeviceMesh:
+        """init_device_mesh creates its sub-groups with torch's default 30-minute timeout, so a dead
+        rank would hang the others that long; we create them with the job's collective timeout
+        (HYBRIDPAR_TIMEOUT_S, set by the launcher) and build the same mesh from them."""
+        timeout = datetime.timedelta(seconds=float(os.environ.get("HYBRIDPAR_TIMEOUT_S", "300")))
+        ranks = torch.arange(self.pr * self.pc).reshape(self.pc, self.pr)
+        mine = {}
+        for name, rows in (("model", ranks.tolist()), ("batch", ranks.t().tolist())):
+            for members in rows:  # every rank creates every group, in the same order
+                g = dist.new_group(members, timeout=timeout, group_desc=f"hybridpar_{name}")
+                if self.rank in members:
+                    mine[name] = g
+        return DeviceMesh.from_group(
+            [mine["batch"], mine["model"]], self.device, mesh=ranks, mesh_dim_names=("batch", "model")
+        )
 
     @property
     def world_size(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -56,6 +57,7 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> None:
     import torch.distributed as dist
 
     backend = backend or _backend()
+    os.environ["HYBRIDPAR_TIMEOUT_S"] = str(timeout_s)  # sub-groups (ProcessGrid) use it too
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -72,6 +74,7 @@ def _die_with_parent() -> None:
 def _child(rank: int, world: int, port: int, timeout_s: float, backend: str | None,
            fn: Callable, args: tuple, queue: mp.Queue) -> None:  # fmt: skip
     _die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints where a rank is
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
