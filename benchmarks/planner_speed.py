@@ -56,7 +56,17 @@ def main() -> None:
     knl = PRESETS["cori-knl"]
     rows = []
 
-    args = ["plan", "--model", "alexnet", "--procs", "512", "--batch", "2048", "--cluster", "cori-knl"]
+    args = [
+        "plan",
+        "--model",
+        "alexnet",
+        "--procs",
+        "512",
+        "--batch",
+        "2048",
+        "--cluster",
+        "cori-knl",
+    ]
     wall(py + args)  # fills the analysis cache
     cli = min(wall(py + args) for _ in range(3))
     rows.append(("hybridpar plan alexnet P=512 (CLI wall, warm cache)", cli, 1.0))
@@ -66,7 +76,21 @@ def main() -> None:
 
     procs = ",".join(str(2**k) for k in range(3, 13))
     with tempfile.TemporaryDirectory() as out:
-        sim = wall(py + ["simulate", "--model", "alexnet", "--batch", "512", "--procs", procs, "--out", out, "--quiet"])
+        sim = wall(
+            py
+            + [
+                "simulate",
+                "--model",
+                "alexnet",
+                "--batch",
+                "512",
+                "--procs",
+                procs,
+                "--out",
+                out,
+                "--quiet",
+            ]
+        )
     rows.append((f"hybridpar simulate alexnet P={procs} (CSV + 3 PNGs)", sim, 10.0))
 
     model, shape = deep_model()
@@ -80,8 +104,10 @@ def main() -> None:
     print(f"{'what':<62} {'measured s':>11} {'target s':>9} {'ratio':>7}")
     for name, got, target in rows:
         print(f"{name:<62} {got:11.3f} {target:9.1f} {got / target:6.2f}x")
-    print(f"(per-layer plan found: comm {r.scenario('per-layer').comm_s * 1e3:.2f} ms/iteration; "
-          f"{os.cpu_count()} CPUs)")
+    print(
+        f"(per-layer plan found: comm {r.scenario('per-layer').comm_s * 1e3:.2f} ms/iteration; "
+        f"{os.cpu_count()} CPUs)"
+    )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,10 @@ def test_real_module_is_not_touched():
 
 
 def test_mlp_and_digits_shapes():
-    assert sum(s.params for s in analyze(meta("mlp"), (1, 28, 28))) == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+    assert (
+        sum(s.params for s in analyze(meta("mlp"), (1, 28, 28)))
+        == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+    )
     assert analyze(meta("resnet20"), (3, 32, 32))[-1].out_shape == (10,)
 
 

@@ -11,14 +11,34 @@ import pytest
 
 def run(*args, cwd=None, env=None):
     e = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "hybridpar", *args], capture_output=True, text=True, cwd=cwd, env=e, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "hybridpar", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=e,
+        timeout=120,
+    )
 
 
 def test_plan_table_and_json():
-    r = run("plan", "--model", "alexnet", "--procs", "512", "--batch", "2048", "--cluster", "cori-knl")
+    r = run(
+        "plan", "--model", "alexnet", "--procs", "512", "--batch", "2048", "--cluster", "cori-knl"
+    )
     assert r.returncode == 0, r.stderr
     assert "fc-grid" in r.stdout and "best:" in r.stdout
-    j = run("plan", "--model", "alexnet", "--procs", "64", "--batch", "256", "--json", "--scenario", "fc-grid")
+    j = run(
+        "plan",
+        "--model",
+        "alexnet",
+        "--procs",
+        "64",
+        "--batch",
+        "256",
+        "--json",
+        "--scenario",
+        "fc-grid",
+    )
     d = json.loads(j.stdout)
     assert [s["name"] for s in d["scenarios"]] == ["fc-grid"] and d["best"]["name"] == "fc-grid"
     assert d["speedup_vs_batch"]["comm"] > 1
@@ -28,9 +48,15 @@ def test_plan_table_and_json():
     "args, needle",
     [
         (["plan", "--model", "nope", "--procs", "4", "--batch", "8"], "unknown model"),
-        (["plan", "--model", "alexnet", "--procs", "4", "--batch", "8", "--cluster", "mars"], "unknown cluster"),
+        (
+            ["plan", "--model", "alexnet", "--procs", "4", "--batch", "8", "--cluster", "mars"],
+            "unknown cluster",
+        ),
         (["plan", "--model", "digits-cnn", "--procs", "1024", "--batch", "1"], "no plan fits"),
-        (["plan", "--model", "alexnet", "--procs", "8", "--batch", "4", "--scenario", "batch"], "Pc=8 to divide B=4"),
+        (
+            ["plan", "--model", "alexnet", "--procs", "8", "--batch", "4", "--scenario", "batch"],
+            "Pc=8 to divide B=4",
+        ),
         (["plan", "--model", "alexnet", "--procs", "0", "--batch", "8"], "at least 1"),
         (["plan", "--model", "alexnet", "--procs", "4"], "required"),
         (["simulate", "--model", "alexnet", "--procs", "8,x", "--batch", "8"], "comma-separated"),
@@ -51,10 +77,28 @@ def test_malformed_cluster_file(tmp_path):
 
 
 def test_simulate_writes_csv_and_figures(tmp_path):
-    r = run("simulate", "--model", "alexnet", "--batch", "512", "--procs", "8,64,1024", "--out", str(tmp_path), "--quiet")
+    r = run(
+        "simulate",
+        "--model",
+        "alexnet",
+        "--batch",
+        "512",
+        "--procs",
+        "8,64,1024",
+        "--out",
+        str(tmp_path),
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     rows = list(csv.DictReader((tmp_path / "simulate.csv").open()))
-    assert {row["scenario"] for row in rows} == {"batch", "model", "same-grid", "fc-grid", "domain", "per-layer"}
+    assert {row["scenario"] for row in rows} == {
+        "batch",
+        "model",
+        "same-grid",
+        "fc-grid",
+        "domain",
+        "per-layer",
+    }
     assert sum(row["best_overall"] == "True" for row in rows) == 3  # one per P
     for png in ("fig6_same_grid.png", "fig7_fc_grid.png", "fig10_domain.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -62,14 +106,37 @@ def test_simulate_writes_csv_and_figures(tmp_path):
 
 def test_profile_then_plan_with_measured_compute(tmp_path):
     table = tmp_path / "digits.json"
-    r = run("profile", "--model", "digits-cnn", "--batch", "8", "--repeats", "2", "--out", str(table))
+    r = run(
+        "profile", "--model", "digits-cnn", "--batch", "8", "--repeats", "2", "--out", str(table)
+    )
     assert r.returncode == 0, r.stderr
     data = json.loads(table.read_text())
     assert all(f > 0 for f, _ in data["per_sample_s"].values())
-    p = run("plan", "--model", "digits-cnn", "--procs", "4", "--batch", "64", "--compute", str(table), "--json")
+    p = run(
+        "plan",
+        "--model",
+        "digits-cnn",
+        "--procs",
+        "4",
+        "--batch",
+        "64",
+        "--compute",
+        str(table),
+        "--json",
+    )
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     per_sample = sum(f + b for f, b in data["per_sample_s"].values())
     assert d["best"]["compute_s"] == pytest.approx(per_sample * 64 / 4, rel=1e-9)
-    bad = run("plan", "--model", "digits-cnn", "--procs", "4", "--batch", "64", "--compute", str(tmp_path / "none.json"))
+    bad = run(
+        "plan",
+        "--model",
+        "digits-cnn",
+        "--procs",
+        "4",
+        "--batch",
+        "64",
+        "--compute",
+        str(tmp_path / "none.json"),
+    )
     assert bad.returncode == 2 and "does not exist" in bad.stderr

@@ -25,7 +25,18 @@ NET = Cluster("unit", alpha=1.0, beta=1e-3, flops=1e9)
 
 
 def lin(d_in: int, d_out: int, name: str = "fc") -> CostLayer:
-    return CostLayer(name, "linear", d_in * d_out + d_out, d_in, d_out, (d_in,), (d_out,), None, d_out, 2 * d_in * d_out)
+    return CostLayer(
+        name,
+        "linear",
+        d_in * d_out + d_out,
+        d_in,
+        d_out,
+        (d_in,),
+        (d_out,),
+        None,
+        d_out,
+        2 * d_in * d_out,
+    )
 
 
 def conv(c_in: int, c_out: int, hw: int, k: int = 3, name: str = "conv") -> CostLayer:
@@ -82,7 +93,9 @@ def test_eq7_domain_by_hand():
     halo_bwd = 1 + 2 * 8 * 6 * 1 * 4e-3  # B * Y_W * Y_C * floor(3/2)
     dw = 2 * (1 + 0.5 * 222 * 4e-3)
     assert eq7_domain([layer], 2, 2, NET) == approx(halo_fwd + halo_bwd + dw)
-    assert eq7_domain([conv(4, 6, 8, k=1)], 2, 2, NET) == approx(2 * (1 + 0.5 * 30 * 4e-3))  # 1x1: no halo
+    assert eq7_domain([conv(4, 6, 8, k=1)], 2, 2, NET) == approx(
+        2 * (1 + 0.5 * 30 * 4e-3)
+    )  # 1x1: no halo
 
 
 def test_eq6_redistribute_by_hand():
@@ -99,7 +112,11 @@ def test_eq9_by_hand_mixes_domain_and_model():
     halo = (1 + 4 * 8 * 4 * 1 * 4e-3) + (1 + 4 * 8 * 6 * 1 * 4e-3)
     dw_domain = 2 * (2 + 0.75 * 222 * 4e-3)  # replicated on all P = 4
     fc = layers[1]
-    model = (1 + 4 * 0.5 * 10 * 4e-3) + 2 * (1 + 4 * 0.5 * 384 * 4e-3) + 2 * (1 + 0.5 * fc.params / 2 * 4e-3)
+    model = (
+        (1 + 4 * 0.5 * 10 * 4e-3)
+        + 2 * (1 + 4 * 0.5 * 384 * 4e-3)
+        + 2 * (1 + 0.5 * fc.params / 2 * 4e-3)
+    )
     assert eq9_integrated_domain(layers, pr, pc, B, NET, {0}) == approx(halo + dw_domain + model)
 
 
@@ -118,8 +135,12 @@ def alexnet_layers():
 @pytest.mark.parametrize("P", [2, 8, 64, 512])
 def test_identities(P):
     layers, net, B = alexnet_layers(), PRESETS["cori-knl"], 2048
-    assert eq8_integrated(layers, 1, P, B, net) == pytest.approx(eq4_batch(layers, P, net), rel=1e-12)
-    assert eq8_integrated(layers, P, 1, B, net) == pytest.approx(eq3_model(layers, P, B, net), rel=1e-12)
+    assert eq8_integrated(layers, 1, P, B, net) == pytest.approx(
+        eq4_batch(layers, P, net), rel=1e-12
+    )
+    assert eq8_integrated(layers, P, 1, B, net) == pytest.approx(
+        eq3_model(layers, P, B, net), rel=1e-12
+    )
     for pr in (1, 2, P):
         pc = P // pr
         assert eq9_integrated_domain(layers, pr, pc, B, net, set()) == pytest.approx(
@@ -141,11 +162,15 @@ def test_eq5_crossover_for_alexnet_conv4():
     from_eq5 = max(B for B in range(1, 100) if eq5_volume_ratio(conv4, B) > 1)
     # the same from the full volume terms of Eqs. 3 and 4 (P cancels; biases included)
     P = 64
-    model_bytes = [cc.all_gather(B * conv4.d_out * 4, P, NET).bytes + cc.all_reduce(B * conv4.d_in * 4, P, NET).bytes for B in range(1, 100)]
+    model_bytes = [
+        cc.all_gather(B * conv4.d_out * 4, P, NET).bytes
+        + cc.all_reduce(B * conv4.d_in * 4, P, NET).bytes
+        for B in range(1, 100)
+    ]
     batch_bytes = cc.all_reduce(conv4.params * 4, P, NET).bytes
     from_volumes = max(B for B in range(1, 100) if model_bytes[B - 1] < batch_bytes)
     assert from_eq5 == from_volumes == 13  # 2*9*384 / (3*13*13) = 13.6; the paper prints B <= 12
-    assert 2 * 9 * 384 / (3 * 169) == pytest.approx(13.633, abs=1e-3)
+    assert pytest.approx(13.633, abs=1e-3) == 2 * 9 * 384 / (3 * 169)
 
 
 def test_krizhevsky_footnote4():

@@ -5,9 +5,9 @@ invariant 2: the ledger's bytes per layer and per collective equal the cost mode
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import run_ranks
 from torch import nn
 
-from dist_helpers import run_ranks
 from hybridpar.comm.grid import ProcessGrid
 from hybridpar.comm.ledger import Ledger
 from hybridpar.train.config import TrainConfig
@@ -27,7 +27,10 @@ def odd_model():
 
 def batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(B, 1, 8, 8, generator=g), torch.randint(0, 5, (B,), generator=g)) for _ in range(STEPS)]
+    return [
+        (torch.randn(B, 1, 8, 8, generator=g), torch.randint(0, 5, (B,), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def reference():
@@ -76,7 +79,9 @@ def _bytes_worker(pr, pc):
     grid = ProcessGrid(pr, pc)
     ledger = Ledger()
     layer_of, layers = layer_map(model, (1, 8, 8))
-    t = Trainer(TrainConfig(lr=0.1, batch=B, bucket_mb=0.0005), model, grid, ledger, "hybrid", layer_of)
+    t = Trainer(
+        TrainConfig(lr=0.1, batch=B, bucket_mb=0.0005), model, grid, ledger, "hybrid", layer_of
+    )
     for x, y in batches():
         t.step(x, y)
     mine = ledger.bytes_by_layer_term()
@@ -86,7 +91,9 @@ def _bytes_worker(pr, pc):
     for d in every:
         for k, v in d.items():
             total[k] = total.get(k, 0.0) + v
-    predicted = predicted_bytes(layers, pr * pc, B, "hybrid", (pr, pc), layer_of, model, by_layer=True)
+    predicted = predicted_bytes(
+        layers, pr * pc, B, "hybrid", (pr, pc), layer_of, model, by_layer=True
+    )
     kinds = {(e.term, e.kind) for e in ledger.entries}
     return total, predicted, kinds
 
@@ -102,5 +109,9 @@ def test_ledger_bytes_equal_prediction_per_layer_and_collective(pr, pc):
         assert measured[k] == pytest.approx(v, rel=1e-12), k
     expected_kinds = {("dw_allreduce", "all_reduce")}
     if pr > 1:
-        expected_kinds |= {("allgather", "all_gather"), ("dx_allreduce", "all_reduce"), ("redistribute", "all_gather")}
+        expected_kinds |= {
+            ("allgather", "all_gather"),
+            ("dx_allreduce", "all_reduce"),
+            ("redistribute", "all_gather"),
+        }
     assert kinds == expected_kinds

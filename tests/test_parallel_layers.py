@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import run_ranks
 from torch import nn
 
-from dist_helpers import run_ranks
 from hybridpar.comm.collectives import even_split
 from hybridpar.comm.grid import ProcessGrid
 from hybridpar.comm.ledger import Ledger

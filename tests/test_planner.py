@@ -33,7 +33,18 @@ def _layers():
     def lin(a, b):
         return CostLayer(f"fc{a}", "linear", a * b + b, a, b, (a,), (b,), None, b, 2 * a * b)
 
-    conv = CostLayer("c", "conv", 16 * 8 * 9 + 16, 8 * 16 * 16, 16 * 16 * 16, (8, 16, 16), (16, 16, 16), (3, 3), 16, 10)
+    conv = CostLayer(
+        "c",
+        "conv",
+        16 * 8 * 9 + 16,
+        8 * 16 * 16,
+        16 * 16 * 16,
+        (8, 16, 16),
+        (16, 16, 16),
+        (3, 3),
+        16,
+        10,
+    )
     return [conv, lin(4096, 512), lin(512, 300), lin(300, 10)]
 
 
@@ -41,13 +52,21 @@ def test_dp_equals_brute_force():
     layers, P, B = _layers(), 4, 8
     r = plan(layers, P, B, KNL, scenarios=["per-layer"])
     gs = grids(P, B)
-    options = [[Strategy.model(*g) for g in gs] + ([Strategy.domain(*g) for g in gs if g[0] > 1] if x.kind == "conv" else []) for x in layers]
-    from hybridpar.planner import _Context
+    options = [
+        [Strategy.model(*g) for g in gs]
+        + ([Strategy.domain(*g) for g in gs if g[0] > 1] if x.kind == "conv" else [])
+        for x in layers
+    ]
     from hybridpar.cost.compute import FlopsModel
+    from hybridpar.planner import _Context
 
     ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, False)
     best = min(
-        (p.comm_s for chain in itertools.product(*options) if (p := ctx.evaluate("x", None, list(chain))).feasible),
+        (
+            p.comm_s
+            for chain in itertools.product(*options)
+            if (p := ctx.evaluate("x", None, list(chain))).feasible
+        ),
     )
     assert r.scenario("per-layer").comm_s == pytest.approx(best, rel=1e-12)
 
@@ -72,7 +91,14 @@ def test_domain_extends_scaling_beyond_batch():
 def test_memory_limit_shapes_the_plan():
     free = make_plan("alexnet", 16, 256, KNL, scenarios=["batch", "per-layer"])
     need = free.scenario("per-layer").memory_bytes
-    tight = make_plan("alexnet", 16, 256, KNL, scenarios=["batch", "per-layer"], memory_limit=0.5 * free.scenario("batch").memory_bytes)
+    tight = make_plan(
+        "alexnet",
+        16,
+        256,
+        KNL,
+        scenarios=["batch", "per-layer"],
+        memory_limit=0.5 * free.scenario("batch").memory_bytes,
+    )
     assert not tight.scenario("batch").feasible and "GiB" in tight.scenario("batch").reason
     p = tight.scenario("per-layer")
     assert p.feasible and p.memory_bytes <= 0.5 * free.scenario("batch").memory_bytes
@@ -83,7 +109,9 @@ def test_overlap_hides_weight_allreduce():
     a = make_plan("alexnet", 64, 2048, KNL, scenarios=["batch"]).scenario("batch")
     b = make_plan("alexnet", 64, 2048, KNL, scenarios=["batch"], overlap=True).scenario("batch")
     assert b.total_s < a.total_s and b.comm_s == a.comm_s
-    assert b.exposed_comm_s == pytest.approx(max(0.0, a.comm_s - sum(x.backward_s for x in a.layers)))
+    assert b.exposed_comm_s == pytest.approx(
+        max(0.0, a.comm_s - sum(x.backward_s for x in a.layers))
+    )
 
 
 def test_codec_bytes_scale_volume_terms():
@@ -99,7 +127,18 @@ def test_json_shape():
     same = next(s for s in d["scenarios"] if s["name"] == "same-grid")
     assert {"name", "grid", "comm_s", "compute_s", "total_s", "layers"} <= set(same)
     layer = same["layers"][0]
-    assert {"name", "kind", "params", "d_in", "d_out", "strategy", "pr", "pc", "comm_s", "terms"} <= set(layer)
+    assert {
+        "name",
+        "kind",
+        "params",
+        "d_in",
+        "d_out",
+        "strategy",
+        "pr",
+        "pc",
+        "comm_s",
+        "terms",
+    } <= set(layer)
     assert set(d["speedup_vs_batch"]) == {"comm", "total"}
     assert math.isfinite(d["best"]["total_s"])
 
@@ -110,13 +149,15 @@ def test_bad_inputs():
     with pytest.raises(ConfigError, match="positive"):
         make_plan("alexnet", 0, 8, KNL)
     with pytest.raises(ConfigError, match="no plan fits"):
-        make_plan("digits-cnn", 1024, 1, KNL).best
+        _ = make_plan("digits-cnn", 1024, 1, KNL).best
     with pytest.raises(ConfigError, match="unknown scenario"):
         make_plan("alexnet", 4, 8, KNL, scenarios=["nope"])
 
 
 def test_cluster_files(tmp_path):
-    (tmp_path / "c.toml").write_text('name = "mine"\nalpha = 1e-6\nbandwidth_GBps = 10\nflops = 1e12\n')
+    (tmp_path / "c.toml").write_text(
+        'name = "mine"\nalpha = 1e-6\nbandwidth_GBps = 10\nflops = 1e12\n'
+    )
     c = load_cluster(str(tmp_path / "c.toml"))
     assert c.name == "mine" and c.beta == pytest.approx(1e-10)
     (tmp_path / "c.json").write_text('{"alpha": 1e-6, "beta": 1e-9, "flops": 1e12}')

@@ -79,14 +79,19 @@ def test_malformed_npz_via_cli(tmp_path):
     assert r.returncode == 2 and "not a readable .npz" in r.stderr
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _workers(parent: int) -> list[int]:
     out = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            stat = open(f"/proc/{pid}/stat").read()
-            cmd = open(f"/proc/{pid}/cmdline").read()
+            stat = _read(f"/proc/{pid}/stat")
+            cmd = _read(f"/proc/{pid}/cmdline")
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
@@ -105,7 +110,7 @@ def _start_and_wait_for_training(extra):
     assert len(workers) == 4, "workers did not start"
     # wait until they are training: their CPU time grows past start-up
     while time.monotonic() < deadline:
-        ticks = [int(open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[11]) for w in workers]
+        ticks = [int(_read(f"/proc/{w}/stat").rsplit(")", 1)[1].split()[11]) for w in workers]
         if min(ticks) > 300:  # 3 s of CPU each: imports done, steps running
             break
         time.sleep(0.5)
@@ -114,7 +119,11 @@ def _start_and_wait_for_training(extra):
 
 def _assert_all_gone(pids):
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{w}") and "Z" not in open(f"/proc/{w}/stat").read().split()[2] for w in pids if os.path.exists(f"/proc/{w}")):
+    while time.monotonic() < deadline and any(
+        os.path.exists(f"/proc/{w}") and "Z" not in _read(f"/proc/{w}/stat").split()[2]
+        for w in pids
+        if os.path.exists(f"/proc/{w}")
+    ):
         time.sleep(0.1)
     alive = [w for w in pids if os.path.exists(f"/proc/{w}")]
     assert not alive, f"orphans left: {alive}"

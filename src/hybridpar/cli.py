@@ -272,13 +272,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     if report is None:  # a non-zero rank under torchrun
         return 0
     it, b = report["iteration"], report["bytes"]
-    print(f"{report['model']} on {report['data']}: P={report['procs']}, {report['strategy']} "
-          f"grid {report['grid'][0]}x{report['grid'][1]}")
+    print(
+        f"{report['model']} on {report['data']}: P={report['procs']}, {report['strategy']} "
+        f"grid {report['grid'][0]}x{report['grid'][1]}"
+    )
     for e in report["epochs"]:
-        print(f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  train {e['train_acc']:.4f}  "
-              f"test {e['test_acc']:.4f}  {e['time_s']:.2f} s")
-    print(f"final test accuracy {report['final']['test_acc']:.4f}; iteration {it['time_s'] * 1e3:.1f} ms "
-          f"(compute {it['compute_s'] * 1e3:.1f}, communication wait {it['comm_wait_s'] * 1e3:.1f})")
+        print(
+            f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  train {e['train_acc']:.4f}  "
+            f"test {e['test_acc']:.4f}  {e['time_s']:.2f} s"
+        )
+    print(
+        f"final test accuracy {report['final']['test_acc']:.4f}; iteration {it['time_s'] * 1e3:.1f} ms "
+        f"(compute {it['compute_s'] * 1e3:.1f}, communication wait {it['comm_wait_s'] * 1e3:.1f})"
+    )
     print("bytes per iteration per rank (measured / predicted):")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):
         if k == "metrics":
@@ -293,8 +299,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from hybridpar.calibrate import calibrate
 
     d = calibrate(nproc=args.nproc, repeats=args.repeats)
-    print(f"localhost: alpha {d['alpha'] * 1e6:.2f} us, bandwidth {1 / d['beta'] / 1e9:.3f} GB/s, "
-          f"{d['flops'] / 1e9:.1f} GFLOP/s per process; saved to {d['path']}")
+    print(
+        f"localhost: alpha {d['alpha'] * 1e6:.2f} us, bandwidth {1 / d['beta'] / 1e9:.3f} GB/s, "
+        f"{d['flops'] / 1e9:.1f} GFLOP/s per process; saved to {d['path']}"
+    )
     for n, t in d["measured_s"].items():
         print(f"  all-reduce {int(n):>10} B on {args.nproc} ranks: {t * 1e3:8.3f} ms")
     return 0
@@ -341,8 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_profile)
     t = sub.add_parser("train", help="train with a hybrid plan on torch.distributed and measure it")
     t.add_argument("--model", default="digits-cnn")
-    t.add_argument("--data", default="digits", help="digits | synthetic[:N] | file.npz | image folder")
-    t.add_argument("--nproc", type=_positive_int, default=4, help="local processes (torchrun decides when it starts us)")
+    t.add_argument(
+        "--data", default="digits", help="digits | synthetic[:N] | file.npz | image folder"
+    )
+    t.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=4,
+        help="local processes (torchrun decides when it starts us)",
+    )
     t.add_argument("--strategy", default="auto", help="auto | ddp | owt | grid:PRxPC")
     t.add_argument("--epochs", type=_positive_int, default=20)
     t.add_argument("--batch", type=_positive_int, default=64, help="global mini-batch")
@@ -352,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--schedule", default="constant", choices=["constant", "krizhevsky", "cosine"])
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--input-size", type=_positive_int, default=None)
-    t.add_argument("--report", default=None, help="JSON report path (a PNG of the curves goes next to it)")
+    t.add_argument(
+        "--report", default=None, help="JSON report path (a PNG of the curves goes next to it)"
+    )
     t.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     t.add_argument("--bucket-mb", type=float, default=4.0)
     t.add_argument("--max-steps", type=_positive_int, default=None, help="cap steps per epoch")

@@ -68,7 +68,11 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, ledger: Ledger | None,
     if p == 1:
         return Pending(None, None, t0)
     work = dist.all_reduce(t, group=group, async_op=async_op)
-    entry = ledger.record("all_reduce", p, t.numel() * t.element_size(), 0.0, term, layers) if ledger else None
+    entry = (
+        ledger.record("all_reduce", p, t.numel() * t.element_size(), 0.0, term, layers)
+        if ledger
+        else None
+    )
     pending = Pending(work, entry, t0)
     if not async_op:
         pending.wait()
@@ -104,12 +108,12 @@ class _CopyToGroup(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce the gradient over the group (dX of a model-parallel layer)."""
 
     @staticmethod
-    def forward(ctx, x, group, ledger, layer):  # noqa: ANN001, ANN205
+    def forward(ctx, x, group, ledger, layer):
         ctx.group, ctx.ledger, ctx.layer = group, ledger, layer
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         grad = grad.contiguous().clone()
         all_reduce(grad, ctx.group, ctx.ledger, "dx_allreduce", {ctx.layer: grad.numel()})
         return grad, None, None, None
@@ -120,18 +124,20 @@ class _Gather(torch.autograd.Function):
     (the gradient of a gathered, replicated tensor is the same on every rank of the group)."""
 
     @staticmethod
-    def forward(ctx, x, sizes, dim, group, ledger, term, layer):  # noqa: ANN001, ANN205
+    def forward(ctx, x, sizes, dim, group, ledger, term, layer):
         ctx.dim, ctx.sizes = dim, sizes
         ctx.rank = dist.get_rank(group) if len(sizes) > 1 else 0
         return all_gather_uneven(x, sizes, dim, group, ledger, term, layer)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         start = sum(ctx.sizes[: ctx.rank])
         return grad.narrow(ctx.dim, start, ctx.sizes[ctx.rank]).contiguous(), *([None] * 6)
 
 
-def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup, ledger: Ledger | None, layer: str) -> torch.Tensor:
+def copy_to_group(
+    x: torch.Tensor, group: dist.ProcessGroup, ledger: Ledger | None, layer: str
+) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     return _CopyToGroup.apply(x, group, ledger, layer)

@@ -27,7 +27,9 @@ def check_grid(pr: int, pc: int, world: int, batch: int | None = None) -> None:
     if pr < 1 or pc < 1:
         raise ConfigError(f"grid {pr}x{pc}: both sides must be at least 1")
     if pr * pc != world:
-        raise ConfigError(f"grid {pr}x{pc} has {pr * pc} ranks but the job has {world}; use Pr*Pc = {world}")
+        raise ConfigError(
+            f"grid {pr}x{pc} has {pr * pc} ranks but the job has {world}; use Pr*Pc = {world}"
+        )
     if batch is not None and batch % world:
         raise ConfigError(
             f"global batch {batch} does not split evenly over {world} ranks; use a multiple of {world}"
@@ -64,7 +66,10 @@ class ProcessGrid:
                 if self.rank in members:
                     mine[name] = g
         return DeviceMesh.from_group(
-            [mine["batch"], mine["model"]], self.device, mesh=ranks, mesh_dim_names=("batch", "model")
+            [mine["batch"], mine["model"]],
+            self.device,
+            mesh=ranks,
+            mesh_dim_names=("batch", "model"),
         )
 
     @property

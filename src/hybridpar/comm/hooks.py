@@ -6,7 +6,6 @@ a `hybridpar.parallel.sync.Bucket` with the same `buffer()`, `index()`, `is_last
 `parameters()`). Either way the collective goes through `hybridpar.comm` and the ledger sees it.
 """
 
-
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +29,7 @@ class ReducerState:
     bucket_layers: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
-def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:  # noqa: ANN001  (a real annotation: DDP checks it)
+def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Plain fp32 all-reduce of the bucket, logged; averaged when state.average."""
     buf = bucket.buffer()
     p = group_size(state.group) if state.group is not None else dist.get_world_size()

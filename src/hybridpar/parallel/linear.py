@@ -63,11 +63,16 @@ class ModelParallelLinear(nn.Module):
     def full(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole weight and bias, gathered over the model group (every rank gets them)."""
         if len(self.sizes) == 1:
-            return self.weight.detach().clone(), None if self.bias is None else self.bias.detach().clone()
+            return (
+                self.weight.detach().clone(),
+                None if self.bias is None else self.bias.detach().clone(),
+            )
         w = all_gather_uneven(self.weight.detach(), self.sizes, 0, self.group, None, "state", None)
         b = None
         if self.bias is not None:
-            b = all_gather_uneven(self.bias.detach(), self.sizes, 0, self.group, None, "state", None)
+            b = all_gather_uneven(
+                self.bias.detach(), self.sizes, 0, self.group, None, "state", None
+            )
         return w, b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,9 @@ class Bucket:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.numel = sum(p.numel() for p in self.params)
-        self.flat = torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.flat = torch.zeros(
+            self.numel, dtype=self.params[0].dtype, device=self.params[0].device
+        )
         self.ready: set[int] = set()
         self.future: torch.futures.Future | None = None
 
@@ -133,7 +135,9 @@ class GradSync:
         Returns the seconds spent waiting (communication not hidden behind the backward pass)."""
         t0 = time.perf_counter()
         for state, b in self.buckets:
-            if b.future is None:  # unused parameters: reduce zeros so every rank runs the same collectives
+            if (
+                b.future is None
+            ):  # unused parameters: reduce zeros so every rank runs the same collectives
                 b.pack()
                 b.future = self.hook(state, b)
         for _, b in self.buckets:

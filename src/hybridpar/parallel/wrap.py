@@ -55,7 +55,9 @@ class HybridParallel(nn.Module):
                  for n, p in ((f"{cn}.{k}", v) for k, v in c.named_parameters())]  # fmt: skip
         tail_params = [(self._param_layer(n), p) for i, (cn, c) in enumerate(self.model.named_children()) if i >= tail
                        for n, p in ((f"{cn}.{k}", v) for k, v in c.named_parameters())]  # fmt: skip
-        self.sync = GradSync([(grid.world, trunk), (grid.batch_group, tail_params)], ledger, bucket_bytes)
+        self.sync = GradSync(
+            [(grid.world, trunk), (grid.batch_group, tail_params)], ledger, bucket_bytes
+        )
 
     def _layer(self, module_name: str) -> str:
         return self.layer_of.get(module_name, module_name)
@@ -119,10 +121,14 @@ class HybridParallel(nn.Module):
             if isinstance(m, ModelParallelLinear):
                 m.load_full(state[f"{name}.weight"], state.get(f"{name}.bias"))
             else:
-                m.load_state_dict({k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(f"{name}.")})
+                m.load_state_dict(
+                    {k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(f"{name}.")}
+                )
 
 
-def parallelize(model: nn.Sequential, grid: ProcessGrid, ledger: Ledger | None = None, **kwargs) -> HybridParallel:  # noqa: ANN003
+def parallelize(
+    model: nn.Sequential, grid: ProcessGrid, ledger: Ledger | None = None, **kwargs
+) -> HybridParallel:
     """Hybrid-parallel copy of `model` on `grid`; the caller's model is not modified."""
     if not dist.is_initialized():
         raise RuntimeError("parallelize needs torch.distributed to be initialised")

@@ -55,8 +55,12 @@ def parse_strategy(strategy: str, nproc: int) -> tuple[str, tuple[int, int] | No
         return "auto", None
     m = re.fullmatch(r"grid:(\d+)x(\d+)", strategy)
     if not m:
-        raise ConfigError(f"unknown strategy {strategy!r}; use auto, ddp, owt or grid:PRxPC (e.g. grid:2x2)")
+        raise ConfigError(
+            f"unknown strategy {strategy!r}; use auto, ddp, owt or grid:PRxPC (e.g. grid:2x2)"
+        )
     pr, pc = int(m.group(1)), int(m.group(2))
     if pr * pc != nproc:
-        raise ConfigError(f"grid {pr}x{pc} has {pr * pc} ranks but --nproc is {nproc}; use Pr*Pc = {nproc}")
+        raise ConfigError(
+            f"grid {pr}x{pc} has {pr * pc} ranks but --nproc is {nproc}; use Pr*Pc = {nproc}"
+        )
     return "hybrid", (pr, pc)

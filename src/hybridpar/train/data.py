@@ -50,7 +50,7 @@ def _split(x: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[np.ndarray, ...
     return x[train], y[train], x[test], y[test]
 
 
-def _dataset(name: str, xtr, ytr, xte, yte) -> Dataset:  # noqa: ANN001
+def _dataset(name: str, xtr, ytr, xte, yte) -> Dataset:
     y_all = np.concatenate([ytr, yte])
     return Dataset(
         torch.as_tensor(np.ascontiguousarray(xtr), dtype=torch.float32),
@@ -76,16 +76,22 @@ def validate_data_spec(spec: str) -> None:
             with np.load(p) as f:
                 keys = set(f.files)
         except Exception as exc:
-            raise ConfigError(f"data file {spec!r} is not a readable .npz ({type(exc).__name__})") from exc
+            raise ConfigError(
+                f"data file {spec!r} is not a readable .npz ({type(exc).__name__})"
+            ) from exc
         if not {"x", "y"} <= keys:
-            raise ConfigError(f"data file {spec!r} needs arrays named x and y; it has {sorted(keys)}")
+            raise ConfigError(
+                f"data file {spec!r} needs arrays named x and y; it has {sorted(keys)}"
+            )
         return
     if p.is_dir():
         classes = [d for d in p.iterdir() if d.is_dir()]
         if len(classes) < 2:
             raise ConfigError(f"image folder {spec!r} needs one sub-folder per class (at least 2)")
         return
-    raise ConfigError(f"unknown data {spec!r}; use digits, synthetic[:N], a .npz file or an image folder")
+    raise ConfigError(
+        f"unknown data {spec!r}; use digits, synthetic[:N], a .npz file or an image folder"
+    )
 
 
 def load_data(spec: str, input_shape: tuple[int, ...] | None = None, num_classes: int = 10,
@@ -102,7 +108,10 @@ def load_data(spec: str, input_shape: tuple[int, ...] | None = None, num_classes
         shape = input_shape or (1, 8, 8)
         g = np.random.default_rng(seed)
         y = g.integers(0, num_classes, n)
-        x = g.standard_normal((n, *shape)).astype(np.float32) + y.reshape(-1, *[1] * len(shape)) * 0.1
+        x = (
+            g.standard_normal((n, *shape)).astype(np.float32)
+            + y.reshape(-1, *[1] * len(shape)) * 0.1
+        )
         return _dataset(f"synthetic:{n}", *_split(x, y))
     p = Path(spec)
     if p.suffix == ".npz":
@@ -111,7 +120,9 @@ def load_data(spec: str, input_shape: tuple[int, ...] | None = None, num_classes
             if len(x) != len(y):
                 raise ConfigError(f"data file {spec!r}: x has {len(x)} rows but y has {len(y)}")
             if "x_test" in f.files and "y_test" in f.files:
-                return _dataset(p.name, x, y, f["x_test"].astype(np.float32), f["y_test"].astype(np.int64))
+                return _dataset(
+                    p.name, x, y, f["x_test"].astype(np.float32), f["y_test"].astype(np.int64)
+                )
         return _dataset(p.name, *_split(x, y))
     return _image_folder(p, input_shape)
 

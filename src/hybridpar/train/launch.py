@@ -59,7 +59,9 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> None:
     backend = backend or _backend()
     os.environ["HYBRIDPAR_TIMEOUT_S"] = str(timeout_s)  # sub-groups (ProcessGrid) use it too
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())
+        torch.cuda.set_device(
+            int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
+        )
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -74,7 +76,9 @@ def _die_with_parent() -> None:
 def _child(rank: int, world: int, port: int, timeout_s: float, backend: str | None,
            fn: Callable, args: tuple, queue: mp.Queue) -> None:  # fmt: skip
     _die_with_parent()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` prints where a rank is
+    faulthandler.register(
+        signal.SIGUSR1, all_threads=True
+    )  # `kill -USR1 <pid>` prints where a rank is
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     import torch.distributed as dist
@@ -86,7 +90,9 @@ def _child(rank: int, world: int, port: int, timeout_s: float, backend: str | No
         dist.barrier()  # nobody tears down the group while another rank still uses it
         dist.destroy_process_group()
     except BaseException as exc:  # report everything, including KeyboardInterrupt
-        last = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        last = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
         queue.put((rank, "error", (last, traceback.format_exc())))
         raise SystemExit(1) from None
 
@@ -122,13 +128,17 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, back
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, tuple[str, str]] = {}
-    deadline = time.monotonic() + timeout_s * 4 + 600  # a backstop; collectives time out much sooner
+    deadline = (
+        time.monotonic() + timeout_s * 4 + 600
+    )  # a backstop; collectives time out much sooner
 
     def drain(wait: float = 0.0) -> None:
         end = time.monotonic() + wait
         while True:
             try:
-                rank, status, payload = queue.get(timeout=max(0.0, min(0.05, end - time.monotonic())))
+                rank, status, payload = queue.get(
+                    timeout=max(0.0, min(0.05, end - time.monotonic()))
+                )
             except Exception:  # queue.Empty
                 if time.monotonic() >= end:
                     return
@@ -142,11 +152,15 @@ def launch(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, back
             failed = [r for r, c in enumerate(codes) if (c is not None and c != 0) or r in errors]
             if failed:
                 break
-            if all(c == 0 for c in codes) or (len(results) == nprocs and all(c is not None for c in codes)):
+            if all(c == 0 for c in codes) or (
+                len(results) == nprocs and all(c is not None for c in codes)
+            ):
                 drain(0.2)
                 return [results.get(r) for r in range(nprocs)]
             if time.monotonic() > deadline:
-                raise RankFailure(f"job exceeded its {deadline:.0f} s backstop; ranks {sorted(set(range(nprocs)) - set(results))} never finished")
+                raise RankFailure(
+                    f"job exceeded its {deadline:.0f} s backstop; ranks {sorted(set(range(nprocs)) - set(results))} never finished"
+                )
         # something failed: give the others a moment to report, then name the culprit
         t_fail = time.monotonic()
         while time.monotonic() - t_fail < grace_s and any(p.exitcode is None for p in procs):
@@ -175,7 +189,10 @@ def _blame(procs: list, errors: dict[int, tuple[str, str]]) -> tuple[str, str]:
                 "in a collective; the job was stopped"), ""  # fmt: skip
     crashed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in errors]
     if crashed:
-        return f"rank {crashed[0]} {_describe(codes[crashed[0]])} without a message; the job was stopped", ""
+        return (
+            f"rank {crashed[0]} {_describe(codes[crashed[0]])} without a message; the job was stopped",
+            "",
+        )
     r = min(errors)
     return f"rank {r} failed: {errors[r][0]}", errors[r][1]
 

@@ -45,11 +45,15 @@ class Trainer:
         self.P, self.rank = grid.world_size, grid.rank
         if kind == "ddp":
             self.net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
-            self.net.register_comm_hook(ReducerState(group=None, average=True, ledger=ledger), allreduce_hook)
+            self.net.register_comm_hook(
+                ReducerState(group=None, average=True, ledger=ledger), allreduce_hook
+            )
         else:
             self.net = parallelize(model, grid, ledger, tail=tail, layer_of=layer_of,
                                    bucket_bytes=int(cfg.bucket_mb * 2**20), seed=cfg.seed)  # fmt: skip
-        self.opt = KrizhevskySGD(self.net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        self.opt = KrizhevskySGD(
+            self.net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
         self.step_no = 0
         self.last = {"wait_s": 0.0, "blocking_s": 0.0, "time_s": 0.0}
 
@@ -102,7 +106,11 @@ class Trainer:
         wait = self.hybrid.finish_backward() if self.hybrid is not None else 0.0
         self.opt.step()
         self.step_no += 1
-        blocking = sum(e.seconds for e in self.ledger.entries[-64:] if e.step == self.ledger.step and e.term in BLOCKING_TERMS)
+        blocking = sum(
+            e.seconds
+            for e in self.ledger.entries[-64:]
+            if e.step == self.ledger.step and e.term in BLOCKING_TERMS
+        )
         self.last = {"wait_s": wait, "blocking_s": blocking, "time_s": time.perf_counter() - t0}
         if not self.counts_outputs:
             return 0.0, 0, 0
@@ -205,8 +213,15 @@ def train_worker(cfg: TrainConfig, kind: str) -> dict | None:
         "config": cfg.to_dict(),
         "epochs": epochs,
         "final": {"test_acc": epochs[-1]["test_acc"], "loss": epochs[-1]["loss"]},
-        "iteration": {"time_s": med["time_s"], "compute_s": max(0.0, med["time_s"] - comm), "comm_wait_s": comm},
-        "bytes": {"measured": measured, "predicted": predicted_bytes(layers, P, cfg.batch, kind, (pr, pc), layer_of, model)},
+        "iteration": {
+            "time_s": med["time_s"],
+            "compute_s": max(0.0, med["time_s"] - comm),
+            "comm_wait_s": comm,
+        },
+        "bytes": {
+            "measured": measured,
+            "predicted": predicted_bytes(layers, P, cfg.batch, kind, (pr, pc), layer_of, model),
+        },
     }
 
 

@@ -21,13 +21,15 @@ SCHEDULES = ("constant", "krizhevsky", "cosine")
 
 
 class KrizhevskySGD(torch.optim.Optimizer):
-    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 5e-4) -> None:  # noqa: ANN001
+    def __init__(
+        self, params, lr: float, momentum: float = 0.9, weight_decay: float = 5e-4
+    ) -> None:
         if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ConfigError("need lr > 0, 0 <= momentum < 1 and weight_decay >= 0")
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:  # noqa: ANN001
+    def step(self, closure=None) -> None:
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:

@@ -29,7 +29,10 @@ def runtime_strategies(layers: list[CostLayer], model: nn.Sequential, P: int, ki
     if kind == "ddp" or pr == 1:
         return [Strategy.batch(P)] * len(layers)
     tail = fc_tail_start(model)
-    return [Strategy.model(pr, pc) if int(x.name.split(".")[0]) >= tail else Strategy.batch(P) for x in layers]
+    return [
+        Strategy.model(pr, pc) if int(x.name.split(".")[0]) >= tail else Strategy.batch(P)
+        for x in layers
+    ]
 
 
 def predicted_bytes(layers: list[CostLayer], P: int, B: int, kind: str, grid: tuple[int, int],
@@ -41,7 +44,9 @@ def predicted_bytes(layers: list[CostLayer], P: int, B: int, kind: str, grid: tu
     if not plan.feasible:
         return {}
     if by_layer:
-        return {(x.layer.name, k): c.bytes for x in plan.layers for k, c in x.terms.items() if c.bytes}
+        return {
+            (x.layer.name, k): c.bytes for x in plan.layers for k, c in x.terms.items() if c.bytes
+        }
     return {k: v for k, v in plan.bytes_by_term().items() if v}
 
 

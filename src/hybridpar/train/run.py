@@ -34,7 +34,9 @@ def prepare(cfg: TrainConfig) -> tuple[TrainConfig, str]:
     lr_factor(cfg.schedule, 0.0)
     validate_data_spec(cfg.data)
     if cfg.batch % P:
-        raise ConfigError(f"global batch {cfg.batch} does not split evenly over {P} ranks; use a multiple of {P}")
+        raise ConfigError(
+            f"global batch {cfg.batch} does not split evenly over {P} ranks; use a multiple of {P}"
+        )
     kind, grid = parse_strategy(cfg.strategy, P)
     if kind == "auto":
         grid = _auto_grid(cfg, P)
@@ -46,7 +48,9 @@ def prepare(cfg: TrainConfig) -> tuple[TrainConfig, str]:
         tail = fc_tail_start(model)  # raises the one-line error when there is none
         widths = [m.out_features for m in list(model)[tail:] if isinstance(m, torch.nn.Linear)]
         if pr > min(widths):
-            raise ConfigError(f"Pr={pr} exceeds the narrowest FC layer of {cfg.model} ({min(widths)} outputs); use a smaller Pr")
+            raise ConfigError(
+                f"Pr={pr} exceeds the narrowest FC layer of {cfg.model} ({min(widths)} outputs); use a smaller Pr"
+            )
     return dataclasses.replace(cfg, grid=(pr, pc)), kind
 
 
@@ -59,10 +63,20 @@ def _auto_grid(cfg: TrainConfig, P: int) -> tuple[int, int]:
     if not localhost_path().exists():
         from hybridpar.calibrate import calibrate
 
-        print("calibrating this machine for --strategy auto (once; `hybridpar calibrate` to redo) ...", flush=True)
+        print(
+            "calibrating this machine for --strategy auto (once; `hybridpar calibrate` to redo) ...",
+            flush=True,
+        )
         calibrate(nproc=min(2, max(P, 2)))
     size = cfg.input_size or (8 if cfg.data == "digits" else None)
-    r = make_plan(cfg.model, P, cfg.batch, load_cluster("localhost"), input_size=size, scenarios=["batch", "fc-grid"])
+    r = make_plan(
+        cfg.model,
+        P,
+        cfg.batch,
+        load_cluster("localhost"),
+        input_size=size,
+        scenarios=["batch", "fc-grid"],
+    )
     best = r.best
     return (1, P) if best.scenario == "batch" else best.grid
 
