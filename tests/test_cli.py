@@ -112,31 +112,11 @@ def test_profile_then_plan_with_measured_compute(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads(table.read_text())
     assert all(f > 0 for f, _ in data["per_sample_s"].values())
-    p = run(
-        "plan",
-        "--model",
-        "digits-cnn",
-        "--procs",
-        "4",
-        "--batch",
-        "64",
-        "--compute",
-        str(table),
-        "--json",
-    )
+    plan = ["plan", "--model", "digits-cnn", "--procs", "4", "--batch", "64", "--compute"]
+    p = run(*plan, str(table), "--json")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     per_sample = sum(f + b for f, b in data["per_sample_s"].values())
     assert d["best"]["compute_s"] == pytest.approx(per_sample * 64 / 4, rel=1e-9)
-    bad = run(
-        "plan",
-        "--model",
-        "digits-cnn",
-        "--procs",
-        "4",
-        "--batch",
-        "64",
-        "--compute",
-        str(tmp_path / "none.json"),
-    )
+    bad = run(*plan, str(tmp_path / "none.json"))
     assert bad.returncode == 2 and "does not exist" in bad.stderr
