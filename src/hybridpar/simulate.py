@@ -8,7 +8,7 @@ import csv
 from collections.abc import Callable
 from pathlib import Path
 
-from hybridpar.planner import Plan, PlanResult
+from hybridpar.planner import PlanResult
 
 __all__ = ["FIGURES", "plot_sweep", "write_csv"]
 
@@ -119,7 +119,3 @@ def run_sweep(
     from tqdm import tqdm
 
     return [make(p) for p in tqdm(procs, desc="simulate", unit="P", disable=not progress)]
-
-
-def best_rows(results: list[PlanResult]) -> list[Plan]:
-    return [r.best for r in results]

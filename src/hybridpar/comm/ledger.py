@@ -10,7 +10,6 @@ runtime moves exactly what the model says (DESIGN.md invariant 2).
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -87,11 +86,3 @@ class Ledger:
 
     def count(self, term: str | None = None) -> int:
         return sum(1 for e in self.entries if term is None or e.term == term)
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def __call__(self) -> float:
-        return time.perf_counter() - self.t0

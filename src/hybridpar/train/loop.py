@@ -90,6 +90,7 @@ class Trainer:
         (loss sum, correct, examples) over the outputs it counts."""
         t0 = time.perf_counter()
         self.ledger.step = self.step_no
+        first_entry = len(self.ledger.entries)
         n = len(x)
         rows_in, rows_out = self.rows(n)
         self.net.train()
@@ -107,9 +108,7 @@ class Trainer:
         self.opt.step()
         self.step_no += 1
         blocking = sum(
-            e.seconds
-            for e in self.ledger.entries[-64:]
-            if e.step == self.ledger.step and e.term in BLOCKING_TERMS
+            e.seconds for e in self.ledger.entries[first_entry:] if e.term in BLOCKING_TERMS
         )
         self.last = {"wait_s": wait, "blocking_s": blocking, "time_s": time.perf_counter() - t0}
         if not self.counts_outputs:
