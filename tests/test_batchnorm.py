@@ -1,0 +1,195 @@
+"""GlobalBatchNorm: outputs, input/weight/bias gradients and running statistics equal nn.BatchNorm's
+on the concatenated global batch (rtol 1e-5) for P = 2 and 4, 1d and 2d, uneven batches including a
+rank with no examples; one all-reduce forward and one backward per layer; the adaptive switch is
+taken at the same step on every rank."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_ranks
+from torch import nn
+
+from hybridpar.comm.collectives import all_reduce
+from hybridpar.comm.ledger import Ledger
+from hybridpar.parallel.batchnorm import (
+    AdaptiveGlobalBatchNorm,
+    BNSwitch,
+    GlobalBatchNorm,
+    GlobalBatchNorm2d,
+    LossPlateau,
+    convert_global_batchnorm,
+)
+
+SIZES = {2: [3, 5], 4: [3, 0, 4, 2]}  # examples per rank; rank 1 of 4 has none
+STEPS = 3
+
+
+def _shape(dims, n):
+    return {1: (n, 6), 2: (n, 6, 3, 4)}[dims]
+
+
+def _data(dims, sizes, step, offset=0.0):
+    g = torch.Generator().manual_seed(100 + step)
+    n = sum(sizes)
+    x = torch.randn(_shape(dims, n), generator=g) * 3 + offset
+    r = torch.randn(_shape(dims, n), generator=g)  # the loss is sum(y * r)
+    return x, r
+
+
+def _reference(dims, sizes, affine, momentum, offset=0.0, dtype=torch.float32):
+    torch.manual_seed(0)
+    bn = (nn.BatchNorm1d if dims == 1 else nn.BatchNorm2d)(6, affine=affine, momentum=momentum)
+    if affine:
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-1, 1)
+    start = copy.deepcopy(bn)
+    bn = bn.to(dtype)
+    outs = []
+    for step in range(STEPS):
+        x, r = _data(dims, sizes, step, offset)
+        x = x.to(dtype).requires_grad_()
+        bn.zero_grad()
+        y = bn(x)
+        (y * r.to(dtype)).sum().backward()
+        grads = (bn.weight.grad.clone(), bn.bias.grad.clone()) if affine else None
+        outs.append((y.detach(), x.grad.clone(), grads))
+    return start, bn, outs
+
+
+def _exactness(dims, affine, momentum):
+    P, rank = dist.get_world_size(), dist.get_rank()
+    sizes = SIZES[P]
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    start, ref, outs = _reference(dims, sizes, affine, momentum)
+    ledger = Ledger()
+    bn = convert_global_batchnorm(copy.deepcopy(start), ledger=ledger, layer_of={"": "bn"})
+    assert isinstance(bn, GlobalBatchNorm)
+    worst = 0.0
+    for step in range(STEPS):
+        x, r = _data(dims, sizes, step)
+        x = x[lo:hi].clone().requires_grad_()
+        bn.zero_grad()
+        y = bn(x)
+        (y * r[lo:hi]).sum().backward()
+        y_ref, dx_ref, grads_ref = outs[step]
+        pairs = [(y, y_ref[lo:hi]), (x.grad, dx_ref[lo:hi])]
+        if affine:
+            gw, gb = bn.weight.grad.clone(), bn.bias.grad.clone()
+            all_reduce(gw, dist.group.WORLD, None, "test")  # what the gradient synchroniser does
+            all_reduce(gb, dist.group.WORLD, None, "test")
+            pairs += [(gw, grads_ref[0]), (gb, grads_ref[1])]
+        for a, b in pairs:
+            torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-5)
+            worst = max(worst, float((a.detach() - b).abs().max()) if a.numel() else 0.0)
+    torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+    assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked)
+    # eval mode uses the running statistics, like nn.BatchNorm
+    bn.eval()
+    ref.eval()
+    x, _ = _data(dims, sizes, 99)
+    torch.testing.assert_close(bn(x[lo:hi]), ref(x[lo:hi]).detach(), rtol=1e-5, atol=1e-5)
+    return ledger.count("bn_stats"), ledger.count("bn_grad"), worst
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("dims", [1, 2])
+def test_matches_batchnorm_on_the_global_batch(P, dims):
+    for stats, grads, _ in run_ranks(_exactness, P, dims, True, 0.1):
+        assert (stats, grads) == (STEPS, STEPS)  # exactly one all-reduce forward, one backward
+
+
+def test_affine_false_and_cumulative_momentum():
+    run_ranks(_exactness, 2, 2, False, None)
+
+
+def _large_mean():
+    """mean 1e4, std 3: fp32 E[x^2] - E[x]^2 would lose every digit of the variance."""
+    P, rank = dist.get_world_size(), dist.get_rank()
+    sizes = SIZES[P]
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    start, _, outs64 = _reference(2, sizes, True, 0.1, offset=1e4, dtype=torch.float64)
+    bn = convert_global_batchnorm(copy.deepcopy(start))
+    x, _ = _data(2, sizes, 0, offset=1e4)
+    y = bn(x[lo:hi])
+    err = float((y.double() - outs64[0][0][lo:hi]).abs().max())
+    naive_var = (x.float() ** 2).mean((0, 2, 3)) - x.float().mean((0, 2, 3)) ** 2
+    true_var = x.double().var((0, 2, 3), unbiased=False)
+    naive_err = float(((naive_var.double() - true_var) / true_var).abs().max())
+    return err, naive_err
+
+
+def test_no_cancellation_for_large_means():
+    for err, naive_err in run_ranks(_large_mean, 2):
+        assert err < 2e-3, err  # normalised outputs are O(1); fp32 rounding of x itself is ~1e-3
+        assert naive_err > 1e-2  # the naive fp32 formula really is wrong on this data
+
+
+def test_single_process_is_plain_batchnorm():
+    torch.manual_seed(0)
+    ref = nn.BatchNorm2d(4)
+    bn = convert_global_batchnorm(copy.deepcopy(ref))
+    x = torch.randn(5, 4, 3, 3)
+    torch.testing.assert_close(bn(x), ref(x))
+    torch.testing.assert_close(bn.running_var, ref.running_var)
+    with pytest.raises(ValueError, match="4D"):
+        bn(torch.randn(5, 4))
+
+
+def test_convert_is_recursive_and_keeps_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.Sequential(nn.BatchNorm1d(5)))
+    model[1].running_mean.fill_(0.5)
+    keys = set(model.state_dict())
+    switch = BNSwitch(bz_max=4)
+    conv = convert_global_batchnorm(model, switch=switch)
+    assert isinstance(conv[1], AdaptiveGlobalBatchNorm) and isinstance(conv[2][0], GlobalBatchNorm)
+    assert conv[1].switch is switch and conv[2][0].switch is switch
+    assert set(conv.state_dict()) == keys
+    assert float(conv[1].running_mean[0]) == 0.5
+    assert type(convert_global_batchnorm(nn.BatchNorm2d(2))) is GlobalBatchNorm
+    assert GlobalBatchNorm2d(2)._dims == (4,)
+
+
+def _adaptive(window, threshold, bz_max, per_rank):
+    rank = dist.get_rank()
+    ledger = Ledger()
+    switch = BNSwitch(bz_max=bz_max, rule=LossPlateau(window, threshold), ledger=ledger)
+    switch.start(per_rank)
+    torch.manual_seed(0)
+    model = convert_global_batchnorm(
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)), switch=switch,
+        ledger=ledger,
+    )  # fmt: skip
+    per_step = []
+    for step in range(8):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x = torch.randn(4, 3, generator=g)
+        before = ledger.count("bn_stats")
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        per_step.append(ledger.count("bn_stats") - before)
+        # a loss, different on each rank, that stops improving at step 2: the window means are
+        # 10, 1, 1, so the third window (steps 4-5) sees no improvement and the switch comes at 6
+        switch.observe(1.0 if step >= 2 else 10.0 - step + rank, 1)
+    return switch.record(), per_step
+
+
+def test_adaptive_switches_once_on_every_rank_at_the_same_step():
+    results = run_ranks(_adaptive, 2, 2, 0.05, None, 4)
+    records = [r for r, _ in results]
+    assert all(r == records[0] for r in records)  # one decision for all ranks
+    rec = records[0]
+    assert rec["mode"] == "local" and rec["switched_at_step"] == 6
+    assert "converged" in rec["reason"]
+    for _, per_step in results:
+        assert per_step == [1] * 6 + [0] * 2  # global statistics until the switch, local after
+
+
+def test_adaptive_stays_local_for_large_per_rank_batches():
+    for rec, per_step in run_ranks(_adaptive, 2, 2, 0.05, 4, 4):
+        assert rec["mode"] == "local" and rec["switched_at_step"] == 0
+        assert "bz_max" in rec["reason"] and per_step == [0] * 8
