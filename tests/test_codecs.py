@@ -1,0 +1,167 @@
+"""Codecs (Dettmers' four 8-bit types and the 16-bit casts) and the compressed collectives."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_ranks
+
+from hybridpar.comm.codecs import CODECS, get_codec, magnitude_levels, reference_encode
+from hybridpar.comm.collectives import all_gather_uneven, compressed_all_reduce
+from hybridpar.comm.ledger import Ledger, bus_bytes
+from hybridpar.wire import EIGHT_BIT
+
+BLOCKS = [None, 64]
+
+
+def _data(n=5000, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * scale
+
+
+@pytest.mark.parametrize("name", EIGHT_BIT)
+@pytest.mark.parametrize("block", BLOCKS)
+def test_fast_encoder_equals_reference(name, block):
+    codec = get_codec(name, block)
+    x = torch.cat([_data(3001), _data(999, 1e-4, 1), torch.zeros(7)])  # uneven tail, tiny values
+    e = codec.encode(x)
+    codes, scales = reference_encode(codec, x)
+    assert torch.equal(e.payload, codes) and torch.equal(e.scales, scales)
+
+
+def test_compiled_path_equals_reference():
+    """Large tensors go through torch.compile: same bytes as the eager reference."""
+    codec = get_codec("dynamic-tree", 4096)
+    x = _data(70_000) * torch.linspace(0.01, 3, 70_000)
+    e = codec.encode(x)
+    codes, scales = reference_encode(codec, x)
+    assert torch.equal(e.payload, codes) and torch.equal(e.scales, scales)
+    torch.testing.assert_close(codec.decode(e), torch.tensor(0.0) + codec.decode(e))
+
+
+@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("block", BLOCKS)
+def test_zeros_exact_and_reencoding_is_stable(name, block):
+    codec = get_codec(name, block)
+    x = _data(2000, 0.3)
+    x[::7] = 0.0
+    x[3] = -0.0
+    d = codec.decode(codec.encode(x))
+    assert torch.all(d[::7] == 0)
+    e1 = codec.to_bytes(codec.encode(d))
+    e2 = codec.to_bytes(codec.encode(codec.decode(codec.encode(d))))
+    assert torch.equal(e1, e2)
+    assert codec.decode(codec.encode(torch.zeros(10))).abs().sum() == 0  # an all-zero block
+
+
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_absmax_survives_and_levels_are_sane(name):
+    levels = magnitude_levels(name)
+    assert len(levels) == 128 and max(levels) == 1.0 and min(levels) == 0.0
+    x = _data(1000)
+    d = get_codec(name, None).roundtrip(x)
+    i = int(x.abs().argmax())
+    assert d[i] == x[i]  # the largest magnitude is represented exactly
+
+
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_non_finite_values_poison_their_block(name):
+    codec = get_codec(name, 8)
+    x = _data(32)
+    x[3], x[20] = float("nan"), float("inf")
+    d = codec.decode(codec.encode(x))
+    assert not torch.isfinite(d[:8]).any() and not torch.isfinite(d[16:24]).any()
+    torch.testing.assert_close(d[8:16], codec.roundtrip(x[8:16]))  # other blocks untouched
+
+
+def test_dynamic_tree_has_the_lowest_relative_error_on_normal_data():
+    for scale in (1.0, 0.01):
+        x = _data(200_000, scale, 3)
+        err = {}
+        for name in EIGHT_BIT:
+            d = get_codec(name, 4096).roundtrip(x)
+            nz = x != 0
+            err[name] = float(((d - x).abs()[nz] / x.abs()[nz]).mean())
+        assert min(err, key=err.get) == "dynamic-tree", (scale, err)
+
+
+def test_wire_bytes_and_byte_buffers():
+    c = get_codec("dynamic-tree", 64)
+    x = _data(200)
+    e = c.encode(x)
+    assert c.wire_bytes(200) == 200 + 4 * 4 == e.nbytes()
+    back = c.decode(c.from_bytes(c.to_bytes(e), 200))
+    assert torch.equal(back, c.decode(e))
+    h = get_codec("bf16")
+    assert h.wire_bytes(200) == 400
+    assert torch.equal(h.decode(h.from_bytes(h.to_bytes(h.encode(x)), 200)), h.roundtrip(x))
+
+
+def _allreduce(name, block, n, ef):
+    P, rank = dist.get_world_size(), dist.get_rank()
+    codec = get_codec(name, block)
+    xs = [_data(n, 1.0, seed=s) for s in range(P)]
+    ledger = Ledger()
+    t = xs[rank].clone()
+    residuals = {} if ef else None
+    compressed_all_reduce(t, dist.group.WORLD, codec, ledger, "dw_allreduce", {"w": n},
+                          residuals, key=0)  # fmt: skip
+    exact = sum(xs)
+    same = [torch.empty_like(t) for _ in range(P)]
+    dist.all_gather(same, t)
+    identical = all(torch.equal(same[0], s) for s in same)
+    rel = float((t - exact).norm() / exact.norm())
+    payload = ledger.bytes_by_term().get("dw_allreduce", 0.0)
+    overhead = ledger.bytes_by_term().get("codec_overhead", 0.0)
+    # error feedback: the residual of a second identical call corrects the first's error
+    ef_rel = None
+    if ef:
+        t2 = xs[rank].clone()
+        compressed_all_reduce(t2, dist.group.WORLD, codec, None, "dw_allreduce", None, residuals, 0)
+        ef_rel = float(((t + t2) - 2 * exact).norm() / (2 * exact).norm())
+    return identical, rel, payload, overhead, ef_rel
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", ["dynamic-tree", "linear", "fp16"])
+def test_compressed_all_reduce_is_close_identical_and_booked(P, name):
+    n = 1001  # does not split evenly
+    for identical, rel, payload, overhead, _ in run_ranks(_allreduce, P, name, 64, n, False):
+        assert identical  # every rank holds the same sum
+        assert rel < (0.03 if name != "fp16" else 1e-3), rel
+        elem = 1 if name != "fp16" else 2
+        assert payload == pytest.approx(2 * bus_bytes("all_gather", n * elem, P))
+        assert 0 < overhead < 0.2 * payload  # scales (8-bit) and the padding of uneven chunks
+
+
+def test_error_feedback_reduces_the_accumulated_error():
+    for _, rel, _, _, ef_rel in run_ranks(_allreduce, 2, "linear", None, 3000, True):
+        assert ef_rel < rel  # two steps with feedback: the second adds back what the first lost
+
+
+def _gather(name):
+    P, rank = dist.get_world_size(), dist.get_rank()
+    codec = get_codec(name, 16)
+    sizes = [3, 2, 3, 1][:P]
+    pieces = [_data(sizes[i] * 5, seed=i).view(sizes[i], 5) for i in range(P)]
+    out = all_gather_uneven(
+        pieces[rank], sizes, 0, dist.group.WORLD, None, "allgather", None, codec
+    )
+    want = torch.cat([codec.roundtrip(p.reshape(-1)).view_as(p) for p in pieces])
+    return torch.equal(out, want)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_compressed_all_gather_gives_every_rank_the_decoded_pieces(P):
+    assert all(run_ranks(_gather, P, "dynamic-tree"))
+
+
+def test_bytes_ratio_formula_at_p4():
+    """8-bit compressed all-reduce vs float32 ring all-reduce: 2(P-1)/P vs 8(P-1)/P bytes/elem."""
+    n = 1 << 20
+    c = get_codec("dynamic-tree", 4096)
+    ours = 2 * bus_bytes("all_gather", n, 4) + 2 * 3 / 4 * 4 * c.blocks(n // 4) * 4
+    fp32 = bus_bytes("all_reduce", 4 * n, 4)
+    assert ours / fp32 < 0.27
+    assert math.isclose(2 * bus_bytes("all_gather", n, 4) / fp32, 0.25)
