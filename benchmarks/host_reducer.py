@@ -1,0 +1,122 @@
+"""Claims of the host reducer (Sekiyama et al.), measured side by side in one run:
+
+1. speed: all-reduce of 4, 16 and 64 MB of float32 across 2 and 4 local ranks, the host reducer
+   (shared memory, slices summed by every rank) against gloo's all_reduce: median times and
+   ratios; goal: host at least 2x faster at 64 MB;
+2. overlap: alexnet-owt-like training on 2 ranks (batch-parallel, 4 MB buckets reduced by the host
+   reducer on a worker thread while backward goes on): the communication still exposed after the
+   backward pass (from the last gradient produced to all gradients summed), per iteration, against
+   the time of one all-reduce of all the gradients after backward; goal: at most 20 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.train.launch import launch
+
+
+def _speed(sizes_mb: list[int], repeats: int) -> dict:
+    from hybridpar.comm.host import HostReducer
+
+    torch.set_num_threads(1)
+    r = HostReducer()
+    out = {}
+    for mb in sizes_mb:
+        x = torch.randn(mb * 2**20 // 4)
+        for name, fn in (
+            ("gloo", lambda t: dist.all_reduce(t)),
+            ("host", lambda t, mb=mb: r.all_reduce(t, key=mb)),
+        ):
+            times = []
+            for _ in range(repeats):
+                t = x.clone()
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(t)
+                times.append(time.perf_counter() - t0)
+            out[(mb, name)] = statistics.median(times[1:])
+    r.close()
+    return out
+
+
+def _overlap(steps: int, input_size: int, batch: int) -> dict:
+    from hybridpar.comm.grid import ProcessGrid
+    from hybridpar.comm.host import HostReducer
+    from hybridpar.comm.ledger import Ledger
+    from hybridpar.models import build_model
+    from hybridpar.train.config import TrainConfig
+    from hybridpar.train.loop import Trainer, layer_map
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model("alexnet-owt", input_size=input_size, num_classes=10, in_channels=3)
+    layer_of, _ = layer_map(model, (3, input_size, input_size))
+    cfg = TrainConfig(model="alexnet-owt", batch=batch, lr=0.001, reducer="host", bn="local")
+    t = Trainer(cfg, model, ProcessGrid(1, dist.get_world_size()), Ledger(), "hybrid", layer_of)
+    g = torch.Generator().manual_seed(1)
+    exposed, step_s = [], []
+    for i in range(steps):
+        x = torch.randn(batch, 3, input_size, input_size, generator=g)
+        y = torch.randint(0, 10, (batch,), generator=g)
+        t0 = time.perf_counter()
+        t.step(x, y)
+        if i:  # the first step makes the shared-memory segments
+            exposed.append(t.hybrid.sync.exposed_s)
+            step_s.append(time.perf_counter() - t0)
+    grads = torch.cat([p.grad.reshape(-1) for p in t.net.parameters()])
+    r = HostReducer()
+    after = {"host": [], "gloo": []}
+    for _ in range(5):
+        for name in after:
+            buf = grads.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            r.all_reduce(buf, key="all") if name == "host" else dist.all_reduce(buf)
+            after[name].append(time.perf_counter() - t0)
+    r.close()
+    return {"exposed": statistics.median(exposed), "step": statistics.median(step_s),
+            "after_host": statistics.median(after["host"][1:]),
+            "after_gloo": statistics.median(after["gloo"][1:]), "mb": grads.numel() * 4 / 2**20}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--procs", default="2,4")
+    ap.add_argument("--sizes", default="4,16,64")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--input-size", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print("1. all-reduce of float32, median time over repeats (ms), local ranks, gloo CPU")
+    print(f"{'P':>2} {'MB':>4} {'gloo ms':>9} {'host ms':>9} {'host speed-up':>14}")
+    for P in [int(p) for p in args.procs.split(",")]:
+        r = launch(_speed, P, sizes, args.repeats, timeout_s=600, backend="gloo")[0]
+        for mb in sizes:
+            g, h = r[(mb, "gloo")], r[(mb, "host")]
+            print(f"{P:>2} {mb:>4} {g * 1e3:9.2f} {h * 1e3:9.2f} {g / h:13.2f}x")
+    r = launch(_overlap, 2, args.steps, args.input_size, args.batch, timeout_s=600, backend="gloo")[
+        0
+    ]
+    print(f"\n2. alexnet-owt at {args.input_size}x{args.input_size}, batch {args.batch}, 2 ranks, "
+          f"{r['mb']:.1f} MB of gradients, host reducer overlapped with backward")  # fmt: skip
+    print(
+        f"median iteration {r['step'] * 1e3:.1f} ms; exposed after backward {r['exposed'] * 1e3:.2f} ms"
+    )
+    print(f"one all-reduce of all gradients after backward: host {r['after_host'] * 1e3:.2f} ms, "
+          f"gloo {r['after_gloo'] * 1e3:.2f} ms")  # fmt: skip
+    ratio = r["exposed"] / r["after_host"]
+    print(f"exposed / host all-reduce after backward = {ratio * 100:.1f} % "
+          f"(goal <= 20 %: {'met' if ratio <= 0.2 else 'NOT met'}); "
+          f"vs gloo all-reduce {r['exposed'] / r['after_gloo'] * 100:.1f} %")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

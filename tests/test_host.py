@@ -1,0 +1,94 @@
+"""The host reducer (Sekiyama et al.): equivalence with the process-group all-reduce, the
+hierarchical path on two emulated hosts, a missing rank ends the wait with its name, and nothing
+is left in /dev/shm."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_ranks
+from test_equivalence import batches, odd_model, reference
+
+from hybridpar.comm.grid import ProcessGrid
+from hybridpar.comm.host import HostReducer
+from hybridpar.comm.ledger import Ledger
+from hybridpar.train.config import TrainConfig
+from hybridpar.train.loop import Trainer, layer_map
+
+
+def _ours():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("hybridpar-")}
+
+
+def _sum(n, hosts):
+    rank = dist.get_rank()
+    host = None if hosts == 1 else f"host{rank * hosts // dist.get_world_size()}"
+    r = HostReducer(host=host)
+    out = []
+    for step in range(3):  # several steps: both parities of the double buffer
+        for key, size in ((0, n), (1, n // 3 + 1)):
+            x = torch.randn(size, generator=torch.Generator().manual_seed(rank * 10 + step))
+            ref = x.clone()
+            dist.all_reduce(ref)
+            r.all_reduce(x, key=key)
+            out.append(torch.allclose(x, ref, rtol=1e-5, atol=1e-5))
+    topo = (r.topo.local_size, r.topo.hosts, r.topo.leader)
+    r.close()
+    return all(out), topo
+
+
+@pytest.mark.parametrize("P,hosts", [(2, 1), (4, 1), (4, 2)])
+def test_host_sum_equals_all_reduce(P, hosts):
+    for i, (ok, (local, nhosts, leader)) in enumerate(run_ranks(_sum, P, 1001, hosts)):
+        assert ok
+        assert (local, nhosts) == (P // hosts, hosts)
+        assert leader == (i % (P // hosts) == 0)
+    assert not _ours()
+
+
+def _train(kind, hosts):
+    rank, P = dist.get_rank(), dist.get_world_size()
+    if hosts > 1:
+        os.environ["HYBRIDPAR_HOST"] = f"host{rank * hosts // P}"
+    torch.manual_seed(0)
+    model = odd_model()
+    layer_of, _ = layer_map(model, (1, 8, 8))
+    cfg = TrainConfig(lr=0.1, batch=12, bucket_mb=0.0005, reducer="host", bn="local")
+    t = Trainer(cfg, model, ProcessGrid(1, P), Ledger(), kind, layer_of)
+    for x, y in batches():
+        t.step(x, y)
+    state = t.full_state_dict()
+    ref = reference()
+    return all(torch.allclose(state[k], v, rtol=1e-5, atol=1e-6) for k, v in ref.items())
+
+
+@pytest.mark.parametrize(
+    "P,kind,hosts", [(2, "hybrid", 1), (4, "hybrid", 1), (4, "hybrid", 2), (2, "ddp", 1)]
+)
+def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts):
+    """Same parameters after 5 steps as single-process SGD (and so as the process-group
+    all-reduce, which the runtime's equivalence tests hold to the same oracle)."""
+    assert all(run_ranks(_train, P, kind, hosts))
+    assert not _ours()
+
+
+def _missing():
+    os.environ["HYBRIDPAR_TIMEOUT_S"] = "2"
+    r = HostReducer()
+    r.all_reduce(torch.ones(10))  # the segment is made collectively, at first use
+    msg = ""
+    if dist.get_rank() == 0:
+        try:
+            r.all_reduce(torch.ones(10))
+        except RuntimeError as exc:
+            msg = str(exc)
+    dist.barrier()  # rank 1 never delivers; it waits here for rank 0 to give up
+    r.close()
+    return msg
+
+
+def test_a_missing_rank_ends_the_wait_with_its_name():
+    msg = run_ranks(_missing, 2)[0]
+    assert "rank(s) [1] did not deliver bucket 0 within 2 s" in msg, msg
+    assert not _ours()
