@@ -120,3 +120,29 @@ def test_profile_then_plan_with_measured_compute(tmp_path):
     assert d["best"]["compute_s"] == pytest.approx(per_sample * 64 / 4, rel=1e-9)
     bad = run(*plan, str(tmp_path / "none.json"))
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_plan_with_a_codec_predicts_a_quarter_of_the_bytes():
+    base = ["plan", "--model", "alexnet", "--procs", "64", "--batch", "256", "--json"]
+    fp32 = json.loads(run(*base).stdout)
+    eight = json.loads(run(*base, "--codec", "dynamic-tree", "--compress", "grads").stdout)
+    assert eight["codec"] == "dynamic-tree" and eight["compress"] == ["grads"]
+    batch = {s["name"]: s for s in fp32["scenarios"]}["batch"]
+    batch8 = {s["name"]: s for s in eight["scenarios"]}["batch"]
+    dw = sum(x["bytes"]["dw_allreduce"] for x in batch["layers"])
+    dw8 = sum(x["bytes"]["dw_allreduce"] for x in batch8["layers"])
+    assert dw8 == pytest.approx(dw / 4)
+    r = run("plan", "--model", "alexnet", "--procs", "8", "--batch", "64", "--codec", "int3")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_codecs_command_prints_table_2():
+    r = run("codecs", "--no-speed", "--size", "20000")
+    assert r.returncode == 0, r.stderr
+    for needle in (
+        "normal(0, 0.01)",
+        "digits-cnn gradients",
+        "digits-cnn activations",
+        "dynamic-tree",
+    ):
+        assert needle in r.stdout

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from hybridpar.errors import ConfigError
+from hybridpar.wire import CODECS
 
 TERMS = ("allgather", "dx_allreduce", "dw_allreduce", "halo_fwd", "halo_bwd", "redistribute")
 
@@ -74,6 +75,17 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
         help="wire bytes per element (default: the cluster's word size)",
     )
     p.add_argument(
+        "--codec",
+        default="none",
+        choices=CODECS,
+        help="wire encoding of the traffic named by --compress (8-bit types: 1 byte/element)",
+    )
+    p.add_argument(
+        "--compress",
+        default="grads,activations",
+        help="what the codec applies to: grads, activations or both (comma-separated)",
+    )
+    p.add_argument(
         "--memory-limit",
         type=float,
         default=None,
@@ -88,6 +100,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 
 def _plan_kwargs(args: argparse.Namespace) -> dict:
     from hybridpar.cost.compute import load_table
+    from hybridpar.wire import parse_compress
 
     if args.bytes_per_element is not None and args.bytes_per_element <= 0:
         raise ConfigError("--bytes-per-element must be positive")
@@ -99,6 +112,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
         elem_bytes=args.bytes_per_element,
         memory_limit=args.memory_limit * 2**30 if args.memory_limit else None,
         overlap=args.overlap,
+        codec=args.codec,
+        compress=parse_compress(args.compress),
     )
 
 
@@ -112,6 +127,11 @@ def _print_plan(result, shown: list) -> None:
         f"{result.model} on {c.name} (alpha {c.alpha * 1e6:g} us, {c.bandwidth / 1e9:g} GB/s, "
         f"{c.flops / 1e12:g} TFLOP/s), P={result.procs}, B={result.batch}, "
         f"{result.elem_bytes:g} bytes/element"
+        + (
+            f", codec {result.codec} on {'+'.join(result.compress)}"
+            if result.codec not in (None, "none")
+            else ""
+        )
     )
     print()
     batch = result.scenario("batch")
@@ -260,7 +280,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         batch=args.batch, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         schedule=args.schedule, seed=args.seed, input_size=args.input_size, report=args.report,
         timeout_s=args.timeout, bucket_mb=args.bucket_mb, progress=not args.no_progress,
-        max_steps=args.max_steps,
+        max_steps=args.max_steps, bn=args.bn, bn_max_batch=args.bn_max_batch,
+        bn_window=args.bn_window, bn_threshold=args.bn_threshold, codec=args.codec,
+        compress=args.compress, codec_block=args.codec_block, error_feedback=args.error_feedback,
+        reducer=args.reducer,
     )  # fmt: skip
     try:
         report = run(cfg)
@@ -285,13 +308,43 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"final test accuracy {report['final']['test_acc']:.4f}; iteration {it['time_s'] * 1e3:.1f} ms "
         f"(compute {it['compute_s'] * 1e3:.1f}, communication wait {it['comm_wait_s'] * 1e3:.1f})"
     )
+    bn = report.get("bn", {})
+    if bn.get("requested") == "adaptive":
+        when = bn["switched_at_step"]
+        print(
+            f"batch norm: adaptive, {'global throughout' if when is None else f'local from step {when}: ' + bn['reason']}"
+        )
     print("bytes per iteration per rank (measured / predicted):")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):
-        if k == "metrics":
+        if k in ("metrics", "codec_overhead", "bn_switch"):
             continue
         print(f"  {k:<14} {b['measured'].get(k, 0):14.0f} {b['predicted'].get(k, 0):14.0f}")
     for w in report.get("written", []):
         print(f"wrote {w}")
+    return 0
+
+
+def cmd_codecs(args: argparse.Namespace) -> int:
+    import json
+
+    from hybridpar.codec_report import datasets, error_table, print_table, throughput
+    from hybridpar.wire import CODECS
+
+    if args.block < 0 or args.size < 1:
+        raise ConfigError("--block must be >= 0 (0: one scale per tensor) and --size positive")
+    block = args.block or None
+    rows = error_table(datasets(args.size), block)
+    speeds = None
+    if not args.no_speed:
+        speeds = {name: throughput(name, block, n=args.speed_size) for name in CODECS}
+    if args.json:
+        print(json.dumps({"block": block, "errors": rows, "throughput_gb_s": speeds}, indent=1))
+    else:
+        print(
+            f"8-bit codecs and 16-bit casts; scales per {'tensor' if block is None else f'{block} elements'}"
+        )
+        print()
+        print_table(rows, speeds)
     return 0
 
 
@@ -373,9 +426,66 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     t.add_argument("--bucket-mb", type=float, default=4.0)
     t.add_argument("--max-steps", type=_positive_int, default=None, help="cap steps per epoch")
+    t.add_argument(
+        "--codec",
+        default="none",
+        choices=CODECS,
+        help="wire encoding of gradients and/or activations (see --compress)",
+    )
+    t.add_argument(
+        "--compress",
+        default="grads,activations",
+        help="grads, activations or both (comma-separated)",
+    )
+    t.add_argument(
+        "--codec-block",
+        type=int,
+        default=4096,
+        help="elements per 8-bit scale (0: one per tensor, as in the paper)",
+    )
+    t.add_argument(
+        "--error-feedback",
+        action="store_true",
+        help="add what gradient compression lost back at the next step",
+    )
+    t.add_argument(
+        "--reducer",
+        default="process-group",
+        choices=["process-group", "host"],
+        help="gradient sums: torch.distributed all-reduce, or host shared memory (Sekiyama et al.)",
+    )
+    t.add_argument(
+        "--bn",
+        default="global",
+        choices=["local", "global", "adaptive"],
+        help="batch-norm statistics: per rank, over the whole batch, or global until a rule says local",
+    )
+    t.add_argument(
+        "--bn-max-batch",
+        type=_positive_int,
+        default=None,
+        help="adaptive: local BN from the start when the per-rank batch is at least this",
+    )
+    t.add_argument(
+        "--bn-window", type=_positive_int, default=50, help="adaptive: steps per loss window"
+    )
+    t.add_argument(
+        "--bn-threshold",
+        type=float,
+        default=0.01,
+        help="adaptive: switch to local BN when a window's loss improves by less than this (relative)",
+    )
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--verbose", action="store_true", help="print the failing rank's traceback")
     t.set_defaults(func=cmd_train)
+
+    k = sub.add_parser("codecs", help="error (Table 2 of Dettmers) and speed of every codec")
+    k.add_argument("--block", type=int, default=4096, help="elements per scale; 0: one per tensor")
+    k.add_argument("--size", type=int, default=1 << 20, help="elements of each random sample")
+    k.add_argument("--speed-size", type=_positive_int, default=1 << 24, help="elements timed")
+    k.add_argument("--no-speed", action="store_true", help="errors only")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=cmd_codecs)
 
     c = sub.add_parser("calibrate", help="fit alpha and beta of this machine (cluster 'localhost')")
     c.add_argument("--nproc", type=_positive_int, default=2)

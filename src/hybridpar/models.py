@@ -234,8 +234,8 @@ def input_shape(
 
 def fc_tail_start(model: nn.Sequential) -> int:
     """Index of the first module of the fully-connected tail: the longest suffix of `model` made of
-    Linear layers and shape-free modules (activations, dropout) that begins with a Flatten or a
-    Linear. Raises ConfigError when the model has no such tail.
+    Linear layers, shape-free modules (activations, dropout) and BatchNorm1d that begins with a
+    Flatten or a Linear. Raises ConfigError when the model has no such tail.
     """
     if not isinstance(model, nn.Sequential):
         raise ConfigError(
@@ -251,6 +251,7 @@ def fc_tail_start(model: nn.Sequential) -> int:
         nn.Dropout,
         nn.LeakyReLU,
         nn.Identity,
+        nn.BatchNorm1d,  # per feature: it sees whole feature vectors after the all-gather
     )
     start = len(model)
     for i in range(len(model) - 1, -1, -1):

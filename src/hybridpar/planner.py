@@ -28,8 +28,9 @@ from functools import lru_cache
 from hybridpar.cluster import Cluster
 from hybridpar.cost.collectives import Comm
 from hybridpar.cost.compute import ComputeModel, FlopsModel
-from hybridpar.cost.layers import CostLayer, Strategy, layer_comms, redistribute
+from hybridpar.cost.layers import CostLayer, Strategy, Wire, layer_comms, redistribute
 from hybridpar.errors import ConfigError
+from hybridpar.wire import COMPRESSIBLE, payload_bytes
 
 __all__ = ["SCENARIOS", "LayerPlan", "Plan", "PlanResult", "evaluate", "grids", "make_plan", "plan"]
 
@@ -155,6 +156,8 @@ class PlanResult:
     scenarios: list[Plan]  # the best of each scenario, in SCENARIOS order
     candidates: dict[str, list[Plan]]  # every grid tried, per scenario
     elem_bytes: float
+    codec: str | None = None
+    compress: tuple[str, ...] = ()
 
     @property
     def best(self) -> Plan:
@@ -184,6 +187,8 @@ class PlanResult:
             "batch": self.batch,
             "cluster": self.cluster.to_dict(),
             "bytes_per_element": self.elem_bytes,
+            "codec": self.codec or "none",
+            "compress": list(self.compress) if self.codec not in (None, "none") else [],
             "scenarios": [p.to_dict() for p in self.scenarios],
             "best": self.best.to_dict(),
             "speedup_vs_batch": self.speedup_vs_batch(),
@@ -205,7 +210,7 @@ class _Context:
         B: int,
         net: Cluster,
         compute: ComputeModel,
-        e: float,
+        e: float | Wire,
         overlap: bool,
     ) -> None:
         self.layers, self.P, self.B, self.net, self.e, self.overlap = layers, P, B, net, e, overlap
@@ -363,6 +368,8 @@ def plan(
     elem_bytes: float | None = None,
     memory_limit: float | None = None,
     overlap: bool = False,
+    codec: str | None = None,
+    compress: frozenset[str] | set[str] | tuple[str, ...] = COMPRESSIBLE,
 ) -> PlanResult:
     """Evaluate `scenarios` for `layers` on P processes with global batch B."""
     if not isinstance(P, int) or P < 1:
@@ -383,7 +390,7 @@ def plan(
         B,
         cluster,
         compute or FlopsModel(cluster.flops),
-        cluster.word_bytes if elem_bytes is None else elem_bytes,
+        wire(cluster.word_bytes if elem_bytes is None else elem_bytes, codec, compress),
         overlap,
     )
     L = len(layers)
@@ -427,7 +434,8 @@ def plan(
             ]
             candidates[name] = [ctx.search(name, None, options, memory_limit)]
     best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in scenarios]
-    return PlanResult(model, P, B, cluster, best, candidates, ctx.e)
+    base = cluster.word_bytes if elem_bytes is None else elem_bytes
+    return PlanResult(model, P, B, cluster, best, candidates, base, codec, tuple(sorted(compress)))
 
 
 def make_plan(
@@ -445,9 +453,20 @@ def make_plan(
     return plan(zoo_cost_layers(model, input_size), P, B, cluster, model=model, **kwargs)
 
 
+def wire(elem_bytes: float, codec: str | None, compress=COMPRESSIBLE) -> float | Wire:
+    """Bytes per element by kind of traffic: `elem_bytes` everywhere, or the codec's payload size
+    for the traffic in `compress` (grads and/or activations)."""
+    if codec is None or codec == "none":
+        return elem_bytes
+    b = payload_bytes(codec)
+    g, a = "grads" in compress, "activations" in compress
+    return Wire(b if g else elem_bytes, b if a else elem_bytes, g, a)
+
+
 def evaluate(layers: list[CostLayer], P: int, B: int, cluster: Cluster, strategies: list[Strategy],
-             *, elem_bytes: float | None = None, name: str = "custom") -> Plan:  # fmt: skip
+             *, elem_bytes: float | None = None, name: str = "custom", codec: str | None = None,
+             compress=COMPRESSIBLE) -> Plan:  # fmt: skip
     """The predicted cost of one given chain of strategies (what the runtime is about to execute)."""
-    ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.flops),
-                   cluster.word_bytes if elem_bytes is None else elem_bytes, False)  # fmt: skip
+    e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, codec, compress)
+    ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.flops), e, False)
     return ctx.evaluate(name, None, strategies)

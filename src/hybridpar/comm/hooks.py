@@ -11,10 +11,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hybridpar.comm.collectives import all_reduce, group_size
+from hybridpar.comm.codecs import Codec, get_codec
+from hybridpar.comm.collectives import all_reduce, compressed_all_reduce, group_size
 from hybridpar.comm.ledger import Ledger
 
-__all__ = ["ReducerState", "allreduce_hook"]
+__all__ = [
+    "ReducerState",
+    "allreduce_hook",
+    "compressed_hook",
+    "dynamic8",
+    "host_hook",
+    "linear8",
+]
 
 
 @dataclass
@@ -27,6 +35,11 @@ class ReducerState:
     ledger: Ledger | None = None
     term: str = "dw_allreduce"
     bucket_layers: dict[int, dict[str, float]] = field(default_factory=dict)
+    codec: Codec | None = None
+    """compressed_hook's codec (None: dynamic-tree, 4096-element blocks)"""
+    error_feedback: bool = False
+    """keep what the encoding lost per bucket and add it back at the next step"""
+    residuals: dict = field(default_factory=dict)
 
 
 def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -46,3 +59,60 @@ def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Te
         return buf.div_(p) if state.average else buf
 
     return pending.work.get_future().then(done)
+
+
+def _done(result: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(result)
+    return fut
+
+
+def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """The bucket summed by `compressed_all_reduce` with state.codec: 8-bit chunks to their owners
+    by all-to-all, float32 sums, 8-bit sums back by all-gather (Krizhevsky 4.1 + Dettmers).
+
+    It runs synchronously inside the hook: the two collectives depend on each other, and starting
+    the second from a completion callback could order collectives differently on different ranks.
+    """
+    group = state.group if state.group is not None else dist.group.WORLD
+    p = group_size(group)
+    buf = bucket.buffer()
+    if p == 1:
+        return _done(buf)
+    codec = state.codec or get_codec("dynamic-tree")
+    if codec.name == "none":
+        return allreduce_hook(state, bucket)
+    compressed_all_reduce(buf, group, codec, state.ledger, state.term,
+                          state.bucket_layers.get(bucket.index()),
+                          state.residuals if state.error_feedback else None, bucket.index())  # fmt: skip
+    return _done(buf.div_(p) if state.average else buf)
+
+
+def dynamic8(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """compressed_hook with the 8-bit dynamic tree (whatever state.codec says)."""
+    if state.codec is None or state.codec.name != "dynamic-tree":
+        state.codec = get_codec("dynamic-tree")
+    return compressed_hook(state, bucket)
+
+
+def linear8(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """compressed_hook with 8-bit linear (absmax) quantisation."""
+    if state.codec is None or state.codec.name != "linear":
+        state.codec = get_codec("linear")
+    return compressed_hook(state, bucket)
+
+
+def host_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
+    """The bucket summed through host shared memory by state.reducer (a HostReducer: hybridpar.comm.host,
+    Sekiyama et al.) on the reducer's worker thread, overlapped with the rest of the backward pass;
+    over several hosts, the host sums are all-reduced by one rank per host."""
+    buf = bucket.buffer()
+    reducer = state.reducer
+    if dist.get_world_size(reducer.group) == 1:
+        return _done(buf)
+    p = dist.get_world_size(reducer.group)
+    fut = reducer.all_reduce_async(buf, key=bucket.index(), term=state.term,
+                                   layers=state.bucket_layers.get(bucket.index()))  # fmt: skip
+    if not state.average:
+        return fut
+    return fut.then(lambda f: f.value().div_(p))

@@ -26,6 +26,8 @@ def bus_bytes(kind: str, n: float, p: int) -> float:
         return (p - 1) / p * n
     if kind == "broadcast":
         return n
+    if kind == "host_reduce":  # through shared memory: nothing on the network
+        return 0.0
     raise ValueError(f"unknown collective kind {kind!r}")
 
 

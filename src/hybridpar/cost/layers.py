@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hybridpar.cluster import Cluster
-from hybridpar.cost.collectives import Comm, all_gather, all_reduce, all_to_all, halo
+from hybridpar.cost.collectives import (
+    Comm,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    compressed_all_reduce,
+    halo,
+)
 from hybridpar.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CostLayer",
     "Strategy",
+    "Wire",
     "cost_layers",
     "eq3_model",
     "eq4_batch",
@@ -65,6 +73,9 @@ class CostLayer:
     out_units: int  # what model parallelism splits: output channels or features
     flops: int  # forward FLOPs per sample, this layer and the unweighted ones riding along
     members: tuple[str, ...] = field(default=())  # leaf layers folded into this one
+    # parameters of the unweighted layers riding along (batch norm): part of `params`, but they act
+    # on the gathered output, so a model-parallel layout replicates them instead of splitting them
+    extra_params: int = 0
 
     @property
     def spatial(self) -> bool:
@@ -90,6 +101,7 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
                     out_units=s.out_units,
                     flops=s.flops + pending_flops,
                     members=(*pending_names, s.name),
+                    extra_params=pending_params,
                 )
             )
             pending_flops, pending_params, pending_names = 0, 0, []
@@ -101,6 +113,7 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
                     "flops": last.flops + s.flops,
                     "params": last.params + s.params,
                     "members": (*last.members, s.name),
+                    "extra_params": last.extra_params + s.params,
                 }
             )
         else:
@@ -150,20 +163,56 @@ class Strategy:
 # --- the terms ------------------------------------------------------------------------------
 
 
-def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float) -> Comm:
+@dataclass(frozen=True)
+class Wire:
+    """Bytes per element on the wire by kind of traffic, for a codec that compresses some of it:
+    `grads` for weight-gradient reductions, `acts` for activations and their gradients (the
+    all-gathers of Y, the dX all-reduces, the redistributions, the halos). A compressed reduction
+    runs as all-to-all + all-gather (hybridpar.comm.collectives.compressed_all_reduce)."""
+
+    grads: float
+    acts: float
+    grads_compressed: bool = False
+    acts_compressed: bool = False
+
+    @staticmethod
+    def of(e: float | Wire) -> Wire:
+        return e if isinstance(e, Wire) else Wire(e, e)
+
+
+def _reduce(n: float, p: int, net: Cluster, compressed: bool) -> Comm:
+    return compressed_all_reduce(n, p, net) if compressed else all_reduce(n, p, net)
+
+
+def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
     """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_i: forward all-gather of Y over the model group."""
-    return all_gather(B / pc * layer.d_out * e, pr, net)
+    return all_gather(B / pc * layer.d_out * Wire.of(e).acts, pr, net)
 
 
-def t_dx_allreduce(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float) -> Comm:
+def t_dx_allreduce(
+    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire
+) -> Comm:
     """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX."""
-    return all_reduce(B / pc * layer.d_in * e, pr, net)
+    w = Wire.of(e)
+    return _reduce(B / pc * layer.d_in * w.acts, pr, net, w.acts_compressed)
 
 
-def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float) -> Comm:
+def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float | Wire) -> Comm:
     """2*(alpha*ceil(log p) + beta*(p-1)/p*|W_i|/shard): all-reduce of the weight gradient over
-    the p ranks that hold the same 1/shard of W."""
-    return all_reduce(layer.params / shard * e, p, net)
+    the p ranks that hold the same 1/shard of W (riding-along batch-norm parameters are whole on
+    every rank, not split)."""
+    w = Wire.of(e)
+    sharded = layer.params - layer.extra_params
+    return _reduce((sharded / shard + layer.extra_params) * w.grads, p, net, w.grads_compressed)
+
+
+def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> dict[str, Comm]:
+    """Global batch norm over p ranks (Liu et al.): forward all-reduce of [sum x, sum x^2, m] and
+    backward all-reduce of [sum dy, sum dy*(x - mean)], both in float64 (8 bytes an element)."""
+    return {
+        "bn_stats": all_reduce((2 * channels + 1) * 8, p, net),
+        "bn_grad": all_reduce(2 * channels * 8, p, net) if backward else Comm.zero("all_reduce", p),
+    }
 
 
 def _halo_rows(layer: CostLayer, axis: int) -> int:
@@ -174,24 +223,24 @@ def _halo_rows(layer: CostLayer, axis: int) -> int:
     return layer.kernel[axis] // 2
 
 
-def t_halo_fwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float) -> Comm:
+def t_halo_fwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
     """alpha + beta*(B/Pc)*X_W*X_C*floor(k_h/2): the input rows a neighbour needs."""
     if pr <= 1:
         return Comm.zero("halo")
     c, _, w = layer.x_shape
-    return halo(B / pc * w * c * _halo_rows(layer, 0) * e, net)
+    return halo(B / pc * w * c * _halo_rows(layer, 0) * Wire.of(e).acts, net)
 
 
-def t_halo_bwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float) -> Comm:
+def t_halo_bwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
     """alpha + beta*(B/Pc)*Y_W*Y_C*floor(k_w/2): the output-gradient rows, backward."""
     if pr <= 1:
         return Comm.zero("halo")
     c, _, w = layer.y_shape
-    return halo(B / pc * w * c * _halo_rows(layer, 1) * e, net)
+    return halo(B / pc * w * c * _halo_rows(layer, 1) * Wire.of(e).acts, net)
 
 
 def layer_comms(
-    layer: CostLayer, first: bool, s: Strategy, B: int, net: Cluster, e: float | None = None
+    layer: CostLayer, first: bool, s: Strategy, B: int, net: Cluster, e: float | Wire | None = None
 ) -> dict[str, Comm]:
     """The communication terms of one layer under strategy `s` (first: layer i = 1, no dX)."""
     e = net.word_bytes if e is None else e
@@ -212,7 +261,12 @@ def layer_comms(
 
 
 def redistribute(
-    prev: Strategy | None, nxt: Strategy, d: int, B: int, net: Cluster, e: float | None = None
+    prev: Strategy | None,
+    nxt: Strategy,
+    d: int,
+    B: int,
+    net: Cluster,
+    e: float | Wire | None = None,
 ) -> Comm | None:
     """Cost of moving the activation feeding `nxt` (d = d_{i-1} per sample) from the layout `prev`
     left it in, forward and backward together. None when the two layouts do not nest.
@@ -223,7 +277,7 @@ def redistribute(
     a height slice (free) and a gather of the rows; from pure batch with Pr*Pc = P it is one
     all-to-all within the model group each way. The first layer reads its input in any layout.
     """
-    e = net.word_bytes if e is None else e
+    e = Wire.of(net.word_bytes if e is None else e).acts
     if prev is None or prev.layout == nxt.layout:
         return Comm.zero("redistribute")
     p = nxt.pr * nxt.pc

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.comm.codecs import Codec
 from hybridpar.comm.collectives import gather_batch
 from hybridpar.comm.ledger import Ledger
 from hybridpar.errors import ConfigError
@@ -30,6 +31,7 @@ class HandOff(nn.Module):
         self.group, self.ledger, self.layer, self.scheme = group, ledger, layer, scheme
         self.pr = 1 if group is None else dist.get_world_size(group)
         self.sizes: list[int] | None = None  # rows of each model-group rank this step
+        self.codec: Codec | None = None  # the activations on the wire (None: float32)
 
     def set_sizes(self, sizes: list[int]) -> None:
         """Rows held by each rank of this model group in the coming step (known to every rank)."""
@@ -39,4 +41,4 @@ class HandOff(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sizes = self.sizes or [x.shape[0]] * self.pr
-        return gather_batch(x, sizes, self.group, self.ledger, self.layer)
+        return gather_batch(x, sizes, self.group, self.ledger, self.layer, self.codec)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from hybridpar.comm.codecs import Codec
 from hybridpar.comm.collectives import all_gather_uneven, copy_to_group, even_split, gather_features
 from hybridpar.comm.ledger import Ledger
 from hybridpar.errors import ConfigError
@@ -75,10 +76,12 @@ class ModelParallelLinear(nn.Module):
             )
         return w, b
 
+    codec: Codec | None = None  # activations and their gradients on the wire (None: float32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_group(x, self.group, self.ledger, self.name)
+        x = copy_to_group(x, self.group, self.ledger, self.name, self.codec)
         y = F.linear(x, self.weight, self.bias)
-        return gather_features(y, self.sizes, self.group, self.ledger, self.name)
+        return gather_features(y, self.sizes, self.group, self.ledger, self.name, self.codec)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -94,6 +94,8 @@ class GradSync:
         self._handles = []
         self._owner: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket slot, param index)
         self.wait_s = 0.0
+        self.exposed_s = 0.0  # last gradient produced -> all gradients summed, last step
+        self._last_grad_t = 0.0
         index = 0
         for group, named in groups:
             if dist.get_world_size(group) == 1:
@@ -123,6 +125,7 @@ class GradSync:
                 index += 1
 
     def _ready(self, p: nn.Parameter) -> None:
+        self._last_grad_t = time.perf_counter()
         slot, j = self._owner[id(p)]
         state, b = self.buckets[slot]
         b.ready.add(j)
@@ -144,7 +147,9 @@ class GradSync:
             result = b.future.wait()
             b.unpack(result if isinstance(result, torch.Tensor) else result[0])
             b.future, b.ready = None, set()
-        self.wait_s = time.perf_counter() - t0
+        end = time.perf_counter()
+        self.wait_s = end - t0
+        self.exposed_s = end - (self._last_grad_t or t0)
         return self.wait_s
 
     def remove(self) -> None:

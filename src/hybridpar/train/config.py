@@ -38,6 +38,27 @@ class TrainConfig:
     progress: bool = True
     max_steps: int | None = None
     """stop each epoch after this many steps (benchmarks)"""
+    codec: str = "none"
+    """wire encoding: none | fp16 | bf16 | dynamic-tree | linear | mantissa | static-tree"""
+    compress: str = "grads,activations"
+    """what the codec applies to: grads (weight-gradient reductions), activations (model-parallel
+    all-gathers, dX all-reduces, the hand-off), or both"""
+    codec_block: int = 4096
+    """elements per absmax scale of the 8-bit codecs; 0: one scale per tensor (as in the paper)"""
+    error_feedback: bool = False
+    """keep what gradient compression lost and add it back at the next step"""
+    reducer: str = "process-group"
+    """process-group (all-reduce over torch.distributed) | host (shared-memory accumulation on
+    each host, one all-reduce per host across hosts; Sekiyama et al.)"""
+    bn: str = "global"
+    """local (each rank's own examples, DDP's behaviour) | global (the whole batch, as on one
+    process) | adaptive (global until bn_max_batch or convergence, then local)"""
+    bn_max_batch: int | None = None
+    """adaptive: keep BN local from the start when the per-rank batch is at least this"""
+    bn_window: int = 50
+    """adaptive: steps per loss window of the convergence rule"""
+    bn_threshold: float = 0.01
+    """adaptive: converged when a window's mean loss improves on the previous by less than this"""
     grid: tuple[int, int] | None = None
     """resolved from the strategy before spawning"""
 

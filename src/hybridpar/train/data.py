@@ -94,15 +94,32 @@ def validate_data_spec(spec: str) -> None:
     )
 
 
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits (1797 8x8 images, 10 classes), read from the CSV the package ships.
+
+    Importing sklearn.datasets would import joblib, whose loky backend creates named semaphores in
+    /dev/shm in every rank; a rank killed by a signal would leave them behind. Reading the file
+    directly (what load_digits does) avoids that import."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("data 'digits' needs scikit-learn: pip install scikit-learn")
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    x = (table[:, :64] / 16.0).reshape(-1, 1, 8, 8).astype(np.float32)
+    return x, table[:, 64].astype(np.int64)
+
+
 def load_data(spec: str, input_shape: tuple[int, ...] | None = None, num_classes: int = 10,
               seed: int = 0) -> Dataset:  # fmt: skip
     validate_data_spec(spec)
     if spec == "digits":
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        x = (d.images / 16.0).astype(np.float32)[:, None, :, :]
-        return _dataset("digits", *_split(x, d.target.astype(np.int64)))
+        x, y = _digits()
+        return _dataset("digits", *_split(x, y))
     if spec.split(":")[0] == "synthetic":
         n = int(spec.split(":")[1]) if ":" in spec else 512
         shape = input_shape or (1, 8, 8)

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from hybridpar.comm.codecs import get_codec
 from hybridpar.comm.collectives import all_reduce, even_split
 from hybridpar.comm.grid import ProcessGrid
-from hybridpar.comm.hooks import ReducerState, allreduce_hook
+from hybridpar.comm.hooks import ReducerState, allreduce_hook, compressed_hook, host_hook
+from hybridpar.comm.host import HostReducer, HostState
 from hybridpar.comm.ledger import Ledger
+from hybridpar.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
 from hybridpar.parallel.wrap import HybridParallel, parallelize
 from hybridpar.train.config import TrainConfig
 from hybridpar.train.data import Dataset, epoch_steps, load_data
 from hybridpar.train.optim import KrizhevskySGD, lr_factor
+from hybridpar.wire import parse_compress
 
 __all__ = ["Trainer", "layer_map", "train_worker"]
 
@@ -43,14 +48,41 @@ class Trainer:
                  kind: str, layer_of: dict[str, str] | None = None, tail: int | None = None) -> None:  # fmt: skip
         self.cfg, self.grid, self.ledger, self.kind = cfg, grid, ledger, kind
         self.P, self.rank = grid.world_size, grid.rank
+        self.compress = parse_compress(cfg.compress)
+        self.codec = get_codec(cfg.codec, cfg.codec_block or None) if cfg.codec != "none" else None
+        self.bn_switch = (
+            BNSwitch(cfg.bn_max_batch, LossPlateau(cfg.bn_window, cfg.bn_threshold), ledger=ledger)
+            if cfg.bn == "adaptive"
+            else None
+        )
+        if self.bn_switch is not None:
+            self.bn_switch.start(-(-cfg.batch // self.P))  # the nominal per-rank batch
         if kind == "ddp":
-            self.net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
-            self.net.register_comm_hook(
-                ReducerState(group=None, average=True, ledger=ledger), allreduce_hook
+            if cfg.bn != "local":
+                model = convert_global_batchnorm(model, grid.world, ledger=ledger,
+                                                 switch=self.bn_switch, layer_of=layer_of)  # fmt: skip
+            # global statistics keep the running buffers equal on every rank; local BN keeps
+            # DDP's default of broadcasting rank 0's
+            self.net = nn.parallel.DistributedDataParallel(
+                model, bucket_cap_mb=cfg.bucket_mb, broadcast_buffers=cfg.bn == "local"
             )
+            compressed = self.codec is not None and "grads" in self.compress
+            if cfg.reducer == "host":
+                self.net.register_comm_hook(
+                    HostState(HostReducer(None, ledger), ledger=ledger), host_hook
+                )
+            else:
+                self.net.register_comm_hook(
+                    ReducerState(group=None, average=True, ledger=ledger, codec=self.codec,
+                                 error_feedback=cfg.error_feedback),
+                    compressed_hook if compressed else allreduce_hook,
+                )  # fmt: skip
         else:
             self.net = parallelize(model, grid, ledger, tail=tail, layer_of=layer_of,
-                                   bucket_bytes=int(cfg.bucket_mb * 2**20), seed=cfg.seed)  # fmt: skip
+                                   bucket_bytes=int(cfg.bucket_mb * 2**20), seed=cfg.seed,
+                                   bn=cfg.bn, bn_switch=self.bn_switch, codec=self.codec,
+                                   compress=self.compress, error_feedback=cfg.error_feedback,
+                                   reducer=cfg.reducer)  # fmt: skip
         self.opt = KrizhevskySGD(
             self.net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
@@ -112,8 +144,12 @@ class Trainer:
         )
         self.last = {"wait_s": wait, "blocking_s": blocking, "time_s": time.perf_counter() - t0}
         if not self.counts_outputs:
-            return 0.0, 0, 0
-        return float(loss_sum.detach()), int((out.argmax(1) == target).sum()), len(target)
+            result = 0.0, 0, 0
+        else:
+            result = float(loss_sum.detach()), int((out.argmax(1) == target).sum()), len(target)
+        if self.bn_switch is not None:
+            self.bn_switch.observe(result[0], result[2])
+        return result
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, batch: int) -> tuple[int, int]:
@@ -145,12 +181,19 @@ def _sum_over_world(values: list[float], ledger: Ledger) -> list[float]:
 
 def train_worker(cfg: TrainConfig, kind: str) -> dict | None:
     """What every rank runs. Rank 0 returns the report dict; the others return None."""
+    import threading
+
     from tqdm import tqdm
 
+    # tqdm's default lock is a multiprocessing RLock: a named semaphore in /dev/shm that a rank
+    # killed by a signal would leave behind; a thread lock is all one rank needs
+    tqdm.set_lock(threading.RLock())
     from hybridpar.models import build_model
     from hybridpar.train.report import predicted_bytes
 
     P, rank = dist.get_world_size(), dist.get_rank()
+    # DDP warns once per run when a 1-channel conv's gradient has unusual strides: harmless
+    warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
     torch.manual_seed(cfg.seed)
     data: Dataset = load_data(cfg.data, _model_input(cfg), seed=cfg.seed)
@@ -200,6 +243,13 @@ def train_worker(cfg: TrainConfig, kind: str) -> dict | None:
         for k, v in d.items():
             measured[k] = measured.get(k, 0.0) + v / P
     med = {k: float(torch.tensor(v).median()) if v else 0.0 for k, v in times.items()}
+    predicted = predicted_bytes(layers, P, cfg.batch, kind, (pr, pc), layer_of, model, bn=cfg.bn,
+                                codec=cfg.codec, compress=parse_compress(cfg.compress))  # fmt: skip
+    if cfg.reducer == "host" and "dw_allreduce" in predicted:
+        # shared memory within a host; across H hosts one leader each all-reduces: per rank on
+        # average 2(H-1)/H n * H/P instead of 2(P-1)/P n
+        hosts = len(set(_hostnames()))
+        predicted["dw_allreduce"] *= ((hosts - 1) / P) / ((P - 1) / P)
     if rank != 0:
         return None
     comm = med["wait_s"] + med["blocking_s"]
@@ -219,9 +269,19 @@ def train_worker(cfg: TrainConfig, kind: str) -> dict | None:
         },
         "bytes": {
             "measured": measured,
-            "predicted": predicted_bytes(layers, P, cfg.batch, kind, (pr, pc), layer_of, model),
+            "predicted": predicted,
         },
+        "reducer": cfg.reducer,
+        "bn": {"requested": cfg.bn, **(trainer.bn_switch.record() if trainer.bn_switch else {})},
     }
+
+
+def _hostnames() -> list[str]:
+    import socket
+
+    names: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, os.environ.get("HYBRIDPAR_HOST") or socket.gethostname())
+    return [str(n) for n in names]
 
 
 def _model_input(cfg: TrainConfig) -> tuple[int, ...] | None:

@@ -36,18 +36,54 @@ def runtime_strategies(layers: list[CostLayer], model: nn.Sequential, P: int, ki
 
 
 def predicted_bytes(layers: list[CostLayer], P: int, B: int, kind: str, grid: tuple[int, int],
-                    layer_of: dict[str, str], model: nn.Sequential, by_layer: bool = False) -> dict:  # fmt: skip
-    """Bytes per rank per iteration the cost model predicts, by term (or by (layer, term))."""
+                    layer_of: dict[str, str], model: nn.Sequential, by_layer: bool = False,
+                    bn: str = "local", codec: str = "none",
+                    compress: frozenset[str] = frozenset()) -> dict:  # fmt: skip
+    """Bytes per rank per iteration the cost model predicts, by term (or by (layer, term)).
+    With bn global (or adaptive, while it is global) every batch norm adds its two all-reduces."""
     from hybridpar.planner import evaluate
 
-    plan = evaluate(layers, P, B, _NET, runtime_strategies(layers, model, P, kind, grid))
+    plan = evaluate(layers, P, B, _NET, runtime_strategies(layers, model, P, kind, grid),
+                    codec=codec, compress=compress)  # fmt: skip
     if not plan.feasible:
         return {}
-    if by_layer:
-        return {
-            (x.layer.name, k): c.bytes for x in plan.layers for k, c in x.terms.items() if c.bytes
-        }
-    return {k: v for k, v in plan.bytes_by_term().items() if v}
+    out: dict = {}
+    for x in plan.layers:
+        for k, c in x.terms.items():
+            if c.bytes:
+                key = (x.layer.name, k) if by_layer else k
+                out[key] = out.get(key, 0.0) + c.bytes
+    if bn != "local":
+        for key, b in _bn_bytes(model, P, kind, grid, layer_of).items():
+            key = key if by_layer else key[1]
+            out[key] = out.get(key, 0.0) + b
+    return out
+
+
+def _bn_bytes(model: nn.Sequential, P: int, kind: str, grid: tuple[int, int],
+              layer_of: dict[str, str]) -> dict[tuple[str, str], float]:  # fmt: skip
+    """(layer, bn_stats | bn_grad) -> bytes of the global batch norms, each over the ranks that
+    split its examples: all P in the trunk, the batch group of Pc in the fully-connected tail."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from hybridpar.cost.layers import t_global_bn
+    from hybridpar.models import fc_tail_start
+
+    pr, pc = grid
+    tail = fc_tail_start(model) if kind != "ddp" and pr > 1 else len(model)
+    out: dict[tuple[str, str], float] = {}
+    for i, (top, child) in enumerate(model.named_children()):
+        for sub, m in child.named_modules():
+            if not isinstance(m, _BatchNorm):
+                continue
+            name = f"{top}.{sub}" if sub else top
+            first = i == 0 and not sub  # the input itself needs no gradient
+            comms = t_global_bn(m.num_features, P if i < tail else pc, _NET, backward=not first)
+            for term, c in comms.items():
+                if c.bytes:
+                    key = (layer_of.get(name, name), term)
+                    out[key] = out.get(key, 0.0) + c.bytes
+    return out
 
 
 def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:

@@ -8,6 +8,7 @@ import os
 from hybridpar.errors import ConfigError
 from hybridpar.train.config import TrainConfig, parse_strategy
 from hybridpar.train.launch import launch, under_torchrun
+from hybridpar.wire import check_codec, parse_compress
 
 __all__ = ["prepare", "run"]
 
@@ -32,6 +33,20 @@ def prepare(cfg: TrainConfig) -> tuple[TrainConfig, str]:
     if cfg.model not in MODELS:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of: {', '.join(MODELS)}")
     lr_factor(cfg.schedule, 0.0)
+    check_codec(cfg.codec)
+    parse_compress(cfg.compress)
+    if cfg.codec_block < 0:
+        raise ConfigError("--codec-block must be 0 (one scale per tensor) or a positive block size")
+    if cfg.reducer not in ("process-group", "host"):
+        raise ConfigError(f"unknown --reducer {cfg.reducer!r}; use process-group or host")
+    if cfg.reducer == "host" and cfg.codec != "none" and "grads" in parse_compress(cfg.compress):
+        raise ConfigError(
+            "--reducer host sums float32 gradients; use --compress activations or --codec none"
+        )
+    if cfg.bn not in ("local", "global", "adaptive"):
+        raise ConfigError(f"unknown --bn {cfg.bn!r}; use local, global or adaptive")
+    if cfg.bn_window < 1 or not cfg.bn_threshold >= 0:
+        raise ConfigError("--bn-window must be at least 1 and --bn-threshold at least 0")
     validate_data_spec(cfg.data)
     if cfg.batch % P:
         raise ConfigError(
@@ -42,6 +57,10 @@ def prepare(cfg: TrainConfig) -> tuple[TrainConfig, str]:
         grid = _auto_grid(cfg, P)
         kind = "hybrid"
     pr, pc = grid
+    if cfg.reducer == "host" and pr > 1 and kind != "ddp":
+        raise ConfigError(
+            f"--reducer host runs with pure batch parallelism; use --strategy grid:1x{P} or ddp"
+        )
     if pr > 1:
         with torch.device("meta"):
             model = build_model(cfg.model, input_size=cfg.input_size)
