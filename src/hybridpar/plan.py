@@ -1,0 +1,442 @@
+"""ParallelPlan: the one object the planner writes and the runtime executes. Torch-free, typed,
+JSON round-trip.
+
+A plan maps module names to *styles*, the way `torch.distributed.tensor.parallel.parallelize_module`
+maps them to ParallelStyles: each entry is a fully-qualified module name or an fnmatch pattern
+(`classifier.*`, `layer2.*`), and it applies to the weighted layers (Linear, Conv2d) at or inside
+the modules it matches. The first entry that covers a layer wins; a layer no entry covers is
+`batch`. Modules without weights (activations, pooling, batch norm, dropout) take no style: they
+run in the layout of the layer they sit next to.
+
+| style          | what the layer does on a Pr x Pc grid (P = Pr Pc)                                  |
+| -------------- | ---------------------------------------------------------------------------------- |
+| `batch`        | whole layer on every rank, B/P examples each (the grid 1 x P)                        |
+| `model(RxC)`   | Linear: output features split over the Pr ranks of a model group; Conv2d: output   |
+|                | channels split; the Pc batch groups split the examples (Gholami et al. 1.5D, Eq. 8) |
+| `domain(RxC)`  | the image split by height over Pr, halo exchange (Eq. 9); reserved: not executed yet |
+
+Where consecutive layers have different layouts the plan lists a *redistribution* (Gholami Eq. 6
+generalised; Krizhevsky's hand-off scheme (a) is the batch -> model case) at the module whose
+forward pre-hook carries it. The plan also carries the wire and reduction choices (codec, compress,
+reducer, bn) and the cost model's predicted bytes and seconds per (layer, term), so the training
+report can put every measurement next to its prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any, Literal
+
+from hybridpar.errors import ConfigError
+from hybridpar.wire import CODECS, COMPRESSIBLE
+
+__all__ = [
+    "BN_MODES",
+    "ENGINES",
+    "FORMAT",
+    "REDUCERS",
+    "ParallelPlan",
+    "Prediction",
+    "Redistribution",
+    "Style",
+    "Term",
+    "assign_styles",
+]
+
+FORMAT = "hybridpar-plan/1"
+ENGINES = ("hybridpar", "ddp")
+REDUCERS = ("process-group", "host")
+BN_MODES = ("local", "global", "adaptive")
+
+
+class Term(str, Enum):
+    """The names of the cost model's terms; the ledger books every collective under one of them."""
+
+    ALLGATHER = "allgather"  # forward all-gather of a model-parallel layer's output
+    DX_ALLREDUCE = "dx_allreduce"  # backward all-reduce of dX over the model group
+    DW_ALLREDUCE = "dw_allreduce"  # weight-gradient sum over the ranks that replicate a weight
+    REDISTRIBUTE = "redistribute"  # layout change between layers (Eq. 6, hand-off schemes)
+    HALO_FWD = "halo_fwd"
+    HALO_BWD = "halo_bwd"
+    BN_STATS = "bn_stats"  # global batch norm, forward statistics
+    BN_GRAD = "bn_grad"  # global batch norm, backward sums
+    CODEC_OVERHEAD = "codec_overhead"  # 8-bit scales and padding: measured, not predicted
+    METRICS = "metrics"  # once-per-epoch loss and accuracy sums
+    BN_SWITCH = "bn_switch"  # the adaptive batch norm's agreed decision
+    PARAM_BROADCAST = "param_broadcast"  # parameters sent once at the start
+    STATE = "state"  # gathering shards into a full state dict
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+_STYLE_RE = re.compile(r"(batch|model|domain)(?:\((\d+)x(\d+)\))?")
+
+
+@dataclass(frozen=True, order=True)
+class Style:
+    """How one layer is split. `batch` is model(1, P)."""
+
+    kind: Literal["model", "domain"]
+    pr: int
+    pc: int
+
+    @staticmethod
+    def batch(p: int) -> Style:
+        return Style("model", 1, p)
+
+    @staticmethod
+    def model(pr: int, pc: int) -> Style:
+        return Style("model", pr, pc)
+
+    @staticmethod
+    def domain(pr: int, pc: int) -> Style:
+        return Style("domain", pr, pc)
+
+    @property
+    def is_batch(self) -> bool:
+        return self.kind == "model" and self.pr == 1
+
+    @property
+    def label(self) -> str:
+        return "batch" if self.is_batch else f"{self.kind}({self.pr}x{self.pc})"
+
+    def __str__(self) -> str:
+        return self.label
+
+    @property
+    def layout(self) -> tuple:
+        """How the layer's output activations lie on the ranks: ("rep", pc) = split over pc batch
+        groups and replicated within each model group; ("dom", pr, pc) = also split by height."""
+        return (
+            ("dom", self.pr, self.pc) if self.kind == "domain" and self.pr > 1 else ("rep", self.pc)
+        )
+
+    @staticmethod
+    def parse(text: str, procs: int) -> Style:
+        """'batch', 'model(2x2)' or 'domain(4x1)' for a job of `procs` ranks."""
+        m = _STYLE_RE.fullmatch(str(text).strip())
+        if not m:
+            raise ConfigError(
+                f"style {text!r} is not one of batch, model(RxC), domain(RxC), e.g. model(2x2)"
+            )
+        kind, pr, pc = m.group(1), m.group(2), m.group(3)
+        if kind == "batch":
+            if pr is not None and int(pr) != 1:
+                raise ConfigError(f"style {text!r}: batch is 1x{procs}; write batch")
+            return Style.batch(procs)
+        if pr is None:
+            raise ConfigError(f"style {text!r} needs its grid, e.g. {kind}(2x{max(1, procs // 2)})")
+        s = Style(kind, int(pr), int(pc))  # type: ignore[arg-type]
+        if s.pr < 1 or s.pc < 1 or s.pr * s.pc != procs:
+            raise ConfigError(
+                f"style {text!r} has {s.pr * s.pc} ranks but the plan is for P={procs}; "
+                f"use R x C = {procs}"
+            )
+        return s
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """A layout change in front of `layer`, carried by the forward pre-hook of module `at` (its
+    input is the only activation alive at that point of the forward, so changing it there changes
+    it for every path that uses it, residual shortcuts included)."""
+
+    at: str
+    layer: str
+    src: Style
+    dst: Style
+    elements: int  # per example, of the activation redistributed
+    scheme: str = "a"  # Krizhevsky's hand-off scheme; (b) and (c) come later
+
+    def to_dict(self) -> dict:
+        return {
+            "at": self.at,
+            "layer": self.layer,
+            "from": self.src.label,
+            "to": self.dst.label,
+            "elements": self.elements,
+            "scheme": self.scheme,
+        }
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's bytes sent per rank per iteration and seconds, for one (layer, term)."""
+
+    layer: str
+    term: str
+    bytes: float
+    seconds: float
+
+
+@dataclass
+class ParallelPlan:
+    procs: int
+    """P, the number of ranks the plan is for"""
+    batch: int
+    """global mini-batch B the predictions are for"""
+    styles: dict[str, Style] = field(default_factory=dict)
+    """module name or fnmatch pattern -> style, in order; the first entry covering a layer wins"""
+    model: str = ""
+    """what was planned (a zoo name or a class name): informative"""
+    input_shape: tuple[int, ...] | None = None
+    """per-example input shape the layouts were traced with, e.g. (3, 64, 64)"""
+    scenario: str = "custom"
+    engine: Literal["hybridpar", "ddp"] = "hybridpar"
+    """hybridpar's runtime, or torch DistributedDataParallel (every layer batch: the baseline)"""
+    codec: str = "none"
+    compress: tuple[str, ...] = ()
+    """traffic the codec applies to: grads and/or activations"""
+    reducer: Literal["process-group", "host"] = "process-group"
+    bn: Literal["local", "global", "adaptive"] = "global"
+    redistributions: list[Redistribution] = field(default_factory=list)
+    predicted: list[Prediction] = field(default_factory=list)
+    cluster: str = ""
+    """the cluster the predicted seconds are for"""
+    totals: dict[str, float] = field(default_factory=dict)
+    """predicted comm_s, compute_s and total_s per iteration"""
+
+    def __post_init__(self) -> None:
+        for name in ("procs", "batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"plan: {name} must be a positive integer, got {v!r}")
+        if self.engine not in ENGINES:
+            raise ConfigError(
+                f"plan: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}"
+            )
+        if self.codec not in CODECS:
+            raise ConfigError(
+                f"plan: unknown codec {self.codec!r}; choose one of {', '.join(CODECS)}"
+            )
+        bad = set(self.compress) - set(COMPRESSIBLE)
+        if bad:
+            raise ConfigError(
+                f"plan: compress takes {' and/or '.join(COMPRESSIBLE)}, got {sorted(bad)}"
+            )
+        if self.reducer not in REDUCERS:
+            raise ConfigError(
+                f"plan: reducer must be one of {', '.join(REDUCERS)}, got {self.reducer!r}"
+            )
+        if self.bn not in BN_MODES:
+            raise ConfigError(f"plan: bn must be one of {', '.join(BN_MODES)}, got {self.bn!r}")
+        for pattern, s in self.styles.items():
+            if not isinstance(s, Style) or s.pr * s.pc != self.procs:
+                raise ConfigError(f"plan entry {pattern!r}: style {s} does not fit P={self.procs}")
+        if self.engine == "ddp" and any(not s.is_batch for s in self.styles.values()):
+            raise ConfigError("plan: engine ddp runs batch parallelism only; drop the other styles")
+
+    # --- what the runtime and the report ask ---------------------------------------------------
+
+    def grids(self) -> list[tuple[int, int]]:
+        """The distinct (Pr, Pc) grids the styles use, Pr ascending."""
+        return sorted({(s.pr, s.pc) for s in self.styles.values()} | {(1, self.procs)})
+
+    def predicted_bytes(self, by_layer: bool = False) -> dict:
+        """Bytes per rank per iteration by term, or by (layer, term)."""
+        out: dict = {}
+        for p in self.predicted:
+            if p.bytes:
+                key = (p.layer, p.term) if by_layer else p.term
+                out[key] = out.get(key, 0.0) + p.bytes
+        return out
+
+    def with_choices(self, **changes: Any) -> ParallelPlan:
+        return replace(self, **changes)
+
+    # --- JSON ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "input_shape": list(self.input_shape) if self.input_shape else None,
+            "procs": self.procs,
+            "batch": self.batch,
+            "scenario": self.scenario,
+            "engine": self.engine,
+            "styles": {k: v.label for k, v in self.styles.items()},
+            "codec": self.codec,
+            "compress": list(self.compress),
+            "reducer": self.reducer,
+            "bn": self.bn,
+            "redistributions": [r.to_dict() for r in self.redistributions],
+            "cluster": self.cluster,
+            "totals": self.totals,
+            "predicted": [
+                {"layer": p.layer, "term": p.term, "bytes": p.bytes, "seconds": p.seconds}
+                for p in self.predicted
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @staticmethod
+    def from_dict(d: Any, origin: str = "plan") -> ParallelPlan:
+        if not isinstance(d, dict):
+            raise ConfigError(
+                f"{origin}: a plan is a JSON object; write one with `hybridpar plan --out`"
+            )
+        if d.get("format") != FORMAT:
+            raise ConfigError(
+                f"{origin}: not a hybridpar plan (format {d.get('format')!r}, expected {FORMAT!r}); "
+                "write one with `hybridpar plan ... --out FILE`"
+            )
+        known = set(ParallelPlan.__dataclass_fields__) | {"format"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{origin}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        procs = d.get("procs")
+        if not isinstance(procs, int) or procs < 1:
+            raise ConfigError(f"{origin}: procs must be a positive integer, got {procs!r}")
+        styles = d.get("styles", {})
+        if not isinstance(styles, dict):
+            raise ConfigError(f'{origin}: styles must map module names to styles like "model(2x2)"')
+        try:
+            return ParallelPlan(
+                procs=procs,
+                batch=d.get("batch"),
+                styles={str(k): Style.parse(v, procs) for k, v in styles.items()},
+                model=str(d.get("model", "")),
+                input_shape=_shape(d.get("input_shape"), origin),
+                scenario=str(d.get("scenario", "custom")),
+                engine=d.get("engine", "hybridpar"),
+                codec=d.get("codec", "none"),
+                compress=tuple(d.get("compress", ())),
+                reducer=d.get("reducer", "process-group"),
+                bn=d.get("bn", "global"),
+                redistributions=[_redistribution(r, procs) for r in d.get("redistributions", [])],
+                predicted=[_prediction(p) for p in d.get("predicted", [])],
+                cluster=str(d.get("cluster", "")),
+                totals={str(k): float(v) for k, v in d.get("totals", {}).items()},
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{origin}: {exc}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"{origin}: malformed plan ({type(exc).__name__}: {exc})") from None
+
+    @staticmethod
+    def load(path: str | Path) -> ParallelPlan:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(
+                f"plan file {str(p)!r} does not exist; write one with `hybridpar plan ... --out`"
+            )
+        try:
+            data = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"plan file {str(p)!r} is not valid JSON: {str(exc).splitlines()[0]}"
+            ) from None
+        return ParallelPlan.from_dict(data, f"plan file {str(p)!r}")
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(self.to_json())
+        return p
+
+    def describe(self) -> str:
+        """The plan as a table: one row per layer with its style and predicted bytes per term."""
+        terms = [
+            t.value for t in Term if any(p.term == t.value and p.bytes for p in self.predicted)
+        ]
+        per: dict[str, dict[str, Prediction]] = {}
+        for p in self.predicted:
+            per.setdefault(p.layer, {})[p.term] = p
+        named = dict(self.styles)
+        width = max([len(k) for k in [*per, *named]] + [5])
+        head = f"{'layer':<{width}}  {'style':<12}" + "".join(f"{t:>14}" for t in terms)
+        lines = [
+            f"plan {self.scenario} for {self.model or 'a model'}: P={self.procs}, B={self.batch}, "
+            f"engine {self.engine}, bn {self.bn}, codec {self.codec}"
+            + (f" on {'+'.join(self.compress)}" if self.codec != "none" else "")
+            + f", reducer {self.reducer}; predicted KB per rank per iteration"
+            + (f" on {self.cluster}" if self.cluster else ""),
+            head,
+        ]
+        for layer in dict.fromkeys([*named, *per]):
+            style = named.get(layer)
+            row = per.get(layer, {})
+            cells = "".join(
+                f"{row[t].bytes / 1e3:14.1f}" if t in row and row[t].bytes else f"{'':14}"
+                for t in terms
+            )
+            lines.append(f"{layer:<{width}}  {style.label if style else '':<12}{cells}")
+        for r in self.redistributions:
+            lines.append(
+                f"redistribute before {r.layer} (at {r.at or '<input>'}): {r.src} -> {r.dst}"
+            )
+        if self.totals:
+            lines.append(
+                "predicted per iteration: "
+                + ", ".join(
+                    f"{k} {v * 1e3:.3f} ms" for k, v in self.totals.items() if math.isfinite(v)
+                )
+            )
+        return "\n".join(lines)
+
+
+def _shape(v: Any, origin: str) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and x > 0 for x in v):
+        raise ConfigError(
+            f"{origin}: input_shape must be a list of positive sizes, e.g. [3, 64, 64]"
+        )
+    return tuple(v)
+
+
+def _redistribution(r: dict, procs: int) -> Redistribution:
+    return Redistribution(
+        str(r["at"]),
+        str(r["layer"]),
+        Style.parse(r["from"], procs),
+        Style.parse(r["to"], procs),
+        int(r["elements"]),
+        str(r.get("scheme", "a")),
+    )
+
+
+def _prediction(p: dict) -> Prediction:
+    return Prediction(str(p["layer"]), str(p["term"]), float(p["bytes"]), float(p["seconds"]))
+
+
+def assign_styles(
+    styles: dict[str, Style], modules: list[str], layers: list[str], procs: int
+) -> dict[str, Style]:
+    """The style of every weighted layer in `layers` (module names): the first entry of `styles`
+    whose pattern matches the layer or a module containing it; `batch` when none does.
+
+    An entry that covers no weighted layer is a mistake (a typo, a plan for another model) and
+    raises a one-line ConfigError naming it."""
+    known = set(modules)
+    out: dict[str, Style] = {}
+    for pattern, style in styles.items():
+        matched = [m for m in modules if fnmatchcase(m, pattern)]
+        if not matched:
+            close = sorted(m for m in known if m and m.split(".")[0] == pattern.split(".")[0])[:4]
+            hint = f" (modules there: {', '.join(close)})" if close else ""
+            raise ConfigError(f"plan entry {pattern!r} names no module of the model{hint}")
+        covered = [
+            x for x in layers if any(x == m or m == "" or x.startswith(m + ".") for m in matched)
+        ]
+        if not covered:
+            raise ConfigError(
+                f"plan entry {pattern!r} matches {', '.join(matched[:3])}, which has no Linear or "
+                "Conv2d layer: only layers with weights take a style (the others follow them)"
+            )
+        for x in covered:
+            out.setdefault(x, style)
+    return {x: out.get(x, Style.batch(procs)) for x in layers}
