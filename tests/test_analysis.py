@@ -2,10 +2,10 @@ import pytest
 import torch
 from torch import nn
 
-from hybridpar.analysis import analyze
+from hybridpar.analysis import analyze, trace
 from hybridpar.cost.layers import cost_layers
 from hybridpar.errors import ConfigError
-from hybridpar.models import MODELS, build_model, fc_tail_start, input_shape
+from hybridpar.models import MODELS, build_model, input_shape
 
 
 def meta(name, **kw):
@@ -17,8 +17,15 @@ def test_alexnet_has_caffe_shapes():
     specs = analyze(meta("alexnet"), (3, 227, 227))
     w = [s for s in specs if s.kind in ("conv", "linear")]
     assert [s.out_shape for s in w] == [
-        (96, 55, 55), (256, 27, 27), (384, 13, 13), (384, 13, 13), (256, 13, 13), (4096,), (4096,), (1000,),
-    ]  # fmt: skip
+        (96, 55, 55),
+        (256, 27, 27),
+        (384, 13, 13),
+        (384, 13, 13),
+        (256, 13, 13),
+        (4096,),
+        (4096,),
+        (1000,),
+    ]
     pools = [s for s in specs if s.kind == "pool"]
     assert [s.out_shape for s in pools] == [(96, 27, 27), (256, 13, 13), (256, 6, 6)]
     fc6 = w[5]
@@ -46,13 +53,11 @@ def test_alexnet_owt_small_input_keeps_4096_head():
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_every_zoo_model_is_sequential_and_analyses(name):
-    m = meta(name)
-    assert isinstance(m, nn.Sequential)
-    specs = analyze(m, input_shape(name))
+def test_every_zoo_model_analyses(name):
+    specs = analyze(meta(name), input_shape(name))
     assert specs and all(s.d_out > 0 for s in specs)
-    if name != "resnet20":
-        assert fc_tail_start(m) < len(m)
+    layers = cost_layers(specs)
+    assert layers[0].entry == "" and not layers[0].input_grad  # nothing flows back into the input
 
 
 def test_real_module_is_not_touched():
@@ -79,6 +84,77 @@ def test_bad_input_shape_is_one_line_error():
         analyze(meta("mlp"), (0,))
 
 
-def test_no_fc_tail():
-    with pytest.raises(ConfigError, match="no sequential fully-connected tail"):
-        fc_tail_start(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU()))
+class Block(nn.Module):
+    """A residual block whose input is also read after its first layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.conv1(x))  # the same ReLU module is called twice
+        out = self.conv2(out)
+        out += x  # in place
+        return self.relu(out)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 4, 3, padding=1)
+        self.block = Block()
+        self.head = nn.Sequential(nn.Dropout(), nn.Linear(4 * 8 * 8, 6), nn.ReLU(inplace=True))
+        self.fc = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        x = self.block(self.stem(x))
+        x = torch.flatten(x, 1)
+        return self.fc(self.head(x)) * self.scale
+
+
+def test_segments_follow_the_dataflow():
+    """A layout can change only where one activation is alive: at the residual block's entry (not
+    at its first conv, whose input the shortcut still reads), at the FC head's first Linear (after
+    torch.flatten and dropout), at the last Linear."""
+    t = trace(Net(), (1, 8, 8))
+    layers = cost_layers(t.specs)
+    assert [(x.name, x.segment, x.entry) for x in layers] == [
+        ("stem", 0, ""),
+        ("block.conv1", 1, "block"),
+        ("block.conv2", 1, None),
+        ("head.1", 2, "head.1"),
+        ("fc", 3, "fc"),
+    ]
+    assert layers[1].entry_elements == 4 * 8 * 8 and layers[3].entry_elements == 256
+    assert t.calls["block.relu"] == 2
+    # a parameter used outside any leaf (in forward) is in the segment where it is used
+    assert t.param_segments["scale"] == {3} and t.param_segments["block.conv2.weight"] == {1}
+    assert [x.input_grad for x in layers] == [False, True, True, True, True]
+
+
+class TwoOutputs(nn.Module):
+    """The first layer's output is returned too: it stays alive to the end, so no later point
+    can change the layout and all layers share one segment."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.c(self.b(h)), h
+
+
+def test_a_value_alive_to_the_end_joins_everything_after_it():
+    t = trace(TwoOutputs(), (4,))
+    assert {s.segment for s in t.specs} == {0}
+
+
+def test_batch_norm_rides_with_the_layer_of_its_segment():
+    layers = cost_layers(analyze(meta("resnet20", input_size=8), (3, 8, 8)))
+    stem, first = layers[0], layers[1]
+    assert stem.members == ("conv1", "bn1", "relu") and stem.norms == ((16, True),)
+    assert first.name == "layer1.0.conv1" and first.entry == "layer1.0"
+    assert {x.segment for x in layers if x.name.startswith("layer2.1.")} == {first.segment + 4}

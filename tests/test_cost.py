@@ -8,7 +8,7 @@ from hybridpar.cluster import PRESETS, Cluster
 from hybridpar.cost import collectives as cc
 from hybridpar.cost.layers import (
     CostLayer,
-    Strategy,
+    Style,
     eq3_model,
     eq4_batch,
     eq5_volume_ratio,
@@ -41,9 +41,17 @@ def lin(d_in: int, d_out: int, name: str = "fc") -> CostLayer:
 
 def conv(c_in: int, c_out: int, hw: int, k: int = 3, name: str = "conv") -> CostLayer:
     return CostLayer(
-        name, "conv", c_in * c_out * k * k + c_out, c_in * hw * hw, c_out * hw * hw,
-        (c_in, hw, hw), (c_out, hw, hw), (k, k), c_out, 2 * c_out * hw * hw * c_in * k * k,
-    )  # fmt: skip
+        name,
+        "conv",
+        c_in * c_out * k * k + c_out,
+        c_in * hw * hw,
+        c_out * hw * hw,
+        (c_in, hw, hw),
+        (c_out, hw, hw),
+        (k, k),
+        c_out,
+        2 * c_out * hw * hw * c_in * k * k,
+    )
 
 
 def approx(x: float) -> object:
@@ -101,9 +109,9 @@ def test_eq7_domain_by_hand():
 def test_eq6_redistribute_by_hand():
     assert eq6_redistribute(9216, 4, 16, NET) == approx(2 + 16 * 0.75 * 9216 * 4e-3)
     # the planner's batch -> model hand-off is Eq. 6 on the model group: P -> Pr, B -> B/Pc
-    r = redistribute(Strategy.batch(8), Strategy.model(4, 2), 9216, 16, NET)
+    r = redistribute(Style.batch(8), Style.model(4, 2), 9216, 16, NET)
     assert r.seconds == approx(eq6_redistribute(9216, 4, 8, NET))
-    assert redistribute(Strategy.model(4, 2), Strategy.model(4, 2), 9216, 16, NET).seconds == 0
+    assert redistribute(Style.model(4, 2), Style.model(4, 2), 9216, 16, NET).seconds == 0
 
 
 def test_eq9_by_hand_mixes_domain_and_model():

@@ -5,7 +5,7 @@ import pytest
 
 from hybridpar.analysis_cache import zoo_cost_layers
 from hybridpar.cluster import PRESETS, Cluster, load_cluster
-from hybridpar.cost.layers import CostLayer, Strategy
+from hybridpar.cost.layers import CostLayer, Style
 from hybridpar.errors import ConfigError
 from hybridpar.planner import SCENARIOS, grids, make_plan, plan
 
@@ -53,8 +53,8 @@ def test_dp_equals_brute_force():
     r = plan(layers, P, B, KNL, scenarios=["per-layer"])
     gs = grids(P, B)
     options = [
-        [Strategy.model(*g) for g in gs]
-        + ([Strategy.domain(*g) for g in gs if g[0] > 1] if x.kind == "conv" else [])
+        [Style.model(*g) for g in gs]
+        + ([Style.domain(*g) for g in gs if g[0] > 1] if x.kind == "conv" else [])
         for x in layers
     ]
     from hybridpar.cost.compute import FlopsModel
@@ -75,8 +75,8 @@ def test_fc_grid_beats_batch_and_same_grid_at_scale():
     r = make_plan("alexnet", 512, 2048, KNL)
     fc, same, batch = r.scenario("fc-grid"), r.scenario("same-grid"), r.scenario("batch")
     assert fc.comm_s < same.comm_s < batch.comm_s
-    assert all(x.strategy.label == "batch" for x in fc.layers if x.layer.kind == "conv")
-    assert all(x.strategy.pr == fc.grid[0] for x in fc.layers if x.layer.kind == "linear")
+    assert all(x.style.label == "batch" for x in fc.layers if x.layer.kind == "conv")
+    assert all(x.style.pr == fc.grid[0] for x in fc.layers if x.layer.kind == "linear")
 
 
 def test_domain_extends_scaling_beyond_batch():
@@ -84,7 +84,7 @@ def test_domain_extends_scaling_beyond_batch():
     r = make_plan("alexnet", 4096, 512, KNL)
     assert not r.scenario("batch").feasible
     dom = r.scenario("domain")
-    assert dom.feasible and any(x.strategy.kind == "domain" for x in dom.layers)
+    assert dom.feasible and any(x.style.kind == "domain" for x in dom.layers)
     assert r.speedup_vs_batch() is None
 
 
@@ -133,7 +133,7 @@ def test_json_shape():
         "params",
         "d_in",
         "d_out",
-        "strategy",
+        "style",
         "pr",
         "pc",
         "comm_s",
@@ -185,3 +185,94 @@ def test_cached_and_fresh_analysis_agree(monkeypatch, tmp_path):
     monkeypatch.setenv("HYBRIDPAR_NO_CACHE", "1")
     assert first == second == zoo_cost_layers("alexnet-owt", 64)
     assert list((tmp_path / "analysis").glob("*.json"))
+
+
+def _segmented():
+    """Layers 1 and 2 share a segment (a residual block): one style between them."""
+    a, b, c, d = _layers()
+    return [
+        a,
+        CostLayer(**{**b.__dict__, "segment": 1, "entry": "blk", "entry_elements": 4096}),
+        CostLayer(**{**c.__dict__, "segment": 1}),
+        d,
+    ]
+
+
+def test_dp_respects_segments_and_equals_brute_force():
+    from hybridpar.cost.compute import FlopsModel
+    from hybridpar.planner import _Context
+
+    layers, P, B = _segmented(), 4, 8
+    r = plan(layers, P, B, KNL, scenarios=["per-layer"])
+    got = r.scenario("per-layer")
+    assert got.layers[1].style == got.layers[2].style
+    gs = grids(P, B)
+    options = [[Style.model(*g) for g in gs] for _ in layers]
+    ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, False)
+    chains = [c for c in itertools.product(*options) if c[1] == c[2]]
+    best = min(p.comm_s for c in chains if (p := ctx.evaluate("x", None, list(c))).feasible)
+    assert got.comm_s == pytest.approx(best, rel=1e-12)
+    # two styles inside one segment: infeasible, and the reason names both layers
+    bad = ctx.evaluate(
+        "x", None, [Style.batch(4), Style.batch(4), Style.model(4, 1), Style.batch(4)]
+    )
+    assert not bad.feasible and "share one layout" in bad.reason
+
+
+def test_global_batch_norm_is_priced_over_each_layouts_batch_group():
+    P, B = 4, 16
+    r = make_plan("resnet20", P, B, KNL, scenarios=["batch", "fc-grid"], bn="global", input_size=8)
+    batch = r.scenario("batch")
+    channels = [c for x in batch.layers for c, _ in x.layer.norms]
+    assert len(channels) == 19
+    stats = sum(2 * (P - 1) / P * (2 * c + 1) * 8 for c in channels)
+    assert batch.bytes_by_term()["bn_stats"] == pytest.approx(stats)
+    local = make_plan("resnet20", P, B, KNL, scenarios=["batch"], input_size=8).scenario("batch")
+    assert "bn_stats" not in local.bytes_by_term()
+
+
+def test_without_domain_nothing_proposes_it():
+    r = make_plan("alexnet", 64, 512, KNL, domain=False)
+    assert r.scenario("domain").reason.startswith("domain parallelism is planned but not executed")
+    assert all(x.style.kind == "model" for x in r.scenario("per-layer").layers)
+    with_domain = make_plan("alexnet", 4096, 512, KNL)
+    with pytest.raises(ConfigError, match="not executed yet"):
+        with_domain.export(with_domain.scenario("domain"))
+
+
+def test_export_lists_styles_redistributions_and_predictions():
+    from hybridpar.plan import ParallelPlan
+
+    r = make_plan("alexnet-owt", 4, 32, KNL, input_size=64, scenarios=["fc-grid"])
+    p = r.export(r.scenario("fc-grid"))
+    assert p.input_shape == (3, 64, 64) and p.procs == 4 and p.batch == 32
+    linear = [k for k, s in p.styles.items() if not s.is_batch]
+    assert linear == ["15", "18", "20"]  # the three Linear layers of the Sequential
+    [hand_off] = p.redistributions
+    assert (hand_off.layer, hand_off.src.label, hand_off.elements) == ("15", "batch", 256)
+    assert ParallelPlan.from_dict(p.to_dict()) == p
+    total = sum(x.bytes for x in p.predicted)
+    assert total == pytest.approx(sum(r.scenario("fc-grid").bytes_by_term().values()))
+
+
+def test_presets_are_plans_of_the_planner():
+    from hybridpar.presets import plan_preset
+
+    layers = zoo_cost_layers("digits-cnn")
+    owt = plan_preset("owt", layers, 4, 64, KNL)
+    assert {k: s.label for k, s in owt.styles.items()} == {
+        "0": "batch",
+        "2": "batch",
+        "6": "model(4x1)",
+        "8": "model(4x1)",
+        "10": "model(4x1)",
+    }
+    assert plan_preset("ddp", layers, 4, 64, KNL).engine == "ddp"
+    grid = plan_preset("grid:2x2", layers, 4, 64, KNL)
+    assert {s.label for s in grid.styles.values()} == {"batch", "model(2x2)"}
+    auto = plan_preset("auto", layers, 4, 64, KNL)
+    best = plan(layers, 4, 64, KNL, scenarios=[s for s in SCENARIOS if s != "domain"], domain=False)
+    assert auto.totals["total_s"] == pytest.approx(best.best.total_s)
+    for bad, needle in (("grid:3x2", "has 6 ranks"), ("pipeline", "unknown preset")):
+        with pytest.raises(ConfigError, match=needle):
+            plan_preset(bad, layers, 4, 64, KNL)

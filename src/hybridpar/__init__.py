@@ -5,8 +5,9 @@ model in `hybridpar.cost`) and the runtime that executes a plan and measures it.
 """
 
 from hybridpar.cluster import PRESETS, Cluster, load_cluster
-from hybridpar.cost.layers import CostLayer, Strategy, cost_layers
+from hybridpar.cost.layers import CostLayer, cost_layers
 from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan, Style
 from hybridpar.planner import SCENARIOS, Plan, PlanResult, make_plan, plan
 
 __version__ = "0.1.0"
@@ -17,9 +18,10 @@ __all__ = [
     "Cluster",
     "ConfigError",
     "CostLayer",
+    "ParallelPlan",
     "Plan",
     "PlanResult",
-    "Strategy",
+    "Style",
     "cost_layers",
     "load_cluster",
     "make_plan",

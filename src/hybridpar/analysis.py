@@ -1,7 +1,19 @@
-"""nn.Module + input shape -> the ordered list of its layers, with the sizes the cost model needs.
+"""nn.Module + input shape -> the ordered list of its layers, with the sizes the cost model needs,
+and where in the forward the activation layout may change.
 
-The model runs once on the meta device (no memory, no arithmetic), with forward hooks on every leaf
-module recording per-sample shapes. Shapes are per sample: the batch dimension is dropped.
+The model runs once on the meta device (no memory, no arithmetic), with forward hooks on every
+module recording per-sample shapes and a TorchFunctionMode recording the dataflow between them
+(`torch.flatten`, residual additions, slicing: whatever the user's `forward` does). Shapes are per
+sample: the batch dimension is dropped.
+
+Where a layout can change. The runtime changes the layout of an activation (e.g. gathers the
+examples of a batch group before a model-parallel layer) in a forward pre-hook, which rewrites the
+input of one module call. That is sound only at a *clean cut*: a module called once whose first
+tensor argument is the only activation alive at that point of the forward (produced before, used
+after), and whose every later use lies inside that call. In a residual block the block's entry is
+a clean cut and its first convolution is not (the shortcut keeps the input alive past it), so a
+layout change for the block happens at the block, and the layers inside it share one layout: the
+planner gives a residual block one style. Layers between two clean cuts form a *segment*.
 
 FLOPs count one multiply-add as 2 and leave biases out, the convention of Krizhevsky's footnote 4
 (a 4096x512 slice of a fully-connected layer is "4096 x 512 x 2 FLOPs per sample").
@@ -9,15 +21,19 @@ FLOPs count one multiply-add as 2 and leave biases out, the convention of Krizhe
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from hybridpar.errors import ConfigError
 
-__all__ = ["LayerSpec", "analyze", "layer_kind"]
+__all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _POOL = (
@@ -93,8 +109,12 @@ class LayerSpec:
     padding: tuple[int, ...] | None = None
     groups: int = 1
     out_units: int = (
-        0  # output features (linear) or output channels (conv): what model parallelism splits
+        0  # output features (linear) or output channels (conv): what a model split splits
     )
+    segment: int = 0  # the segment (run of layers between clean cuts) this call belongs to
+    entry: str | None = None  # set on a segment's first leaf: the module whose pre-hook starts it
+    entry_elements: int = 0  # per example, of the activation entering the segment there
+    input_grad: bool = True  # whether the input depends on parameters (so dX is needed)
 
     @property
     def params(self) -> int:
@@ -177,42 +197,156 @@ def _spec(
     )
 
 
-def analyze(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> list[LayerSpec]:
-    """Ordered leaf layers of `model` for one input of `input_shape` (per sample, no batch dim).
+@dataclass
+class Trace:
+    """What one meta-device forward pass showed: the leaf calls in order (with their segments),
+    how often each module ran, and in which segments each parameter was used."""
 
-    Runs the forward pass on meta tensors, so a 100-million-parameter model costs nothing; a model
-    already on the meta device is used as is. Modules called twice appear twice.
-    """
+    specs: list[LayerSpec]
+    calls: dict[str, int] = field(default_factory=dict)
+    param_segments: dict[str, set[int]] = field(default_factory=dict)
+
+    def segment_modules(self) -> dict[str, set[int]]:
+        """Leaf module name -> the segments it ran in."""
+        out: dict[str, set[int]] = {}
+        for s in self.specs:
+            out.setdefault(s.name, set()).add(s.segment)
+        return out
+
+
+class _Recorder(TorchFunctionMode):
+    """The dataflow of one forward pass. A leaf module call is one op; the torch functions called
+    outside leaves (flatten, add, slicing, ...) are ops too. Every tensor is keyed by (id, version):
+    an in-place op or a module that returns its input starts a new version, so the uses of the
+    value after it are not uses of the value before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = 0
+        self.on = False
+        self.in_leaf = 0
+        self.version: dict[int, int] = {}
+        self.produced: dict[tuple[int, int], int] = {}
+        self.last_use: dict[tuple[int, int], float] = {}
+        self.grad: set[tuple[int, int]] = set()  # values that depend on a parameter
+        self.keep: list[torch.Tensor] = []  # holds every tensor so ids are never reused
+        self.params: dict[int, str] = {}  # id of a parameter tensor -> its name
+        self.param_times: dict[str, list[int]] = {}
+
+    def key(self, x: torch.Tensor) -> tuple[int, int]:
+        return id(x), self.version.get(id(x), 0)
+
+    def use(self, xs: list[torch.Tensor], t: float) -> bool:
+        """Record uses at time t; True when any input depends on a parameter."""
+        grad = False
+        for x in xs:
+            name = self.params.get(id(x))
+            if name is not None:
+                self.param_times.setdefault(name, []).append(int(t))
+                grad = True
+                continue
+            k = self.key(x)
+            self.last_use[k] = max(self.last_use.get(k, -1), t)
+            grad = grad or k in self.grad
+        return grad
+
+    def produce(self, ys: list[torch.Tensor], t: int, grad: bool) -> None:
+        for y in ys:
+            if id(y) in self.params:
+                continue
+            if (id(y), self.version.get(id(y), 0)) in self.produced:
+                self.version[id(y)] = self.version.get(id(y), 0) + 1
+            k = self.key(y)
+            self.produced[k] = t
+            if grad:
+                self.grad.add(k)
+            self.keep.append(y)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.on and not self.in_leaf:
+            outs = _tensors(out)
+            if outs:  # metadata (size, dim, shape) produces no tensor and is no data use
+                t = self.t
+                self.t += 1
+                self.produce(outs, t, self.use(_tensors((args, kwargs)), t))
+        return out
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
+    """Run `model` once on meta tensors for one input of `input_shape` (per sample, no batch dim)
+    and return its leaf calls, segments and parameter uses. A 100-million-parameter model costs
+    nothing; the model itself is not modified."""
     input_shape = tuple(int(s) for s in input_shape)
     if not input_shape or any(s <= 0 for s in input_shape):
         raise ConfigError(
             f"input shape {input_shape} must be positive sizes per sample, e.g. 3,224,224"
         )
-    records: list[LayerSpec] = []
+    rec = _Recorder()
     names = {m: n for n, m in model.named_modules()}
-
-    def hook(module: nn.Module, args: tuple, output: object) -> None:
-        if (
-            not args
-            or not isinstance(args[0], torch.Tensor)
-            or not isinstance(output, torch.Tensor)
-        ):
-            return
-        in_shape = tuple(args[0].shape[1:])
-        out_shape = tuple(output.shape[1:])
-        records.append(_spec(names[module], module, in_shape, out_shape))
-
-    leaves = [m for m in model.modules() if next(m.children(), None) is None and m is not model]
+    leaves = {m for m in model.modules() if next(m.children(), None) is None and m is not model}
     if not leaves:
-        leaves = [model]
-    handles = [m.register_forward_hook(hook) for m in leaves]
+        leaves = {model}
+    specs: list[tuple[int, LayerSpec]] = []  # (time, spec)
+    calls: list[
+        list
+    ] = []  # [name, enter time, exit time, key of the first tensor argument, elements]
+    stack: list[int] = []
+
+    def pre(module: nn.Module, args: tuple) -> None:
+        ins = _tensors(args)
+        if module is model:
+            rec.on = True
+            rec.produce(ins, -1, False)
+        first = ins[0] if ins else None
+        calls.append(
+            [
+                names[module],
+                rec.t,
+                None,
+                rec.key(first) if first is not None else None,
+                math.prod(first.shape[1:]) if first is not None else 0,
+            ]
+        )
+        stack.append(len(calls) - 1)
+        if module in leaves and module is not model:
+            t = rec.t
+            rec.t += 1
+            grad = rec.use(ins, t)
+            own = rec.use(list(module.parameters(recurse=False)), t)
+            module._hybridpar_call = (t, grad, own)
+            rec.in_leaf += 1
+
+    def post(module: nn.Module, args: tuple, output: object) -> None:
+        calls[stack.pop()][2] = rec.t
+        outs = _tensors(output)
+        if module in leaves and module is not model:
+            rec.in_leaf -= 1
+            t, grad, own = module.__dict__.pop("_hybridpar_call")
+            rec.produce(outs, t, grad or own)
+            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                spec = _spec(
+                    names[module], module, tuple(args[0].shape[1:]), tuple(output.shape[1:])
+                )
+                specs.append((t, replace(spec, input_grad=grad)))
+        if module is model:
+            rec.use(outs, math.inf)
+            rec.on = False
+
+    handles = []
+    for m in model.modules():
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
     try:
         x = torch.empty((2, *input_shape), device="meta")
-        state = {
-            k: torch.empty_like(v, device="meta")
-            for k, v in [*model.named_parameters(), *model.named_buffers()]
-        }
-        with torch.no_grad():
+        state = {}
+        for k, v in [*model.named_parameters(), *model.named_buffers()]:
+            state[k] = torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
+        rec.params = {id(v): k for k, v in state.items() if v.requires_grad}
+        with rec, torch.no_grad():
             try:
                 torch.func.functional_call(model, state, (x,))
             except RuntimeError as exc:
@@ -223,4 +357,49 @@ def analyze(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> list[
     finally:
         for h in handles:
             h.remove()
-    return records
+    return _segments(specs, calls, rec)
+
+
+def _clean(call: list, rec: _Recorder, counts: dict[str, int]) -> bool:
+    """A forward pre-hook on this call can change the layout of the whole forward from here on."""
+    name, enter, exit_, key, _ = call
+    if key is None or counts[name] != 1 or rec.last_use.get(key, -1) >= exit_:
+        return False
+    live = [k for k, t in rec.produced.items() if t < enter and rec.last_use.get(k, -1) >= enter]
+    return live == [key]
+
+
+def _segments(timed: list[tuple[int, LayerSpec]], calls: list[list], rec: _Recorder) -> Trace:
+    counts: dict[str, int] = {}
+    for c in calls:
+        counts[c[0]] = counts.get(c[0], 0) + 1
+    weighted = [t for t, s in timed if s.kind in ("conv", "linear") and s.params > 0]
+    cuts: list[tuple[int, str, int]] = []  # (time, module, elements)
+    for prev, t in itertools.pairwise(weighted):
+        window = [c for c in calls if prev < c[1] <= t and _clean(c, rec, counts)]
+        if window:  # the latest; among modules entered at the same time, the innermost
+            best = max(reversed(window), key=lambda c: c[1])  # max keeps the first of a tie
+            cuts.append((best[1], best[0], best[4]))
+    times = [c[0] for c in cuts]
+    specs: list[LayerSpec] = []
+    opened: set[int] = set()
+    first_input = calls[0][4] if calls else 0
+    for t, s in timed:
+        seg = bisect.bisect_right(times, t)
+        entry, elements = None, 0
+        if seg not in opened:
+            opened.add(seg)
+            entry, elements = (
+                ("", first_input) if seg == 0 else (cuts[seg - 1][1], cuts[seg - 1][2])
+            )
+        specs.append(replace(s, segment=seg, entry=entry, entry_elements=elements))
+    param_segments = {
+        name: {bisect.bisect_right(times, t) for t in ts} for name, ts in rec.param_times.items()
+    }
+    return Trace(specs, counts, param_segments)
+
+
+def analyze(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> list[LayerSpec]:
+    """Ordered leaf layers of `model` for one input of `input_shape` (per sample, no batch dim).
+    Modules called twice appear twice. See `trace` for the segments."""
+    return trace(model, input_shape).specs

@@ -23,7 +23,7 @@ _HERE = Path(__file__).parent
 
 def _key(model: str, input_size: int | None) -> str:
     h = hashlib.sha256()
-    for f in ("models.py", "analysis.py", "cost/layers.py"):
+    for f in ("models.py", "analysis.py", "cost/layers.py", "plan.py"):
         h.update((_HERE / f).read_bytes())
     return f"{model}-{input_size or 'default'}-{h.hexdigest()[:16]}"
 
@@ -47,10 +47,7 @@ def zoo_cost_layers(model: str, input_size: int | None = None) -> list[CostLayer
     if path.is_file():
         try:
             rows = json.loads(path.read_text())
-            return [
-                CostLayer(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
-                for r in rows
-            ]
+            return [CostLayer.from_dict(r) for r in rows]
         except (json.JSONDecodeError, TypeError):
             pass  # a damaged cache entry is rebuilt below
     layers = _analyse(model, input_size)

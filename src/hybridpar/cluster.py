@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["PRESETS", "Cluster", "load_cluster"]
+__all__ = ["BYTES_ONLY", "PRESETS", "Cluster", "load_cluster"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,16 @@ PRESETS: dict[str, Cluster] = {
         ),
     )
 }
+
+
+# prices bytes exactly and seconds as ~0: for checking a plan's volumes, or where nothing is calibrated
+BYTES_ONLY = Cluster(
+    "bytes-only",
+    alpha=0.0,
+    beta=1e-300,
+    flops=1e300,
+    source="bytes only: run `hybridpar calibrate` for seconds",
+)
 
 
 def cache_dir() -> Path:

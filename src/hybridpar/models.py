@@ -1,13 +1,15 @@
-"""Model zoo. Every model is an nn.Sequential at top level, so the planner and the runtime can cut it
-into a conv trunk and a fully-connected tail by index.
+"""Model zoo. `parallelize` takes any module tree; the zoo mixes flat nn.Sequentials (the shapes
+of the papers' tables) with real module trees (resnet20: stages of BasicBlocks, `torch.flatten` in
+`forward`).
 
 | name        | what                                                                              |
 | ----------- | --------------------------------------------------------------------------------- |
 | alexnet     | one tower with Caffe bvlc_alexnet shapes (227x227x3, 96-256-384-384-256, LRN)     |
 | alexnet-owt | Krizhevsky's "one weird trick" one-tower net: 64-192-384-384-256 filters, 224 in  |
 | vgg16       | VGG configuration D                                                                |
-| resnet20    | CIFAR-style ResNet-20 with batch norm (He et al. 2016, section 4.2)               |
+| resnet20    | CIFAR-style ResNet-20 with batch norm (He et al. 2016, section 4.2), a module tree |
 | digits-cnn  | small CNN with a 3-layer FC head for scikit-learn's 8x8 digits                     |
+| digits-wide | the digits CNN with a 2048-wide FC head: the FC weights dominate, as in AlexNet   |
 | mlp         | Dettmers' MNIST network 784-1024-1024-10                                           |
 """
 
@@ -16,11 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from hybridpar.errors import ConfigError
 
-__all__ = ["MODELS", "ModelInfo", "build_model", "fc_tail_start", "input_shape"]
+__all__ = ["MODELS", "BasicBlock", "ModelInfo", "ResNet20", "build_model", "input_shape"]
 
 
 def _conv_out(size: int, kernel: int, stride: int = 1, pad: int = 0) -> int:
@@ -142,18 +145,36 @@ class BasicBlock(nn.Module):
         return self.relu2(out + shortcut)
 
 
-def resnet20(input_size: int = 32, num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
-    """ResNet-20 for CIFAR-sized inputs (3 stages x 3 blocks, 16-32-64 channels)."""
-    layers: list[nn.Module] = [
-        nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
-    ]  # fmt: skip
-    c = 16
-    for stage, width in enumerate((16, 32, 64)):
-        for block in range(3):
-            layers.append(BasicBlock(c, width, 2 if stage > 0 and block == 0 else 1))
-            c = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)]
-    return nn.Sequential(*layers)
+class ResNet20(nn.Module):
+    """ResNet-20 for CIFAR-sized inputs (3 stages x 3 blocks, 16-32-64 channels), laid out like
+    torchvision's ResNets: a stem, `layer1..3`, `avgpool`, `fc`, and `torch.flatten` in forward."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
+        c, stages = 16, []
+        for stage, width in enumerate((16, 32, 64)):
+            blocks = []
+            for block in range(3):
+                blocks.append(BasicBlock(c, width, 2 if stage > 0 and block == 0 else 1))
+                c = width
+            stages.append(nn.Sequential(*blocks))
+        self.layer1, self.layer2, self.layer3 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet20(input_size: int = 32, num_classes: int = 10, in_channels: int = 3) -> ResNet20:
+    if input_size < 4:
+        raise ConfigError(f"resnet20 needs an input of at least 4 pixels, got {input_size}")
+    return ResNet20(num_classes, in_channels)
 
 
 def digits_cnn(input_size: int = 8, num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
@@ -171,6 +192,23 @@ def digits_cnn(input_size: int = 8, num_classes: int = 10, in_channels: int = 1)
     )  # fmt: skip
 
 
+def digits_wide(input_size: int = 8, num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
+    """digits-cnn's convolutions with a 2048-wide FC head (6.3 M of its 6.3 M parameters): pure
+    batch parallelism all-reduces 25 MB of gradients a step, a model split of the head moves a few
+    hundred KB of activations, so the planner picks a hybrid plan even on one machine."""
+    if input_size < 2 or input_size % 2:
+        raise ConfigError(f"digits-wide needs an even input size, got {input_size}")
+    s = input_size // 2
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 32, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * s * s, 2048), nn.ReLU(), nn.Dropout(0.25),
+        nn.Linear(2048, 2048), nn.ReLU(),
+        nn.Linear(2048, num_classes),
+    )  # fmt: skip
+
+
 def mlp(input_size: int = 28, num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
     """Dettmers (2016): 784-1024-1024-10 with ReLU (dropout left out: it is a training choice)."""
     d = in_channels * input_size * input_size
@@ -184,7 +222,7 @@ def mlp(input_size: int = 28, num_classes: int = 10, in_channels: int = 1) -> nn
 
 @dataclass(frozen=True)
 class ModelInfo:
-    builder: Callable[..., nn.Sequential]
+    builder: Callable[..., nn.Module]
     input_size: int  # default spatial size
     in_channels: int
     num_classes: int
@@ -197,6 +235,7 @@ MODELS: dict[str, ModelInfo] = {
     "vgg16": ModelInfo(vgg16, 224, 3, 1000, "VGG-16 (configuration D)"),
     "resnet20": ModelInfo(resnet20, 32, 3, 10, "CIFAR ResNet-20 with batch norm"),
     "digits-cnn": ModelInfo(digits_cnn, 8, 1, 10, "small CNN for the 8x8 digits"),
+    "digits-wide": ModelInfo(digits_wide, 8, 1, 10, "digits CNN with a 2048-wide FC head"),
     "mlp": ModelInfo(mlp, 28, 1, 10, "Dettmers' 784-1024-1024-10 MLP"),
 }
 
@@ -213,7 +252,7 @@ def build_model(
     input_size: int | None = None,
     num_classes: int | None = None,
     in_channels: int | None = None,
-) -> nn.Sequential:
+) -> nn.Module:
     """Build a zoo model. Wrap in `with torch.device("meta"):` to get shapes without memory."""
     info = _info(name)
     return info.builder(
@@ -230,44 +269,3 @@ def input_shape(
     info = _info(name)
     s = input_size or info.input_size
     return (in_channels or info.in_channels, s, s)
-
-
-def fc_tail_start(model: nn.Sequential) -> int:
-    """Index of the first module of the fully-connected tail: the longest suffix of `model` made of
-    Linear layers, shape-free modules (activations, dropout) and BatchNorm1d that begins with a
-    Flatten or a Linear. Raises ConfigError when the model has no such tail.
-    """
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(
-            "model-parallel plans need an nn.Sequential model with a fully-connected tail"
-        )
-    shape_free = (
-        nn.ReLU,
-        nn.ReLU6,
-        nn.GELU,
-        nn.SiLU,
-        nn.Tanh,
-        nn.Sigmoid,
-        nn.Dropout,
-        nn.LeakyReLU,
-        nn.Identity,
-        nn.BatchNorm1d,  # per feature: it sees whole feature vectors after the all-gather
-    )
-    start = len(model)
-    for i in range(len(model) - 1, -1, -1):
-        m = model[i]
-        if (
-            isinstance(m, (nn.Linear, *shape_free))
-            or getattr(m, "hybridpar_kind", None) == "linear"
-        ):
-            start = i
-        elif isinstance(m, nn.Flatten):
-            start = i
-            break
-        else:
-            break
-    if start == len(model) or not any(isinstance(m, nn.Linear) for m in model[start:]):
-        raise ConfigError(
-            f"{type(model).__name__} has no sequential fully-connected tail; use --strategy ddp or grid:1xP"
-        )
-    return start

@@ -2,14 +2,14 @@
 
 from hybridpar.cost.collectives import Comm, all_gather, all_reduce, all_to_all, broadcast, halo
 from hybridpar.cost.compute import ComputeModel, FlopsModel, TableModel, load_table
-from hybridpar.cost.layers import CostLayer, Strategy, cost_layers, layer_comms, redistribute
+from hybridpar.cost.layers import CostLayer, Style, cost_layers, layer_comms, redistribute
 
 __all__ = [
     "Comm",
     "ComputeModel",
     "CostLayer",
     "FlopsModel",
-    "Strategy",
+    "Style",
     "TableModel",
     "all_gather",
     "all_reduce",

@@ -1,6 +1,6 @@
 """Per-layer compute time: FLOPs over a sustained rate, or a table measured by `hybridpar profile`.
 
-Every strategy gives each process B/P samples' worth of a layer's work (batch: B/P samples of the
+Every style gives each process B/P samples' worth of a layer's work (batch: B/P samples of the
 whole layer; model: B/Pc samples of 1/Pr of it; domain: B/Pc samples of 1/Pr of the image), so
 compute time depends on B/P only; the backward pass costs twice the forward (dX and dW).
 """

@@ -1,9 +1,11 @@
-"""Per-layer communication cost of each strategy: Gholami et al. (SPAA'18) Eqs. 3-9, term by term.
+"""Per-layer communication cost of each style: Gholami et al. (SPAA'18) Eqs. 3-9, term by term.
 
 Conventions (stated once; docs/cost-model.md repeats them with a worked example):
 
 - Only layers with weights (conv, linear) are layers i = 1..L of the equations. Pooling, activation,
-  norm and reshape layers ride along with the weighted layer before them.
+  norm and reshape layers ride along with the weighted layer before them, or with the one after
+  them when a segment boundary (hybridpar.analysis) lies in between: a layer rides with the
+  weighted layer whose layout it runs in.
 - d_i is layer i's output per sample *before* pooling; d_{i-1} is its actual input per sample
   (after the previous layer's pooling). X (input) and Y (output) are (C, H, W) likewise.
 - Sizes are elements x bytes per element (4 for fp32, a codec's rate otherwise); beta is seconds
@@ -37,13 +39,14 @@ from hybridpar.cost.collectives import (
     halo,
 )
 from hybridpar.errors import ConfigError
+from hybridpar.plan import Style, Term
 
 if TYPE_CHECKING:
     from hybridpar.analysis import LayerSpec
 
 __all__ = [
     "CostLayer",
-    "Strategy",
+    "Style",
     "Wire",
     "cost_layers",
     "eq3_model",
@@ -55,6 +58,7 @@ __all__ = [
     "eq9_integrated_domain",
     "layer_comms",
     "redistribute",
+    "t_norms",
 ]
 
 
@@ -76,88 +80,81 @@ class CostLayer:
     # parameters of the unweighted layers riding along (batch norm): part of `params`, but they act
     # on the gathered output, so a model-parallel layout replicates them instead of splitting them
     extra_params: int = 0
+    segment: int | None = None  # layers of one segment share one layout (None: its own)
+    entry: str | None = None  # first layer of a segment: the module where its layout is set
+    entry_elements: int = 0  # per example, of the activation redistributed there
+    input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
+    norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
 
     @property
     def spatial(self) -> bool:
         return self.kind == "conv" and len(self.x_shape) == 3
 
+    @staticmethod
+    def from_dict(d: dict) -> CostLayer:
+        def tup(v):
+            return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+        return CostLayer(**{k: tup(v) for k, v in d.items()})
+
 
 def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
-    """Fold the leaf layers into the weighted layers of the equations."""
+    """Fold the leaf layers into the weighted layers of the equations: an unweighted leaf rides
+    along with the weighted layer before it in its segment, or else with the next one."""
     out: list[CostLayer] = []
-    pending_flops, pending_params, pending_names = 0, 0, []
+    pending: list[LayerSpec] = []
     for s in specs:
         if s.kind in ("conv", "linear") and s.params > 0:
-            out.append(
-                CostLayer(
-                    name=s.name,
-                    kind=s.kind,
-                    params=s.params + pending_params,
-                    d_in=s.d_in,
-                    d_out=s.d_out,
-                    x_shape=s.in_shape,
-                    y_shape=s.out_shape,
-                    kernel=s.kernel,
-                    out_units=s.out_units,
-                    flops=s.flops + pending_flops,
-                    members=(*pending_names, s.name),
-                    extra_params=pending_params,
-                )
+            first = pending[0] if pending else s
+            layer = CostLayer(
+                name=s.name,
+                kind=s.kind,
+                params=s.params,
+                d_in=s.d_in,
+                d_out=s.d_out,
+                x_shape=s.in_shape,
+                y_shape=s.out_shape,
+                kernel=s.kernel,
+                out_units=s.out_units,
+                flops=s.flops,
+                segment=s.segment,
+                entry=first.entry,
+                entry_elements=first.entry_elements,
+                input_grad=s.input_grad,
             )
-            pending_flops, pending_params, pending_names = 0, 0, []
-        elif out:  # rides along with the weighted layer before it: FLOPs and parameters (BN)
-            last = out[-1]
-            out[-1] = CostLayer(
-                **{
-                    **last.__dict__,
-                    "flops": last.flops + s.flops,
-                    "params": last.params + s.params,
-                    "members": (*last.members, s.name),
-                    "extra_params": last.extra_params + s.params,
-                }
-            )
+            for x in pending:
+                layer = _ride(layer, x)
+            out.append(_ride(layer, s, weighted=True))
+            pending = []
+        elif out and out[-1].segment == s.segment and not pending:
+            out[-1] = _ride(out[-1], s)
         else:
-            pending_flops += s.flops
-            pending_params += s.params
-            pending_names.append(s.name)
+            pending.append(s)
     if not out:
         raise ConfigError("the model has no conv or linear layer with weights: nothing to plan")
+    for s in pending:  # after the last weighted layer
+        out[-1] = _ride(out[-1], s)
     return out
 
 
-@dataclass(frozen=True, order=True)
-class Strategy:
-    """How one layer is split. batch = model(1, P)."""
-
-    kind: str  # "model" (1.5D; batch when pr == 1) or "domain"
-    pr: int
-    pc: int
-
-    @staticmethod
-    def batch(p: int) -> Strategy:
-        return Strategy("model", 1, p)
-
-    @staticmethod
-    def model(pr: int, pc: int) -> Strategy:
-        return Strategy("model", pr, pc)
-
-    @staticmethod
-    def domain(pr: int, pc: int) -> Strategy:
-        return Strategy("domain", pr, pc)
-
-    @property
-    def label(self) -> str:
-        if self.kind == "model" and self.pr == 1:
-            return "batch"
-        return f"{self.kind}({self.pr}x{self.pc})"
-
-    @property
-    def layout(self) -> tuple:
-        """How the layer's output activations lie on the ranks: ("rep", pc) = split over pc batch
-        groups and replicated within each model group; ("dom", pr, pc) = also split by height."""
-        return (
-            ("dom", self.pr, self.pc) if self.kind == "domain" and self.pr > 1 else ("rep", self.pc)
-        )
+def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
+    """`s` folded into `layer` (members in forward order); the weighted layer itself adds only
+    its name."""
+    if weighted:
+        return CostLayer(**{**layer.__dict__, "members": (*layer.members, s.name)})
+    norms = layer.norms
+    if s.type.startswith("BatchNorm"):
+        norms = (*norms, (s.in_shape[0], s.input_grad))
+    return CostLayer(
+        **{
+            **layer.__dict__,
+            "flops": layer.flops + s.flops,
+            "params": layer.params + s.params,
+            "members": (*layer.members, s.name),
+            "extra_params": layer.extra_params + s.params,
+            "norms": norms,
+        }
+    )
 
 
 # --- the terms ------------------------------------------------------------------------------
@@ -210,9 +207,27 @@ def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> d
     """Global batch norm over p ranks (Liu et al.): forward all-reduce of [sum x, sum x^2, m] and
     backward all-reduce of [sum dy, sum dy*(x - mean)], both in float64 (8 bytes an element)."""
     return {
-        "bn_stats": all_reduce((2 * channels + 1) * 8, p, net),
-        "bn_grad": all_reduce(2 * channels * 8, p, net) if backward else Comm.zero("all_reduce", p),
+        Term.BN_STATS: all_reduce((2 * channels + 1) * 8, p, net),
+        Term.BN_GRAD: all_reduce(2 * channels * 8, p, net)
+        if backward
+        else Comm.zero("all_reduce", p),
     }
+
+
+def t_norms(layer: CostLayer, s: Style, net: Cluster) -> dict[str, Comm]:
+    """The global batch norms riding along with `layer`, over the ranks that split the examples
+    of its layout (the batch group: Pc ranks; a domain layout splits the image too: all P)."""
+    p = s.pr * s.pc if s.kind == "domain" else s.pc
+    out: dict[str, Comm] = {}
+    for channels, grad in layer.norms:
+        for term, c in t_global_bn(channels, p, net, backward=grad).items():
+            prev = out.get(term)
+            out[term] = (
+                c
+                if prev is None
+                else Comm(c.kind, c.group, prev.bytes + c.bytes, prev.seconds + c.seconds)
+            )
+    return out
 
 
 def _halo_rows(layer: CostLayer, axis: int) -> int:
@@ -240,29 +255,41 @@ def t_halo_bwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: floa
 
 
 def layer_comms(
-    layer: CostLayer, first: bool, s: Strategy, B: int, net: Cluster, e: float | Wire | None = None
+    layer: CostLayer,
+    first: bool,
+    s: Style,
+    B: int,
+    net: Cluster,
+    e: float | Wire | None = None,
+    bn: str = "local",
 ) -> dict[str, Comm]:
-    """The communication terms of one layer under strategy `s` (first: layer i = 1, no dX)."""
+    """The communication terms of one layer under style `s` (first: nothing is back-propagated
+    into its input, so no dX); with bn global or adaptive, its batch norms' all-reduces too."""
     e = net.word_bytes if e is None else e
     p = s.pr * s.pc
+    first = first or not layer.input_grad
     if s.kind == "domain":
-        return {
-            "halo_fwd": t_halo_fwd(layer, s.pr, s.pc, B, net, e),
-            "halo_bwd": t_halo_bwd(layer, s.pr, s.pc, B, net, e),
-            "dw_allreduce": t_dw_allreduce(layer, p, 1, net, e),
+        terms = {
+            Term.HALO_FWD: t_halo_fwd(layer, s.pr, s.pc, B, net, e),
+            Term.HALO_BWD: t_halo_bwd(layer, s.pr, s.pc, B, net, e),
+            Term.DW_ALLREDUCE: t_dw_allreduce(layer, p, 1, net, e),
         }
-    return {
-        "allgather": t_allgather(layer, s.pr, s.pc, B, net, e),
-        "dx_allreduce": Comm.zero("all_reduce", s.pr)
-        if first
-        else t_dx_allreduce(layer, s.pr, s.pc, B, net, e),
-        "dw_allreduce": t_dw_allreduce(layer, s.pc, s.pr, net, e),
-    }
+    else:
+        terms = {
+            Term.ALLGATHER: t_allgather(layer, s.pr, s.pc, B, net, e),
+            Term.DX_ALLREDUCE: Comm.zero("all_reduce", s.pr)
+            if first
+            else t_dx_allreduce(layer, s.pr, s.pc, B, net, e),
+            Term.DW_ALLREDUCE: t_dw_allreduce(layer, s.pc, s.pr, net, e),
+        }
+    if bn != "local":
+        terms.update(t_norms(layer, s, net))
+    return terms
 
 
 def redistribute(
-    prev: Strategy | None,
-    nxt: Strategy,
+    prev: Style | None,
+    nxt: Style,
     d: int,
     B: int,
     net: Cluster,
@@ -288,22 +315,22 @@ def redistribute(
         if hi % lo:
             return None
         g = all_gather(B / lo * d * e, hi // lo, net)  # forward if c2 < c1, backward otherwise
-        return Comm("redistribute", g.group, g.bytes, g.seconds)
+        return Comm(Term.REDISTRIBUTE, g.group, g.bytes, g.seconds)
     if a[0] == "rep" and b[0] == "dom":
         _, pr, pc = b
         if a[1] == p:  # pure batch -> domain: all-to-all each way within the model group
             x = all_to_all(B / p * d * e, pr, net)
             return Comm("redistribute", pr, 2 * x.bytes, 2 * x.seconds)
-        step = redistribute(prev, Strategy.model(pr, pc), d, B, net, e)
+        step = redistribute(prev, Style.model(pr, pc), d, B, net, e)
         if step is None:
             return None
         g = all_gather(B / pc * d * e, pr, net)  # backward: gather the rows of dX
         return Comm("redistribute", pr, step.bytes + g.bytes, step.seconds + g.seconds)
     if a[0] == "dom" and b[0] == "rep":
-        back = redistribute(nxt, Strategy.domain(a[1], a[2]), d, B, net, e)  # symmetric
+        back = redistribute(nxt, Style.domain(a[1], a[2]), d, B, net, e)  # symmetric
         return back
     # domain -> another domain layout: through the replicated layout of the first
-    mid = Strategy.model(a[1], a[2])
+    mid = Style.model(a[1], a[2])
     x = redistribute(prev, mid, d, B, net, e)
     y = redistribute(mid, nxt, d, B, net, e)
     if x is None or y is None:
