@@ -161,9 +161,10 @@ def _adaptive(window, threshold, bz_max, per_rank):
     switch.start(per_rank)
     torch.manual_seed(0)
     model = convert_global_batchnorm(
-        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)), switch=switch,
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)),
+        switch=switch,
         ledger=ledger,
-    )  # fmt: skip
+    )
     per_step = []
     for step in range(8):
         g = torch.Generator().manual_seed(step * 10 + rank)

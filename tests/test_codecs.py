@@ -110,8 +110,9 @@ def _allreduce(name, block, n, ef):
     ledger = Ledger()
     t = xs[rank].clone()
     residuals = {} if ef else None
-    compressed_all_reduce(t, dist.group.WORLD, codec, ledger, "dw_allreduce", {"w": n},
-                          residuals, key=0)  # fmt: skip
+    compressed_all_reduce(
+        t, dist.group.WORLD, codec, ledger, "dw_allreduce", {"w": n}, residuals, key=0
+    )
     exact = sum(xs)
     same = [torch.empty_like(t) for _ in range(P)]
     dist.all_gather(same, t)

@@ -1,19 +1,12 @@
-"""Logged collectives and the autograd pairs the parallel layers are made of.
+"""Logged collectives: every collective hybridpar runs goes through this module (or the host
+reducer) so that the ledger sees it. The autograd pairs built on them live next to the layers that
+use them (hybridpar.parallel.model, .redistribute, .batchnorm). With one rank each is a no-op.
 
-Every collective hybridpar runs goes through this module so that the ledger sees it. Each autograd
-pair does nothing when its group has one rank, so one code path serves P = 1.
-
-| function            | forward                               | backward                          | term          |
-| ------------------- | ------------------------------------- | --------------------------------- | ------------- |
-| copy_to_group       | identity                              | all-reduce dX over the group      | dx_allreduce  |
-| gather_features     | all-gather the feature shards (Y)     | keep this rank's slice of dY      | allgather     |
-| gather_batch        | all-gather the example blocks         | keep this rank's rows of dX       | redistribute  |
-
-With a codec (hybridpar.comm.codecs) the same functions move encoded bytes: an all-gather sends
-each rank's encoded piece and every rank, the owner included, uses the decoded pieces (so the
-replicas stay identical); an all-reduce becomes `compressed_all_reduce`. The ledger books the
-payload (elements x the codec's bytes per element) under the term, which is what the cost model
-predicts, and the per-block scales and padding under the separate term `codec_overhead`.
+With a codec (hybridpar.comm.codecs) an all-gather sends each rank's encoded piece and every rank,
+the owner included, uses the decoded pieces (so the replicas stay identical); an all-reduce
+becomes `compressed_all_reduce`. The ledger books the payload (elements x the codec's bytes per
+element) under the term, which is what the cost model predicts, and the per-block scales and
+padding under the separate term `codec_overhead`.
 """
 
 from __future__ import annotations
@@ -26,16 +19,14 @@ import torch.distributed as dist
 
 from hybridpar.comm.codecs import Codec
 from hybridpar.comm.ledger import Entry, Ledger
+from hybridpar.plan import Term
 
 __all__ = [
     "Pending",
     "all_gather_uneven",
     "all_reduce",
     "compressed_all_reduce",
-    "copy_to_group",
     "even_split",
-    "gather_batch",
-    "gather_features",
     "group_size",
 ]
 
@@ -68,8 +59,14 @@ class Pending:
             self.entry.seconds = time.perf_counter() - self.t0
 
 
-def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, ledger: Ledger | None, term: str,
-               layers: dict[str, float] | None = None, async_op: bool = False) -> Pending:  # fmt: skip
+def all_reduce(
+    t: torch.Tensor,
+    group: dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layers: dict[str, float] | None = None,
+    async_op: bool = False,
+) -> Pending:
     """Sum `t` in place over `group`, logged under `term`."""
     p = group_size(group)
     t0 = time.perf_counter()
@@ -87,9 +84,16 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, ledger: Ledger | None,
     return pending
 
 
-def all_gather_uneven(t: torch.Tensor, sizes: Sequence[int], dim: int, group: dist.ProcessGroup,
-                      ledger: Ledger | None, term: str, layer: str | None,
-                      codec: Codec | None = None) -> torch.Tensor:  # fmt: skip
+def all_gather_uneven(
+    t: torch.Tensor,
+    sizes: Sequence[int],
+    dim: int,
+    group: dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layer: str | None,
+    codec: Codec | None = None,
+) -> torch.Tensor:
     """Concatenate along `dim` the pieces of every rank of `group`; piece i has sizes[i] along dim.
 
     Uneven pieces are padded to the largest for the wire; the ledger records the bytes of the
@@ -110,67 +114,15 @@ def all_gather_uneven(t: torch.Tensor, sizes: Sequence[int], dim: int, group: di
     dist.all_gather(pieces, t, group=group)
     out = torch.cat([x.narrow(dim, 0, n) for x, n in zip(pieces, sizes, strict=True)], dim=dim)
     if ledger is not None:
-        ledger.record("all_gather", p, out.numel() * out.element_size(), time.perf_counter() - t0,
-                      term, {layer: out.numel()} if layer else None)  # fmt: skip
+        ledger.record(
+            "all_gather",
+            p,
+            out.numel() * out.element_size(),
+            time.perf_counter() - t0,
+            term,
+            {layer: out.numel()} if layer else None,
+        )
     return out
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce the gradient over the group (dX of a model-parallel layer)."""
-
-    @staticmethod
-    def forward(ctx, x, group, ledger, layer, codec):
-        ctx.group, ctx.ledger, ctx.layer, ctx.codec = group, ledger, layer, codec
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        layers = {ctx.layer: grad.numel()}
-        if ctx.codec is not None and ctx.codec.name != "none":
-            compressed_all_reduce(grad, ctx.group, ctx.codec, ctx.ledger, "dx_allreduce", layers)
-        else:
-            all_reduce(grad, ctx.group, ctx.ledger, "dx_allreduce", layers)
-        return grad, None, None, None, None
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: all-gather the pieces along `dim`. Backward: keep this rank's slice of the gradient
-    (the gradient of a gathered, replicated tensor is the same on every rank of the group)."""
-
-    @staticmethod
-    def forward(ctx, x, sizes, dim, group, ledger, term, layer, codec):
-        ctx.dim, ctx.sizes = dim, sizes
-        ctx.rank = dist.get_rank(group) if len(sizes) > 1 else 0
-        return all_gather_uneven(x, sizes, dim, group, ledger, term, layer, codec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        start = sum(ctx.sizes[: ctx.rank])
-        return grad.narrow(ctx.dim, start, ctx.sizes[ctx.rank]).contiguous(), *([None] * 7)
-
-
-def copy_to_group(x: torch.Tensor, group: dist.ProcessGroup, ledger: Ledger | None, layer: str,
-                  codec: Codec | None = None) -> torch.Tensor:  # fmt: skip
-    if group_size(group) == 1:
-        return x
-    return _CopyToGroup.apply(x, group, ledger, layer, codec)
-
-
-def gather_features(x: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup,
-                    ledger: Ledger | None, layer: str, codec: Codec | None = None) -> torch.Tensor:  # fmt: skip
-    """All-gather a model-parallel layer's output shards (Y) along the last dim."""
-    if len(sizes) == 1:
-        return x
-    return _Gather.apply(x, tuple(sizes), x.dim() - 1, group, ledger, "allgather", layer, codec)
-
-
-def gather_batch(x: torch.Tensor, sizes: Sequence[int], group: dist.ProcessGroup,
-                 ledger: Ledger | None, layer: str, codec: Codec | None = None) -> torch.Tensor:  # fmt: skip
-    """All-gather example blocks along dim 0 (Krizhevsky's hand-off scheme (a) within a model group)."""
-    if len(sizes) == 1:
-        return x
-    return _Gather.apply(x, tuple(sizes), 0, group, ledger, "redistribute", layer, codec)
 
 
 def _shape_with(t: torch.Tensor, dim: int, n: int) -> list[int]:
@@ -191,13 +143,21 @@ def _gather_bytes(
     return [x[:n] for x, n in zip(pieces, lengths, strict=True)]
 
 
-def _book(ledger: Ledger | None, kind: str, p: int, payload: float, overhead: float, seconds: float,
-          term: str, layers: dict[str, float] | None) -> None:  # fmt: skip
+def _book(
+    ledger: Ledger | None,
+    kind: str,
+    p: int,
+    payload: float,
+    overhead: float,
+    seconds: float,
+    term: str,
+    layers: dict[str, float] | None,
+) -> None:
     if ledger is None:
         return
     ledger.record(kind, p, payload, seconds, term, layers)
     if overhead:
-        ledger.record(kind, p, overhead, 0.0, "codec_overhead")
+        ledger.record(kind, p, overhead, 0.0, Term.CODEC_OVERHEAD)
 
 
 def _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec: Codec) -> torch.Tensor:
@@ -208,18 +168,35 @@ def _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec: Cod
     lengths = [codec.wire_bytes(n) for n in numels]
     mine = codec.to_bytes(codec.encode(t))
     got = _gather_bytes(mine, lengths, group)
-    parts = [codec.decode(codec.from_bytes(b, n)).view(_shape_with(t, dim, k))
-             for b, n, k in zip(got, numels, sizes, strict=True)]  # fmt: skip
+    parts = [
+        codec.decode(codec.from_bytes(b, n)).view(_shape_with(t, dim, k))
+        for b, n, k in zip(got, numels, sizes, strict=True)
+    ]
     out = torch.cat(parts, dim=dim).to(t.dtype)
     payload = out.numel() * codec.bits / 8
-    _book(ledger, "all_gather", len(sizes), payload, len(sizes) * max(lengths) - payload,
-          time.perf_counter() - t0, term, {layer: out.numel()} if layer else None)  # fmt: skip
+    _book(
+        ledger,
+        "all_gather",
+        len(sizes),
+        payload,
+        len(sizes) * max(lengths) - payload,
+        time.perf_counter() - t0,
+        term,
+        {layer: out.numel()} if layer else None,
+    )
     return out
 
 
-def compressed_all_reduce(t: torch.Tensor, group: dist.ProcessGroup, codec: Codec,
-                          ledger: Ledger | None, term: str, layers: dict[str, float] | None = None,
-                          residuals: dict | None = None, key: object = None) -> torch.Tensor:  # fmt: skip
+def compressed_all_reduce(
+    t: torch.Tensor,
+    group: dist.ProcessGroup,
+    codec: Codec,
+    ledger: Ledger | None,
+    term: str,
+    layers: dict[str, float] | None = None,
+    residuals: dict | None = None,
+    key: object = None,
+) -> torch.Tensor:
     """Sum `t` over `group` in place, with every byte on the wire encoded by `codec`.
 
     Krizhevsky's section 4.1 scheme: each rank owns 1/p of the tensor. Every rank encodes the

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from hybridpar.comm.codecs import Codec, get_codec
 from hybridpar.comm.collectives import all_reduce, compressed_all_reduce, group_size
 from hybridpar.comm.ledger import Ledger
+from hybridpar.plan import Term
 
 __all__ = [
     "ReducerState",
@@ -33,7 +34,7 @@ class ReducerState:
     group: dist.ProcessGroup | None = None
     average: bool = True
     ledger: Ledger | None = None
-    term: str = "dw_allreduce"
+    term: str = Term.DW_ALLREDUCE
     bucket_layers: dict[int, dict[str, float]] = field(default_factory=dict)
     codec: Codec | None = None
     """compressed_hook's codec (None: dynamic-tree, 4096-element blocks)"""
@@ -47,8 +48,9 @@ def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Te
     buf = bucket.buffer()
     p = group_size(state.group) if state.group is not None else dist.get_world_size()
     group = state.group if state.group is not None else dist.group.WORLD
-    pending = all_reduce(buf, group, state.ledger, state.term, state.bucket_layers.get(bucket.index()),
-                         async_op=True)  # fmt: skip
+    pending = all_reduce(
+        buf, group, state.ledger, state.term, state.bucket_layers.get(bucket.index()), async_op=True
+    )
     if pending.work is None:  # one rank
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
@@ -82,9 +84,16 @@ def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.T
     codec = state.codec or get_codec("dynamic-tree")
     if codec.name == "none":
         return allreduce_hook(state, bucket)
-    compressed_all_reduce(buf, group, codec, state.ledger, state.term,
-                          state.bucket_layers.get(bucket.index()),
-                          state.residuals if state.error_feedback else None, bucket.index())  # fmt: skip
+    compressed_all_reduce(
+        buf,
+        group,
+        codec,
+        state.ledger,
+        state.term,
+        state.bucket_layers.get(bucket.index()),
+        state.residuals if state.error_feedback else None,
+        bucket.index(),
+    )
     return _done(buf.div_(p) if state.average else buf)
 
 
@@ -111,8 +120,9 @@ def host_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     if dist.get_world_size(reducer.group) == 1:
         return _done(buf)
     p = dist.get_world_size(reducer.group)
-    fut = reducer.all_reduce_async(buf, key=bucket.index(), term=state.term,
-                                   layers=state.bucket_layers.get(bucket.index()))  # fmt: skip
+    fut = reducer.all_reduce_async(
+        buf, key=bucket.index(), term=state.term, layers=state.bucket_layers.get(bucket.index())
+    )
     if not state.average:
         return fut
     return fut.then(lambda f: f.value().div_(p))

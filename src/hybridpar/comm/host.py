@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.comm.ledger import Ledger
+from hybridpar.plan import Term
 
 __all__ = ["HostReducer", "HostState", "discover"]
 
@@ -106,8 +107,12 @@ class HostReducer:
     Create it on every rank of the group (collective). `all_reduce(t, key)` sums t in place; `key`
     names the bucket (a segment is made for each key on first use, also collectively)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, ledger: Ledger | None = None,
-                 host: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        ledger: Ledger | None = None,
+        host: str | None = None,
+    ) -> None:
         self.group = group or dist.group.WORLD
         self.ledger = ledger
         self.topo = discover(self.group, host)
@@ -119,8 +124,13 @@ class HostReducer:
         self.wait_s = 0.0
         self._worker: ThreadPoolExecutor | None = None
 
-    def all_reduce_async(self, t: torch.Tensor, key: object = 0, term: str = "dw_allreduce",
-                         layers: dict[str, float] | None = None) -> torch.futures.Future:  # fmt: skip
+    def all_reduce_async(
+        self,
+        t: torch.Tensor,
+        key: object = 0,
+        term: str = Term.DW_ALLREDUCE,
+        layers: dict[str, float] | None = None,
+    ) -> torch.futures.Future:
         """`all_reduce` on this reducer's worker thread, so that the summing overlaps whatever the
         caller does next (the rest of the backward pass). Buckets are reduced in the order they
         are submitted, which is the same on every rank. The segment of a new key is made here,
@@ -159,8 +169,16 @@ class HostReducer:
         self.steps[key] = 0
         return seg
 
-    def _wait(self, seg: _Segment, parity: int, col: int, step: int, who: list[int], what: str,
-              key: object) -> None:  # fmt: skip
+    def _wait(
+        self,
+        seg: _Segment,
+        parity: int,
+        col: int,
+        step: int,
+        who: list[int],
+        what: str,
+        key: object,
+    ) -> None:
         flags = seg.flags[parity, :, col]
         deadline = time.monotonic() + _timeout()
         spins = 0
@@ -178,8 +196,13 @@ class HostReducer:
                     f"{_timeout():g} s (dead or hung?)"
                 )
 
-    def all_reduce(self, t: torch.Tensor, key: object = 0, term: str = "dw_allreduce",
-                   layers: dict[str, float] | None = None) -> torch.Tensor:  # fmt: skip
+    def all_reduce(
+        self,
+        t: torch.Tensor,
+        key: object = 0,
+        term: str = Term.DW_ALLREDUCE,
+        layers: dict[str, float] | None = None,
+    ) -> torch.Tensor:
         flat = t.view(-1)
         n = flat.numel()
         seg = self._segment(key, n)
@@ -193,8 +216,9 @@ class HostReducer:
         self._wait(seg, parity, 0, step, everyone, "deliver", key)
         lo, hi = n * me // L, n * (me + 1) // L  # Algorithm 7: each rank sums its slice
         out = seg.total(parity)[lo:hi]
-        torch.add(seg.floats[parity, 0, lo:hi], seg.floats[parity, 1, lo:hi], out=out) if L > 1 \
-            else out.copy_(seg.floats[parity, 0, lo:hi])  # fmt: skip
+        torch.add(
+            seg.floats[parity, 0, lo:hi], seg.floats[parity, 1, lo:hi], out=out
+        ) if L > 1 else out.copy_(seg.floats[parity, 0, lo:hi])
         for i in range(2, L):
             out.add_(seg.floats[parity, i, lo:hi])
         seg.flags[parity, me, 1] = step  # my slice is summed
@@ -267,5 +291,5 @@ class HostState:
     reducer: HostReducer
     average: bool = True
     ledger: Ledger | None = None
-    term: str = "dw_allreduce"
+    term: str = Term.DW_ALLREDUCE
     bucket_layers: dict[int, dict[str, float]] = field(default_factory=dict)

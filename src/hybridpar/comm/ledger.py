@@ -48,8 +48,15 @@ class Ledger:
         self.step = 0
         self.enabled = True
 
-    def record(self, kind: str, group: int, nbytes: float, seconds: float, term: str,
-               layers: dict[str, float] | None = None) -> Entry:  # fmt: skip
+    def record(
+        self,
+        kind: str,
+        group: int,
+        nbytes: float,
+        seconds: float,
+        term: str,
+        layers: dict[str, float] | None = None,
+    ) -> Entry:
         """Log one collective; `layers` maps layer names to their element counts in the buffer."""
         b = bus_bytes(kind, nbytes, group)
         if layers:

@@ -1,5 +1,6 @@
-"""Parallel layers and the wrapper that applies a plan to an unmodified model."""
+"""Parallel layers and `parallelize`, which applies a ParallelPlan to an unmodified model."""
 
+from hybridpar.parallel.api import HybridParallel, parallelize
 from hybridpar.parallel.batchnorm import (
     AdaptiveGlobalBatchNorm,
     BNSwitch,
@@ -9,10 +10,10 @@ from hybridpar.parallel.batchnorm import (
     LossPlateau,
     convert_global_batchnorm,
 )
-from hybridpar.parallel.handoff import HandOff
-from hybridpar.parallel.linear import ModelParallelLinear
+from hybridpar.parallel.layout import Layout, resolve
+from hybridpar.parallel.model import ModelParallelConv2d, ModelParallelLinear
+from hybridpar.parallel.redistribute import Redistribute
 from hybridpar.parallel.sync import GradSync
-from hybridpar.parallel.wrap import HybridParallel, parallelize
 
 __all__ = [
     "AdaptiveGlobalBatchNorm",
@@ -21,10 +22,13 @@ __all__ = [
     "GlobalBatchNorm1d",
     "GlobalBatchNorm2d",
     "GradSync",
-    "HandOff",
     "HybridParallel",
+    "Layout",
     "LossPlateau",
+    "ModelParallelConv2d",
     "ModelParallelLinear",
+    "Redistribute",
     "convert_global_batchnorm",
     "parallelize",
+    "resolve",
 ]

@@ -29,6 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hybridpar.comm.collectives import all_reduce, group_size
 from hybridpar.comm.ledger import Ledger
+from hybridpar.plan import Term
 
 __all__ = [
     "AdaptiveGlobalBatchNorm",
@@ -54,7 +55,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             stats[:c] = m_local * mean_l
             stats[c : 2 * c] = m_local * (var_l.double() + mean_l * mean_l)
         stats[2 * c] = m_local
-        all_reduce(stats, group, ledger, "bn_stats", {layer: stats.numel()} if layer else None)
+        all_reduce(stats, group, ledger, Term.BN_STATS, {layer: stats.numel()} if layer else None)
         m = float(stats[2 * c])
         if m <= 1:
             raise ValueError(
@@ -89,7 +90,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             layers = {ctx.layer: sums.numel()} if ctx.layer else None
-            all_reduce(sums, ctx.group, ctx.ledger, "bn_grad", layers)
+            all_reduce(sums, ctx.group, ctx.ledger, Term.BN_GRAD, layers)
             mean_dy = (sums[:c] / ctx.m).to(x.dtype).view(shape)
             mean_dy_xmu = (sums[c:] / ctx.m).to(x.dtype).view(shape)
             istd = invstd.view(shape)
@@ -104,10 +105,20 @@ class GlobalBatchNorm(_BatchNorm):
     the world). Same parameters, buffers and state_dict keys as torch's BatchNorm; eval mode
     uses the running statistics; a group of one rank (or no torch.distributed) is plain BN."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True, *,
-                 group: dist.ProcessGroup | None = None, ledger: Ledger | None = None, layer: str = "",
-                 device=None, dtype=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        *,
+        group: dist.ProcessGroup | None = None,
+        ledger: Ledger | None = None,
+        layer: str = "",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.group, self.ledger, self.layer = group, ledger, layer
 
@@ -235,7 +246,7 @@ class BNSwitch:
             return
         t = torch.tensor(self._acc[:2], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
-            all_reduce(t, self.group or dist.group.WORLD, self.ledger, "bn_switch")
+            all_reduce(t, self.group or dist.group.WORLD, self.ledger, Term.BN_SWITCH)
         self._acc = [0.0, 0.0, 0.0]
         self.window_means.append(float(t[0] / max(float(t[1]), 1.0)))
         if self.rule.converged(self.window_means):
@@ -273,9 +284,15 @@ class AdaptiveGlobalBatchNorm(GlobalBatchNorm):
         return self.switch.use_global
 
 
-def convert_global_batchnorm(module: nn.Module, group: dist.ProcessGroup | None = None, *,
-                             ledger: Ledger | None = None, switch: BNSwitch | None = None,
-                             layer_of: dict[str, str] | None = None, prefix: str = "") -> nn.Module:  # fmt: skip
+def convert_global_batchnorm(
+    module: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    ledger: Ledger | None = None,
+    switch: BNSwitch | None = None,
+    layer_of: dict[str, str] | None = None,
+    prefix: str = "",
+) -> nn.Module:
     """Replace every BatchNorm in `module` (recursively) by a GlobalBatchNorm over `group`, or by an
     AdaptiveGlobalBatchNorm when a `switch` is given, copying parameters, running statistics and
     the training flag; like torch's convert_sync_batchnorm, children are replaced in place and the
@@ -289,9 +306,16 @@ def convert_global_batchnorm(module: nn.Module, group: dist.ProcessGroup | None 
             cls, kw["switch"] = AdaptiveGlobalBatchNorm, switch
         p = next(iter(module.parameters()), None)
         ref = p if p is not None else module.running_mean
-        out = cls(module.num_features, module.eps, module.momentum, module.affine,
-                  module.track_running_stats, device=ref.device if ref is not None else None,
-                  dtype=ref.dtype if ref is not None else None, **kw)  # fmt: skip
+        out = cls(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            device=ref.device if ref is not None else None,
+            dtype=ref.dtype if ref is not None else None,
+            **kw,
+        )
         out._dims = _DIMS.get(type(module))
         with torch.no_grad():
             if module.affine:
@@ -306,8 +330,9 @@ def convert_global_batchnorm(module: nn.Module, group: dist.ProcessGroup | None 
         out.train(module.training)
     for name, child in module.named_children():
         full = f"{prefix}.{name}" if prefix else name
-        new = convert_global_batchnorm(child, group, ledger=ledger, switch=switch,
-                                       layer_of=layer_of, prefix=full)  # fmt: skip
+        new = convert_global_batchnorm(
+            child, group, ledger=ledger, switch=switch, layer_of=layer_of, prefix=full
+        )
         if new is not child:
             out.add_module(name, new)
     return out

@@ -86,9 +86,14 @@ class GradSync:
     Call `wait()` after `loss.backward()` and before `optimizer.step()`.
     """
 
-    def __init__(self, groups: list[tuple[dist.ProcessGroup, list[tuple[str, nn.Parameter]]]],
-                 ledger: Ledger | None = None, bucket_bytes: int = 4 * 2**20,
-                 hook: Hook = allreduce_hook, state_factory: Callable[..., ReducerState] = ReducerState) -> None:  # fmt: skip
+    def __init__(
+        self,
+        groups: list[tuple[dist.ProcessGroup, list[tuple[str, nn.Parameter]]]],
+        ledger: Ledger | None = None,
+        bucket_bytes: int = 4 * 2**20,
+        hook: Hook = allreduce_hook,
+        state_factory: Callable[..., ReducerState] = ReducerState,
+    ) -> None:
         self.hook = hook
         self.buckets: list[tuple[ReducerState, Bucket]] = []
         self._handles = []
