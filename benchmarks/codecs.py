@@ -58,8 +58,10 @@ def speed(block: int, n: int) -> None:
     else:
         e, d = bnb_throughput(F, block, n)
         print(f"{'bitsandbytes blockwise':<28} {e:12.2f} {d:12.2f}")
-        print(f"dynamic-tree vs bitsandbytes: encode {ours['dynamic-tree'][0] / e:.2f}x, "
-              f"decode {ours['dynamic-tree'][1] / d:.2f}x")  # fmt: skip
+        print(
+            f"dynamic-tree vs bitsandbytes: encode {ours['dynamic-tree'][0] / e:.2f}x, "
+            f"decode {ours['dynamic-tree'][1] / d:.2f}x"
+        )
     ok = min(ours["dynamic-tree"]) >= 2.0
     print(f"goal dynamic-tree >= 2 GB/s each way: {'met' if ok else 'NOT met'}")
 
@@ -101,8 +103,12 @@ def _reduce(n: int, block: int) -> dict:
         t.clone(), dist.group.WORLD, get_codec("dynamic-tree", block), comp, "dw_allreduce"
     )
     dt = time.perf_counter() - t0
-    return {"fp32": sum(e.bytes for e in plain.entries), "8bit": sum(e.bytes for e in comp.entries),
-            "payload": comp.bytes_by_term().get("dw_allreduce", 0.0), "seconds": dt}  # fmt: skip
+    return {
+        "fp32": sum(e.bytes for e in plain.entries),
+        "8bit": sum(e.bytes for e in comp.entries),
+        "payload": comp.bytes_by_term().get("dw_allreduce", 0.0),
+        "seconds": dt,
+    }
 
 
 def wire_bytes(P: int, mb: int, block: int) -> None:

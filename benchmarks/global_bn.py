@@ -36,8 +36,9 @@ def cost(procs: list[int], steps: int) -> None:
     print(f"\n1. resnet20 on digits, per-rank batch 8, {steps} steps, hybridpar grid 1xP, gloo CPU")
     print(f"{'P':>2} {'bn':<9} {'ms/iter':>8} {'vs local':>9} {'BN KB/iter':>11}  note")
     for P in procs:
-        base = dataclasses.replace(BASE, nproc=P, batch=8 * P, epochs=1, max_steps=steps,
-                                   strategy=f"grid:1x{P}")  # fmt: skip
+        base = dataclasses.replace(
+            BASE, nproc=P, batch=8 * P, epochs=1, max_steps=steps, preset=f"grid:1x{P}"
+        )
         rows = {
             bn: one(
                 dataclasses.replace(base, bn=bn, bn_window=max(1, steps // 3), bn_threshold=0.5)
@@ -49,8 +50,10 @@ def cost(procs: list[int], steps: int) -> None:
             if bn == "adaptive":
                 at = r["bn"].get("switched_at_step")
                 note = "global throughout" if at is None else f"switched to local at step {at}"
-            print(f"{P:>2} {bn:<9} {r['time'] * 1e3:8.1f} {rows['local']['time'] / r['time']:8.2f}x "
-                  f"{r['bn_bytes'] / 1e3:11.2f}  {note}")  # fmt: skip
+            print(
+                f"{P:>2} {bn:<9} {r['time'] * 1e3:8.1f} {rows['local']['time'] / r['time']:8.2f}x "
+                f"{r['bn_bytes'] / 1e3:11.2f}  {note}"
+            )
 
 
 def accuracy(seeds: list[int], epochs: int) -> None:
@@ -62,22 +65,23 @@ def accuracy(seeds: list[int], epochs: int) -> None:
     )
     gains = []
     for seed in seeds:
-        base = dataclasses.replace(BASE, nproc=4, batch=8, epochs=epochs, seed=seed,
-                                   strategy="grid:1x4")  # fmt: skip
+        base = dataclasses.replace(
+            BASE, nproc=4, batch=8, epochs=epochs, seed=seed, preset="grid:1x4"
+        )
         lo, gl = (one(dataclasses.replace(base, bn=bn)) for bn in ("local", "global"))
         gains.append(gl["test"] - lo["test"])
         print(
             f"{seed:>4} {lo['test']:11.4f} {gl['test']:12.4f} {lo['train']:12.4f} {gl['train']:13.4f}"
         )
-    print(f"global - local test accuracy: mean {statistics.mean(gains) * 100:+.2f} points "
-          f"over {len(seeds)} seeds")  # fmt: skip
+    print(
+        f"global - local test accuracy: mean {statistics.mean(gains) * 100:+.2f} points "
+        f"over {len(seeds)} seeds"
+    )
 
 
 def large_batch(epochs: int) -> None:
     print(f"\n3. resnet20 on digits, 4 ranks x per-rank batch 32 (global 128), {epochs} epochs")
-    base = dataclasses.replace(
-        BASE, nproc=4, batch=128, epochs=epochs, strategy="grid:1x4", lr=0.05
-    )
+    base = dataclasses.replace(BASE, nproc=4, batch=128, epochs=epochs, preset="grid:1x4", lr=0.05)
     gl = one(dataclasses.replace(base, bn="global"))
     ad = one(dataclasses.replace(base, bn="adaptive", bn_max_batch=16))
     print(f"{'bn':<9} {'test':>7} {'ms/iter':>8} {'BN KB/iter':>11}  decision")

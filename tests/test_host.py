@@ -8,13 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from test_equivalence import batches, odd_model, reference
+from nets import assert_same_state, batches, make, preset, train_reference
 
-from hybridpar.comm.grid import ProcessGrid
 from hybridpar.comm.host import HostReducer
-from hybridpar.comm.ledger import Ledger
 from hybridpar.train.config import TrainConfig
-from hybridpar.train.loop import Trainer, layer_map
+from hybridpar.train.loop import Trainer
 
 
 def _ours():
@@ -51,20 +49,17 @@ def _train(kind, hosts):
     rank, P = dist.get_rank(), dist.get_world_size()
     if hosts > 1:
         os.environ["HYBRIDPAR_HOST"] = f"host{rank * hosts // P}"
-    torch.manual_seed(0)
-    model = odd_model()
-    layer_of, _ = layer_map(model, (1, 8, 8))
-    cfg = TrainConfig(lr=0.1, batch=12, bucket_mb=0.0005, reducer="host", bn="local")
-    t = Trainer(cfg, model, ProcessGrid(1, P), Ledger(), kind, layer_of)
+    plan = preset("tv-alexnet", kind, P, reducer="host", bn="local")
+    cfg = TrainConfig(lr=0.1, batch=12, bucket_mb=0.0005)
+    t = Trainer(cfg, make("tv-alexnet"), plan, input_shape=(1, 8, 8))
     for x, y in batches():
         t.step(x, y)
-    state = t.full_state_dict()
-    ref = reference()
-    return all(torch.allclose(state[k], v, rtol=1e-5, atol=1e-6) for k, v in ref.items())
+    assert_same_state(t.full_state_dict(), train_reference(make("tv-alexnet"), batches()), kind)
+    return True
 
 
 @pytest.mark.parametrize(
-    "P,kind,hosts", [(2, "hybrid", 1), (4, "hybrid", 1), (4, "hybrid", 2), (2, "ddp", 1)]
+    "P,kind,hosts", [(2, "batch", 1), (4, "batch", 1), (4, "batch", 2), (2, "ddp", 1)]
 )
 def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts):
     """Same parameters after 5 steps as single-process SGD (and so as the process-group

@@ -21,52 +21,257 @@ CMD = [sys.executable, "-m", "hybridpar", "train", "--no-progress"]
 
 def test_train_digits_reports_prediction_and_measurement(tmp_path):
     report = tmp_path / "r.json"
-    r = subprocess.run(CMD + ["--nproc", "2", "--strategy", "owt", "--epochs", "3", "--report", str(report)],
-                       capture_output=True, text=True, timeout=240)  # fmt: skip
+    r = subprocess.run(
+        CMD + ["--nproc", "2", "--preset", "owt", "--epochs", "3", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(report.read_text())
-    assert d["procs"] == 2 and d["grid"] == [2, 1] and len(d["epochs"]) == 3
+    assert d["procs"] == 2 and d["preset"] == "owt" and len(d["epochs"]) == 3
+    styles = d["plan"]["styles"]
+    assert {k: v for k, v in styles.items() if v != "batch"} == {
+        "6": "model(2x1)",
+        "9": "model(2x1)",
+        "11": "model(2x1)",
+    }
     assert {"epoch", "loss", "train_acc", "test_acc", "time_s"} <= set(d["epochs"][0])
     assert d["final"]["test_acc"] > 0.5  # 3 epochs; the accuracy promise is the next test's
-    assert {"time_s", "compute_s", "comm_wait_s"} <= set(d["iteration"])
+    assert {"time_s", "compute_s", "comm_wait_s", "predicted_s"} <= set(d["iteration"])
     meas, pred = d["bytes"]["measured"], d["bytes"]["predicted"]
     for k, v in pred.items():
         assert meas[k] == pytest.approx(v, rel=1e-9), k
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_default_run_is_the_demo_and_reaches_95_percent(tmp_path):
-    """`make demo` runs `hybridpar train` with its defaults: digits-cnn on digits, 4 ranks, auto."""
+def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path):
+    """`make demo` runs `hybridpar train` with its defaults: digits-wide on digits, 4 ranks, auto.
+    The planner's choice on this machine splits the wide FC head (Pr > 1): a hybrid plan."""
     env = {**os.environ, "HYBRIDPAR_CACHE": str(tmp_path)}  # auto calibrates this machine first
     t0 = time.monotonic()
-    r = subprocess.run(CMD + ["--report", str(tmp_path / "demo.json")], capture_output=True, text=True,
-                       timeout=300, env=env)  # fmt: skip
+    r = subprocess.run(
+        CMD + ["--report", str(tmp_path / "demo.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads((tmp_path / "demo.json").read_text())
-    assert d["procs"] == 4 and d["config"]["strategy"] == "auto"
+    assert d["procs"] == 4 and d["config"]["preset"] == "auto" and d["model"] == "digits-wide"
+    assert any(v.startswith("model(") for v in d["plan"]["styles"].values()), d["plan"]["styles"]
     assert d["final"]["test_acc"] >= 0.95, d["final"]
     assert time.monotonic() - t0 < 180
     assert (tmp_path / "localhost.json").exists()
+    assert "bytes per iteration per rank" in r.stdout and "dx_allreduce" in r.stdout
 
 
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        ({"strategy": "grid:3x2", "nproc": 4}, "has 6 ranks"),
-        ({"strategy": "grid:2x2", "nproc": 4, "batch": 30}, "does not split evenly"),
-        ({"strategy": "owt", "nproc": 16, "model": "resnet20", "batch": 64}, "narrowest FC layer"),
+        ({"preset": "grid:3x2", "nproc": 4}, "has 6 ranks"),
+        ({"preset": "grid:2x2", "nproc": 4, "batch": 30}, "does not split evenly"),
+        (
+            {"preset": "owt", "nproc": 16, "model": "resnet20", "batch": 64},
+            "exceeds its 10 output units",
+        ),
         ({"data": "/nonexistent/data.npz"}, "does not exist"),
-        ({"strategy": "pipeline"}, "unknown strategy"),
+        ({"preset": "pipeline"}, "unknown preset"),
         ({"model": "gpt5"}, "unknown model"),
-        ({"schedule": "warp"}, "unknown schedule"),
-        ({"codec": "int4"}, "unknown codec"),
+        ({"schedule": "warp"}, "--schedule must be one of"),
+        ({"codec": "int4"}, "--codec must be one of"),
         ({"compress": "weights"}, "--compress takes"),
-        ({"bn": "sync"}, "unknown --bn"),
+        ({"bn": "sync"}, "--bn must be one of"),
+        ({"lr": -1.0}, "--lr must be positive"),
+        ({"momentum": 1.0}, "--momentum must be in"),
+        ({"plan": "p.json", "preset": "owt"}, "not both"),
     ],
 )
 def test_bad_config_is_caught_before_spawning(changes, needle):
     with pytest.raises(ConfigError, match=needle):
-        prepare(TrainConfig(**{"nproc": 4, "strategy": "grid:2x2", **changes}))
+        prepare(TrainConfig(**{"nproc": 4, "preset": "grid:2x2", **changes}))
+
+
+def _localhost(cache):
+    """A calibrated `localhost` without measuring: fixed numbers, so the plan is repeatable."""
+    cache.mkdir(exist_ok=True)
+    (cache / "localhost.json").write_text(
+        json.dumps({"name": "localhost", "alpha": 1e-4, "beta": 1e-9, "flops": 1e11})
+    )
+    return {**os.environ, "HYBRIDPAR_CACHE": str(cache)}
+
+
+def test_plan_file_round_trip_measures_what_it_predicts(tmp_path):
+    """`hybridpar plan ... --out p.json`, then `hybridpar train --plan p.json`: the report's
+    measured bytes equal the plan's predicted bytes per (layer, term), exactly (invariant 2)."""
+    env = _localhost(tmp_path / "cache")
+    plan_file, report = tmp_path / "p.json", tmp_path / "r.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridpar",
+            "plan",
+            "--model",
+            "alexnet-owt",
+            "--input-size",
+            "64",
+            "--procs",
+            "4",
+            "--batch",
+            "32",
+            "--cluster",
+            "localhost",
+            "--scenario",
+            "per-layer",
+            "--out",
+            str(plan_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(plan_file.read_text())
+    assert plan["scenario"] == "per-layer" and len(set(plan["styles"].values())) >= 2, plan[
+        "styles"
+    ]
+    r = subprocess.run(
+        CMD
+        + [
+            "--plan",
+            str(plan_file),
+            "--data",
+            "synthetic:256",
+            "--epochs",
+            "1",
+            "--max-steps",
+            "3",
+            "--report",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    d = json.loads(report.read_text())
+    assert d["plan"]["styles"] == plan["styles"] and d["procs"] == 4
+    rows = d["bytes_by_layer"]
+    assert set(rows) == {p["layer"] for p in plan["predicted"] if p["bytes"]}
+    for layer, terms in rows.items():
+        for term, v in terms.items():
+            assert v["measured"] == pytest.approx(v["predicted"], rel=1e-9), (layer, term)
+
+
+@pytest.fixture(scope="module")
+def good_plan(tmp_path_factory):
+    """A plan `hybridpar plan --out` wrote for digits-cnn on 2 ranks (each case edits a copy)."""
+    path = tmp_path_factory.mktemp("plan") / "p.json"
+    args = ["plan", "--model", "digits-cnn", "--procs", "2", "--batch", "64"]
+    r = subprocess.run(
+        [sys.executable, "-m", "hybridpar", *args, "--scenario", "fc-grid", "--out", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(path.read_text())
+
+
+def _resnet_plan(d):
+    d.clear()
+    d.update(
+        format="hybridpar-plan/1",
+        model="resnet20",
+        procs=32,
+        batch=64,
+        styles={"conv1": "model(32x1)"},
+    )
+
+
+@pytest.mark.parametrize(
+    "edit, extra, needle",
+    [
+        (
+            lambda d: d["styles"].update({"classifier.9": "batch"}),
+            [],
+            "'classifier.9' names no module",
+        ),
+        (_resnet_plan, [], "conv1 has 16 output channels, fewer than Pr=32"),
+        (lambda d: d["styles"].update({"1": "model(2x1)"}), [], "has no Linear or Conv2d"),
+        (lambda d: None, ["--nproc", "4"], "the plan is for --nproc 2, got 4"),
+        (lambda d: d.update(procs=4), [], "has 2 ranks but the plan is for P=4"),
+        (lambda d: d.update(format="nope"), [], "not a hybridpar plan"),
+        (lambda d: d["predicted"][0].update(bytes=1.0), [], "made for another model"),
+    ],
+)
+def test_bad_plan_files_end_before_spawning(tmp_path, good_plan, edit, extra, needle):
+    """A plan naming a module that does not exist, a style a module cannot take, a plan for
+    another P, a malformed or edited file: one line, exit 2, in about the time of an import."""
+    d = json.loads(json.dumps(good_plan))
+    edit(d)
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    t0 = time.monotonic()
+    r = subprocess.run(
+        CMD + ["--plan", str(tmp_path / "p.json"), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert time.monotonic() - t0 < 20
+
+
+def test_a_plan_file_that_is_not_json(tmp_path):
+    (tmp_path / "bad.json").write_text("{")
+    r = subprocess.run(
+        CMD + ["--plan", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "not valid JSON" in r.stderr
+
+
+def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path):
+    """Invariant 3 under torchrun: rank 0 calibrates (with every rank measuring) and plans, and
+    broadcasts the plan; the calibration is written once and nobody plans on their own."""
+    env = {**os.environ, "HYBRIDPAR_CACHE": str(tmp_path)}
+    report = tmp_path / "r.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "hybridpar",
+            "train",
+            "--no-progress",
+            "--epochs",
+            "1",
+            "--max-steps",
+            "2",
+            "--report",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("calibrating this machine") == 1, r.stdout
+    assert json.loads((tmp_path / "localhost.json").read_text())["source"].endswith(
+        "on 2 ranks, sizes 1024..16777216 B"
+    )
+    d = json.loads(report.read_text())
+    assert d["procs"] == 2 and d["preset"] == "auto"
 
 
 def test_malformed_npz_via_cli(tmp_path):
@@ -104,8 +309,12 @@ def _workers(parent: int) -> list[int]:
 
 
 def _start_and_wait_for_training(extra):
-    p = subprocess.Popen(CMD + ["--nproc", "4", "--strategy", "grid:2x2", "--epochs", "500", *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        CMD + ["--nproc", "4", "--preset", "grid:2x2", "--epochs", "500", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while len(_workers(p.pid)) < 4 and time.monotonic() < deadline:
         p.wait(timeout=0.2) if p.poll() is not None else time.sleep(0.2)
@@ -168,8 +377,24 @@ def test_eight_bit_training_matches_fp32_accuracy(tmp_path):
     acc = {}
     for codec in ("none", "dynamic-tree"):
         report = tmp_path / f"{codec}.json"
-        r = subprocess.run(CMD + ["--strategy", "grid:2x2", "--codec", codec, "--epochs", "10",
-                                  "--report", str(report)], capture_output=True, text=True, timeout=300)  # fmt: skip
+        r = subprocess.run(
+            CMD
+            + [
+                "--model",
+                "digits-cnn",
+                "--preset",
+                "grid:2x2",
+                "--codec",
+                codec,
+                "--epochs",
+                "10",
+                "--report",
+                str(report),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         r = json.loads(report.read_text())
         acc[codec] = r["final"]["test_acc"]

@@ -12,8 +12,11 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
-__all__ = ["calibrate", "fit_alpha_beta"]
+from hybridpar.cluster import localhost_path
+
+__all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta"]
 
 SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes
 
@@ -64,24 +67,45 @@ def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
     return max(float(alpha), 0.0), float(beta)
 
 
-def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict:
-    from hybridpar.cluster import localhost_path
-    from hybridpar.train.launch import launch
-
-    times = launch(_time_allreduce, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
+def _fitted(times: dict[int, float], nproc: int) -> dict:
     alpha, beta = fit_alpha_beta(times, nproc)
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    data = {
+    return {
         "name": "localhost",
         "alpha": alpha,
         "beta": beta,
         "flops": _flops(threads),
         "word_bytes": 4,
-        "source": f"hybridpar calibrate: gloo all-reduce on {nproc} local ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
+        "source": f"hybridpar calibrate: gloo all-reduce on {nproc} ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
     }
+
+
+def _save(data: dict) -> Path:
+    """Write the cluster `localhost` atomically: a reader never sees half a file."""
     path = localhost_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
-    data["measured_s"] = {str(k): v for k, v in times.items()}
-    data["path"] = str(path)
-    return data
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict:
+    """Spawn `nproc` local ranks, time their all-reduces, fit and save `localhost`."""
+    from hybridpar.train.launch import launch
+
+    times = launch(_time_allreduce, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
+    data = _fitted(times, nproc)
+    path = _save(data)
+    return {**data, "measured_s": {str(k): v for k, v in times.items()}, "path": str(path)}
+
+
+def calibrate_in_job(repeats: int = 5) -> None:
+    """Calibrate on the ranks of a running job (every rank calls it): they all take part in the
+    all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
+    import torch.distributed as dist
+
+    times = _time_allreduce(SIZES, repeats)
+    if dist.get_rank() == 0:
+        _save(_fitted(times, dist.get_world_size()))
+    dist.barrier()

@@ -1,4 +1,4 @@
-"""Command line: `hybridpar plan | simulate | profile`.
+"""Command line: `hybridpar plan | simulate | profile | train | codecs | calibrate`.
 
 Every bad input ends in one line on stderr, `hybridpar <command>: error: <what to change>`, and
 exit code 2, before any work (or process) starts.
@@ -12,10 +12,18 @@ import sys
 import time
 from pathlib import Path
 
+from hybridpar.config import PlanConfig, add_arguments, from_namespace
 from hybridpar.errors import ConfigError
-from hybridpar.wire import CODECS
+from hybridpar.plan import Term
 
-TERMS = ("allgather", "dx_allreduce", "dw_allreduce", "halo_fwd", "halo_bwd", "redistribute")
+TERMS = (
+    Term.ALLGATHER,
+    Term.DX_ALLREDUCE,
+    Term.DW_ALLREDUCE,
+    Term.HALO_FWD,
+    Term.HALO_BWD,
+    Term.REDISTRIBUTE,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,78 +51,6 @@ def _int_list(text: str) -> list[int]:
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"{text!r} needs positive integers, e.g. 8,16,32")
     return vals
-
-
-def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        required=True,
-        help="zoo model: alexnet, alexnet-owt, vgg16, resnet20, digits-cnn, mlp",
-    )
-    p.add_argument("--batch", type=_positive_int, required=True, help="global mini-batch B")
-    p.add_argument(
-        "--cluster",
-        default="cori-knl",
-        help="preset (cori-knl, k20-pcie, fdr-infiniband, p100-nvlink), localhost, or a .toml/.json file",
-    )
-    p.add_argument(
-        "--input-size",
-        type=_positive_int,
-        default=None,
-        help="image side, e.g. 64 (default: the model's)",
-    )
-    p.add_argument(
-        "--compute",
-        default=None,
-        help="compute table from `hybridpar profile` (default: FLOPs / cluster rate)",
-    )
-    p.add_argument(
-        "--bytes-per-element",
-        type=float,
-        default=None,
-        help="wire bytes per element (default: the cluster's word size)",
-    )
-    p.add_argument(
-        "--codec",
-        default="none",
-        choices=CODECS,
-        help="wire encoding of the traffic named by --compress (8-bit types: 1 byte/element)",
-    )
-    p.add_argument(
-        "--compress",
-        default="grads,activations",
-        help="what the codec applies to: grads, activations or both (comma-separated)",
-    )
-    p.add_argument(
-        "--memory-limit",
-        type=float,
-        default=None,
-        help="GiB per process (parameters + activations)",
-    )
-    p.add_argument(
-        "--overlap",
-        action="store_true",
-        help="hide the weight all-reduce behind the backward pass (Fig. 8)",
-    )
-
-
-def _plan_kwargs(args: argparse.Namespace) -> dict:
-    from hybridpar.cost.compute import load_table
-    from hybridpar.wire import parse_compress
-
-    if args.bytes_per_element is not None and args.bytes_per_element <= 0:
-        raise ConfigError("--bytes-per-element must be positive")
-    if args.memory_limit is not None and args.memory_limit <= 0:
-        raise ConfigError("--memory-limit must be a positive number of GiB")
-    return dict(
-        input_size=args.input_size,
-        compute=load_table(args.compute) if args.compute else None,
-        elem_bytes=args.bytes_per_element,
-        memory_limit=args.memory_limit * 2**30 if args.memory_limit else None,
-        overlap=args.overlap,
-        codec=args.codec,
-        compress=parse_compress(args.compress),
-    )
 
 
 def _ms(x: float) -> str:
@@ -154,7 +90,7 @@ def _print_plan(result, shown: list) -> None:
     print(f"best: {best.scenario}" + (f" on {best.grid[0]}x{best.grid[1]}" if best.grid else ""))
     head = "".join(f"{t:>13}" for t in TERMS)
     print(
-        f"{'layer':<8} {'kind':<6} {'params':>10} {'d_in':>8} {'d_out':>8} {'strategy':<15} {'comm ms':>9}{head}"
+        f"{'layer':<8} {'kind':<6} {'params':>10} {'d_in':>8} {'d_out':>8} {'style':<15} {'comm ms':>9}{head}"
     )
     for x in best.layers:
         terms = "".join(
@@ -162,50 +98,51 @@ def _print_plan(result, shown: list) -> None:
         )
         print(
             f"{x.layer.name:<8} {x.layer.kind:<6} {x.layer.params:>10} {x.layer.d_in:>8} "
-            f"{x.layer.d_out:>8} {x.strategy.label:<15} {x.comm_s * 1e3:9.3f}{terms}"
+            f"{x.layer.d_out:>8} {x.style.label:<15} {x.comm_s * 1e3:9.3f}{terms}"
         )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hybridpar.cluster import load_cluster
-    from hybridpar.planner import SCENARIOS, make_plan
+    from hybridpar.planner import NOT_EXECUTABLE, SCENARIOS, make_plan
 
+    cfg = from_namespace(PlanConfig, args)
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     if args.scenario != "all" and "batch" not in scenarios:
         scenarios.insert(0, "batch")  # the baseline every speedup refers to
+    if args.out and args.scenario == "domain":
+        raise ConfigError(
+            f"{NOT_EXECUTABLE}: --out writes plans `hybridpar train` runs; pick another --scenario"
+        )
     result = make_plan(
-        args.model,
+        cfg.model,
         args.procs,
-        args.batch,
-        load_cluster(args.cluster),
+        cfg.batch,
+        load_cluster(cfg.cluster),
         scenarios=scenarios,
-        **_plan_kwargs(args),
+        domain=not args.out,
+        **cfg.plan_kwargs(),
     )
     result.best  # noqa: B018  raises the one-line error when nothing fits
     shown = [p for p in result.scenarios if args.scenario in ("all", p.scenario)]
+    feasible = [p for p in shown if p.feasible]
+    if not feasible:
+        raise ConfigError(f"scenario {args.scenario} is infeasible: {shown[0].reason}")
+    best = min(feasible, key=lambda p: (p.total_s, p.comm_s))
     if args.json:
         data = result.to_dict()
-        if args.scenario != "all":
-            data["scenarios"] = [p.to_dict() for p in shown]
-            feasible = [p for p in shown if p.feasible]
-            if not feasible:
-                raise ConfigError(f"scenario {args.scenario} is infeasible: {shown[0].reason}")
-            best = min(feasible, key=lambda p: (p.total_s, p.comm_s))
-            data["best"] = best.to_dict()
-            b = result.scenario("batch")
-            data["speedup_vs_batch"] = (
-                {
-                    "comm": b.comm_s / best.comm_s if best.comm_s else None,
-                    "total": b.total_s / best.total_s,
-                }
-                if b is not None and b.feasible
-                else None
-            )
+        data["scenarios"] = [p.to_dict() for p in shown]
+        data["best"] = best.to_dict()
+        data["speedup_vs_batch"] = result.speedup_vs_batch(best)
         print(json.dumps(data, indent=1))
     else:
-        if not any(p.feasible for p in shown):
-            raise ConfigError(f"scenario {args.scenario} is infeasible: {shown[0].reason}")
         _print_plan(result, shown)
+    if args.out:
+        path = result.export(best, reducer=cfg.reducer).save(args.out)
+        print(
+            f"wrote the {best.scenario} plan to {path} (domain styles left out: not executed yet)",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     return 0
 
 
@@ -214,14 +151,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hybridpar.planner import make_plan
     from hybridpar.simulate import FIGURES, plot_sweep, run_sweep, write_csv
 
-    cluster = load_cluster(args.cluster)
-    kwargs = _plan_kwargs(args)
+    cfg = from_namespace(PlanConfig, args)
+    cluster = load_cluster(cfg.cluster)
+    kwargs = cfg.plan_kwargs()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results = run_sweep(
         args.procs,
-        lambda p: make_plan(args.model, p, args.batch, cluster, **kwargs),
+        lambda p: make_plan(cfg.model, p, cfg.batch, cluster, **kwargs),
         progress=not args.quiet,
     )
     write_csv(results, out / "simulate.csv")
@@ -275,16 +213,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hybridpar.train.launch import RankFailure
     from hybridpar.train.run import run
 
-    cfg = TrainConfig(
-        model=args.model, data=args.data, nproc=args.nproc, strategy=args.strategy, epochs=args.epochs,
-        batch=args.batch, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        schedule=args.schedule, seed=args.seed, input_size=args.input_size, report=args.report,
-        timeout_s=args.timeout, bucket_mb=args.bucket_mb, progress=not args.no_progress,
-        max_steps=args.max_steps, bn=args.bn, bn_max_batch=args.bn_max_batch,
-        bn_window=args.bn_window, bn_threshold=args.bn_threshold, codec=args.codec,
-        compress=args.compress, codec_block=args.codec_block, error_feedback=args.error_feedback,
-        reducer=args.reducer,
-    )  # fmt: skip
+    cfg = from_namespace(TrainConfig, args)
     try:
         report = run(cfg)
     except RankFailure as exc:
@@ -294,16 +223,26 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     if report is None:  # a non-zero rank under torchrun
         return 0
-    it, b = report["iteration"], report["bytes"]
+    _print_report(report, show_plan=not cfg.progress)
+    return 0
+
+
+def _print_report(report: dict, show_plan: bool) -> None:
+    from hybridpar.plan import ParallelPlan
+
+    plan = ParallelPlan.from_dict(report["plan"])
     print(
-        f"{report['model']} on {report['data']}: P={report['procs']}, {report['strategy']} "
-        f"grid {report['grid'][0]}x{report['grid'][1]}"
+        f"{report['model']} on {report['data']}: P={report['procs']}, "
+        f"{report['preset'] or report['plan_file']}: {plan.scenario} plan, engine {plan.engine}"
     )
+    if show_plan:
+        print(plan.describe())
     for e in report["epochs"]:
         print(
             f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  train {e['train_acc']:.4f}  "
             f"test {e['test_acc']:.4f}  {e['time_s']:.2f} s"
         )
+    it, b = report["iteration"], report["bytes"]
     print(
         f"final test accuracy {report['final']['test_acc']:.4f}; iteration {it['time_s'] * 1e3:.1f} ms "
         f"(compute {it['compute_s'] * 1e3:.1f}, communication wait {it['comm_wait_s'] * 1e3:.1f})"
@@ -314,19 +253,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(
             f"batch norm: adaptive, {'global throughout' if when is None else f'local from step {when}: ' + bn['reason']}"
         )
-    print("bytes per iteration per rank (measured / predicted):")
+    print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):
-        if k in ("metrics", "codec_overhead", "bn_switch"):
+        if k in ("metrics", "codec_overhead", "bn_switch", "param_broadcast"):
             continue
-        print(f"  {k:<14} {b['measured'].get(k, 0):14.0f} {b['predicted'].get(k, 0):14.0f}")
+        print(f"{'':30}{k:<14} {b['measured'].get(k, 0):14.0f} {b['predicted'].get(k, 0):14.0f}")
     for w in report.get("written", []):
         print(f"wrote {w}")
-    return 0
 
 
 def cmd_codecs(args: argparse.Namespace) -> int:
-    import json
-
     from hybridpar.codec_report import datasets, error_table, print_table, throughput
     from hybridpar.wire import CODECS
 
@@ -368,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("plan", help="predict the cost of every strategy and pick the best")
-    _add_plan_args(p)
+    p = sub.add_parser("plan", help="predict the cost of every scenario and pick the best")
+    add_arguments(p, PlanConfig)
     p.add_argument("--procs", type=_positive_int, required=True, help="number of processes P")
     p.add_argument(
         "--scenario",
@@ -377,10 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["all", "batch", "model", "same-grid", "fc-grid", "domain", "per-layer"],
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write the chosen plan for `hybridpar train --plan` (domain left out)",
+    )
     p.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("simulate", help="sweep P; write a CSV and Fig. 6/7/10-style PNG charts")
-    _add_plan_args(s)
+    add_arguments(s, PlanConfig, skip=("reducer",))
     s.add_argument(
         "--procs", type=_int_list, required=True, help="comma-separated, e.g. 8,16,32,64"
     )
@@ -400,82 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="where to write the table (default: the cache folder)"
     )
     f.set_defaults(func=cmd_profile)
-    t = sub.add_parser("train", help="train with a hybrid plan on torch.distributed and measure it")
-    t.add_argument("--model", default="digits-cnn")
-    t.add_argument(
-        "--data", default="digits", help="digits | synthetic[:N] | file.npz | image folder"
-    )
-    t.add_argument(
-        "--nproc",
-        type=_positive_int,
-        default=4,
-        help="local processes (torchrun decides when it starts us)",
-    )
-    t.add_argument("--strategy", default="auto", help="auto | ddp | owt | grid:PRxPC")
-    t.add_argument("--epochs", type=_positive_int, default=20)
-    t.add_argument("--batch", type=_positive_int, default=64, help="global mini-batch")
-    t.add_argument("--lr", type=float, default=0.05)
-    t.add_argument("--momentum", type=float, default=0.9)
-    t.add_argument("--weight-decay", type=float, default=5e-4)
-    t.add_argument("--schedule", default="constant", choices=["constant", "krizhevsky", "cosine"])
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--input-size", type=_positive_int, default=None)
-    t.add_argument(
-        "--report", default=None, help="JSON report path (a PNG of the curves goes next to it)"
-    )
-    t.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
-    t.add_argument("--bucket-mb", type=float, default=4.0)
-    t.add_argument("--max-steps", type=_positive_int, default=None, help="cap steps per epoch")
-    t.add_argument(
-        "--codec",
-        default="none",
-        choices=CODECS,
-        help="wire encoding of gradients and/or activations (see --compress)",
-    )
-    t.add_argument(
-        "--compress",
-        default="grads,activations",
-        help="grads, activations or both (comma-separated)",
-    )
-    t.add_argument(
-        "--codec-block",
-        type=int,
-        default=4096,
-        help="elements per 8-bit scale (0: one per tensor, as in the paper)",
-    )
-    t.add_argument(
-        "--error-feedback",
-        action="store_true",
-        help="add what gradient compression lost back at the next step",
-    )
-    t.add_argument(
-        "--reducer",
-        default="process-group",
-        choices=["process-group", "host"],
-        help="gradient sums: torch.distributed all-reduce, or host shared memory (Sekiyama et al.)",
-    )
-    t.add_argument(
-        "--bn",
-        default="global",
-        choices=["local", "global", "adaptive"],
-        help="batch-norm statistics: per rank, over the whole batch, or global until a rule says local",
-    )
-    t.add_argument(
-        "--bn-max-batch",
-        type=_positive_int,
-        default=None,
-        help="adaptive: local BN from the start when the per-rank batch is at least this",
-    )
-    t.add_argument(
-        "--bn-window", type=_positive_int, default=50, help="adaptive: steps per loss window"
-    )
-    t.add_argument(
-        "--bn-threshold",
-        type=float,
-        default=0.01,
-        help="adaptive: switch to local BN when a window's loss improves by less than this (relative)",
-    )
-    t.add_argument("--no-progress", action="store_true")
+
+    from hybridpar.train.config import TrainConfig
+
+    t = sub.add_parser("train", help="train with a plan on torch.distributed and measure it")
+    add_arguments(t, TrainConfig)
     t.add_argument("--verbose", action="store_true", help="print the failing rank's traceback")
     t.set_defaults(func=cmd_train)
 

@@ -31,8 +31,11 @@ def captured_tensors(steps: int = 30, seed: int = 0) -> dict[str, torch.Tensor]:
     model = build_model("digits-cnn", input_size=8, num_classes=10, in_channels=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     acts: list[torch.Tensor] = []
-    hooks = [m.register_forward_hook(lambda _m, inp, _out: acts.append(inp[0].detach().reshape(-1)))
-             for m in model if isinstance(m, nn.Linear)]  # fmt: skip
+    hooks = [
+        m.register_forward_hook(lambda _m, inp, _out: acts.append(inp[0].detach().reshape(-1)))
+        for m in model
+        if isinstance(m, nn.Linear)
+    ]
     g = torch.Generator().manual_seed(seed)
     grads: list[torch.Tensor] = []
     for step in range(steps):
@@ -59,20 +62,23 @@ def datasets(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def error_table(data: dict[str, torch.Tensor], block: int | None,
-                codecs: tuple[str, ...] = CODECS[1:]) -> list[dict]:  # fmt: skip
+def error_table(
+    data: dict[str, torch.Tensor], block: int | None, codecs: tuple[str, ...] = CODECS[1:]
+) -> list[dict]:
     rows = []
     for dist_name, x in data.items():
         nz = x != 0
         for name in codecs:
             d = get_codec(name, block).roundtrip(x)
             err = (d - x).abs()
-            rows.append({
-                "data": dist_name,
-                "codec": name,
-                "mean_abs": float(err.mean()),
-                "mean_rel_pct": float((err[nz] / x.abs()[nz]).mean() * 100),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "data": dist_name,
+                    "codec": name,
+                    "mean_abs": float(err.mean()),
+                    "mean_rel_pct": float((err[nz] / x.abs()[nz]).mean() * 100),
+                }
+            )
     return rows
 
 

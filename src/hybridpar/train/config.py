@@ -1,87 +1,126 @@
-"""The one typed configuration of a training run; the CLI fills it and validates it before spawning."""
+"""The one typed configuration of a training run. `hybridpar train`'s options are generated from
+it; `validate` checks it once, before any process is spawned."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
 
+from hybridpar.config import BN, Codec, Reducer, check_fields, meta, positive
 from hybridpar.errors import ConfigError
+from hybridpar.presets import SEARCHED, parse_preset
+from hybridpar.wire import parse_compress
 
-__all__ = ["TrainConfig", "parse_strategy"]
+__all__ = ["DEFAULT_MODEL", "TrainConfig"]
+
+DEFAULT_MODEL = "digits-wide"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    model: str = "digits-cnn"
-    """zoo model name"""
-    data: str = "digits"
-    """digits | synthetic[:N] | file.npz | image folder"""
-    nproc: int = 4
-    """processes to spawn (ignored under torchrun, which decides)"""
-    strategy: str = "auto"
-    """auto (the planner's choice on localhost) | ddp (torch DDP baseline) | owt (FC pure model, P x 1) | grid:PRxPC"""
-    epochs: int = 20
-    batch: int = 64
-    """global mini-batch B"""
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    schedule: str = "constant"
-    """constant | krizhevsky (x 250^-1/3 at 25/50/75 %) | cosine"""
-    seed: int = 0
-    input_size: int | None = None
-    report: str | None = None
-    """JSON report path; a PNG of the curves is written next to it"""
-    timeout_s: float = 300.0
-    """collective timeout: a dead or hung rank ends the job within this"""
-    bucket_mb: float = 4.0
-    progress: bool = True
-    max_steps: int | None = None
-    """stop each epoch after this many steps (benchmarks)"""
-    codec: str = "none"
-    """wire encoding: none | fp16 | bf16 | dynamic-tree | linear | mantissa | static-tree"""
-    compress: str = "grads,activations"
-    """what the codec applies to: grads (weight-gradient reductions), activations (model-parallel
-    all-gathers, dX all-reduces, the hand-off), or both"""
-    codec_block: int = 4096
-    """elements per absmax scale of the 8-bit codecs; 0: one scale per tensor (as in the paper)"""
-    error_feedback: bool = False
-    """keep what gradient compression lost and add it back at the next step"""
-    reducer: str = "process-group"
-    """process-group (all-reduce over torch.distributed) | host (shared-memory accumulation on
-    each host, one all-reduce per host across hosts; Sekiyama et al.)"""
-    bn: str = "global"
-    """local (each rank's own examples, DDP's behaviour) | global (the whole batch, as on one
-    process) | adaptive (global until bn_max_batch or convergence, then local)"""
-    bn_max_batch: int | None = None
-    """adaptive: keep BN local from the start when the per-rank batch is at least this"""
-    bn_window: int = 50
-    """adaptive: steps per loss window of the convergence rule"""
-    bn_threshold: float = 0.01
-    """adaptive: converged when a window's mean loss improves on the previous by less than this"""
-    grid: tuple[int, int] | None = None
-    """resolved from the strategy before spawning"""
+    model: str | None = meta(None, f"zoo model (default: the plan's, else {DEFAULT_MODEL})")
+    data: str = meta("digits", "digits | synthetic[:N] | file.npz | image folder")
+    nproc: int | None = meta(
+        None, "local processes (default: the plan's, else 4; torchrun decides when it starts us)"
+    )
+    preset: str = meta(
+        "auto",
+        "a named plan: auto (the planner's best on --cluster), ddp (torch DDP), "
+        "owt (FC layers pure model), grid:RxC (conv batch, FC on an R x C grid), or a "
+        "planner scenario: batch, model, same-grid, fc-grid, per-layer",
+        aliases=["--strategy"],
+    )
+    plan: str | None = meta(
+        None, "a plan file written by `hybridpar plan ... --out` (instead of --preset)"
+    )
+    cluster: str = meta(
+        "localhost",
+        "cluster the presets are planned on and predictions priced for "
+        "(localhost is calibrated on first use)",
+    )
+    epochs: int = meta(20, "passes over the training data")
+    batch: int | None = meta(None, "global mini-batch B (default: the plan's, else 64)")
+    lr: float = meta(0.05, "learning rate")
+    momentum: float = meta(0.9, "momentum")
+    weight_decay: float = meta(5e-4, "weight decay")
+    schedule: Literal["constant", "krizhevsky", "cosine"] = meta(
+        "constant", "learning-rate schedule"
+    )
+    seed: int = meta(0, "seed of the model, the data order and dropout")
+    input_size: int | None = meta(None, "image side, e.g. 64 (default: the data's or the model's)")
+    report: str | None = meta(None, "JSON report path (a PNG of the curves goes next to it)")
+    timeout_s: float = meta(
+        300.0,
+        "collective timeout in seconds: a dead or hung rank ends the job within it",
+        flag="--timeout",
+    )
+    bucket_mb: float = meta(4.0, "gradient bucket size in MB")
+    progress: bool = meta(True, "progress bar", flag="--no-progress")
+    max_steps: int | None = meta(None, "cap the steps per epoch (benchmarks)")
+    codec: Codec = meta("none", "wire encoding of gradients and/or activations (see --compress)")
+    compress: str = meta(
+        "grads,activations", "what the codec applies to: grads, activations or both"
+    )
+    codec_block: int = meta(4096, "elements per 8-bit scale (0: one per tensor, as in the paper)")
+    error_feedback: bool = meta(False, "add what gradient compression lost back at the next step")
+    reducer: Reducer = meta(
+        "process-group",
+        "gradient sums: torch.distributed all-reduce, or host shared memory (Sekiyama et al.)",
+    )
+    bn: BN = meta(
+        "global",
+        "batch-norm statistics: per rank (local), over the whole batch (global), "
+        "or global until a rule says local (adaptive)",
+    )
+    bn_max_batch: int | None = meta(
+        None, "adaptive: local BN from the start when the per-rank batch is at least this"
+    )
+    bn_window: int = meta(50, "adaptive: steps per loss window")
+    bn_threshold: float = meta(
+        0.01,
+        "adaptive: switch to local BN when a window's loss improves by less than this (relative)",
+    )
+
+    def validate(self) -> TrainConfig:
+        """Check every field once; raise a one-line ConfigError saying what to change."""
+        check_fields(self)
+        positive(
+            self,
+            "nproc",
+            "epochs",
+            "batch",
+            "lr",
+            "timeout_s",
+            "bucket_mb",
+            "max_steps",
+            "input_size",
+            "bn_window",
+            "bn_max_batch",
+        )
+        positive(self, "weight_decay", "codec_block", "bn_threshold", allow_zero=True)
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
+        parse_compress(self.compress)
+        if (
+            self.reducer == "host"
+            and self.codec != "none"
+            and "grads" in parse_compress(self.compress)
+        ):
+            raise ConfigError(
+                "--reducer host sums float32 gradients; use --compress activations or --codec none"
+            )
+        parse_preset(self.preset, self.nproc or 1, check_procs=False)
+        if self.plan is not None and self.preset != "auto":
+            raise ConfigError("give --plan or --preset, not both")
+        return self
+
+    @property
+    def searched(self) -> bool:
+        """Whether the plan is chosen by the planner on a cluster (rank 0 decides, in the job)."""
+        return self.plan is None and self.preset in SEARCHED
+
+    def with_(self, **changes) -> TrainConfig:
+        return replace(self, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def parse_strategy(strategy: str, nproc: int) -> tuple[str, tuple[int, int] | None]:
-    """(kind, grid): kind is ddp, hybrid or auto; grid (Pr, Pc) where known."""
-    if strategy == "ddp":
-        return "ddp", (1, nproc)
-    if strategy == "owt":
-        return "hybrid", (nproc, 1)
-    if strategy == "auto":
-        return "auto", None
-    m = re.fullmatch(r"grid:(\d+)x(\d+)", strategy)
-    if not m:
-        raise ConfigError(
-            f"unknown strategy {strategy!r}; use auto, ddp, owt or grid:PRxPC (e.g. grid:2x2)"
-        )
-    pr, pc = int(m.group(1)), int(m.group(2))
-    if pr * pc != nproc:
-        raise ConfigError(
-            f"grid {pr}x{pc} has {pr * pc} ranks but --nproc is {nproc}; use Pr*Pc = {nproc}"
-        )
-    return "hybrid", (pr, pc)

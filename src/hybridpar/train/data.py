@@ -24,7 +24,7 @@ import torch
 from hybridpar.comm.collectives import even_split
 from hybridpar.errors import ConfigError
 
-__all__ = ["Dataset", "epoch_steps", "load_data", "rows_of", "validate_data_spec"]
+__all__ = ["Dataset", "epoch_steps", "load_data", "rows_of", "signature", "validate_data_spec"]
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm"}
 
@@ -94,6 +94,25 @@ def validate_data_spec(spec: str) -> None:
     )
 
 
+def signature(
+    spec: str, model_shape: tuple[int, ...], model_classes: int
+) -> tuple[tuple[int, ...], int]:
+    """(per-example input shape, number of classes) of a data set, without loading images: what the
+    model is built for. Synthetic data takes the model's own shape and classes."""
+    validate_data_spec(spec)
+    if spec == "digits":
+        return (1, 8, 8), 10
+    if spec.split(":")[0] == "synthetic":
+        return tuple(model_shape), model_classes
+    p = Path(spec)
+    if p.suffix == ".npz":
+        with np.load(p) as f:
+            ys = [f["y"]] + ([f["y_test"]] if "y_test" in f.files else [])
+            return tuple(f["x"].shape[1:]), int(max(int(y.max()) for y in ys if y.size)) + 1
+    classes = [d for d in p.iterdir() if d.is_dir()]
+    return (3, *model_shape[1:]) if len(model_shape) == 3 else tuple(model_shape), len(classes)
+
+
 def _digits() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits (1797 8x8 images, 10 classes), read from the CSV the package ships.
 
@@ -114,8 +133,9 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
     return x, table[:, 64].astype(np.int64)
 
 
-def load_data(spec: str, input_shape: tuple[int, ...] | None = None, num_classes: int = 10,
-              seed: int = 0) -> Dataset:  # fmt: skip
+def load_data(
+    spec: str, input_shape: tuple[int, ...] | None = None, num_classes: int = 10, seed: int = 0
+) -> Dataset:
     validate_data_spec(spec)
     if spec == "digits":
         x, y = _digits()

@@ -73,22 +73,39 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child(rank: int, world: int, port: int, timeout_s: float, backend: str | None,
-           fn: Callable, args: tuple, queue: mp.Queue) -> None:  # fmt: skip
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    timeout_s: float,
+    backend: str | None,
+    fn: Callable,
+    args: tuple,
+    queue: mp.Queue,
+) -> None:
     _die_with_parent()
     faulthandler.register(
         signal.SIGUSR1, all_threads=True
     )  # `kill -USR1 <pid>` prints where a rank is
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    import torch.distributed as dist
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
 
+    from hybridpar.comm import shutdown
+
+    # the ranks share this machine's cores: more threads than cores make OpenMP spin-wait
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         init_distributed(timeout_s, backend)
         result = fn(*args)
         queue.put((rank, "ok", result))
-        dist.barrier()  # nobody tears down the group while another rank still uses it
-        dist.destroy_process_group()
+        shutdown()  # nobody tears down the group while another rank still uses it
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         last = (
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
@@ -108,22 +125,31 @@ def _describe(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def launch(fn: Callable, nprocs: int, *args: Any, timeout_s: float = 300.0, backend: str | None = None,
-           grace_s: float = 3.0) -> list[Any]:  # fmt: skip
+def launch(
+    fn: Callable,
+    nprocs: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    backend: str | None = None,
+    grace_s: float = 3.0,
+) -> list[Any]:
     """fn(*args) on nprocs ranks; returns their results in rank order."""
     if under_torchrun():
-        init_distributed(timeout_s, backend)
-        import torch.distributed as dist
+        from hybridpar.comm import shutdown
 
-        try:
-            return [fn(*args)]
-        finally:
-            dist.destroy_process_group()
+        init_distributed(timeout_s, backend)
+        result = fn(*args)
+        shutdown()
+        return [result]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, nprocs, port, timeout_s, backend, fn, args, queue), daemon=True)
-             for r in range(nprocs)]  # fmt: skip
+    procs = [
+        ctx.Process(
+            target=_child, args=(r, nprocs, port, timeout_s, backend, fn, args, queue), daemon=True
+        )
+        for r in range(nprocs)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -178,15 +204,22 @@ def _blame(procs: list, errors: dict[int, tuple[str, str]]) -> tuple[str, str]:
     if killed:
         r = killed[0]
         return f"rank {r} {_describe(codes[r])}; the job was stopped", ""
-    raised = [r for r in errors if "timed out" not in errors[r][0].lower() and "timeout" not in errors[r][0].lower()
-              and "connection" not in errors[r][0].lower()]  # fmt: skip
+    raised = [
+        r
+        for r in errors
+        if "timed out" not in errors[r][0].lower()
+        and "timeout" not in errors[r][0].lower()
+        and "connection" not in errors[r][0].lower()
+    ]
     if raised:
         r = min(raised)
         return f"rank {r} failed: {errors[r][0]}", errors[r][1]
     hung = [r for r, c in enumerate(codes) if c is None]
     if hung and errors:
-        return (f"rank {hung[0]} did not respond (hung?); ranks {sorted(errors)} timed out waiting for it "
-                "in a collective; the job was stopped"), ""  # fmt: skip
+        return (
+            f"rank {hung[0]} did not respond (hung?); ranks {sorted(errors)} timed out waiting for it "
+            "in a collective; the job was stopped"
+        ), ""
     crashed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in errors]
     if crashed:
         return (

@@ -1,8 +1,12 @@
-"""The per-rank training loop: the Trainer, and `train_worker`, the function every rank runs."""
+"""The per-rank training loop: the Trainer, the plan every rank agrees on, and `train_worker`, the
+function every rank runs."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
+import threading
 import time
 import warnings
 
@@ -13,81 +17,100 @@ from torch.nn import functional as F
 
 from hybridpar.comm.codecs import get_codec
 from hybridpar.comm.collectives import all_reduce, even_split
-from hybridpar.comm.grid import ProcessGrid
 from hybridpar.comm.hooks import ReducerState, allreduce_hook, compressed_hook, host_hook
 from hybridpar.comm.host import HostReducer, HostState
 from hybridpar.comm.ledger import Ledger
+from hybridpar.errors import ConfigError
+from hybridpar.parallel.api import HybridParallel, parallelize
 from hybridpar.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
-from hybridpar.parallel.wrap import HybridParallel, parallelize
+from hybridpar.parallel.layout import resolve
+from hybridpar.plan import ParallelPlan, Term
 from hybridpar.train.config import TrainConfig
 from hybridpar.train.data import Dataset, epoch_steps, load_data
 from hybridpar.train.optim import KrizhevskySGD, lr_factor
-from hybridpar.wire import parse_compress
+from hybridpar.train.run import Job
 
-__all__ = ["Trainer", "layer_map", "train_worker"]
+__all__ = ["Trainer", "agreed_plan", "fit", "train_worker"]
 
-BLOCKING_TERMS = ("allgather", "dx_allreduce", "redistribute")
-
-
-def layer_map(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[dict[str, str], list]:
-    """{leaf module name: cost-model layer name} and the cost layers, from a meta-device analysis."""
-    import copy
-
-    from hybridpar.analysis import analyze
-    from hybridpar.cost.layers import cost_layers
-
-    meta = copy.deepcopy(model).to("meta")
-    layers = cost_layers(analyze(meta, input_shape))
-    return {m: x.name for x in layers for m in x.members}, layers
+BLOCKING_TERMS = (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.REDISTRIBUTE)
 
 
 class Trainer:
-    """One rank's view of a run: the parallel model, the optimiser and the step."""
+    """One rank's view of a run: the model executing the plan (hybridpar's runtime, or torch DDP
+    for a plan with engine ddp), the optimiser and the step."""
 
-    def __init__(self, cfg: TrainConfig, model: nn.Sequential, grid: ProcessGrid, ledger: Ledger,
-                 kind: str, layer_of: dict[str, str] | None = None, tail: int | None = None) -> None:  # fmt: skip
-        self.cfg, self.grid, self.ledger, self.kind = cfg, grid, ledger, kind
-        self.P, self.rank = grid.world_size, grid.rank
-        self.compress = parse_compress(cfg.compress)
-        self.codec = get_codec(cfg.codec, cfg.codec_block or None) if cfg.codec != "none" else None
-        self.bn_switch = (
-            BNSwitch(cfg.bn_max_batch, LossPlateau(cfg.bn_window, cfg.bn_threshold), ledger=ledger)
-            if cfg.bn == "adaptive"
-            else None
-        )
-        if self.bn_switch is not None:
-            self.bn_switch.start(-(-cfg.batch // self.P))  # the nominal per-rank batch
-        if kind == "ddp":
-            if cfg.bn != "local":
-                model = convert_global_batchnorm(model, grid.world, ledger=ledger,
-                                                 switch=self.bn_switch, layer_of=layer_of)  # fmt: skip
-            # global statistics keep the running buffers equal on every rank; local BN keeps
-            # DDP's default of broadcasting rank 0's
-            self.net = nn.parallel.DistributedDataParallel(
-                model, bucket_cap_mb=cfg.bucket_mb, broadcast_buffers=cfg.bn == "local"
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: nn.Module,
+        plan: ParallelPlan,
+        *,
+        input_shape: tuple[int, ...],
+        ledger: Ledger | None = None,
+    ) -> None:
+        self.cfg, self.plan, self.ledger = cfg, plan, ledger or Ledger()
+        self.P, self.rank = dist.get_world_size(), dist.get_rank()
+        self.bn_switch = None
+        if plan.bn == "adaptive":
+            self.bn_switch = BNSwitch(
+                cfg.bn_max_batch, LossPlateau(cfg.bn_window, cfg.bn_threshold), ledger=self.ledger
             )
-            compressed = self.codec is not None and "grads" in self.compress
-            if cfg.reducer == "host":
-                self.net.register_comm_hook(
-                    HostState(HostReducer(None, ledger), ledger=ledger), host_hook
-                )
-            else:
-                self.net.register_comm_hook(
-                    ReducerState(group=None, average=True, ledger=ledger, codec=self.codec,
-                                 error_feedback=cfg.error_feedback),
-                    compressed_hook if compressed else allreduce_hook,
-                )  # fmt: skip
+            self.bn_switch.start(-(-plan.batch // self.P))  # the nominal per-rank batch
+        if plan.engine == "ddp":
+            self.net: nn.Module = self._ddp(model, input_shape)
         else:
-            self.net = parallelize(model, grid, ledger, tail=tail, layer_of=layer_of,
-                                   bucket_bytes=int(cfg.bucket_mb * 2**20), seed=cfg.seed,
-                                   bn=cfg.bn, bn_switch=self.bn_switch, codec=self.codec,
-                                   compress=self.compress, error_feedback=cfg.error_feedback,
-                                   reducer=cfg.reducer)  # fmt: skip
+            self.net = parallelize(
+                model,
+                plan,
+                ledger=self.ledger,
+                input_shape=input_shape,
+                bucket_bytes=int(cfg.bucket_mb * 2**20),
+                seed=cfg.seed,
+                bn_switch=self.bn_switch,
+                codec_block=cfg.codec_block or None,
+                error_feedback=cfg.error_feedback,
+            )
         self.opt = KrizhevskySGD(
             self.net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
         self.step_no = 0
         self.last = {"wait_s": 0.0, "blocking_s": 0.0, "time_s": 0.0}
+
+    def _ddp(self, model: nn.Module, input_shape: tuple[int, ...]) -> nn.Module:
+        """The baseline: torch DDP, its buckets reduced through a logged comm hook."""
+        plan, cfg = self.plan, self.cfg
+        layer_of = resolve(model, plan, input_shape, self.P).layer_of
+        if plan.bn != "local":
+            model = convert_global_batchnorm(
+                model,
+                dist.group.WORLD,
+                ledger=self.ledger,
+                switch=self.bn_switch,
+                layer_of=layer_of,
+            )
+        # global statistics keep the running buffers equal on every rank; local BN keeps DDP's
+        # default of sending rank 0's before each forward (the keyword was renamed in torch 2.13)
+        params = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+        net = nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=cfg.bucket_mb, **{sync: plan.bn == "local"}
+        )
+        if plan.reducer == "host":
+            net.register_comm_hook(
+                HostState(HostReducer(None, self.ledger), ledger=self.ledger), host_hook
+            )
+        else:
+            codec = get_codec(plan.codec, cfg.codec_block or None) if plan.codec != "none" else None
+            compressed = codec is not None and "grads" in plan.compress
+            state = ReducerState(
+                group=None,
+                average=True,
+                ledger=self.ledger,
+                codec=codec,
+                error_feedback=cfg.error_feedback,
+            )
+            net.register_comm_hook(state, compressed_hook if compressed else allreduce_hook)
+        return net
 
     @property
     def hybrid(self) -> HybridParallel | None:
@@ -95,23 +118,15 @@ class Trainer:
 
     def rows(self, n: int) -> tuple[slice, slice]:
         """(rows this rank feeds in, rows its outputs belong to) of a global batch of n."""
-        h = self.hybrid
-        if h is not None and h.input_replicated:
-            sizes = even_split(n, self.grid.pc)
-            lo = sum(sizes[: self.grid.c])
-            s = slice(lo, lo + sizes[self.grid.c])
-            return s, s
+        if self.hybrid is not None:
+            return self.hybrid.input_rows(n), self.hybrid.output_rows(n)
         sizes = even_split(n, self.P)
         mine = slice(sum(sizes[: self.rank]), sum(sizes[: self.rank + 1]))
-        if h is None or h.tail >= len(h.model):
-            return mine, mine
-        g = self.grid  # after the hand-off: the blocks of the whole model group
-        return mine, slice(sum(sizes[: g.c * g.pr]), sum(sizes[: (g.c + 1) * g.pr]))
+        return mine, mine
 
     @property
     def counts_outputs(self) -> bool:
-        """Model-group replicas hold the same outputs: only r = 0 counts them in the metrics."""
-        return self.hybrid is None or self.grid.r == 0 or self.hybrid.tail >= len(self.hybrid.model)
+        return self.hybrid is None or self.hybrid.counts_outputs
 
     def set_lr(self, progress: float) -> None:
         for g in self.opt.param_groups:
@@ -127,7 +142,7 @@ class Trainer:
         rows_in, rows_out = self.rows(n)
         self.net.train()
         if self.hybrid is not None:
-            self.hybrid.set_batch(even_split(n, self.P))
+            self.hybrid.set_batch(n)
         out = self.net(x[rows_in])
         target = y[rows_out]
         loss_sum = F.cross_entropy(out, target, reduction="sum")
@@ -143,9 +158,8 @@ class Trainer:
             e.seconds for e in self.ledger.entries[first_entry:] if e.term in BLOCKING_TERMS
         )
         self.last = {"wait_s": wait, "blocking_s": blocking, "time_s": time.perf_counter() - t0}
-        if not self.counts_outputs:
-            result = 0.0, 0, 0
-        else:
+        result = (0.0, 0, 0)
+        if self.counts_outputs:
             result = float(loss_sum.detach()), int((out.argmax(1) == target).sum()), len(target)
         if self.bn_switch is not None:
             self.bn_switch.observe(result[0], result[2])
@@ -160,7 +174,7 @@ class Trainer:
             xb, yb = x[i : i + batch], y[i : i + batch]
             rows_in, rows_out = self.rows(len(xb))
             if self.hybrid is not None:
-                self.hybrid.set_batch(even_split(len(xb), self.P))
+                self.hybrid.set_batch(len(xb))
             out = self.net(xb[rows_in])
             if self.counts_outputs:
                 correct += int((out.argmax(1) == yb[rows_out]).sum())
@@ -173,107 +187,142 @@ class Trainer:
         return {k: v.clone() for k, v in self.net.module.state_dict().items()}
 
 
+def _broadcast(value: object) -> object:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agreed_plan(job: Job) -> ParallelPlan:
+    """The plan every rank runs. A searched preset is decided by rank 0 alone (after a collective
+    calibration of `localhost` if there is none yet) and broadcast (DESIGN.md invariant 3)."""
+    from hybridpar.calibrate import calibrate_in_job
+    from hybridpar.cluster import localhost_path
+    from hybridpar.train.run import build_plan, meta_model, model_layers, pricing_cluster
+
+    if job.plan is not None:
+        return job.plan
+    cfg, rank = job.cfg, dist.get_rank()
+    missing = cfg.cluster == "localhost" and not (rank == 0 and localhost_path().exists())
+    if _broadcast(missing):
+        if rank == 0:
+            print(
+                f"calibrating this machine for --preset {cfg.preset} (once; "
+                "`hybridpar calibrate` redoes it) ...",
+                flush=True,
+            )
+        calibrate_in_job()
+    answer: object = None
+    if rank == 0:
+        try:
+            layers = model_layers(
+                meta_model(cfg.model, job.input_shape, job.num_classes), job.input_shape
+            )
+            plan = build_plan(
+                cfg, job.procs, layers, job.input_shape, pricing_cluster(cfg.cluster, True)
+            )
+            answer = ("plan", plan.to_json())
+        except ConfigError as exc:
+            answer = ("error", str(exc))
+    kind, text = _broadcast(answer)
+    if kind == "error":
+        raise ConfigError(text)
+    return ParallelPlan.from_dict(json.loads(text))
+
+
 def _sum_over_world(values: list[float], ledger: Ledger) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
-    all_reduce(t, dist.group.WORLD, ledger, "metrics")
+    all_reduce(t, dist.group.WORLD, ledger, Term.METRICS)
     return t.tolist()
 
 
-def train_worker(cfg: TrainConfig, kind: str) -> dict | None:
-    """What every rank runs. Rank 0 returns the report dict; the others return None."""
-    import threading
-
+def _quiet_rank(P: int) -> None:
     from tqdm import tqdm
 
     # tqdm's default lock is a multiprocessing RLock: a named semaphore in /dev/shm that a rank
     # killed by a signal would leave behind; a thread lock is all one rank needs
     tqdm.set_lock(threading.RLock())
-    from hybridpar.models import build_model
-    from hybridpar.train.report import predicted_bytes
-
-    P, rank = dist.get_world_size(), dist.get_rank()
     # DDP warns once per run when a 1-channel conv's gradient has unusual strides: harmless
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
-    torch.manual_seed(cfg.seed)
-    data: Dataset = load_data(cfg.data, _model_input(cfg), seed=cfg.seed)
-    c, s = data.input_shape[0], data.input_shape[-1]
-    model = build_model(cfg.model, input_size=s, num_classes=data.num_classes, in_channels=c)
-    pr, pc = cfg.grid or (1, P)
-    grid = ProcessGrid(pr, pc)
-    ledger = Ledger()
-    layer_of, layers = layer_map(model, data.input_shape)
-    trainer = Trainer(cfg, model, grid, ledger, kind, layer_of)
+
+
+def fit(trainer: Trainer, data: Dataset, cfg: TrainConfig) -> tuple[list[dict], dict, set[int]]:
+    """Train for cfg.epochs; (epoch records, per-step timings, the steps with a full batch)."""
+    from tqdm import tqdm
+
     n = len(data.x_train)
-    steps_per_epoch = len(epoch_steps(n, cfg.batch, 0, cfg.seed))
-    if cfg.max_steps:
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps)
-    total = cfg.epochs * steps_per_epoch
-    bar = tqdm(total=total, desc=f"train {cfg.model} P={P} {kind} {pr}x{pc}", unit="step",
-               disable=rank != 0 or not cfg.progress, leave=False)  # fmt: skip
+    per_epoch = len(epoch_steps(n, cfg.batch, 0, cfg.seed))
+    per_epoch = min(per_epoch, cfg.max_steps) if cfg.max_steps else per_epoch
+    total = cfg.epochs * per_epoch
+    bar = tqdm(
+        total=total,
+        desc=f"train {cfg.model} P={trainer.P} {trainer.plan.scenario}",
+        unit="step",
+        disable=trainer.rank != 0 or not cfg.progress,
+        leave=False,
+    )
     epochs, times = [], {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
     for epoch in range(cfg.epochs):
         t0 = time.perf_counter()
-        loss_sum = correct = count = 0.0
-        for i, idx in enumerate(epoch_steps(n, cfg.batch, epoch, cfg.seed)[:steps_per_epoch]):
-            trainer.set_lr((epoch * steps_per_epoch + i) / total)
+        sums = [0.0, 0.0, 0.0]  # loss, correct, count
+        for i, idx in enumerate(epoch_steps(n, cfg.batch, epoch, cfg.seed)[:per_epoch]):
+            trainer.set_lr((epoch * per_epoch + i) / total)
             if len(idx) == cfg.batch:
                 full_steps.add(trainer.step_no)
-            ls, cr, ct = trainer.step(data.x_train[idx], data.y_train[idx])
-            loss_sum, correct, count = loss_sum + ls, correct + cr, count + ct
+            sums = [
+                a + b
+                for a, b in zip(
+                    sums, trainer.step(data.x_train[idx], data.y_train[idx]), strict=True
+                )
+            ]
             if epoch > 0 or i > 0:  # the first step pays one-off start-up costs
                 for k in times:
                     times[k].append(trainer.last[k])
             bar.update(1)
-        test_correct, test_total = trainer.evaluate(data.x_test, data.y_test, cfg.batch)
-        loss_sum, correct, count, test_correct, test_total = _sum_over_world(
-            [loss_sum, correct, count, test_correct, test_total], ledger)  # fmt: skip
-        epochs.append({"epoch": epoch + 1, "loss": loss_sum / count, "train_acc": correct / count,
-                       "test_acc": test_correct / test_total, "time_s": time.perf_counter() - t0})  # fmt: skip
+        test = trainer.evaluate(data.x_test, data.y_test, cfg.batch)
+        loss, correct, count, tc, tt = _sum_over_world([*sums, *test], trainer.ledger)
+        epochs.append(
+            {
+                "epoch": epoch + 1,
+                "loss": loss / count,
+                "train_acc": correct / count,
+                "test_acc": tc / tt,
+                "time_s": time.perf_counter() - t0,
+            }
+        )
         bar.set_postfix(loss=f"{epochs[-1]['loss']:.3f}", test=f"{epochs[-1]['test_acc']:.3f}")
     bar.close()
-    # bytes per full iteration, averaged over ranks (uneven shards make ranks differ slightly)
-    steps = max(1, len(full_steps))
-    mine = {k: v / steps for k, v in ledger.bytes_by_term(full_steps).items()}
-    gathered: list[dict] = [{} for _ in range(P)]
-    dist.all_gather_object(gathered, mine)  # one small object, outside the measured steps
-    measured: dict[str, float] = {}
-    for d in gathered:
-        for k, v in d.items():
-            measured[k] = measured.get(k, 0.0) + v / P
-    med = {k: float(torch.tensor(v).median()) if v else 0.0 for k, v in times.items()}
-    predicted = predicted_bytes(layers, P, cfg.batch, kind, (pr, pc), layer_of, model, bn=cfg.bn,
-                                codec=cfg.codec, compress=parse_compress(cfg.compress))  # fmt: skip
-    if cfg.reducer == "host" and "dw_allreduce" in predicted:
-        # shared memory within a host; across H hosts one leader each all-reduces: per rank on
-        # average 2(H-1)/H n * H/P instead of 2(P-1)/P n
-        hosts = len(set(_hostnames()))
-        predicted["dw_allreduce"] *= ((hosts - 1) / P) / ((P - 1) / P)
-    if rank != 0:
+    return epochs, times, full_steps
+
+
+def train_worker(job: Job) -> dict | None:
+    """What every rank runs. Rank 0 returns the report dict; the others return None."""
+    from hybridpar.models import build_model
+    from hybridpar.train.report import measured, report
+
+    cfg, P = job.cfg, dist.get_world_size()
+    _quiet_rank(P)
+    plan = agreed_plan(job)
+    if dist.get_rank() == 0 and cfg.progress:
+        print(plan.describe(), flush=True)
+    torch.manual_seed(cfg.seed)
+    data = load_data(cfg.data, job.input_shape, job.num_classes, seed=cfg.seed)
+    shape = job.input_shape
+    model = build_model(
+        cfg.model,
+        input_size=shape[-1] if len(shape) == 3 else None,
+        num_classes=job.num_classes,
+        in_channels=shape[0],
+    )
+    trainer = Trainer(cfg, model, plan, input_shape=shape)
+    epochs, times, full_steps = fit(trainer, data, cfg)
+    bytes_measured = measured(trainer.ledger, full_steps)
+    hosts = len(set(_hostnames())) if plan.reducer == "host" else 1
+    if dist.get_rank() != 0:
         return None
-    comm = med["wait_s"] + med["blocking_s"]
-    return {
-        "procs": P,
-        "grid": [pr, pc],
-        "strategy": cfg.strategy if kind != "ddp" else "ddp",
-        "model": cfg.model,
-        "data": data.name,
-        "config": cfg.to_dict(),
-        "epochs": epochs,
-        "final": {"test_acc": epochs[-1]["test_acc"], "loss": epochs[-1]["loss"]},
-        "iteration": {
-            "time_s": med["time_s"],
-            "compute_s": max(0.0, med["time_s"] - comm),
-            "comm_wait_s": comm,
-        },
-        "bytes": {
-            "measured": measured,
-            "predicted": predicted,
-        },
-        "reducer": cfg.reducer,
-        "bn": {"requested": cfg.bn, **(trainer.bn_switch.record() if trainer.bn_switch else {})},
-    }
+    return report(job, plan, data.name, epochs, times, bytes_measured, hosts, trainer.bn_switch)
 
 
 def _hostnames() -> list[str]:
@@ -282,9 +331,3 @@ def _hostnames() -> list[str]:
     names: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(names, os.environ.get("HYBRIDPAR_HOST") or socket.gethostname())
     return [str(n) for n in names]
-
-
-def _model_input(cfg: TrainConfig) -> tuple[int, ...] | None:
-    from hybridpar.models import input_shape
-
-    return input_shape(cfg.model, cfg.input_size) if cfg.data.startswith("synthetic") else None

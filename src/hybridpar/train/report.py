@@ -1,89 +1,94 @@
-"""The training report: what the run predicted and measured, as JSON and a PNG of the curves.
-
-This is where the two halves meet: `predicted_bytes` asks the cost model for the exact chain of
-strategies the runtime executed, so the report puts the ledger's measured bytes next to it.
-"""
+"""The training report: the plan that ran, what it predicted and what the ledger measured, per term
+and per (layer, term), as JSON and a PNG of the curves. This is where the two halves meet."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
-from torch import nn
+import torch.distributed as dist
 
-from hybridpar.cluster import Cluster
-from hybridpar.cost.layers import CostLayer, Strategy
+from hybridpar.comm.ledger import Ledger
+from hybridpar.plan import ParallelPlan, Term
 
-__all__ = ["predicted_bytes", "runtime_strategies", "write_report"]
+__all__ = ["measured", "predicted", "report", "write_report"]
 
-_NET = Cluster("bytes-only", alpha=0.0, beta=1e-9, flops=1.0)  # only the volume terms are used
-
-
-def runtime_strategies(layers: list[CostLayer], model: nn.Sequential, P: int, kind: str,
-                       grid: tuple[int, int]) -> list[Strategy]:  # fmt: skip
-    """The strategy of every cost layer as the runtime lays it out: the trunk pure batch over P,
-    the fully-connected tail on the Pr x Pc grid."""
-    from hybridpar.models import fc_tail_start
-
-    pr, pc = grid
-    if kind == "ddp" or pr == 1:
-        return [Strategy.batch(P)] * len(layers)
-    tail = fc_tail_start(model)
-    return [
-        Strategy.model(pr, pc) if int(x.name.split(".")[0]) >= tail else Strategy.batch(P)
-        for x in layers
-    ]
+UNPREDICTED = (Term.METRICS, Term.CODEC_OVERHEAD, Term.BN_SWITCH, Term.PARAM_BROADCAST, Term.STATE)
 
 
-def predicted_bytes(layers: list[CostLayer], P: int, B: int, kind: str, grid: tuple[int, int],
-                    layer_of: dict[str, str], model: nn.Sequential, by_layer: bool = False,
-                    bn: str = "local", codec: str = "none",
-                    compress: frozenset[str] = frozenset()) -> dict:  # fmt: skip
-    """Bytes per rank per iteration the cost model predicts, by term (or by (layer, term)).
-    With bn global (or adaptive, while it is global) every batch norm adds its two all-reduces."""
-    from hybridpar.planner import evaluate
-
-    plan = evaluate(layers, P, B, _NET, runtime_strategies(layers, model, P, kind, grid),
-                    codec=codec, compress=compress)  # fmt: skip
-    if not plan.feasible:
-        return {}
-    out: dict = {}
-    for x in plan.layers:
-        for k, c in x.terms.items():
-            if c.bytes:
-                key = (x.layer.name, k) if by_layer else k
-                out[key] = out.get(key, 0.0) + c.bytes
-    if bn != "local":
-        for key, b in _bn_bytes(model, P, kind, grid, layer_of).items():
-            key = key if by_layer else key[1]
-            out[key] = out.get(key, 0.0) + b
-    return out
+def measured(ledger: Ledger, steps: set[int]) -> dict:
+    """Bytes per rank per iteration over the full-batch `steps`, averaged over the ranks (uneven
+    shards make them differ a little), by term and by (layer, term). Collective: every rank."""
+    n = max(1, len(steps))
+    mine = (ledger.bytes_by_term(steps), ledger.bytes_by_layer_term(steps))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # one small object, outside the measured steps
+    by_term: dict[str, float] = {}
+    by_layer: dict[tuple[str, str], float] = {}
+    for terms, layers in every:
+        for k, v in terms.items():
+            by_term[str(k)] = by_term.get(str(k), 0.0) + v / n / len(every)
+        for (layer, term), v in layers.items():
+            key = (layer, str(term))
+            by_layer[key] = by_layer.get(key, 0.0) + v / n / len(every)
+    return {"by_term": by_term, "by_layer": by_layer}
 
 
-def _bn_bytes(model: nn.Sequential, P: int, kind: str, grid: tuple[int, int],
-              layer_of: dict[str, str]) -> dict[tuple[str, str], float]:  # fmt: skip
-    """(layer, bn_stats | bn_grad) -> bytes of the global batch norms, each over the ranks that
-    split its examples: all P in the trunk, the batch group of Pc in the fully-connected tail."""
-    from torch.nn.modules.batchnorm import _BatchNorm
+def predicted(plan: ParallelPlan, hosts: int = 1) -> tuple[dict, dict]:
+    """The plan's bytes by term and by (layer, term). With the host reducer the gradient sums go
+    through shared memory within a host, and across H hosts one leader per host all-reduces: per
+    rank on average 2(H-1)/H n * H/P instead of 2(P-1)/P n."""
+    by_term, by_layer = plan.predicted_bytes(), plan.predicted_bytes(by_layer=True)
+    if plan.reducer == "host":
+        factor = (hosts - 1) / (plan.procs - 1) if plan.procs > 1 else 0.0
+        by_term = {k: v * factor if k == Term.DW_ALLREDUCE else v for k, v in by_term.items()}
+        by_layer = {k: v * factor if k[1] == Term.DW_ALLREDUCE else v for k, v in by_layer.items()}
+    return by_term, by_layer
 
-    from hybridpar.cost.layers import t_global_bn
-    from hybridpar.models import fc_tail_start
 
-    pr, pc = grid
-    tail = fc_tail_start(model) if kind != "ddp" and pr > 1 else len(model)
-    out: dict[tuple[str, str], float] = {}
-    for i, (top, child) in enumerate(model.named_children()):
-        for sub, m in child.named_modules():
-            if not isinstance(m, _BatchNorm):
-                continue
-            name = f"{top}.{sub}" if sub else top
-            first = i == 0 and not sub  # the input itself needs no gradient
-            comms = t_global_bn(m.num_features, P if i < tail else pc, _NET, backward=not first)
-            for term, c in comms.items():
-                if c.bytes:
-                    key = (layer_of.get(name, name), term)
-                    out[key] = out.get(key, 0.0) + c.bytes
-    return out
+def report(
+    job,
+    plan: ParallelPlan,
+    data_name: str,
+    epochs: list[dict],
+    times: dict,
+    bytes_measured: dict,
+    hosts: int,
+    bn_switch,
+) -> dict:
+    cfg = job.cfg
+    med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
+    comm = med["wait_s"] + med["blocking_s"]
+    pred_term, pred_layer = predicted(plan, hosts)
+    layers: dict[str, dict[str, dict[str, float]]] = {}
+    for source, table in (("measured", bytes_measured["by_layer"]), ("predicted", pred_layer)):
+        for (layer, term), v in table.items():
+            if term not in UNPREDICTED:
+                layers.setdefault(layer, {}).setdefault(term, {"measured": 0.0, "predicted": 0.0})[
+                    source
+                ] = v
+    return {
+        "procs": job.procs,
+        "preset": cfg.preset if cfg.plan is None else None,
+        "plan_file": cfg.plan,
+        "plan": plan.to_dict(),
+        "model": cfg.model,
+        "data": data_name,
+        "config": cfg.to_dict(),
+        "epochs": epochs,
+        "final": {"test_acc": epochs[-1]["test_acc"], "loss": epochs[-1]["loss"]},
+        "iteration": {
+            "time_s": med["time_s"],
+            "compute_s": max(0.0, med["time_s"] - comm),
+            "comm_wait_s": comm,
+            "predicted_s": plan.totals.get("total_s"),
+        },
+        "bytes": {"measured": bytes_measured["by_term"], "predicted": pred_term},
+        "bytes_by_layer": layers,
+        "reducer": plan.reducer,
+        "bn": {"requested": plan.bn, **(bn_switch.record() if bn_switch else {})},
+    }
 
 
 def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
@@ -110,9 +115,12 @@ def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
     b.set_xlabel("epoch")
     b.set_ylabel("accuracy")
     b.legend()
-    grid = report.get("grid")
-    fig.suptitle(f"{report.get('model')} on {report.get('data')}: P={report['procs']}, "
-                 f"{report['strategy']} grid {grid[0]}x{grid[1]}", fontsize=10)  # fmt: skip
+    plan = report["plan"]
+    fig.suptitle(
+        f"{report.get('model')} on {report.get('data')}: P={report['procs']}, "
+        f"{plan['scenario']} plan ({plan['engine']})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

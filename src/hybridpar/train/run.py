@@ -1,113 +1,212 @@
-"""Validate a training config before any process starts, resolve `auto`, launch, write the report."""
+"""Before any process starts: validate the config, describe the data, build or load the plan and
+check it against the model (traced on the meta device); then launch the ranks and write the report.
+
+A fixed preset (ddp, owt, grid:RxC, batch, model) or a plan file is resolved here, in the parent,
+and handed to every rank. A preset the planner chooses on a cluster (auto, same-grid, fc-grid,
+per-layer) is decided in the job by rank 0, which calibrates `localhost` first if it has to (with
+every rank taking part in the measurement) and broadcasts the plan (DESIGN.md invariant 3): under
+torchrun every rank runs this module, and only rank 0 may decide or write the calibration.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from dataclasses import dataclass
 
 from hybridpar.errors import ConfigError
-from hybridpar.train.config import TrainConfig, parse_strategy
+from hybridpar.plan import ParallelPlan
+from hybridpar.train.config import DEFAULT_MODEL, TrainConfig
 from hybridpar.train.launch import launch, under_torchrun
-from hybridpar.wire import check_codec, parse_compress
 
-__all__ = ["prepare", "run"]
-
-
-def _world(cfg: TrainConfig) -> int:
-    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
+__all__ = ["Job", "prepare", "run"]
 
 
-def prepare(cfg: TrainConfig) -> tuple[TrainConfig, str]:
-    """Check everything that can be checked without processes; return the config with its grid."""
-    import torch
+@dataclass(frozen=True)
+class Job:
+    """What every rank needs: the resolved config, the data's shape, and the plan (None when rank
+    0 chooses it in the job)."""
 
-    from hybridpar.models import MODELS, build_model, fc_tail_start
-    from hybridpar.train.data import validate_data_spec
-    from hybridpar.train.optim import lr_factor
+    cfg: TrainConfig
+    procs: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+    plan: ParallelPlan | None
 
-    P = _world(cfg)
-    if P < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {P}")
-    if cfg.epochs < 1 or cfg.batch < 1:
-        raise ConfigError("--epochs and --batch must be at least 1")
+
+def prepare(cfg: TrainConfig) -> Job:
+    """Check everything that can be checked without processes; raise a one-line ConfigError."""
+    from hybridpar.analysis import trace
+    from hybridpar.cost.layers import cost_layers
+    from hybridpar.models import MODELS, input_shape
+    from hybridpar.parallel.layout import resolve
+    from hybridpar.train.data import signature
+
+    cfg.validate()
+    loaded = ParallelPlan.load(cfg.plan) if cfg.plan else None
+    cfg = _defaults(cfg, loaded)
+    P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
     if cfg.model not in MODELS:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of: {', '.join(MODELS)}")
-    lr_factor(cfg.schedule, 0.0)
-    check_codec(cfg.codec)
-    parse_compress(cfg.compress)
-    if cfg.codec_block < 0:
-        raise ConfigError("--codec-block must be 0 (one scale per tensor) or a positive block size")
-    if cfg.reducer not in ("process-group", "host"):
-        raise ConfigError(f"unknown --reducer {cfg.reducer!r}; use process-group or host")
-    if cfg.reducer == "host" and cfg.codec != "none" and "grads" in parse_compress(cfg.compress):
-        raise ConfigError(
-            "--reducer host sums float32 gradients; use --compress activations or --codec none"
-        )
-    if cfg.bn not in ("local", "global", "adaptive"):
-        raise ConfigError(f"unknown --bn {cfg.bn!r}; use local, global or adaptive")
-    if cfg.bn_window < 1 or not cfg.bn_threshold >= 0:
-        raise ConfigError("--bn-window must be at least 1 and --bn-threshold at least 0")
-    validate_data_spec(cfg.data)
     if cfg.batch % P:
         raise ConfigError(
             f"global batch {cfg.batch} does not split evenly over {P} ranks; use a multiple of {P}"
         )
-    kind, grid = parse_strategy(cfg.strategy, P)
-    if kind == "auto":
-        grid = _auto_grid(cfg, P)
-        kind = "hybrid"
-    pr, pc = grid
-    if cfg.reducer == "host" and pr > 1 and kind != "ddp":
-        raise ConfigError(
-            f"--reducer host runs with pure batch parallelism; use --strategy grid:1x{P} or ddp"
+    info = MODELS[cfg.model]
+    shape, classes = signature(cfg.data, input_shape(cfg.model, cfg.input_size), info.num_classes)
+    model = meta_model(cfg.model, shape, classes)
+    traced = trace(model, shape)  # also the check that the model runs on the data's shape
+    layers = cost_layers(traced.specs)
+    if loaded is not None:  # names, styles, layouts: every check before spawning
+        resolve(model, loaded, shape, P, traced)
+        plan = _checked_file_plan(loaded, cfg.model, model, layers, shape)
+    elif cfg.searched:
+        plan = None
+    else:
+        plan = build_plan(cfg, P, layers, shape, pricing_cluster(cfg.cluster, required=False))
+        resolve(model, plan, shape, P, traced)
+    return Job(cfg, P, shape, classes, plan)
+
+
+def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
+    """Model, processes and batch come from the plan file when given, else the defaults; the wire
+    and reduction choices of a plan file win, and an explicit conflicting one is an error."""
+    if plan is None:
+        return cfg.with_(
+            model=cfg.model or DEFAULT_MODEL, nproc=cfg.nproc or 4, batch=cfg.batch or 64
         )
-    if pr > 1:
-        with torch.device("meta"):
-            model = build_model(cfg.model, input_size=cfg.input_size)
-        tail = fc_tail_start(model)  # raises the one-line error when there is none
-        widths = [m.out_features for m in list(model)[tail:] if isinstance(m, torch.nn.Linear)]
-        if pr > min(widths):
+    for name, value in (("nproc", plan.procs), ("batch", plan.batch)):
+        given = getattr(cfg, name)
+        if given is not None and given != value:
             raise ConfigError(
-                f"Pr={pr} exceeds the narrowest FC layer of {cfg.model} ({min(widths)} outputs); use a smaller Pr"
+                f"the plan is for --{name} {value}, got {given}; drop --{name} or re-plan"
             )
-    return dataclasses.replace(cfg, grid=(pr, pc)), kind
+    defaults = TrainConfig()
+    for name in ("codec", "reducer", "bn"):
+        given, wanted = getattr(cfg, name), getattr(plan, name)
+        if given != getattr(defaults, name) and given != wanted:
+            raise ConfigError(
+                f"the plan says {name} {wanted}, got --{name} {given}; drop it or re-plan"
+            )
+    model = cfg.model or plan.model or DEFAULT_MODEL
+    size = cfg.input_size or (
+        plan.input_shape[-1] if plan.input_shape and len(plan.input_shape) == 3 else None
+    )
+    return cfg.with_(
+        model=model,
+        nproc=plan.procs,
+        batch=plan.batch,
+        input_size=size,
+        codec=plan.codec,
+        reducer=plan.reducer,
+        bn=plan.bn,
+    )
 
 
-def _auto_grid(cfg: TrainConfig, P: int) -> tuple[int, int]:
-    """The planner's choice among what the runtime executes (pure batch, or FC on a grid) for the
-    cluster `localhost`, calibrating it first if needed."""
-    from hybridpar.cluster import load_cluster, localhost_path
-    from hybridpar.planner import make_plan
+def meta_model(name: str, shape: tuple[int, ...], classes: int):
+    import torch
 
-    if not localhost_path().exists():
-        from hybridpar.calibrate import calibrate
+    from hybridpar.models import build_model
 
-        print(
-            "calibrating this machine for --strategy auto (once; `hybridpar calibrate` to redo) ...",
-            flush=True,
-        )
-        calibrate(nproc=min(2, max(P, 2)))
-    size = cfg.input_size or (8 if cfg.data == "digits" else None)
-    r = make_plan(
-        cfg.model,
+    size = shape[-1] if len(shape) == 3 else None
+    with torch.device("meta"):
+        return build_model(name, input_size=size, num_classes=classes, in_channels=shape[0])
+
+
+def model_layers(model, shape: tuple[int, ...]):
+    from hybridpar.analysis import analyze
+    from hybridpar.cost.layers import cost_layers
+
+    return cost_layers(analyze(model, shape))
+
+
+def pricing_cluster(spec: str, required: bool):
+    """The cluster presets are priced on. An uncalibrated `localhost` prices bytes only (seconds
+    ~0) for a fixed preset, and is calibrated in the job for a searched one."""
+    from hybridpar.cluster import BYTES_ONLY, load_cluster, localhost_path
+
+    if spec == "localhost" and not localhost_path().exists() and not required:
+        return BYTES_ONLY
+    return load_cluster(spec)
+
+
+def build_plan(cfg: TrainConfig, P: int, layers, shape: tuple[int, ...], cluster) -> ParallelPlan:
+    from hybridpar.presets import plan_preset
+    from hybridpar.wire import parse_compress
+
+    return plan_preset(
+        cfg.preset,
+        layers,
         P,
         cfg.batch,
-        load_cluster("localhost"),
-        input_size=size,
-        scenarios=["batch", "fc-grid"],
+        cluster,
+        model=cfg.model,
+        input_shape=shape,
+        codec=cfg.codec,
+        compress=tuple(sorted(parse_compress(cfg.compress))),
+        bn=cfg.bn,
+        reducer=cfg.reducer,
     )
-    best = r.best
-    return (1, P) if best.scenario == "batch" else best.grid
 
 
-def run(cfg: TrainConfig) -> dict:
+def _checked_file_plan(plan: ParallelPlan, name: str, model, layers, shape) -> ParallelPlan:
+    """A plan file must be for this model and data; a hand-written one gets its predictions."""
+    from hybridpar.cluster import BYTES_ONLY
+    from hybridpar.plan import assign_styles
+    from hybridpar.planner import evaluate, export
+
+    if plan.input_shape and tuple(plan.input_shape) != tuple(shape):
+        raise ConfigError(
+            f"the plan was made for input {tuple(plan.input_shape)} but the data gives {tuple(shape)}; "
+            "re-plan with the data's --input-size"
+        )
+    names = [x.name for x in layers]
+    styles = assign_styles(plan.styles, [n for n, _ in model.named_modules()], names, plan.procs)
+    priced = evaluate(
+        layers,
+        plan.procs,
+        plan.batch,
+        BYTES_ONLY,
+        [styles[n] for n in names],
+        codec=plan.codec,
+        compress=frozenset(plan.compress),
+        bn=plan.bn,
+    )
+    if not priced.feasible:
+        raise ConfigError(f"the plan cannot run on {name}: {priced.reason}")
+    fresh = export(
+        priced,
+        procs=plan.procs,
+        batch=plan.batch,
+        model=name,
+        input_shape=tuple(shape),
+        codec=plan.codec,
+        compress=plan.compress,
+        bn=plan.bn,
+        reducer=plan.reducer,
+        engine=plan.engine,
+    )
+    if not plan.predicted:
+        return fresh.with_choices(styles=plan.styles, cluster="", totals={})
+    if _bytes(plan) != _bytes(fresh):
+        raise ConfigError(
+            "the plan's predicted bytes do not match this model (different widths or classes?): "
+            "it was made for another model; re-plan for this one"
+        )
+    return plan
+
+
+def _bytes(plan: ParallelPlan) -> dict:
+    return {k: round(v, 3) for k, v in plan.predicted_bytes(by_layer=True).items()}
+
+
+def run(cfg: TrainConfig) -> dict | None:
+    """Train; rank 0's report (None on the other ranks under torchrun)."""
     from hybridpar.train.loop import train_worker
     from hybridpar.train.report import write_report
 
-    cfg, kind = prepare(cfg)
-    results = launch(train_worker, _world(cfg), cfg, kind, timeout_s=cfg.timeout_s)
-    report = results[0]
-    if report is not None and cfg.report:
-        json_path, png = write_report(report, cfg.report)
+    job = prepare(cfg)
+    report = launch(train_worker, job.procs, job, timeout_s=job.cfg.timeout_s)[0]
+    if report is not None and job.cfg.report:
+        json_path, png = write_report(report, job.cfg.report)
         report["written"] = [str(json_path)] + ([str(png)] if png else [])
     return report
