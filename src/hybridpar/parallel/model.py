@@ -92,11 +92,12 @@ class ModelParallel(nn.Module):
         """This rank's rows of a whole weight or bias."""
         return full.narrow(0, self.start, self.sizes[self.r])
 
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight.copy_(self.shard(weight))
-        if self.bias is not None and bias is not None:
-            self.bias.copy_(self.shard(bias))
+    def _take(self, layer: nn.Module) -> None:
+        """This rank's shards of `layer`'s weight and bias, as new parameters."""
+        for name in ("weight", "bias"):
+            p = getattr(layer, name)
+            shard = None if p is None else self.shard(p.detach()).clone()
+            setattr(self, name, None if p is None else nn.Parameter(shard, p.requires_grad))
 
     @torch.no_grad()
     def full(self) -> dict[str, torch.Tensor]:
@@ -132,14 +133,7 @@ class ModelParallelLinear(ModelParallel):
     ) -> None:
         super().__init__(linear.out_features, group, ledger, name or "linear")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
-        self.weight = nn.Parameter(self.shard(w).clone(), requires_grad=linear.weight.requires_grad)
-        b = linear.bias
-        self.bias = (
-            None
-            if b is None
-            else nn.Parameter(self.shard(b.detach()).clone(), requires_grad=b.requires_grad)
-        )
+        self._take(linear)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -171,14 +165,7 @@ class ModelParallelConv2d(ModelParallel):
         super().__init__(conv.out_channels, group, ledger, name or "conv")
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
         self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
-        w = conv.weight.detach()
-        self.weight = nn.Parameter(self.shard(w).clone(), requires_grad=conv.weight.requires_grad)
-        b = conv.bias
-        self.bias = (
-            None
-            if b is None
-            else nn.Parameter(self.shard(b.detach()).clone(), requires_grad=b.requires_grad)
-        )
+        self._take(conv)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)

@@ -58,7 +58,7 @@ def prepare(cfg: TrainConfig) -> Job:
     layers = cost_layers(traced.specs)
     if loaded is not None:  # names, styles, layouts: every check before spawning
         resolve(model, loaded, shape, P, traced)
-        plan = _checked_file_plan(loaded, cfg.model, model, layers, shape)
+        plan = _checked_file_plan(loaded, cfg, model, layers, shape)
     elif cfg.searched:
         plan = None
     else:
@@ -148,45 +148,40 @@ def build_plan(cfg: TrainConfig, P: int, layers, shape: tuple[int, ...], cluster
     )
 
 
-def _checked_file_plan(plan: ParallelPlan, name: str, model, layers, shape) -> ParallelPlan:
-    """A plan file must be for this model and data; a hand-written one gets its predictions."""
-    from hybridpar.cluster import BYTES_ONLY
+def _checked_file_plan(plan: ParallelPlan, cfg: TrainConfig, model, layers, shape) -> ParallelPlan:
+    """A plan file must be for this model and data. A hand-written one (no predictions) becomes
+    the exact plan it means: one style per layer, priced on --cluster."""
     from hybridpar.plan import assign_styles
     from hybridpar.planner import evaluate, export
 
     if plan.input_shape and tuple(plan.input_shape) != tuple(shape):
         raise ConfigError(
-            f"the plan was made for input {tuple(plan.input_shape)} but the data gives {tuple(shape)}; "
-            "re-plan with the data's --input-size"
+            f"the plan was made for input {tuple(plan.input_shape)} but the data gives "
+            f"{tuple(shape)}; re-plan with the data's --input-size"
         )
     names = [x.name for x in layers]
     styles = assign_styles(plan.styles, [n for n, _ in model.named_modules()], names, plan.procs)
-    priced = evaluate(
-        layers,
-        plan.procs,
-        plan.batch,
-        BYTES_ONLY,
-        [styles[n] for n in names],
-        codec=plan.codec,
-        compress=frozenset(plan.compress),
-        bn=plan.bn,
-    )
+    cluster = pricing_cluster(cfg.cluster, required=False)
+    chosen = [styles[n] for n in names]
+    choices = dict(codec=plan.codec, compress=frozenset(plan.compress), bn=plan.bn)
+    priced = evaluate(layers, plan.procs, plan.batch, cluster, chosen, **choices)
     if not priced.feasible:
-        raise ConfigError(f"the plan cannot run on {name}: {priced.reason}")
+        raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")
     fresh = export(
         priced,
         procs=plan.procs,
         batch=plan.batch,
-        model=name,
+        model=cfg.model,
         input_shape=tuple(shape),
         codec=plan.codec,
         compress=plan.compress,
         bn=plan.bn,
         reducer=plan.reducer,
         engine=plan.engine,
+        cluster=cluster.name,
     )
     if not plan.predicted:
-        return fresh.with_choices(styles=plan.styles, cluster="", totals={})
+        return fresh.with_choices(scenario=plan.scenario)
     if _bytes(plan) != _bytes(fresh):
         raise ConfigError(
             "the plan's predicted bytes do not match this model (different widths or classes?): "
