@@ -62,12 +62,14 @@ def report(
     comm = med["wait_s"] + med["blocking_s"]
     pred_term, pred_layer = predicted(plan, hosts)
     layers: dict[str, dict[str, dict[str, float]]] = {}
-    for source, table in (("measured", bytes_measured["by_layer"]), ("predicted", pred_layer)):
+    tables = (("measured", bytes_measured["by_layer"]), ("predicted", pred_layer))
+    for source, table in tables if plan.engine != "ddp" else ():  # DDP's buckets name no layers
         for (layer, term), v in table.items():
             if term not in UNPREDICTED:
-                layers.setdefault(layer, {}).setdefault(term, {"measured": 0.0, "predicted": 0.0})[
-                    source
-                ] = v
+                row = layers.setdefault(layer, {}).setdefault(
+                    term, {"measured": 0.0, "predicted": 0.0}
+                )
+                row[source] = v
     return {
         "procs": job.procs,
         "preset": cfg.preset if cfg.plan is None else None,
