@@ -11,6 +11,7 @@ padding under the separate term `codec_overhead`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -25,6 +26,7 @@ __all__ = [
     "Pending",
     "all_gather_uneven",
     "all_reduce",
+    "chunk_sizes",
     "compressed_all_reduce",
     "even_split",
     "group_size",
@@ -35,6 +37,14 @@ def even_split(n: int, parts: int) -> list[int]:
     """Split n into `parts` sizes differing by at most one, the larger ones first: how examples
     split over ranks and how a layer's output features split over a model group."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """torch.chunk's split of n into `parts` (ceil(n / parts) each, the rest to the last, possibly
+    none): how a split layer's output units lie on its model group. It is DTensor's Shard layout,
+    so checkpoints (torch.distributed.checkpoint) can re-split them onto another grid."""
+    c = -(-n // parts)
+    return [max(0, min(c, n - i * c)) for i in range(parts)]
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -163,7 +173,9 @@ def _book(
 def _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec: Codec) -> torch.Tensor:
     t0 = time.perf_counter()
     t = t.contiguous()
-    inner = t.numel() // max(1, t.shape[dim])
+    inner = math.prod(
+        n for i, n in enumerate(t.shape) if i != dim % t.dim()
+    )  # a piece may be empty
     numels = [n * inner for n in sizes]
     lengths = [codec.wire_bytes(n) for n in numels]
     mine = codec.to_bytes(codec.encode(t))

@@ -1,9 +1,9 @@
 """The model style: a weighted layer split over the Pr ranks of a model group, the 1.5D algorithm of
 Gholami et al. (Eq. 8, Fig. 5), for Linear (output features) and Conv2d (output channels).
 
-The weight's output units are split over the model group, unevenly when Pr does not divide them
-(the first units % Pr ranks get one more); the Pc batch groups hold replicas of the shard and split
-the examples. Forward: Y_local = f(X, W_shard), then an all-gather of Y over the model group along
+The weight's output units are split over the model group as torch.chunk splits them (ceil(units /
+Pr) per rank, fewer or none on the last: DTensor's Shard(0), so checkpoints re-split onto other
+grids); the Pc batch groups hold replicas of the shard and split the examples. Forward: Y_local = f(X, W_shard), then an all-gather of Y over the model group along
 the unit dimension, right after the layer (the cost model's d_i is the output before pooling).
 Backward: dX_partial = f'(dY_local, W_shard), all-reduced over the model group (the pair in front
 of the layer); dW_shard is local and is summed over the batch group by the gradient synchroniser,
@@ -26,8 +26,8 @@ from hybridpar.comm.codecs import Codec
 from hybridpar.comm.collectives import (
     all_gather_uneven,
     all_reduce,
+    chunk_sizes,
     compressed_all_reduce,
-    even_split,
 )
 from hybridpar.comm.ledger import Ledger
 from hybridpar.errors import ConfigError
@@ -84,7 +84,7 @@ class ModelParallel(nn.Module):
                 f"layer {name} has {units} output units, fewer than Pr={pr}; use a smaller Pr"
             )
         self.group, self.ledger, self.name = group, ledger, name
-        self.sizes = even_split(units, pr)
+        self.sizes = chunk_sizes(units, pr)
         self.r = dist.get_rank(group)
         self.start = sum(self.sizes[: self.r])
 
@@ -168,7 +168,15 @@ class ModelParallelConv2d(ModelParallel):
         self._take(conv)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+        w, b = self.weight, self.bias
+        if not w.shape[0]:
+            # an empty shard (torch.chunk gives 5 channels over 4 ranks as 2, 2, 1, 0): conv2d
+            # refuses no channels, so compute one zero channel and drop it; the output stays in
+            # the graph, so this rank still takes part in the dX all-reduce
+            w = torch.cat([w, w.new_zeros(1, *w.shape[1:])])
+            b = None if b is None else torch.cat([b, b.new_zeros(1)])
+            return F.conv2d(x, w, b, self.stride, self.padding, self.dilation)[:, :0]
+        return F.conv2d(x, w, b, self.stride, self.padding, self.dilation)
 
     def extra_repr(self) -> str:
         return (
