@@ -223,27 +223,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     if report is None:  # a non-zero rank under torchrun
         return 0
-    _print_report(report, show_plan=not cfg.progress)
+    _print_report(report)
     return 0
 
 
-def _print_report(report: dict, show_plan: bool) -> None:
-    from hybridpar.plan import ParallelPlan
-
-    plan = ParallelPlan.from_dict(report["plan"])
-    print(
-        f"{report['model']} on {report['data']}: P={report['procs']}, "
-        f"{report['preset'] or report['plan_file']}: {plan.scenario} plan, engine {plan.engine}"
-    )
-    if show_plan:
-        print(plan.describe())
-    for e in report["epochs"]:
-        print(
-            f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  train {e['train_acc']:.4f}  "
-            f"test {e['test_acc']:.4f}  {e['time_s']:.2f} s"
-        )
+def _print_report(report: dict) -> None:
+    """The outcome; the plan and the epoch lines were printed live by rank 0."""
     it, b = report["iteration"], report["bytes"]
     print(
+        f"{report['model']} on {report['data']}: P={report['procs']}, "
+        f"{report['preset'] or report['plan_file']}: {report['plan']['scenario']} plan; "
         f"final test accuracy {report['final']['test_acc']:.4f}; iteration {it['time_s'] * 1e3:.1f} ms "
         f"(compute {it['compute_s'] * 1e3:.1f}, communication wait {it['comm_wait_s'] * 1e3:.1f})"
     )
@@ -255,7 +244,7 @@ def _print_report(report: dict, show_plan: bool) -> None:
         )
     print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):
-        if k in ("metrics", "codec_overhead", "bn_switch", "param_broadcast"):
+        if k in ("metrics", "codec_overhead", "bn_switch", "param_broadcast", "state"):
             continue
         print(f"{'':30}{k:<14} {b['measured'].get(k, 0):14.0f} {b['predicted'].get(k, 0):14.0f}")
     for w in report.get("written", []):

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hybridpar import faults
 from hybridpar.comm.ledger import Ledger
 from hybridpar.plan import Term
 
@@ -203,6 +204,7 @@ class HostReducer:
         term: str = Term.DW_ALLREDUCE,
         layers: dict[str, float] | None = None,
     ) -> torch.Tensor:
+        faults.at("host")
         flat = t.view(-1)
         n = flat.numel()
         seg = self._segment(key, n)

@@ -126,7 +126,7 @@ class HybridParallel(nn.Module):
             new = cls(
                 old, self.grids.grid(s.pc).model_group, self.ledger, self.layout.layer_of[name]
             )
-            new.codec = codec
+            new.codec, new.mesh = codec, self.grids.grid(s.pc).mesh
             new.train(old.training)
             _set(self.module, name, new)
 
@@ -252,6 +252,18 @@ class HybridParallel(nn.Module):
         split = {n: m for n, m in self.module.named_modules() if isinstance(m, ModelParallel)}
         full = {f"{n}.{k}": v for n, m in split.items() for k, v in m.full().items()}
         return {k: full[k] if k in full else v.clone() for k, v in self.module.state_dict().items()}
+
+    def distributed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like parameter `name` (the parameter, an optimizer buffer) as
+        torch.distributed.checkpoint should see it: a DTensor view for a split layer's shard, the
+        tensor itself for a replicated one."""
+        owner, _, _ = name.rpartition(".")
+        m = self.module.get_submodule(owner)
+        return m.as_dtensor(t) if isinstance(m, ModelParallel) else t
+
+    def distributed_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict (original keys) with split layers' shards as DTensor views."""
+        return {k: self.distributed(k, v) for k, v in self.module.state_dict().items()}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

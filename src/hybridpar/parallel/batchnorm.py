@@ -256,6 +256,16 @@ class BNSwitch:
                 f"(< {self.rule.threshold:g} relative improvement over {self.rule.window} steps)"
             )
 
+    def state(self) -> dict:
+        """For a checkpoint: the decision so far and this rank's window accumulators."""
+        keys = ("mode", "switched_at", "reason", "steps", "window_means")
+        return {**{k: getattr(self, k) for k in keys}, "acc": list(self._acc)}
+
+    def restore(self, state: dict) -> None:
+        for k in ("mode", "switched_at", "reason", "steps", "window_means"):
+            setattr(self, k, state[k])
+        self._acc = list(state["acc"])
+
     def _switch(self, reason: str) -> None:
         self.mode, self.switched_at, self.reason = "local", self.steps, reason
 

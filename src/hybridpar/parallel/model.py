@@ -88,6 +88,20 @@ class ModelParallel(nn.Module):
         self.r = dist.get_rank(group)
         self.start = sum(self.sizes[: self.r])
 
+    mesh = None  # the grid's DeviceMesh ("batch", "model"), set by parallelize: for checkpoints
+
+    def as_dtensor(self, local: torch.Tensor):
+        """`local` (this rank's shard of a weight-shaped tensor: the weight, its gradient, an
+        optimizer buffer) as a DTensor: Shard(0) over the model group, replicated over the batch
+        group. A view, not a copy: torch.distributed.checkpoint loads into it in place."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        shape = (sum(self.sizes), *local.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            local, self.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape, stride=stride
+        )
+
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole weight or bias."""
         return full.narrow(0, self.start, self.sizes[self.r])

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from hybridpar import faults
 from hybridpar.comm.codecs import Codec
 from hybridpar.comm.collectives import all_gather_uneven
 from hybridpar.comm.grid import GridSet, rows_of_group
@@ -137,6 +138,7 @@ class Redistribute:
         return [rows_of_group(finest, self.pr_fine, self.first + j) for j in range(self.m)]
 
     def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
+        faults.at("handoff")
         x, *rest = args
         move = gather if self.dst < self.src else split
         y = move(

@@ -48,7 +48,26 @@ class TrainConfig:
     )
     seed: int = meta(0, "seed of the model, the data order and dropout")
     input_size: int | None = meta(None, "image side, e.g. 64 (default: the data's or the model's)")
-    report: str | None = meta(None, "JSON report path (a PNG of the curves goes next to it)")
+    report: str | None = meta(
+        None, "JSON report path (a PNG of the curves and a JSON-lines log go next to it)"
+    )
+    save: str | None = meta(
+        None,
+        "where rank 0 writes the trained weights, a state_dict for plain torch.load "
+        "(default: final.pt in --checkpoint-dir, else runs/<model>.pt)",
+    )
+    checkpoint_dir: str | None = meta(
+        None, "write checkpoints (torch.distributed.checkpoint) here; a folder every rank can write"
+    )
+    checkpoint_every: int = meta(0, "steps between checkpoints (0: only at the end)")
+    checkpoint_keep: int = meta(2, "checkpoints kept in --checkpoint-dir")
+    resume: str | None = meta(
+        None,
+        "a checkpoint (or a --checkpoint-dir) to go on from, on this or another plan and P; "
+        "auto: --checkpoint-dir's latest if there is one (what a torchrun restart wants)",
+    )
+    allow_nonfinite: bool = meta(False, "go on when the loss is NaN or infinite")
+    quiet: bool = meta(False, "no live lines on stdout (the log next to --report still has them)")
     timeout_s: float = meta(
         300.0,
         "collective timeout in seconds: a dead or hung rank ends the job within it",
@@ -97,7 +116,12 @@ class TrainConfig:
             "bn_window",
             "bn_max_batch",
         )
-        positive(self, "weight_decay", "codec_block", "bn_threshold", allow_zero=True)
+        positive(
+            self, "weight_decay", "codec_block", "bn_threshold", "checkpoint_every", allow_zero=True
+        )
+        positive(self, "checkpoint_keep")
+        if self.resume == "auto" and not self.checkpoint_dir:
+            raise ConfigError("--resume auto resumes from --checkpoint-dir: give one")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         parse_compress(self.compress)

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
+import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from hybridpar import faults
 from hybridpar.comm.codecs import get_codec
 from hybridpar.comm.collectives import all_reduce, even_split
 from hybridpar.comm.hooks import ReducerState, allreduce_hook, compressed_hook, host_hook
@@ -25,12 +29,14 @@ from hybridpar.parallel.api import HybridParallel, parallelize
 from hybridpar.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
 from hybridpar.parallel.layout import resolve
 from hybridpar.plan import ParallelPlan, Term
+from hybridpar.train import checkpoint
+from hybridpar.train.checkpoint import Position
 from hybridpar.train.config import TrainConfig
 from hybridpar.train.data import Dataset, epoch_steps, load_data
 from hybridpar.train.optim import KrizhevskySGD, lr_factor
 from hybridpar.train.run import Job
 
-__all__ = ["Trainer", "agreed_plan", "fit", "train_worker"]
+__all__ = ["Progress", "Trainer", "agreed_plan", "fit", "strict", "train_worker"]
 
 BLOCKING_TERMS = (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.REDISTRIBUTE)
 
@@ -74,6 +80,7 @@ class Trainer:
             self.net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
         self.step_no = 0
+        self.resharded = False  # set by a checkpoint load onto another plan or P
         self.last = {"wait_s": 0.0, "blocking_s": 0.0, "time_s": 0.0}
 
     def _ddp(self, model: nn.Module, input_shape: tuple[int, ...]) -> nn.Module:
@@ -110,7 +117,35 @@ class Trainer:
                 error_feedback=cfg.error_feedback,
             )
             net.register_comm_hook(state, compressed_hook if compressed else allreduce_hook)
+            self.reducer_state = state
         return net
+
+    def _reducer_states(self) -> dict[int, ReducerState]:
+        """Gradient bucket index -> the reducer state that holds its error-feedback residuals."""
+        if self.hybrid is not None:
+            return {b.index(): st for st, b in self.hybrid.sync.buckets}
+        return {} if self.reducer_state is None else {-1: self.reducer_state}
+
+    def residuals(self) -> dict[int, list]:
+        """Codec error-feedback residuals per gradient bucket (for checkpoints); bucket indices
+        are unique across reducer states."""
+        out: dict[int, list] = {}
+        for st in {id(st): st for st in self._reducer_states().values()}.values():
+            out.update(st.residuals)
+        return out
+
+    def residual_slot(self, bucket: int, j: int, size: tuple[int, ...]) -> None:
+        """Make room for a residual a checkpoint holds, so that it can be loaded in place."""
+        states = self._reducer_states()
+        st = states.get(bucket, states.get(-1))
+        slot = st.residuals.setdefault(bucket, [None, None])
+        slot[j] = torch.zeros(size)
+
+    def restore_step(self, step: int) -> None:
+        """Go on counting from `step` after a checkpoint (dropout seeds and the ledger use it)."""
+        self.step_no = step
+        if self.hybrid is not None and self.hybrid.random is not None:
+            self.hybrid.random.step = step
 
     @property
     def hybrid(self) -> HybridParallel | None:
@@ -137,21 +172,32 @@ class Trainer:
         (loss sum, correct, examples) over the outputs it counts."""
         t0 = time.perf_counter()
         self.ledger.step = self.step_no
+        faults.set_step(self.step_no)
         first_entry = len(self.ledger.entries)
         n = len(x)
         rows_in, rows_out = self.rows(n)
         self.net.train()
         if self.hybrid is not None:
             self.hybrid.set_batch(n)
+        faults.at("forward")
         out = self.net(x[rows_in])
         target = y[rows_out]
         loss_sum = F.cross_entropy(out, target, reduction="sum")
+        value = float(loss_sum.detach())
+        if not math.isfinite(value) and not self.cfg.allow_nonfinite:
+            raise FloatingPointError(
+                f"the loss is {value} at step {self.step_no}: lower --lr or check the data "
+                "(or pass --allow-nonfinite)"
+            )
         # hybrid: every gradient is a sum over ranks, so scale by the global batch once;
         # DDP averages over ranks, so it takes the local mean
         loss = loss_sum / n if self.hybrid is not None else loss_sum / max(1, len(target))
+        if out.requires_grad:
+            out.register_hook(lambda g: faults.at("backward"))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         wait = self.hybrid.finish_backward() if self.hybrid is not None else 0.0
+        faults.at("optimizer")
         self.opt.step()
         self.step_no += 1
         blocking = sum(
@@ -160,7 +206,7 @@ class Trainer:
         self.last = {"wait_s": wait, "blocking_s": blocking, "time_s": time.perf_counter() - t0}
         result = (0.0, 0, 0)
         if self.counts_outputs:
-            result = float(loss_sum.detach()), int((out.argmax(1) == target).sum()), len(target)
+            result = value, int((out.argmax(1) == target).sum()), len(target)
         if self.bn_switch is not None:
             self.bn_switch.observe(result[0], result[2])
         return result
@@ -247,82 +293,131 @@ def _quiet_rank(P: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
 
 
-def fit(trainer: Trainer, data: Dataset, cfg: TrainConfig) -> tuple[list[dict], dict, set[int]]:
-    """Train for cfg.epochs; (epoch records, per-step timings, the steps with a full batch)."""
+class Progress:
+    """Rank 0's live account of the run: the plan and one line per epoch on stdout (unless quiet),
+    the same records as JSON lines next to the report, as they happen."""
+
+    def __init__(self, cfg: TrainConfig, plan: ParallelPlan) -> None:
+        self.quiet = cfg.quiet
+        self.log = Path(cfg.report).with_suffix(".jsonl") if cfg.report else None
+        if self.log is not None:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            self.log.write_text("")
+        self.write({"event": "plan", "plan": plan.to_dict()}, plan.describe())
+
+    def write(self, record: dict, line: str) -> None:
+        if not self.quiet:
+            print(line, flush=True)
+        if self.log is not None:
+            with self.log.open("a") as f:
+                f.write(json.dumps(strict(record), allow_nan=False) + "\n")
+
+    def epoch(self, e: dict) -> None:
+        self.write({"event": "epoch", **e}, f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  "
+                   f"train {e['train_acc']:.4f}  test {e['test_acc']:.4f}  {e['time_s']:.2f} s")  # fmt: skip
+
+
+def strict(x):
+    """NaN and infinities as null: the report and the log are strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [strict(v) for v in x]
+    return x
+
+
+def fit(trainer: Trainer, data: Dataset, cfg: TrainConfig, pos: Position,
+        log: Progress | None) -> tuple[list[dict], dict, set[int]]:  # fmt: skip
+    """Train from `pos` to cfg.epochs, checkpointing every cfg.checkpoint_every steps; returns
+    (epoch records, per-step timings, the steps with a full batch)."""
     from tqdm import tqdm
 
     n = len(data.x_train)
     per_epoch = len(epoch_steps(n, cfg.batch, 0, cfg.seed))
     per_epoch = min(per_epoch, cfg.max_steps) if cfg.max_steps else per_epoch
     total = cfg.epochs * per_epoch
-    bar = tqdm(
-        total=total,
-        desc=f"train {cfg.model} P={trainer.P} {trainer.plan.scenario}",
-        unit="step",
-        disable=trainer.rank != 0 or not cfg.progress,
-        leave=False,
-    )
-    epochs, times = [], {"time_s": [], "wait_s": [], "blocking_s": []}
+    bar = tqdm(total=total, initial=pos.epoch * per_epoch + pos.index, unit="step", leave=False,
+               desc=f"train {cfg.model} P={trainer.P} {trainer.plan.scenario}",
+               disable=log is None or not cfg.progress or not sys.stderr.isatty())  # fmt: skip
+    epochs, times = list(pos.history), {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
-    for epoch in range(cfg.epochs):
+    for epoch in range(pos.epoch, cfg.epochs):
         t0 = time.perf_counter()
-        sums = [0.0, 0.0, 0.0]  # loss, correct, count
+        first = pos.index if epoch == pos.epoch else 0
+        sums = list(pos.sums) if epoch == pos.epoch else [0.0, 0.0, 0.0]  # loss, correct, count
         for i, idx in enumerate(epoch_steps(n, cfg.batch, epoch, cfg.seed)[:per_epoch]):
+            if i < first:
+                continue
             trainer.set_lr((epoch * per_epoch + i) / total)
             if len(idx) == cfg.batch:
                 full_steps.add(trainer.step_no)
-            sums = [
-                a + b
-                for a, b in zip(
-                    sums, trainer.step(data.x_train[idx], data.y_train[idx]), strict=True
-                )
-            ]
-            if epoch > 0 or i > 0:  # the first step pays one-off start-up costs
+            result = trainer.step(data.x_train[idx], data.y_train[idx])
+            sums = [a + b for a, b in zip(sums, result, strict=True)]
+            if i > first:  # the first step after a start pays one-off costs
                 for k in times:
                     times[k].append(trainer.last[k])
             bar.update(1)
+            if (
+                cfg.checkpoint_dir
+                and cfg.checkpoint_every
+                and trainer.step_no % cfg.checkpoint_every == 0
+            ):
+                where = Position(epoch, i + 1, trainer.step_no, sums, epochs)
+                checkpoint.save(trainer, cfg.checkpoint_dir, where, cfg.checkpoint_keep)
         test = trainer.evaluate(data.x_test, data.y_test, cfg.batch)
         loss, correct, count, tc, tt = _sum_over_world([*sums, *test], trainer.ledger)
-        epochs.append(
-            {
-                "epoch": epoch + 1,
-                "loss": loss / count,
-                "train_acc": correct / count,
-                "test_acc": tc / tt,
-                "time_s": time.perf_counter() - t0,
-            }
-        )
+        epochs.append({"epoch": epoch + 1, "loss": loss / count, "train_acc": correct / count,
+                       "test_acc": tc / tt, "time_s": time.perf_counter() - t0})  # fmt: skip
+        if log is not None:
+            log.epoch(epochs[-1])
         bar.set_postfix(loss=f"{epochs[-1]['loss']:.3f}", test=f"{epochs[-1]['test_acc']:.3f}")
     bar.close()
     return epochs, times, full_steps
 
 
 def train_worker(job: Job) -> dict | None:
-    """What every rank runs. Rank 0 returns the report dict; the others return None."""
+    """What every rank runs. Rank 0 writes the weights, the log and the report as it goes and
+    returns the report; the others return None."""
     from hybridpar.models import build_model
-    from hybridpar.train.report import measured, report
+    from hybridpar.train.report import measured, report, write_report
 
-    cfg, P = job.cfg, dist.get_world_size()
+    cfg, P, rank = job.cfg, dist.get_world_size(), dist.get_rank()
     _quiet_rank(P)
     plan = agreed_plan(job)
-    if dist.get_rank() == 0 and cfg.progress:
-        print(plan.describe(), flush=True)
+    log = Progress(cfg, plan) if rank == 0 else None
     torch.manual_seed(cfg.seed)
     data = load_data(cfg.data, job.input_shape, job.num_classes, seed=cfg.seed)
     shape = job.input_shape
-    model = build_model(
-        cfg.model,
-        input_size=shape[-1] if len(shape) == 3 else None,
-        num_classes=job.num_classes,
-        in_channels=shape[0],
-    )
+    model = build_model(cfg.model, input_size=shape[-1] if len(shape) == 3 else None,
+                        num_classes=job.num_classes, in_channels=shape[0])  # fmt: skip
     trainer = Trainer(cfg, model, plan, input_shape=shape)
-    epochs, times, full_steps = fit(trainer, data, cfg)
+    pos = checkpoint.load(trainer, job.resume) if job.resume else Position()
+    if log is not None and job.resume:
+        how = (
+            "onto another plan or P (RNG streams and codec residuals start afresh)"
+            if trainer.resharded
+            else "bit-exact"
+        )
+        log.write({"event": "resume", "from": str(job.resume), "step": pos.step},
+                  f"resumed from {job.resume} at step {pos.step}, {how}")  # fmt: skip
+    epochs, times, full_steps = fit(trainer, data, cfg, pos, log)
+    weights = trainer.full_state_dict()  # collective: every rank
+    if cfg.checkpoint_dir:
+        final = Position(cfg.epochs, 0, trainer.step_no, [0.0, 0.0, 0.0], epochs)
+        checkpoint.save(trainer, cfg.checkpoint_dir, final, cfg.checkpoint_keep)
     bytes_measured = measured(trainer.ledger, full_steps)
     hosts = len(set(_hostnames())) if plan.reducer == "host" else 1
-    if dist.get_rank() != 0:
+    if rank != 0:
         return None
-    return report(job, plan, data.name, epochs, times, bytes_measured, hosts, trainer.bn_switch)
+    checkpoint.save_weights(weights, cfg.save)
+    out = report(job, plan, data.name, epochs, times, bytes_measured, hosts, trainer.bn_switch)
+    out["written"] = [str(cfg.save)]
+    if cfg.report:
+        json_path, png = write_report(out, cfg.report)
+        out["written"] += [str(json_path), str(log.log)] + ([str(png)] if png else [])
+    return out
 
 
 def _hostnames() -> list[str]:

@@ -94,9 +94,11 @@ def report(
 
 
 def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
+    from hybridpar.train.loop import strict
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps(strict(report), indent=1, allow_nan=False))
     png = path.with_suffix(".png")
     try:
         import matplotlib

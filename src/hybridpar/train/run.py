@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
@@ -31,6 +32,7 @@ class Job:
     input_shape: tuple[int, ...]
     num_classes: int
     plan: ParallelPlan | None
+    resume: Path | None = None
 
 
 def prepare(cfg: TrainConfig) -> Job:
@@ -44,6 +46,8 @@ def prepare(cfg: TrainConfig) -> Job:
     cfg.validate()
     loaded = ParallelPlan.load(cfg.plan) if cfg.plan else None
     cfg = _defaults(cfg, loaded)
+    resume = _resume(cfg)
+    cfg = _outputs(cfg)
     P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
     if cfg.model not in MODELS:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of: {', '.join(MODELS)}")
@@ -64,7 +68,77 @@ def prepare(cfg: TrainConfig) -> Job:
     else:
         plan = build_plan(cfg, P, layers, shape, pricing_cluster(cfg.cluster, required=False))
         resolve(model, plan, shape, P, traced)
-    return Job(cfg, P, shape, classes, plan)
+    if resume is not None:
+        _check_resume(resume, cfg, shape, classes)
+    return Job(cfg, P, shape, classes, plan, resume)
+
+
+def _resume(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to go on from, or None; a --checkpoint-dir that holds checkpoints is only
+    written into on purpose (--resume auto)."""
+    from hybridpar.train.checkpoint import latest
+
+    found = latest(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    if cfg.resume is None:
+        if found is not None:
+            raise ConfigError(
+                f"--checkpoint-dir {cfg.checkpoint_dir} already holds checkpoints; pass --resume "
+                "auto to go on from them, or choose an empty folder"
+            )
+        return None
+    if cfg.resume == "auto":
+        return found
+    path = latest(cfg.resume)
+    if path is None:
+        raise ConfigError(
+            f"--resume {cfg.resume}: no checkpoint there; give a folder written by --checkpoint-dir"
+        )
+    return path
+
+
+def _check_resume(path: Path, cfg: TrainConfig, shape: tuple[int, ...], classes: int) -> None:
+    """The checkpoint must be of this model and data; the plan and P may differ."""
+    from hybridpar.train.checkpoint import read_meta
+
+    meta = read_meta(path)
+    then = meta["config"]
+    plan = meta["plan"]
+    for what, old, new in (("model", then["model"], cfg.model), ("data", then["data"], cfg.data),
+                           ("batch", then["batch"], cfg.batch), ("seed", then["seed"], cfg.seed),
+                           ("input shape", tuple(plan["input_shape"] or ()), tuple(shape))):  # fmt: skip
+        if old != new:
+            raise ConfigError(
+                f"the checkpoint in {path} is for {what} {old}, this run has {new}; resume with the same {what}"
+            )
+
+
+def _outputs(cfg: TrainConfig) -> TrainConfig:
+    """Where the weights go, and a check that every output can be written, before any work."""
+    save = cfg.save or str(
+        Path(cfg.checkpoint_dir or "runs")
+        / ("final.pt" if cfg.checkpoint_dir else f"{cfg.model}.pt")
+    )
+    for flag, target in (
+        ("--save", save),
+        ("--report", cfg.report),
+        ("--checkpoint-dir", cfg.checkpoint_dir and Path(cfg.checkpoint_dir) / "x"),
+    ):
+        if target is not None:
+            _writable(flag, Path(target))
+    return cfg.with_(save=save)
+
+
+def _writable(flag: str, path: Path) -> None:
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".hybridpar-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path}: cannot write in {folder} ({exc.strerror}); choose another place"
+        ) from None
 
 
 def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
@@ -197,11 +271,6 @@ def _bytes(plan: ParallelPlan) -> dict:
 def run(cfg: TrainConfig) -> dict | None:
     """Train; rank 0's report (None on the other ranks under torchrun)."""
     from hybridpar.train.loop import train_worker
-    from hybridpar.train.report import write_report
 
     job = prepare(cfg)
-    report = launch(train_worker, job.procs, job, timeout_s=job.cfg.timeout_s)[0]
-    if report is not None and job.cfg.report:
-        json_path, png = write_report(report, job.cfg.report)
-        report["written"] = [str(json_path)] + ([str(png)] if png else [])
-    return report
+    return launch(train_worker, job.procs, job, timeout_s=job.cfg.timeout_s)[0]

@@ -1,0 +1,141 @@
+"""Checkpoints (torch.distributed.checkpoint): kill-and-resume on the same grid is bit-exact; a
+checkpoint of a 2x2 plan on 4 ranks resumes on a 3x1 plan on 3 ranks and ends where the
+uninterrupted run ends (rtol 1e-5); the final weights load into the plain model with torch.load."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridpar.models import build_model
+
+CMD = [
+    sys.executable,
+    "-m",
+    "hybridpar",
+    "train",
+    "--quiet",
+    "--no-progress",
+    "--model",
+    "digits-cnn",
+    "--batch",
+    "48",
+    "--max-steps",
+    "5",
+    "--lr",
+    "0.05",
+]
+
+
+def train(*args, env=None, check=True):
+    r = subprocess.run(
+        CMD + list(args),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **(env or {})},
+    )
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """10 steps (2 epochs of 5) on a 2x2 grid, 4 ranks, without a stop."""
+    out = tmp_path_factory.mktemp("whole") / "final.pt"
+    train("--nproc", "4", "--preset", "grid:2x2", "--epochs", "2", "--save", str(out))
+    return torch.load(out)
+
+
+def test_kill_and_resume_on_the_same_grid_is_bit_exact(tmp_path, uninterrupted):
+    ck = tmp_path / "ck"
+    args = [
+        "--nproc",
+        "4",
+        "--preset",
+        "grid:2x2",
+        "--epochs",
+        "2",
+        "--checkpoint-dir",
+        str(ck),
+        "--checkpoint-every",
+        "3",
+    ]
+    killed = train(*args, env={"HYBRIDPAR_FAULT": "optimizer:rank=2:step=7"}, check=False)
+    assert killed.returncode == 1 and "rank 2 was killed by SIGKILL" in killed.stderr, killed.stderr
+    assert (ck / "latest").read_text() == "step-00000006"  # the checkpoint before the kill
+    train(*args, "--resume", "auto")
+    got = torch.load(ck / "final.pt")
+    assert list(got) == list(uninterrupted)
+    for k, v in uninterrupted.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_resume_onto_another_grid_and_p(tmp_path, uninterrupted):
+    """2x2 on 4 ranks for 5 steps, then 3x1 on 3 ranks for 5 more: the split layers' shards are
+    re-split by DCP from chunks of 2 to chunks of 3 / 4)."""
+    ck = tmp_path / "ck"
+    train("--nproc", "4", "--preset", "grid:2x2", "--epochs", "1", "--checkpoint-dir", str(ck))
+    train(
+        "--nproc",
+        "3",
+        "--preset",
+        "grid:3x1",
+        "--epochs",
+        "2",
+        "--checkpoint-dir",
+        str(ck),
+        "--resume",
+        "auto",
+        "--report",
+        str(tmp_path / "r.json"),
+    )
+    log = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in log] == ["plan", "resume", "epoch"]  # epoch 1 was the first run's
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert log[1]["step"] == 5 and report["procs"] == 3 and len(report["epochs"]) == 2
+    got = torch.load(ck / "final.pt")
+    for k, v in uninterrupted.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    model = build_model("digits-cnn")  # the final weights are the plain model's
+    model.load_state_dict(got)
+
+
+def test_a_checkpoint_dir_is_continued_only_on_purpose(tmp_path):
+    ck = tmp_path / "ck"
+    train(
+        "--nproc",
+        "2",
+        "--preset",
+        "owt",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "2",
+        "--checkpoint-dir",
+        str(ck),
+    )
+    again = train(
+        "--nproc", "2", "--preset", "owt", "--epochs", "1", "--checkpoint-dir", str(ck), check=False
+    )
+    assert again.returncode == 2 and "already holds checkpoints" in again.stderr
+    other = train(
+        "--nproc",
+        "2",
+        "--preset",
+        "owt",
+        "--batch",
+        "32",
+        "--epochs",
+        "2",
+        "--checkpoint-dir",
+        str(ck),
+        "--resume",
+        "auto",
+        check=False,
+    )
+    assert other.returncode == 2 and "is for batch 48, this run has 32" in other.stderr
