@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from hybridpar.config import PlanConfig, add_arguments, from_namespace
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, Interrupted
 from hybridpar.plan import Term
 
 TERMS = (
@@ -221,6 +221,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.verbose and exc.details:
             print(exc.details, file=sys.stderr)
         return 1
+
     if report is None:  # a non-zero rank under torchrun
         return 0
     _print_report(report)
@@ -354,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hybridpar.train.launch import stop_on_signals
+
+    restore = stop_on_signals()  # from here on SIGTERM unwinds like Ctrl-C: ranks are stopped
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -361,11 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hybridpar {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except (KeyboardInterrupt, Interrupted) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else 2
+        print(f"hybridpar {args.command}: {Interrupted(signum)}", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:  # `hybridpar plan ... | head`
         sys.stderr.close()
         return 0
+    finally:
+        restore()
 
 
 if __name__ == "__main__":

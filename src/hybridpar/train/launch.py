@@ -5,7 +5,10 @@ when CUDA is present), initialises torch.distributed in each with a collective t
 fn(*args) and returns every rank's result in rank order. It watches the ranks: when one dies (a
 signal, a non-zero exit) or raises, the others are stopped and a RankFailure names it; a rank
 that hangs makes the others time out in their next collective, and the still-running one is named
-as the culprit. Children die with the parent (PR_SET_PDEATHSIG), so no orphans are left behind.
+as the culprit. No orphans: a rank sets PR_SET_PDEATHSIG and checks that its parent is still the
+launcher before it imports anything heavy (the function to run is passed by name, so unpickling
+the job imports no torch), and SIGINT or SIGTERM to the launcher stops every rank and raises
+Interrupted.
 
 Under torchrun (WORLD_SIZE is set) it initialises from the environment and runs fn in-process.
 """
@@ -15,16 +18,22 @@ from __future__ import annotations
 import ctypes
 import datetime
 import faulthandler
+import importlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
-__all__ = ["RankFailure", "free_port", "launch", "under_torchrun"]
+from hybridpar.errors import Interrupted
+
+__all__ = ["Interrupted", "RankFailure", "free_port", "launch", "stop_on_signals", "under_torchrun"]
 
 
 class RankFailure(RuntimeError):
@@ -73,17 +82,34 @@ def _die_with_parent() -> None:
         pass
 
 
+def _reference(fn: Callable) -> str:
+    if "<" in fn.__qualname__:
+        raise TypeError(f"launch runs module-level functions; {fn.__qualname__} is not one")
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+def _resolve(ref: str) -> Callable:
+    module, _, name = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _child(
     rank: int,
     world: int,
     port: int,
     timeout_s: float,
     backend: str | None,
-    fn: Callable,
+    fn: str,
     args: tuple,
     queue: mp.Queue,
+    parent: int,
 ) -> None:
     _die_with_parent()
+    if os.getppid() != parent:  # the launcher died before the line above took effect
+        os._exit(1)
     faulthandler.register(
         signal.SIGUSR1, all_threads=True
     )  # `kill -USR1 <pid>` prints where a rank is
@@ -103,7 +129,14 @@ def _child(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         init_distributed(timeout_s, backend)
-        result = fn(*args)
+        result = _resolve(fn)(*args)
+        try:
+            pickle.dumps(result)
+        except Exception as exc:
+            raise TypeError(
+                f"{fn} returned a {type(result).__name__}, which cannot be sent back "
+                f"to the launcher ({exc})"
+            ) from None
         queue.put((rank, "ok", result))
         shutdown()  # nobody tears down the group while another rank still uses it
     except BaseException as exc:  # report everything, including KeyboardInterrupt
@@ -144,19 +177,59 @@ def launch(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
+    ref, me = _reference(fn), os.getpid()
     procs = [
         ctx.Process(
-            target=_child, args=(r, nprocs, port, timeout_s, backend, fn, args, queue), daemon=True
+            target=_child,
+            args=(r, nprocs, port, timeout_s, backend, ref, args, queue, me),
+            daemon=True,
         )
         for r in range(nprocs)
     ]
-    for p in procs:
-        p.start()
+    restore = stop_on_signals()
+    _received.clear()
+    _watching.set()
+    try:
+        for p in procs:
+            p.start()
+        return _watch(procs, queue, nprocs, timeout_s, grace_s)
+    finally:
+        _watching.clear()
+        _stop(procs)
+        queue.close()
+        restore()
+
+
+_received: list[int] = []  # signals the handler recorded while ranks were running
+_watching = threading.Event()
+
+
+def stop_on_signals() -> Callable[[], None]:
+    """SIGINT and SIGTERM (Ctrl-C, a scheduler, `timeout`) end the job with one line. Before any
+    rank runs there is nothing to clean up: the handler says so and exits at once (raising from a
+    handler can land inside a C++ callback, e.g. during `import torch`, and abort). While ranks
+    run it only records the signal; the launcher's watch loop raises Interrupted and stops them.
+    Returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, _frame):
+        if _watching.is_set():
+            _received.append(signum)
+            return
+        name = signal.Signals(signum).name
+        os.write(2, f"hybridpar: stopped by {name} before any rank started\n".encode())
+        os._exit(128 + signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()] and None
+
+
+def _watch(procs: list, queue, nprocs: int, timeout_s: float, grace_s: float) -> list[Any]:
     results: dict[int, Any] = {}
     errors: dict[int, tuple[str, str]] = {}
-    deadline = (
-        time.monotonic() + timeout_s * 4 + 600
-    )  # a backstop; collectives time out much sooner
+    backstop = timeout_s * 4 + 600  # collectives time out much sooner
+    deadline = time.monotonic() + backstop
 
     def drain(wait: float = 0.0) -> None:
         end = time.monotonic() + wait
@@ -165,37 +238,38 @@ def launch(
                 rank, status, payload = queue.get(
                     timeout=max(0.0, min(0.05, end - time.monotonic()))
                 )
-            except Exception:  # queue.Empty
+            except Empty:
                 if time.monotonic() >= end:
                     return
                 continue
             (results if status == "ok" else errors)[rank] = payload
 
-    try:
-        while True:
-            drain(0.05)
-            codes = [p.exitcode for p in procs]
-            failed = [r for r, c in enumerate(codes) if (c is not None and c != 0) or r in errors]
-            if failed:
-                break
-            if all(c == 0 for c in codes) or (
-                len(results) == nprocs and all(c is not None for c in codes)
-            ):
-                drain(0.2)
-                return [results.get(r) for r in range(nprocs)]
-            if time.monotonic() > deadline:
-                raise RankFailure(
-                    f"job exceeded its {deadline:.0f} s backstop; ranks {sorted(set(range(nprocs)) - set(results))} never finished"
-                )
-        # something failed: give the others a moment to report, then name the culprit
-        t_fail = time.monotonic()
-        while time.monotonic() - t_fail < grace_s and any(p.exitcode is None for p in procs):
-            drain(0.1)
+    while True:
+        drain(0.05)
+        if _received:
+            raise Interrupted(_received[0])
+        codes = [p.exitcode for p in procs]
+        failed = [r for r, c in enumerate(codes) if (c is not None and c != 0) or r in errors]
+        if failed:
+            break
+        if all(c == 0 for c in codes) or (
+            len(results) == nprocs and all(c is not None for c in codes)
+        ):
+            drain(0.2)
+            missing = [r for r in range(nprocs) if r not in results]
+            if missing:
+                raise RankFailure(f"rank {missing[0]} exited without returning its result")
+            return [results[r] for r in range(nprocs)]
+        if time.monotonic() > deadline:
+            raise RankFailure(
+                f"job exceeded its {backstop:.0f} s backstop; ranks {sorted(set(range(nprocs)) - set(results))} never finished"
+            )
+    # something failed: give the others a moment to report, then name the culprit
+    t_fail = time.monotonic()
+    while time.monotonic() - t_fail < grace_s and any(p.exitcode is None for p in procs):
         drain(0.1)
-        raise RankFailure(*_blame(procs, errors))
-    finally:
-        _stop(procs)
-        queue.close()
+    drain(0.1)
+    raise RankFailure(*_blame(procs, errors))
 
 
 def _blame(procs: list, errors: dict[int, tuple[str, str]]) -> tuple[str, str]:
