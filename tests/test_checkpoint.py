@@ -139,3 +139,50 @@ def test_a_checkpoint_dir_is_continued_only_on_purpose(tmp_path):
         check=False,
     )
     assert other.returncode == 2 and "is for batch 48, this run has 32" in other.stderr
+
+
+def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
+    """torchrun --max-restarts 1: rank 1 is killed at step 7, torchrun restarts both ranks, they
+    go on from the checkpoint of step 6 (--resume auto) and end with the uninterrupted run's
+    parameters, bit for bit. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see docs/runtime.md."""
+    ref, ck = tmp_path / "ref.pt", tmp_path / "ck"
+    train("--nproc", "2", "--preset", "grid:2x1", "--epochs", "2", "--save", str(ref))
+    elastic = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "hybridpar",
+        *CMD[3:],
+    ]
+    env = {
+        **os.environ,
+        "HYBRIDPAR_FAULT": "optimizer:rank=1:step=7",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    args = [
+        "--preset",
+        "grid:2x1",
+        "--epochs",
+        "2",
+        "--checkpoint-dir",
+        str(ck),
+        "--checkpoint-every",
+        "3",
+        "--resume",
+        "auto",
+        "--report",
+        str(tmp_path / "r.json"),
+    ]
+    r = subprocess.run(elastic + args, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert {"event": "resume", "from": str(ck / "step-00000006"), "step": 6} in log  # the restart
+    want, got = torch.load(ref), torch.load(ck / "final.pt")
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

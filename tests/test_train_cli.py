@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from procs import assert_all_gone, shm, wait_for_ranks
 
 from hybridpar.errors import ConfigError
 from hybridpar.train.config import TrainConfig
@@ -287,27 +288,6 @@ def test_malformed_npz_via_cli(tmp_path):
     assert r.returncode == 2 and "not a readable .npz" in r.stderr
 
 
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
-
-
-def _workers(parent: int) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            stat = _read(f"/proc/{pid}/stat")
-            cmd = _read(f"/proc/{pid}/cmdline")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and "multiprocessing.spawn" in cmd and "resource_tracker" not in cmd:
-            out.append(int(pid))
-    return out
-
-
 def _start_and_wait_for_training(extra):
     p = subprocess.Popen(
         CMD + ["--nproc", "4", "--preset", "grid:2x2", "--epochs", "500", *extra],
@@ -315,38 +295,11 @@ def _start_and_wait_for_training(extra):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.monotonic() + 120
-    while len(_workers(p.pid)) < 4 and time.monotonic() < deadline:
-        p.wait(timeout=0.2) if p.poll() is not None else time.sleep(0.2)
-    workers = _workers(p.pid)
-    assert len(workers) == 4, "workers did not start"
-    # wait until they are training: their CPU time grows past start-up
-    while time.monotonic() < deadline:
-        ticks = [int(_read(f"/proc/{w}/stat").rsplit(")", 1)[1].split()[11]) for w in workers]
-        if min(ticks) > 300:  # 3 s of CPU each: imports done, steps running
-            break
-        time.sleep(0.5)
-    return p, workers
-
-
-def _assert_all_gone(pids):
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(
-        os.path.exists(f"/proc/{w}") and "Z" not in _read(f"/proc/{w}/stat").split()[2]
-        for w in pids
-        if os.path.exists(f"/proc/{w}")
-    ):
-        time.sleep(0.1)
-    alive = [w for w in pids if os.path.exists(f"/proc/{w}")]
-    assert not alive, f"orphans left: {alive}"
-
-
-def _shm():
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return p, wait_for_ranks(p, 4, cpu_s=3.0)  # 3 s of CPU each: imports done, steps running
 
 
 def test_killed_rank_ends_the_job_with_its_name():
-    before = _shm()
+    before = shm()
     p, workers = _start_and_wait_for_training(["--timeout", "30"])
     victim = workers[2]
     os.kill(victim, signal.SIGKILL)
@@ -354,8 +307,8 @@ def test_killed_rank_ends_the_job_with_its_name():
     assert p.returncode == 1
     m = re.search(r"rank (\d) was killed by SIGKILL", err)
     assert m, err
-    _assert_all_gone(workers)
-    assert _shm() - before == set()  # no semaphores or segments left behind
+    assert_all_gone(workers)
+    assert shm() - before == set()  # no semaphores or segments left behind
 
 
 def test_hung_rank_ends_the_job_within_the_timeout():
@@ -368,7 +321,7 @@ def test_hung_rank_ends_the_job_within_the_timeout():
     assert p.returncode == 1
     assert re.search(r"rank \d did not respond", err), err
     assert elapsed < 5 + 30, elapsed
-    _assert_all_gone(workers)
+    assert_all_gone(workers)
 
 
 def test_eight_bit_training_matches_fp32_accuracy(tmp_path):

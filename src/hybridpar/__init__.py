@@ -12,12 +12,22 @@ from hybridpar.planner import SCENARIOS, Plan, PlanResult, make_plan, plan
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """HybridTrainer needs torch: imported on first use, so `hybridpar plan` stays torch-free."""
+    if name == "HybridTrainer":
+        from hybridpar.parallel.trainer import HybridTrainer
+
+        return HybridTrainer
+    raise AttributeError(f"module 'hybridpar' has no attribute {name!r}")
+
 __all__ = [
     "PRESETS",
     "SCENARIOS",
     "Cluster",
     "ConfigError",
     "CostLayer",
+    "HybridTrainer",
     "ParallelPlan",
     "Plan",
     "PlanResult",

@@ -68,7 +68,16 @@ def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
 
 
 def _fitted(times: dict[int, float], nproc: int) -> dict:
+    import math
+
+    from hybridpar.errors import ConfigError
+
     alpha, beta = fit_alpha_beta(times, nproc)
+    if not (math.isfinite(alpha) and math.isfinite(beta) and beta > 0):
+        raise ConfigError(
+            f"the all-reduce timings do not fit alpha + beta * bytes (alpha {alpha}, beta {beta}); "
+            "nothing was saved: run `hybridpar calibrate` again on a quieter machine"
+        )
     threads = max(1, (os.cpu_count() or 1) // nproc)
     return {
         "name": "localhost",
@@ -92,7 +101,11 @@ def _save(data: dict) -> Path:
 
 def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict:
     """Spawn `nproc` local ranks, time their all-reduces, fit and save `localhost`."""
+    from hybridpar.errors import ConfigError
     from hybridpar.train.launch import launch
+
+    if nproc < 2:
+        raise ConfigError("calibrate times all-reduces between processes: use --nproc 2 or more")
 
     times = launch(_time_allreduce, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
     data = _fitted(times, nproc)

@@ -155,7 +155,13 @@ def load_cluster(spec: str) -> Cluster:
             raise ConfigError(
                 "cluster 'localhost' is not calibrated yet; run `hybridpar calibrate` first"
             )
-        return _from_mapping(json.loads(path.read_text()), str(path))
+        try:
+            return _from_mapping(json.loads(path.read_text()), str(path))
+        except (ConfigError, json.JSONDecodeError) as exc:
+            raise ConfigError(
+                f"the calibration of 'localhost' is unusable ({str(exc).splitlines()[0]}); "
+                "run `hybridpar calibrate` again"
+            ) from None
     path = Path(spec)
     if path.suffix.lower() in (".toml", ".json"):
         if not path.is_file():

@@ -14,6 +14,7 @@ from hybridpar.parallel.layout import Layout, resolve
 from hybridpar.parallel.model import ModelParallelConv2d, ModelParallelLinear
 from hybridpar.parallel.redistribute import Redistribute
 from hybridpar.parallel.sync import GradSync
+from hybridpar.parallel.trainer import HybridTrainer
 
 __all__ = [
     "AdaptiveGlobalBatchNorm",
@@ -23,6 +24,7 @@ __all__ = [
     "GlobalBatchNorm2d",
     "GradSync",
     "HybridParallel",
+    "HybridTrainer",
     "Layout",
     "LossPlateau",
     "ModelParallelConv2d",

@@ -222,6 +222,8 @@ class HybridParallel(nn.Module):
 
     def set_batch(self, n: int) -> None:
         """The number of examples in the coming step's global batch (known to every rank)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"set_batch takes the global batch size, a positive int; got {n!r}")
         self.rows.sizes = even_split(n, self.plan.procs)
 
     def input_rows(self, n: int) -> slice:
@@ -237,8 +239,22 @@ class HybridParallel(nn.Module):
         """Model-group replicas hold the same outputs: only r = 0 counts them in the metrics."""
         return self.output_grid.r == 0
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        if self.training and self.sync.pending():
+            raise RuntimeError(
+                "the last backward's gradients were never summed: call finish_backward() after "
+                "backward() and before optimizer.step() (or use hybridpar.HybridTrainer)"
+            )
+        if self.rows.sizes is None:
+            raise RuntimeError("call set_batch(n) with the global batch size before each forward")
+        want = self.input_grid.rows(self.rows.sizes)
+        if x.shape[0] != want.stop - want.start:
+            n = sum(self.rows.sizes)
+            raise ValueError(
+                f"this rank feeds {want.stop - want.start} of the {n} examples "
+                f"(x[model.input_rows({n})]), got {x.shape[0]}"
+            )
+        return self.module(x, *args, **kwargs)
 
     def finish_backward(self) -> float:
         """Wait for the gradient sums; returns the exposed wait in seconds."""

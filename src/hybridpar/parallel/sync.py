@@ -157,6 +157,10 @@ class GradSync:
         self.exposed_s = end - (self._last_grad_t or t0)
         return self.wait_s
 
+    def pending(self) -> bool:
+        """Whether a backward pass has produced gradients that wait() has not summed yet."""
+        return any(b.future is not None or b.ready for _, b in self.buckets)
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()

@@ -132,8 +132,9 @@ def save(trainer, directory: str | Path, position: Position, keep: int = 2) -> P
     from hybridpar import faults
 
     sums, switch = _global_sums(trainer, position)
+    faults.set_step(position.step)
+    faults.at("checkpoint")  # as the write starts: the others write shards, this one never will
     dcp.save(_state(trainer, position, per_rank=True), checkpoint_id=str(tmp))
-    faults.at("checkpoint")
     if rank == 0:
         meta = {
             "format": FORMAT,

@@ -107,10 +107,51 @@ def signature(
     p = Path(spec)
     if p.suffix == ".npz":
         with np.load(p) as f:
-            ys = [f["y"]] + ([f["y_test"]] if "y_test" in f.files else [])
-            return tuple(f["x"].shape[1:]), int(max(int(y.max()) for y in ys if y.size)) + 1
+            return _check_arrays(spec, f)
     classes = [d for d in p.iterdir() if d.is_dir()]
     return (3, *model_shape[1:]) if len(model_shape) == 3 else tuple(model_shape), len(classes)
+
+
+def _check_arrays(spec: str, f) -> tuple[tuple[int, ...], int]:
+    """The checks a .npz must pass before any process starts; (input shape, classes)."""
+    pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in f.files else [])
+    if ("x_test" in f.files) != ("y_test" in f.files):
+        raise ConfigError(f"data file {spec!r}: give both x_test and y_test, or neither")
+    ys = []
+    for xk, yk in pairs:
+        x, y = f[xk], f[yk]
+        if x.ndim < 2 or len(x) != len(y) or y.ndim != 1:
+            raise ConfigError(
+                f"data file {spec!r}: {xk} must be (N, ...) and {yk} (N,) with the same N; "
+                f"got {xk} {x.shape} and {yk} {y.shape}"
+            )
+        if not np.issubdtype(y.dtype, np.integer):
+            raise ConfigError(
+                f"data file {spec!r}: {yk} must hold integer class labels, got "
+                f"{y.dtype}; convert it with y.astype(int)"
+            )
+        if y.size and y.min() < 0:
+            raise ConfigError(
+                f"data file {spec!r}: {yk} has negative labels ({y.min()}); number the classes 0..C-1"
+            )
+        if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+            raise ConfigError(
+                f"data file {spec!r}: {xk} must be finite numbers (it holds NaN, infinities or non-numbers)"
+            )
+        ys.append(y)
+    present = np.unique(ys[0])
+    classes = int(max(int(y.max()) for y in ys if y.size)) + 1
+    if len(present) < 2:
+        raise ConfigError(
+            f"data file {spec!r}: y has {len(present)} class; training needs at least 2"
+        )
+    missing = classes - len(present)
+    if missing:
+        raise ConfigError(
+            f"data file {spec!r}: labels run to {classes - 1} but {missing} of the {classes} classes "
+            "have no training example; number the classes 0..C-1 (e.g. np.unique(y, return_inverse=True))"
+        )
+    return tuple(f["x"].shape[1:]), classes
 
 
 def _digits() -> tuple[np.ndarray, np.ndarray]:

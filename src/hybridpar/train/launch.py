@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -72,6 +73,25 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> None:
             int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
         )
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _warn_shared_store() -> None:
+    """torchrun's restarts (--max-restarts) and the rendezvous store it shares with the workers do
+    not mix (pytorch/pytorch#135712): a restarted rank can read the previous attempt's addresses
+    and the job fails to connect. Seen here with torch 2.13; the workaround is torch's own switch."""
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+        and os.environ.get("RANK") == "0"
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    ):
+        print(
+            "hybridpar: warning: torchrun --max-restarts with the shared rendezvous store can fail "
+            "to reconnect after a restart (pytorch#135712); run torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _die_with_parent() -> None:
@@ -170,6 +190,7 @@ def launch(
     if under_torchrun():
         from hybridpar.comm import shutdown
 
+        _warn_shared_store()
         init_distributed(timeout_s, backend)
         result = fn(*args)
         shutdown()

@@ -131,7 +131,7 @@ class Trainer:
         are unique across reducer states."""
         out: dict[int, list] = {}
         for st in {id(st): st for st in self._reducer_states().values()}.values():
-            out.update(st.residuals)
+            out.update(getattr(st, "residuals", {}))  # the host reducer keeps none
         return out
 
     def residual_slot(self, bucket: int, j: int, size: tuple[int, ...]) -> None:

@@ -1,0 +1,128 @@
+"""The fault matrix: a rank killed in the forward pass, the backward pass, the hand-off, the
+optimizer step, a checkpoint write, the host reducer; the launcher killed or told to stop at
+start-up and mid-run; Ctrl-C. Every cell ends within the collective timeout with one line saying
+what happened, leaves no process and nothing in /dev/shm behind, and its last checkpoint loads.
+Ranks are killed by hybridpar's fault injection (HYBRIDPAR_FAULT, hybridpar/faults.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from procs import assert_all_gone, ranks_of, shm, wait_for_ranks
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+TIMEOUT = 20
+BASE = [
+    sys.executable,
+    "-m",
+    "hybridpar",
+    "train",
+    "--quiet",
+    "--no-progress",
+    "--model",
+    "digits-cnn",
+    "--nproc",
+    "2",
+    "--batch",
+    "48",
+    "--epochs",
+    "100",
+    "--max-steps",
+    "5",
+    "--timeout",
+    str(TIMEOUT),
+    "--checkpoint-every",
+    "3",
+]
+
+
+def start(tmp_path, preset="grid:2x1", fault=None, extra=()):
+    env = {**os.environ, **({"HYBRIDPAR_FAULT": fault} if fault else {})}
+    cmd = [*BASE, "--preset", preset, "--checkpoint-dir", str(tmp_path / "ck"), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def last_checkpoint_loads(tmp_path, step: int) -> None:
+    ck = tmp_path / "ck"
+    assert (ck / "latest").read_text() == f"step-{step:08d}"
+    dcp_to_torch_save(ck / f"step-{step:08d}", tmp_path / "flat.pt")  # every tensor, read back
+    state = torch.load(tmp_path / "flat.pt", weights_only=False)
+    assert state["model.0.weight"].shape == (32, 1, 3, 3)
+
+
+@pytest.mark.parametrize(
+    "where, preset, step, saved",
+    [
+        ("forward", "grid:2x1", 4, 3),
+        ("backward", "grid:2x1", 4, 3),
+        ("handoff", "grid:2x1", 4, 3),
+        ("optimizer", "grid:2x1", 4, 3),
+        ("checkpoint", "grid:2x1", 6, 3),  # killed while writing step 6: step 3 stays the latest
+        ("host", "grid:1x2", 4, 3),
+    ],
+)
+def test_a_killed_rank_ends_the_job_with_its_name(tmp_path, where, preset, step, saved):
+    before = shm()
+    extra = ["--reducer", "host"] if where == "host" else []
+    p = start(tmp_path, preset, f"{where}:rank=1:step={step}", extra)
+    t0 = time.monotonic()
+    ranks = wait_for_ranks(p, 2)
+    _, err = p.communicate(timeout=TIMEOUT + 60)
+    assert p.returncode == 1 and time.monotonic() - t0 < TIMEOUT + 30
+    lines = err.strip().splitlines()
+    assert lines == ["hybridpar train: error: rank 1 was killed by SIGKILL; the job was stopped"], (
+        err
+    )
+    assert_all_gone(ranks)
+    assert shm() - before == set()
+    last_checkpoint_loads(tmp_path, saved)
+
+
+@pytest.mark.parametrize(
+    "sig, when, code, message",
+    [
+        (signal.SIGKILL, "start-up", None, None),
+        (signal.SIGKILL, "mid-run", None, None),
+        (signal.SIGTERM, "start-up", 143, "stopped by SIGTERM"),
+        (
+            signal.SIGTERM,
+            "mid-run",
+            143,
+            "hybridpar train: stopped by SIGTERM; every rank was stopped",
+        ),
+        (
+            signal.SIGINT,
+            "mid-run",
+            130,
+            "hybridpar train: stopped by SIGINT; every rank was stopped",
+        ),
+    ],
+)
+def test_the_launcher_stopped_or_killed_leaves_nothing_behind(tmp_path, sig, when, code, message):
+    before = shm()
+    p = start(tmp_path)
+    if when == "start-up":  # the ranks exist but are still importing: no training step yet
+        deadline = time.monotonic() + 30
+        while len(ranks_of(p.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ranks = ranks_of(p.pid)
+    else:  # training, with a checkpoint written
+        ranks = wait_for_ranks(p, 2)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ck" / "latest").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    os.kill(p.pid, sig)
+    _, err = p.communicate(timeout=TIMEOUT + 30)
+    if code is None:
+        assert p.returncode == -sig
+    else:
+        assert p.returncode == code and len(err.strip().splitlines()) == 1 and message in err, err
+    assert_all_gone(ranks)
+    assert shm() - before == set()
+    if when == "mid-run":
+        latest = (tmp_path / "ck" / "latest").read_text()
+        last_checkpoint_loads(tmp_path, int(latest.split("-")[1]))
