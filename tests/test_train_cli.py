@@ -355,3 +355,39 @@ def test_eight_bit_training_matches_fp32_accuracy(tmp_path):
             assert r["bytes"]["measured"]["dw_allreduce"] == r["bytes"]["predicted"]["dw_allreduce"]
     assert acc["none"] > 0.95
     assert abs(acc["dynamic-tree"] - acc["none"]) <= 0.01, acc
+
+
+def test_a_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
+    args = [
+        "--model",
+        "digits-cnn",
+        "--nproc",
+        "2",
+        "--preset",
+        "grid:1x2",
+        "--lr",
+        "1e30",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "6",
+        "--quiet",
+    ]
+    r = subprocess.run(CMD + args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert re.search(r"the loss is (nan|inf) at step \d+: lower --lr", line), line
+    report = tmp_path / "r.json"
+    r = subprocess.run(
+        CMD + args + ["--allow-nonfinite", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    d = json.loads(report.read_text(), parse_constant=refuse)  # no bare NaN or Infinity
+    assert d["final"]["loss"] is None

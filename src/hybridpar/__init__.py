@@ -21,6 +21,7 @@ def __getattr__(name: str):
         return HybridTrainer
     raise AttributeError(f"module 'hybridpar' has no attribute {name!r}")
 
+
 __all__ = [
     "PRESETS",
     "SCENARIOS",

@@ -18,7 +18,15 @@ from typing import Any, Literal
 from hybridpar.errors import ConfigError
 from hybridpar.wire import CODECS, check_codec, parse_compress
 
-__all__ = ["PlanConfig", "add_arguments", "check_fields", "from_namespace", "meta", "positive"]
+__all__ = [
+    "PlanConfig",
+    "add_arguments",
+    "check_fields",
+    "flag_of",
+    "from_namespace",
+    "meta",
+    "positive",
+]
 
 Codec = Literal["none", "fp16", "bf16", "dynamic-tree", "linear", "mantissa", "static-tree"]
 BN = Literal["local", "global", "adaptive"]
@@ -46,8 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         if f.name in skip or not f.init:
             continue
         tp, _ = _unwrap(hints[f.name])
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        names = [flag, *f.metadata.get("aliases", ())]
+        names = [flag_of(cls, f.name), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not MISSING else None
         kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
         if f.metadata.get("required"):
@@ -92,18 +99,24 @@ def check_fields(obj: Any) -> None:
         v = getattr(obj, f.name)
         if v is None and optional:
             continue
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        flag = flag_of(obj, f.name)
         if typing.get_origin(tp) is Literal and v not in typing.get_args(tp):
             raise ConfigError(f"{flag} must be one of {', '.join(typing.get_args(tp))}, got {v!r}")
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{flag} must be a finite number, got {v}")
 
 
+def flag_of(obj: Any, name: str) -> str:
+    """The command-line flag of a field (its metadata's `flag`, or --field-name)."""
+    f = next(f for f in fields(obj) if f.name == name)
+    return f.metadata.get("flag", "--" + name.replace("_", "-"))
+
+
 def positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
     for name in names:
         v = getattr(obj, name)
         if v is not None and (v < 0 or (v == 0 and not allow_zero)):
-            flag = "--" + name.replace("_", "-")
+            flag = flag_of(obj, name)
             raise ConfigError(
                 f"{flag} must be {'at least 0' if allow_zero else 'positive'}, got {v}"
             )

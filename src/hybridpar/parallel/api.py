@@ -178,15 +178,7 @@ class HybridParallel(nn.Module):
         if self.codec is not None and "grads" in self.plan.compress:
             hook = compressed_hook
             state = functools.partial(ReducerState, codec=self.codec, error_feedback=error_feedback)
-        if self.plan.reducer == "host":
-            if set(groups) != {self.plan.procs}:
-                raise ConfigError(
-                    "the host reducer runs with batch parallelism only: every layer batch"
-                )
-            if hook is not allreduce_hook:
-                raise ConfigError(
-                    "the host reducer sums float32 in shared memory: use codec none for grads"
-                )
+        if self.plan.reducer == "host":  # resolve() checked: every layer batch, float32 grads
             hook, state = host_hook, _host_state
             self._broadcast_parameters()  # Sekiyama's Algorithm 5: parameters sent once, at the start
         pairs = [(self.grids.grid(pc).batch_group, named) for pc, named in sorted(groups.items())]

@@ -72,6 +72,13 @@ def resolve(
     styles = assign_styles(plan.styles, list(modules), names, plan.procs)
     for x in layers:
         _check_style(x, modules[x.name], styles[x.name], tr.calls.get(x.name, 0), plan.batch)
+    if plan.reducer == "host" and any(not s.is_batch for s in styles.values()):
+        raise ConfigError(
+            "the host reducer runs with batch parallelism only (every layer batch); use "
+            "--preset grid:1xP or ddp, or --reducer process-group"
+        )
+    if plan.reducer == "host" and plan.codec != "none" and "grads" in plan.compress:
+        raise ConfigError("the host reducer sums float32 gradients: compress activations only")
     segments: dict[int, Style] = {}
     entries: dict[int, str] = {}
     for x in layers:

@@ -63,7 +63,8 @@ def prepare(cfg: TrainConfig) -> Job:
     if loaded is not None:  # names, styles, layouts: every check before spawning
         resolve(model, loaded, shape, P, traced)
         plan = _checked_file_plan(loaded, cfg, model, layers, shape)
-    elif cfg.searched:
+    elif cfg.searched:  # rank 0 plans in the job; the cluster it will read is checked now
+        pricing_cluster(cfg.cluster, required=False)
         plan = None
     else:
         plan = build_plan(cfg, P, layers, shape, pricing_cluster(cfg.cluster, required=False))

@@ -1,0 +1,243 @@
+"""A catalogue of user mistakes, each with its one-line message and where it is caught.
+
+CLI cases run `hybridpar.cli.main` in this process with the launcher replaced by a tripwire, so a
+case passes only if it ends with exit code 2 and one line on stderr *before any process is
+spawned*. Python API cases check the exception and its message; the ones that need ranks share one
+spawn."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_ranks
+from nets import TVAlexNet, batches
+
+from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan, Style
+from hybridpar.train.launch import RankFailure
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys, tmp_path):
+    """main(argv) -> (exit code, stderr); spawning anything fails the test."""
+    from hybridpar import cli as cli_module
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a process was spawned for bad input")
+
+    monkeypatch.setattr("hybridpar.train.run.launch", tripwire)
+    monkeypatch.setattr("hybridpar.train.launch.launch", tripwire)
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
+
+    def run(*argv):
+        try:
+            code = cli_module.main([str(a) for a in argv])
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code
+        return code, capsys.readouterr().err
+
+    return run
+
+
+def npz(tmp_path, name="d.npz", **arrays):
+    defaults = {"x": np.random.rand(20, 1, 8, 8).astype(np.float32), "y": np.arange(20) % 4}
+    path = tmp_path / name
+    np.savez(path, **{**defaults, **arrays})
+    return path
+
+
+def checkpoint_dir(tmp_path):
+    """A folder that looks like it holds a checkpoint (latest -> a step with metadata)."""
+    ck = tmp_path / "ck"
+    (ck / "step-00000003").mkdir(parents=True)
+    (ck / "step-00000003" / "hybridpar.json").write_text(
+        json.dumps({"format": "hybridpar-checkpoint/1"})
+    )
+    (ck / "latest").write_text("step-00000003")
+    return ck
+
+
+def plan_file(tmp_path, **changes):
+    d = {
+        "format": "hybridpar-plan/1",
+        "procs": 2,
+        "batch": 64,
+        "model": "digits-cnn",
+        "styles": {"6": "model(2x1)"},
+    }
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**d, **changes}))
+    return path
+
+
+TRAIN = ["train", "--quiet"]
+CASES = [
+    # (name, argv builder (tmp_path -> argv), the message's telling part)
+    ("grid of another P", lambda t: [*TRAIN, "--preset", "grid:3x2", "--nproc", "4"], "has 6 ranks"),
+    ("unknown preset", lambda t: [*TRAIN, "--preset", "pipeline"], "unknown preset"),
+    ("unknown model", lambda t: [*TRAIN, "--model", "gpt5"], "unknown model"),
+    ("unknown schedule", lambda t: [*TRAIN, "--schedule", "warp"], "invalid choice"),
+    ("unknown codec", lambda t: [*TRAIN, "--codec", "int4"], "invalid choice"),
+    ("unknown compress", lambda t: [*TRAIN, "--compress", "weights"], "--compress takes"),
+    ("unknown bn", lambda t: [*TRAIN, "--bn", "sync"], "invalid choice"),
+    ("negative lr", lambda t: [*TRAIN, "--lr", "-1"], "--lr must be positive"),
+    ("NaN lr", lambda t: [*TRAIN, "--lr", "nan"], "not a finite number"),
+    ("momentum 1", lambda t: [*TRAIN, "--momentum", "1"], "--momentum must be in [0, 1)"),
+    ("zero epochs", lambda t: [*TRAIN, "--epochs", "0"], "--epochs must be positive"),
+    ("epochs not a number", lambda t: [*TRAIN, "--epochs", "x"], "is not an integer"),
+    ("negative weight decay", lambda t: [*TRAIN, "--weight-decay", "-0.1"], "--weight-decay must be at least 0"),
+    ("batch not split", lambda t: [*TRAIN, "--batch", "30", "--nproc", "4"], "does not split evenly"),
+    ("zero bucket", lambda t: [*TRAIN, "--bucket-mb", "0"], "--bucket-mb must be positive"),
+    ("zero timeout", lambda t: [*TRAIN, "--timeout", "0"], "--timeout must be positive"),
+    ("negative codec block", lambda t: [*TRAIN, "--codec-block", "-1"], "--codec-block must be at least 0"),
+    ("host reducer with 8-bit grads", lambda t: [*TRAIN, "--reducer", "host", "--codec", "dynamic-tree"], "--reducer host sums float32"),
+    ("host reducer with a split layer", lambda t: [*TRAIN, "--reducer", "host", "--preset", "grid:2x2"], "batch parallelism only"),
+    ("missing data file", lambda t: [*TRAIN, "--data", "/nonexistent/d.npz"], "does not exist"),
+    ("garbage npz", lambda t: [*TRAIN, "--data", (t / "g.npz", (t / "g.npz").write_bytes(b"zip?"))[0]], "not a readable .npz"),
+    ("npz without y", lambda t: [*TRAIN, "--data", _np_without_y(t)], "needs arrays named x and y"),
+    ("1-D npz for a CNN", lambda t: [*TRAIN, "--data", npz(t, x=np.random.rand(20, 64).astype(np.float32))], "cannot run"),
+    ("x and y lengths", lambda t: [*TRAIN, "--data", npz(t, y=np.arange(19) % 4)], "with the same N"),
+    ("negative labels", lambda t: [*TRAIN, "--data", npz(t, y=np.arange(20) % 4 - 1)], "negative labels"),
+    ("float labels", lambda t: [*TRAIN, "--data", npz(t, y=(np.arange(20) % 4).astype(np.float64))], "integer class labels"),
+    ("one class", lambda t: [*TRAIN, "--data", npz(t, y=np.zeros(20, dtype=np.int64))], "at least 2"),
+    ("labels 50-59", lambda t: [*TRAIN, "--data", npz(t, y=50 + np.arange(20) % 10)], "have no training example"),
+    ("NaN data", lambda t: [*TRAIN, "--data", npz(t, x=np.full((20, 1, 8, 8), np.nan, dtype=np.float32))], "must be finite"),
+    ("synthetic:abc", lambda t: [*TRAIN, "--data", "synthetic:abc"], "write synthetic:N"),
+    ("unknown data", lambda t: [*TRAIN, "--data", "imagenet"], "unknown data"),
+    ("image folder of one class", lambda t: [*TRAIN, "--data", _folder(t, 1)], "one sub-folder per class"),
+    ("unwritable report", lambda t: [*TRAIN, "--report", "/proc/hybridpar/r.json"], "cannot write"),
+    ("unwritable weights", lambda t: [*TRAIN, "--save", "/proc/hybridpar/w.pt"], "cannot write"),
+    ("unwritable checkpoint dir", lambda t: [*TRAIN, "--checkpoint-dir", "/proc/hybridpar"], "cannot write"),
+    ("checkpoints already there", lambda t: [*TRAIN, "--checkpoint-dir", checkpoint_dir(t)], "already holds checkpoints"),
+    ("resume from nothing", lambda t: [*TRAIN, "--resume", t / "none"], "no checkpoint there"),
+    ("resume auto without a folder", lambda t: [*TRAIN, "--resume", "auto"], "give one"),
+    ("negative checkpoint interval", lambda t: [*TRAIN, "--checkpoint-every", "-3"], "--checkpoint-every must be at least 0"),
+    ("missing plan file", lambda t: [*TRAIN, "--plan", t / "none.json"], "does not exist"),
+    ("plan not JSON", lambda t: [*TRAIN, "--plan", (t / "b.json", (t / "b.json").write_text("{"))[0]], "not valid JSON"),
+    ("plan and preset", lambda t: [*TRAIN, "--plan", plan_file(t), "--preset", "owt"], "not both"),
+    ("plan for another P", lambda t: [*TRAIN, "--plan", plan_file(t), "--nproc", "4"], "the plan is for --nproc 2"),
+    ("plan naming no module", lambda t: [*TRAIN, "--plan", plan_file(t, styles={"fc9": "batch"})], "names no module"),
+    ("plan and another codec", lambda t: [*TRAIN, "--plan", plan_file(t), "--codec", "fp16"], "the plan says codec none"),
+    ("style of another P", lambda t: [*TRAIN, "--plan", plan_file(t, styles={"6": "model(3x1)"})], "the plan is for P=2"),
+    ("style on a ReLU", lambda t: [*TRAIN, "--plan", plan_file(t, styles={"1": "model(2x1)"})], "has no Linear or Conv2d"),
+    ("domain style", lambda t: [*TRAIN, "--plan", plan_file(t, styles={"0": "domain(2x1)"})], "not executed yet"),
+    ("unknown cluster", lambda t: [*TRAIN, "--cluster", "mars"], "unknown cluster"),
+    ("broken calibration", lambda t: [*TRAIN, "--preset", "auto", _broken_localhost(t)], "run `hybridpar calibrate` again"),
+    ("plan: NaN bytes per element", lambda t: ["plan", "--model", "alexnet", "--procs", "4", "--batch", "8", "--bytes-per-element", "nan"], "not a finite number"),
+    ("plan: zero processes", lambda t: ["plan", "--model", "alexnet", "--procs", "0", "--batch", "8"], "at least 1"),
+    ("plan: domain written out", lambda t: ["plan", "--model", "alexnet", "--procs", "4", "--batch", "8", "--scenario", "domain", "--out", t / "p.json"], "not executed yet"),
+    ("calibrate on one process", lambda t: ["calibrate", "--nproc", "1"], "--nproc 2 or more"),
+]  # fmt: skip
+
+
+def _np_without_y(t):
+    path = t / "noy.npz"
+    np.savez(path, x=np.zeros((4, 1, 8, 8)), labels=np.zeros(4))
+    return path
+
+
+def _folder(t, classes):
+    root = t / "images"
+    for c in range(classes):
+        (root / f"class{c}").mkdir(parents=True)
+    return root
+
+
+def _broken_localhost(t):
+    cache = t / "cache"
+    cache.mkdir(exist_ok=True)
+    (cache / "localhost.json").write_text(
+        json.dumps({"alpha": 1e-5, "beta": float("inf"), "flops": 1e9})
+    )
+    return "--quiet"  # the case's last argument
+
+
+@pytest.mark.parametrize("name, argv, needle", CASES, ids=[c[0] for c in CASES])
+def test_cli_mistakes_end_in_one_line_before_spawning(cli, tmp_path, name, argv, needle):
+    code, err = cli(*argv(tmp_path))
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert needle in lines[-1], err
+    # argparse prints its usage above the line; ours is the one line alone
+    assert len(lines) == 1 or lines[0].startswith("usage:"), err
+
+
+def test_the_catalogue_is_long_enough():
+    assert len(CASES) + len(API_CASES) >= 40
+
+
+API_CASES = [
+    ("plan of no processes", lambda: ParallelPlan(procs=0, batch=1), ConfigError, "positive integer"),
+    ("style grid of another P", lambda: Style.parse("model(3x3)", 4), ConfigError, "P=4"),
+    ("plan with a ddp engine and a split", lambda: ParallelPlan(2, 8, {"fc": Style.model(2, 1)}, engine="ddp"),
+     ConfigError, "batch parallelism only"),
+    ("parallelize without torch.distributed", lambda: _parallelize_alone(), RuntimeError, "initialised"),
+    ("trainer given an optimizer object", lambda: _trainer_with_optimizer(), TypeError, "pass a function"),
+]  # fmt: skip
+
+
+def _parallelize_alone():
+    from hybridpar.parallel import parallelize
+
+    parallelize(TVAlexNet(), ParallelPlan(1, 4, input_shape=(1, 8, 8)))
+
+
+def _trainer_with_optimizer():
+    from hybridpar import HybridTrainer
+
+    m = TVAlexNet()
+    HybridTrainer(m, ParallelPlan(1, 4), torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("name, call, error, needle", API_CASES, ids=[c[0] for c in API_CASES])
+def test_python_api_mistakes_raise_clear_errors(name, call, error, needle):
+    with pytest.raises(error, match=needle):
+        call()
+
+
+def _misuses():
+    """Mistakes with a parallelized model, each one line, none a hang or a C++ abort."""
+    from hybridpar.parallel import parallelize
+
+    P = dist.get_world_size()
+    plan = ParallelPlan(P, 12, {"classifier.*": Style.model(P, 1)}, input_shape=(1, 8, 8))
+    hp = parallelize(TVAlexNet(), plan)
+    x, _ = batches()[0]
+    caught = {}
+    for name, step in (("no set_batch", lambda: hp(x)),
+                       ("set_batch(0)", lambda: hp.set_batch(0)),
+                       ("wrong rows", lambda: (hp.set_batch(12), hp(x[:5]))),
+                       ("no finish_backward", lambda: (hp.set_batch(12), hp(x[hp.input_rows(12)]).sum().backward(),
+                                                       hp(x[hp.input_rows(12)])))):  # fmt: skip
+        try:
+            step()
+        except (RuntimeError, ValueError) as exc:
+            caught[name] = str(exc)
+    hp.finish_backward()  # leaves the ranks in step
+    try:
+        parallelize(TVAlexNet(), ParallelPlan(P + 1, 12, input_shape=(1, 8, 8)))
+    except ConfigError as exc:
+        caught["plan of another P"] = str(exc)
+    return caught
+
+
+def test_misuse_of_a_parallelized_model():
+    caught = run_ranks(_misuses, 2)[0]
+    assert "call set_batch(n)" in caught["no set_batch"]
+    assert "positive int" in caught["set_batch(0)"]
+    assert "this rank feeds 6 of the 12 examples" in caught["wrong rows"]
+    assert "call finish_backward()" in caught["no finish_backward"]
+    assert "the plan is for P=3" in caught["plan of another P"]
+
+
+def _unpicklable():
+    return lambda: None
+
+
+def test_a_result_that_cannot_be_sent_back_is_named():
+    with pytest.raises(RankFailure, match="cannot be sent back"):
+        from hybridpar.train.launch import launch
+
+        launch(_unpicklable, 2, backend="gloo", timeout_s=30)
