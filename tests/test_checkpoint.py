@@ -106,39 +106,28 @@ def test_resume_onto_another_grid_and_p(tmp_path, uninterrupted):
 
 
 def test_a_checkpoint_dir_is_continued_only_on_purpose(tmp_path):
+    """Checked before spawning, from the checkpoint's metadata: a folder with checkpoints is only
+    written into with --resume auto, and a resume needs the same model, data, batch and seed."""
+    from hybridpar.errors import ConfigError
+    from hybridpar.train.config import TrainConfig
+    from hybridpar.train.run import prepare
+
     ck = tmp_path / "ck"
-    train(
-        "--nproc",
-        "2",
-        "--preset",
-        "owt",
-        "--epochs",
-        "1",
-        "--max-steps",
-        "2",
-        "--checkpoint-dir",
-        str(ck),
-    )
-    again = train(
-        "--nproc", "2", "--preset", "owt", "--epochs", "1", "--checkpoint-dir", str(ck), check=False
-    )
-    assert again.returncode == 2 and "already holds checkpoints" in again.stderr
-    other = train(
-        "--nproc",
-        "2",
-        "--preset",
-        "owt",
-        "--batch",
-        "32",
-        "--epochs",
-        "2",
-        "--checkpoint-dir",
-        str(ck),
-        "--resume",
-        "auto",
-        check=False,
-    )
-    assert other.returncode == 2 and "is for batch 48, this run has 32" in other.stderr
+    (ck / "step-00000002").mkdir(parents=True)
+    config = {"model": "digits-cnn", "data": "digits", "batch": 48, "seed": 0}
+    meta = {
+        "format": "hybridpar-checkpoint/1",
+        "config": config,
+        "plan": {"input_shape": [1, 8, 8]},
+    }
+    (ck / "step-00000002" / "hybridpar.json").write_text(json.dumps(meta))
+    (ck / "latest").write_text("step-00000002")
+    base = TrainConfig(model="digits-cnn", nproc=2, preset="owt", batch=48, checkpoint_dir=str(ck))
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        prepare(base)
+    assert prepare(base.with_(resume="auto")).resume == ck / "step-00000002"
+    with pytest.raises(ConfigError, match="is for batch 48, this run has 32"):
+        prepare(base.with_(resume="auto", batch=32))
 
 
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
