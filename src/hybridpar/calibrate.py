@@ -21,13 +21,13 @@ __all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta"]
 SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes
 
 
-def _time_allreduce(sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
+def _time_allreduce(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict[int, float]:
     import torch
     import torch.distributed as dist
 
     out = {}
     for n in sizes:
-        t = torch.ones(n // 4)
+        t = torch.ones(n // 4, device=device)
         dist.all_reduce(t)  # warm up the connection for this size
         ts = []
         for _ in range(repeats):
@@ -113,12 +113,12 @@ def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict
     return {**data, "measured_s": {str(k): v for k, v in times.items()}, "path": str(path)}
 
 
-def calibrate_in_job(repeats: int = 5) -> None:
+def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
     """Calibrate on the ranks of a running job (every rank calls it): they all take part in the
     all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
     import torch.distributed as dist
 
-    times = _time_allreduce(SIZES, repeats)
+    times = _time_allreduce(SIZES, repeats, device)
     if dist.get_rank() == 0:
         _save(_fitted(times, dist.get_world_size()))
     dist.barrier()

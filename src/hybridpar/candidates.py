@@ -144,6 +144,7 @@ class PlanResult:
     compress: tuple[str, ...] = ()
     bn: str = "local"
     input_shape: tuple[int, ...] | None = None
+    amp: str = "none"
 
     @property
     def best(self) -> Plan:
@@ -199,6 +200,7 @@ class PlanResult:
             codec=self.codec or "none",
             compress=self.compress,
             bn=self.bn,
+            amp=self.amp,
             reducer=reducer,
             engine=engine,
         )
@@ -215,6 +217,7 @@ def export(
     codec: str = "none",
     compress: tuple[str, ...] = (),
     bn: str = "local",
+    amp: str = "none",
     reducer: str = "process-group",
     engine: str = "hybridpar",
 ) -> ParallelPlan:
@@ -242,6 +245,7 @@ def export(
         compress=tuple(compress) if codec != "none" else (),
         reducer=reducer,  # type: ignore[arg-type]
         bn=bn,  # type: ignore[arg-type]
+        amp=amp,  # type: ignore[arg-type]
         redistributions=redistributions,
         predicted=[
             Prediction(x.layer.name, str(k), c.bytes, c.seconds)

@@ -156,6 +156,7 @@ class PlanConfig:
     reducer: Reducer = meta(
         "process-group", "how the plan's gradients are summed (recorded in --out's plan)"
     )
+    amp: Literal["none", "bf16"] = meta("none", "bf16 autocast: activations travel as bf16")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -178,4 +179,5 @@ class PlanConfig:
             codec=self.codec,
             compress=parse_compress(self.compress),
             bn=self.bn,
+            amp=self.amp,
         )

@@ -199,6 +199,10 @@ class ParallelPlan:
     """traffic the codec applies to: grads and/or activations"""
     reducer: Literal["process-group", "host"] = "process-group"
     bn: Literal["local", "global", "adaptive"] = "global"
+    device: Literal["cpu", "cuda"] = "cpu"
+    """where the ranks compute (the runtime records what it ran on)"""
+    amp: Literal["none", "bf16"] = "none"
+    """bf16 autocast: activations and their gradients travel as bf16 (2 bytes an element)"""
     redistributions: list[Redistribution] = field(default_factory=list)
     predicted: list[Prediction] = field(default_factory=list)
     cluster: str = ""
@@ -228,6 +232,10 @@ class ParallelPlan:
             raise ConfigError(
                 f"plan: reducer must be one of {', '.join(REDUCERS)}, got {self.reducer!r}"
             )
+        if self.amp not in ("none", "bf16"):
+            raise ConfigError(f"plan: amp must be none or bf16, got {self.amp!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"plan: device must be cpu or cuda, got {self.device!r}")
         if self.bn not in BN_MODES:
             raise ConfigError(f"plan: bn must be one of {', '.join(BN_MODES)}, got {self.bn!r}")
         for pattern, s in self.styles.items():
@@ -270,6 +278,8 @@ class ParallelPlan:
             "compress": list(self.compress),
             "reducer": self.reducer,
             "bn": self.bn,
+            "device": self.device,
+            "amp": self.amp,
             "redistributions": [r.to_dict() for r in self.redistributions],
             "cluster": self.cluster,
             "totals": self.totals,
@@ -316,6 +326,8 @@ class ParallelPlan:
                 compress=tuple(d.get("compress", ())),
                 reducer=d.get("reducer", "process-group"),
                 bn=d.get("bn", "global"),
+                device=d.get("device", "cpu"),
+                amp=d.get("amp", "none"),
                 redistributions=[_redistribution(r, procs) for r in d.get("redistributions", [])],
                 predicted=[_prediction(p) for p in d.get("predicted", [])],
                 cluster=str(d.get("cluster", "")),

@@ -313,6 +313,7 @@ def plan(
     bn: str = "local",
     domain: bool = True,
     input_shape: tuple[int, ...] | None = None,
+    amp: str = "none",
 ) -> PlanResult:
     """Evaluate `scenarios` for `layers` on P processes with global batch B. With bn global (or
     adaptive) the batch norms' all-reduces are priced too; with domain False, domain styles (not
@@ -325,7 +326,7 @@ def plan(
         B,
         cluster,
         compute or FlopsModel(cluster.flops),
-        wire(base, codec, compress),
+        wire(base, codec, compress, amp),
         overlap,
         bn,
     )
@@ -343,6 +344,7 @@ def plan(
         tuple(sorted(compress)),
         bn,
         input_shape,
+        amp,
     )
 
 
@@ -378,14 +380,18 @@ def plan_for(
     return plan(layers, P, B, cluster, model=name, input_shape=tuple(input_shape), **kwargs)  # type: ignore[arg-type]
 
 
-def wire(elem_bytes: float, codec: str | None, compress=COMPRESSIBLE) -> float | Wire:
-    """Bytes per element by kind of traffic: `elem_bytes` everywhere, or the codec's payload size
-    for the traffic in `compress` (grads and/or activations)."""
+def wire(
+    elem_bytes: float, codec: str | None, compress=COMPRESSIBLE, amp: str = "none"
+) -> float | Wire:
+    """Bytes per element by kind of traffic: `elem_bytes` everywhere; the codec's payload size for
+    the traffic in `compress` (grads and/or activations); bf16 activations (2 bytes) under
+    `amp` bf16 autocast, where no codec encodes them."""
+    acts_amp = 2 if amp == "bf16" else elem_bytes
     if codec is None or codec == "none":
-        return elem_bytes
+        return elem_bytes if acts_amp == elem_bytes else Wire(elem_bytes, acts_amp)
     b = payload_bytes(codec)
     g, a = "grads" in compress, "activations" in compress
-    return Wire(b if g else elem_bytes, b if a else elem_bytes, g, a)
+    return Wire(b if g else elem_bytes, b if a else acts_amp, g, a)
 
 
 def evaluate(
@@ -400,8 +406,9 @@ def evaluate(
     codec: str | None = None,
     compress=COMPRESSIBLE,
     bn: str = "local",
+    amp: str = "none",
 ) -> Plan:
     """The predicted cost of one given chain of styles (what the runtime is about to execute)."""
-    e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, codec, compress)
+    e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, codec, compress, amp)
     ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.flops), e, False, bn)
     return ctx.evaluate(name, None, styles)

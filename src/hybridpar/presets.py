@@ -57,6 +57,7 @@ def plan_preset(
     compress: tuple[str, ...] = (),
     bn: str = "local",
     reducer: str = "process-group",
+    amp: str = "none",
 ) -> ParallelPlan:
     """The ParallelPlan a preset names, built by the planner (so presets and plans share one code
     path); only what the runtime executes is considered (no domain styles)."""
@@ -74,6 +75,7 @@ def plan_preset(
         bn=bn,
         domain=False,
         input_shape=input_shape,
+        amp=amp,
     )
     if grid is None:
         chosen = r.best

@@ -155,9 +155,13 @@ class GlobalBatchNorm(_BatchNorm):
         if not (batch_stats and self.training and group_size(group) > 1 and self.use_global()):
             return self._local(x)
         factor = self._momentum_factor()
-        y, mean, var = _GlobalBatchNormFn.apply(
-            x, self.weight, self.bias, self.eps, group, self.ledger, self.layer
-        )
+        if torch.is_autocast_enabled(x.device.type):
+            # autocast runs batch norm in float32 (torch's policy for F.batch_norm): the same here
+            x = x.float()
+        with torch.autocast(x.device.type, enabled=False):
+            y, mean, var = _GlobalBatchNormFn.apply(
+                x, self.weight, self.bias, self.eps, group, self.ledger, self.layer
+            )
         if self.track_running_stats and self.running_mean is not None:
             with torch.no_grad():
                 self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
@@ -222,6 +226,7 @@ class BNSwitch:
     rule: LossPlateau | None = field(default_factory=LossPlateau)
     group: dist.ProcessGroup | None = None
     ledger: Ledger | None = None
+    device: str = "cpu"  # where the agreed window sums are reduced (cuda under NCCL)
     mode: str = "global"
     switched_at: int | None = None
     reason: str = ""
@@ -244,11 +249,11 @@ class BNSwitch:
         self._acc = [self._acc[0] + float(loss_sum), self._acc[1] + float(count), self._acc[2] + 1]
         if self._acc[2] < self.rule.window:
             return
-        t = torch.tensor(self._acc[:2], dtype=torch.float64)
+        t = torch.tensor(self._acc[:2], dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized():
             all_reduce(t, self.group or dist.group.WORLD, self.ledger, Term.BN_SWITCH)
         self._acc = [0.0, 0.0, 0.0]
-        self.window_means.append(float(t[0] / max(float(t[1]), 1.0)))
+        self.window_means.append(float(t[0]) / max(float(t[1]), 1.0))
         if self.rule.converged(self.window_means):
             prev, cur = self.window_means[-2:]
             self._switch(

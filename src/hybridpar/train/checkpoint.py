@@ -110,7 +110,7 @@ def _global_sums(trainer, position: Position) -> tuple[list[float], dict | None]
 
     switch = trainer.bn_switch.state() if trainer.bn_switch else None
     acc = switch["acc"][:2] if switch else [0.0, 0.0]
-    t = torch.tensor([*position.sums, *acc], dtype=torch.float64)
+    t = torch.tensor([*position.sums, *acc], dtype=torch.float64, device=trainer.device)
     all_reduce(t, dist.group.WORLD, None, Term.STATE)
     values = t.tolist()
     if switch:

@@ -66,6 +66,14 @@ class TrainConfig:
         "a checkpoint (or a --checkpoint-dir) to go on from, on this or another plan and P; "
         "auto: --checkpoint-dir's latest if there is one (what a torchrun restart wants)",
     )
+    device: Literal["auto", "cpu", "cuda"] = meta(
+        "auto",
+        "where each rank computes: cuda (one GPU per rank, NCCL), cpu (gloo), or auto "
+        "(cuda where there is a GPU for every local rank)",
+    )
+    amp: Literal["none", "bf16"] = meta(
+        "none", "mixed precision: bf16 autocast of the forward pass"
+    )
     allow_nonfinite: bool = meta(False, "go on when the loss is NaN or infinite")
     quiet: bool = meta(False, "no live lines on stdout (the log next to --report still has them)")
     timeout_s: float = meta(

@@ -42,6 +42,11 @@ class Dataset:
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
 
+    def to(self, device: torch.device | str) -> Dataset:
+        """The examples on `device` (the data sets here are small: one copy, not one per batch)."""
+        move = {k: getattr(self, k).to(device) for k in ("x_train", "y_train", "x_test", "y_test")}
+        return Dataset(**move, num_classes=self.num_classes, name=self.name)
+
 
 def _split(x: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[np.ndarray, ...]:
     order = np.random.default_rng(seed).permutation(len(x))

@@ -1,7 +1,7 @@
 """Run a function on N ranks: spawned local processes, or the ranks torchrun started.
 
-`launch(fn, nprocs, *args)` spawns nprocs processes (gloo on CPU; NCCL with one GPU per process
-when CUDA is present), initialises torch.distributed in each with a collective timeout, runs
+`launch(fn, nprocs, *args, backend=...)` spawns nprocs processes (gloo by default; NCCL with one
+GPU per process for a CUDA run), initialises torch.distributed in each with a collective timeout, runs
 fn(*args) and returns every rank's result in rank order. It watches the ranks: when one dies (a
 signal, a non-zero exit) or raises, the others are stopped and a RankFailure names it; a rank
 that hangs makes the others time out in their next collective, and the still-running one is named
@@ -56,17 +56,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _backend() -> str:
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init_distributed(timeout_s: float, backend: str | None = None) -> None:
     import torch
     import torch.distributed as dist
 
-    backend = backend or _backend()
+    backend = backend or "gloo"  # NCCL when the caller places the ranks on GPUs
     os.environ["HYBRIDPAR_TIMEOUT_S"] = str(timeout_s)  # sub-groups (ProcessGrid) use it too
     if backend == "nccl":
         torch.cuda.set_device(

@@ -56,11 +56,13 @@ class Trainer:
     ) -> None:
         self.cfg, self.plan, self.ledger = cfg, plan, ledger or Ledger()
         self.P, self.rank = dist.get_world_size(), dist.get_rank()
+        self.device = next(model.parameters()).device
         self.bn_switch = None
         if plan.bn == "adaptive":
             self.bn_switch = BNSwitch(
                 cfg.bn_max_batch, LossPlateau(cfg.bn_window, cfg.bn_threshold), ledger=self.ledger
             )
+            self.bn_switch.device = self.device.type
             self.bn_switch.start(-(-plan.batch // self.P))  # the nominal per-rank batch
         if plan.engine == "ddp":
             self.net: nn.Module = self._ddp(model, input_shape)
@@ -73,6 +75,7 @@ class Trainer:
                 bucket_bytes=int(cfg.bucket_mb * 2**20),
                 seed=cfg.seed,
                 bn_switch=self.bn_switch,
+                device=self.device.type,
                 codec_block=cfg.codec_block or None,
                 error_feedback=cfg.error_feedback,
             )
@@ -119,6 +122,13 @@ class Trainer:
             net.register_comm_hook(state, compressed_hook if compressed else allreduce_hook)
             self.reducer_state = state
         return net
+
+    def autocast(self):
+        """bf16 autocast of the forward pass and the loss with --amp bf16 (weights, gradients and
+        the optimizer stay float32)."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.cfg.amp == "bf16"
+        )
 
     def _reducer_states(self) -> dict[int, ReducerState]:
         """Gradient bucket index -> the reducer state that holds its error-feedback residuals."""
@@ -180,9 +190,10 @@ class Trainer:
         if self.hybrid is not None:
             self.hybrid.set_batch(n)
         faults.at("forward")
-        out = self.net(x[rows_in])
-        target = y[rows_out]
-        loss_sum = F.cross_entropy(out, target, reduction="sum")
+        with self.autocast():
+            out = self.net(x[rows_in])
+            target = y[rows_out]
+            loss_sum = F.cross_entropy(out, target, reduction="sum")
         value = float(loss_sum.detach())
         if not math.isfinite(value) and not self.cfg.allow_nonfinite:
             raise FloatingPointError(
@@ -221,7 +232,8 @@ class Trainer:
             rows_in, rows_out = self.rows(len(xb))
             if self.hybrid is not None:
                 self.hybrid.set_batch(len(xb))
-            out = self.net(xb[rows_in])
+            with self.autocast():
+                out = self.net(xb[rows_in])
             if self.counts_outputs:
                 correct += int((out.argmax(1) == yb[rows_out]).sum())
                 total += len(yb[rows_out])
@@ -257,17 +269,16 @@ def agreed_plan(job: Job) -> ParallelPlan:
                 "`hybridpar calibrate` redoes it) ...",
                 flush=True,
             )
-        calibrate_in_job()
+        calibrate_in_job(device=cfg.device)
     answer: object = None
     if rank == 0:
         try:
             layers = model_layers(
                 meta_model(cfg.model, job.input_shape, job.num_classes), job.input_shape
             )
-            plan = build_plan(
-                cfg, job.procs, layers, job.input_shape, pricing_cluster(cfg.cluster, True)
-            )
-            answer = ("plan", plan.to_json())
+            cluster = pricing_cluster(cfg.cluster, True)
+            plan = build_plan(cfg, job.procs, layers, job.input_shape, cluster)
+            answer = ("plan", plan.with_choices(device=cfg.device).to_json())
         except ConfigError as exc:
             answer = ("error", str(exc))
     kind, text = _broadcast(answer)
@@ -276,8 +287,8 @@ def agreed_plan(job: Job) -> ParallelPlan:
     return ParallelPlan.from_dict(json.loads(text))
 
 
-def _sum_over_world(values: list[float], ledger: Ledger) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def _sum_over_world(values: list[float], ledger: Ledger, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     all_reduce(t, dist.group.WORLD, ledger, Term.METRICS)
     return t.tolist()
 
@@ -313,8 +324,11 @@ class Progress:
                 f.write(json.dumps(strict(record), allow_nan=False) + "\n")
 
     def epoch(self, e: dict) -> None:
-        self.write({"event": "epoch", **e}, f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  "
-                   f"train {e['train_acc']:.4f}  test {e['test_acc']:.4f}  {e['time_s']:.2f} s")  # fmt: skip
+        self.write(
+            {"event": "epoch", **e},
+            f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  "
+            f"train {e['train_acc']:.4f}  test {e['test_acc']:.4f}  {e['time_s']:.2f} s",
+        )
 
 
 def strict(x):
@@ -328,8 +342,9 @@ def strict(x):
     return x
 
 
-def fit(trainer: Trainer, data: Dataset, cfg: TrainConfig, pos: Position,
-        log: Progress | None) -> tuple[list[dict], dict, set[int]]:  # fmt: skip
+def fit(
+    trainer: Trainer, data: Dataset, cfg: TrainConfig, pos: Position, log: Progress | None
+) -> tuple[list[dict], dict, set[int]]:
     """Train from `pos` to cfg.epochs, checkpointing every cfg.checkpoint_every steps; returns
     (epoch records, per-step timings, the steps with a full batch)."""
     from tqdm import tqdm
@@ -338,9 +353,14 @@ def fit(trainer: Trainer, data: Dataset, cfg: TrainConfig, pos: Position,
     per_epoch = len(epoch_steps(n, cfg.batch, 0, cfg.seed))
     per_epoch = min(per_epoch, cfg.max_steps) if cfg.max_steps else per_epoch
     total = cfg.epochs * per_epoch
-    bar = tqdm(total=total, initial=pos.epoch * per_epoch + pos.index, unit="step", leave=False,
-               desc=f"train {cfg.model} P={trainer.P} {trainer.plan.scenario}",
-               disable=log is None or not cfg.progress or not sys.stderr.isatty())  # fmt: skip
+    bar = tqdm(
+        total=total,
+        initial=pos.epoch * per_epoch + pos.index,
+        unit="step",
+        leave=False,
+        desc=f"train {cfg.model} P={trainer.P} {trainer.plan.scenario}",
+        disable=log is None or not cfg.progress or not sys.stderr.isatty(),
+    )
     epochs, times = list(pos.history), {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
     for epoch in range(pos.epoch, cfg.epochs):
@@ -367,9 +387,18 @@ def fit(trainer: Trainer, data: Dataset, cfg: TrainConfig, pos: Position,
                 where = Position(epoch, i + 1, trainer.step_no, sums, epochs)
                 checkpoint.save(trainer, cfg.checkpoint_dir, where, cfg.checkpoint_keep)
         test = trainer.evaluate(data.x_test, data.y_test, cfg.batch)
-        loss, correct, count, tc, tt = _sum_over_world([*sums, *test], trainer.ledger)
-        epochs.append({"epoch": epoch + 1, "loss": loss / count, "train_acc": correct / count,
-                       "test_acc": tc / tt, "time_s": time.perf_counter() - t0})  # fmt: skip
+        loss, correct, count, tc, tt = _sum_over_world(
+            [*sums, *test], trainer.ledger, trainer.device
+        )
+        epochs.append(
+            {
+                "epoch": epoch + 1,
+                "loss": loss / count,
+                "train_acc": correct / count,
+                "test_acc": tc / tt,
+                "time_s": time.perf_counter() - t0,
+            }
+        )
         if log is not None:
             log.epoch(epochs[-1])
         bar.set_postfix(loss=f"{epochs[-1]['loss']:.3f}", test=f"{epochs[-1]['test_acc']:.3f}")
@@ -388,10 +417,19 @@ def train_worker(job: Job) -> dict | None:
     plan = agreed_plan(job)
     log = Progress(cfg, plan) if rank == 0 else None
     torch.manual_seed(cfg.seed)
-    data = load_data(cfg.data, job.input_shape, job.num_classes, seed=cfg.seed)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if cfg.device == "cuda"
+        else torch.device("cpu")
+    )
+    data = load_data(cfg.data, job.input_shape, job.num_classes, seed=cfg.seed).to(device)
     shape = job.input_shape
-    model = build_model(cfg.model, input_size=shape[-1] if len(shape) == 3 else None,
-                        num_classes=job.num_classes, in_channels=shape[0])  # fmt: skip
+    model = build_model(
+        cfg.model,
+        input_size=shape[-1] if len(shape) == 3 else None,
+        num_classes=job.num_classes,
+        in_channels=shape[0],
+    ).to(device)
     trainer = Trainer(cfg, model, plan, input_shape=shape)
     pos = checkpoint.load(trainer, job.resume) if job.resume else Position()
     if log is not None and job.resume:
@@ -400,8 +438,10 @@ def train_worker(job: Job) -> dict | None:
             if trainer.resharded
             else "bit-exact"
         )
-        log.write({"event": "resume", "from": str(job.resume), "step": pos.step},
-                  f"resumed from {job.resume} at step {pos.step}, {how}")  # fmt: skip
+        log.write(
+            {"event": "resume", "from": str(job.resume), "step": pos.step},
+            f"resumed from {job.resume} at step {pos.step}, {how}",
+        )
     epochs, times, full_steps = fit(trainer, data, cfg, pos, log)
     weights = trainer.full_state_dict()  # collective: every rank
     if cfg.checkpoint_dir:

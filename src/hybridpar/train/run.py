@@ -71,7 +71,26 @@ def prepare(cfg: TrainConfig) -> Job:
         resolve(model, plan, shape, P, traced)
     if resume is not None:
         _check_resume(resume, cfg, shape, classes)
-    return Job(cfg, P, shape, classes, plan, resume)
+    device = _device(cfg, P)
+    if plan is not None:
+        plan = plan.with_choices(device=device)
+    return Job(cfg.with_(device=device), P, shape, classes, plan, resume)
+
+
+def _device(cfg: TrainConfig, P: int) -> str:
+    """cpu or cuda. CUDA runs one rank per GPU (NCCL refuses two ranks on one device)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", P)) if under_torchrun() else P
+    if cfg.device == "auto":
+        return "cuda" if gpus >= local else "cpu"
+    if cfg.device == "cuda" and gpus < local:
+        raise ConfigError(
+            f"--device cuda runs one rank per GPU: {local} local ranks but {gpus} GPUs here; "
+            "use fewer ranks or --device cpu"
+        )
+    return cfg.device
 
 
 def _resume(cfg: TrainConfig) -> Path | None:
@@ -156,7 +175,7 @@ def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
                 f"the plan is for --{name} {value}, got {given}; drop --{name} or re-plan"
             )
     defaults = TrainConfig()
-    for name in ("codec", "reducer", "bn"):
+    for name in ("codec", "reducer", "bn", "amp"):
         given, wanted = getattr(cfg, name), getattr(plan, name)
         if given != getattr(defaults, name) and given != wanted:
             raise ConfigError(
@@ -174,6 +193,7 @@ def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
         codec=plan.codec,
         reducer=plan.reducer,
         bn=plan.bn,
+        amp=plan.amp,
     )
 
 
@@ -220,6 +240,7 @@ def build_plan(cfg: TrainConfig, P: int, layers, shape: tuple[int, ...], cluster
         compress=tuple(sorted(parse_compress(cfg.compress))),
         bn=cfg.bn,
         reducer=cfg.reducer,
+        amp=cfg.amp,
     )
 
 
@@ -238,7 +259,7 @@ def _checked_file_plan(plan: ParallelPlan, cfg: TrainConfig, model, layers, shap
     styles = assign_styles(plan.styles, [n for n, _ in model.named_modules()], names, plan.procs)
     cluster = pricing_cluster(cfg.cluster, required=False)
     chosen = [styles[n] for n in names]
-    choices = dict(codec=plan.codec, compress=frozenset(plan.compress), bn=plan.bn)
+    choices = dict(codec=plan.codec, compress=frozenset(plan.compress), bn=plan.bn, amp=plan.amp)
     priced = evaluate(layers, plan.procs, plan.batch, cluster, chosen, **choices)
     if not priced.feasible:
         raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")
@@ -251,6 +272,7 @@ def _checked_file_plan(plan: ParallelPlan, cfg: TrainConfig, model, layers, shap
         codec=plan.codec,
         compress=plan.compress,
         bn=plan.bn,
+        amp=plan.amp,
         reducer=plan.reducer,
         engine=plan.engine,
         cluster=cluster.name,
@@ -274,4 +296,5 @@ def run(cfg: TrainConfig) -> dict | None:
     from hybridpar.train.loop import train_worker
 
     job = prepare(cfg)
-    return launch(train_worker, job.procs, job, timeout_s=job.cfg.timeout_s)[0]
+    backend = "nccl" if job.cfg.device == "cuda" else "gloo"
+    return launch(train_worker, job.procs, job, timeout_s=job.cfg.timeout_s, backend=backend)[0]
