@@ -4,7 +4,10 @@ none is left behind, and what /dev/shm holds."""
 from __future__ import annotations
 
 import os
+import sys
 import time
+
+TRAIN = [sys.executable, "-m", "hybridpar", "train", "--quiet", "--no-progress"]
 
 
 def read(path: str) -> str:

@@ -9,25 +9,11 @@ import sys
 
 import pytest
 import torch
+from procs import TRAIN
 
 from hybridpar.models import build_model
 
-CMD = [
-    sys.executable,
-    "-m",
-    "hybridpar",
-    "train",
-    "--quiet",
-    "--no-progress",
-    "--model",
-    "digits-cnn",
-    "--batch",
-    "48",
-    "--max-steps",
-    "5",
-    "--lr",
-    "0.05",
-]
+CMD = [*TRAIN, *["--model", "digits-cnn", "--batch", "48", "--max-steps", "5", "--lr", "0.05"]]
 
 
 def train(*args, env=None, check=True):
@@ -53,18 +39,9 @@ def uninterrupted(tmp_path_factory):
 
 def test_kill_and_resume_on_the_same_grid_is_bit_exact(tmp_path, uninterrupted):
     ck = tmp_path / "ck"
-    args = [
-        "--nproc",
-        "4",
-        "--preset",
-        "grid:2x2",
-        "--epochs",
-        "2",
-        "--checkpoint-dir",
-        str(ck),
-        "--checkpoint-every",
-        "3",
-    ]
+    args = (
+        f"--nproc 4 --preset grid:2x2 --epochs 2 --checkpoint-dir {ck} --checkpoint-every 3".split()
+    )
     killed = train(*args, env={"HYBRIDPAR_FAULT": "optimizer:rank=2:step=7"}, check=False)
     assert killed.returncode == 1 and "rank 2 was killed by SIGKILL" in killed.stderr, killed.stderr
     assert (ck / "latest").read_text() == "step-00000006"  # the checkpoint before the kill
@@ -76,24 +53,12 @@ def test_kill_and_resume_on_the_same_grid_is_bit_exact(tmp_path, uninterrupted):
 
 
 def test_resume_onto_another_grid_and_p(tmp_path, uninterrupted):
-    """2x2 on 4 ranks for 5 steps, then 3x1 on 3 ranks for 5 more: the split layers' shards are
-    re-split by DCP from chunks of 2 to chunks of 3 / 4)."""
+    """2x2 on 4 ranks for 5 steps, then 3x1 on 3 ranks for 5 more: DCP re-splits the split
+    layers' shards (halves of the model group of 2 become thirds of the model group of 3)."""
     ck = tmp_path / "ck"
-    train("--nproc", "4", "--preset", "grid:2x2", "--epochs", "1", "--checkpoint-dir", str(ck))
-    train(
-        "--nproc",
-        "3",
-        "--preset",
-        "grid:3x1",
-        "--epochs",
-        "2",
-        "--checkpoint-dir",
-        str(ck),
-        "--resume",
-        "auto",
-        "--report",
-        str(tmp_path / "r.json"),
-    )
+    train(*f"--nproc 4 --preset grid:2x2 --epochs 1 --checkpoint-dir {ck}".split())
+    more = f"--nproc 3 --preset grid:3x1 --epochs 2 --checkpoint-dir {ck} --resume auto"
+    train(*more.split(), "--report", str(tmp_path / "r.json"))
     log = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [e["event"] for e in log] == ["plan", "resume", "epoch"]  # epoch 1 was the first run's
     report = json.loads((tmp_path / "r.json").read_text())
@@ -133,42 +98,26 @@ def test_a_checkpoint_dir_is_continued_only_on_purpose(tmp_path):
 def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
     """torchrun --max-restarts 1: rank 1 is killed at step 7, torchrun restarts both ranks, they
     go on from the checkpoint of step 6 (--resume auto) and end with the uninterrupted run's
-    parameters, bit for bit. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see docs/runtime.md."""
+    parameters, bit for bit. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: see docs/checkpoints.md."""
     ref, ck = tmp_path / "ref.pt", tmp_path / "ck"
     train("--nproc", "2", "--preset", "grid:2x1", "--epochs", "2", "--save", str(ref))
-    elastic = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
+    torchrun = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1"
+    args = f"--preset grid:2x1 --epochs 2 --checkpoint-dir {ck} --checkpoint-every 3 --resume auto"
+    cmd = [
+        *torchrun.split(),
         "-m",
         "hybridpar",
         *CMD[3:],
+        *args.split(),
+        "--report",
+        str(tmp_path / "r.json"),
     ]
     env = {
         **os.environ,
         "HYBRIDPAR_FAULT": "optimizer:rank=1:step=7",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     }
-    args = [
-        "--preset",
-        "grid:2x1",
-        "--epochs",
-        "2",
-        "--checkpoint-dir",
-        str(ck),
-        "--checkpoint-every",
-        "3",
-        "--resume",
-        "auto",
-        "--report",
-        str(tmp_path / "r.json"),
-    ]
-    r = subprocess.run(elastic + args, capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     log = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert {"event": "resume", "from": str(ck / "step-00000006"), "step": 6} in log  # the restart

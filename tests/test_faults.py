@@ -7,37 +7,16 @@ Ranks are killed by hybridpar's fault injection (HYBRIDPAR_FAULT, hybridpar/faul
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from procs import assert_all_gone, ranks_of, shm, wait_for_ranks
+from procs import TRAIN, assert_all_gone, ranks_of, shm, wait_for_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 TIMEOUT = 20
-BASE = [
-    sys.executable,
-    "-m",
-    "hybridpar",
-    "train",
-    "--quiet",
-    "--no-progress",
-    "--model",
-    "digits-cnn",
-    "--nproc",
-    "2",
-    "--batch",
-    "48",
-    "--epochs",
-    "100",
-    "--max-steps",
-    "5",
-    "--timeout",
-    str(TIMEOUT),
-    "--checkpoint-every",
-    "3",
-]
+BASE = [*TRAIN, *f"--model digits-cnn --nproc 2 --batch 48 --epochs 100 --max-steps 5 --timeout {TIMEOUT}".split(),
+        "--checkpoint-every", "3"]  # fmt: skip
 
 
 def start(tmp_path, preset="grid:2x1", fault=None, extra=()):
