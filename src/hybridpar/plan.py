@@ -246,10 +246,6 @@ class ParallelPlan:
 
     # --- what the runtime and the report ask ---------------------------------------------------
 
-    def grids(self) -> list[tuple[int, int]]:
-        """The distinct (Pr, Pc) grids the styles use, Pr ascending."""
-        return sorted({(s.pr, s.pc) for s in self.styles.values()} | {(1, self.procs)})
-
     def predicted_bytes(self, by_layer: bool = False) -> dict:
         """Bytes per rank per iteration by term, or by (layer, term)."""
         out: dict = {}
