@@ -108,27 +108,9 @@ def test_plan_file_round_trip_measures_what_it_predicts(tmp_path):
     measured bytes equal the plan's predicted bytes per (layer, term), exactly (invariant 2)."""
     env = _localhost(tmp_path / "cache")
     plan_file, report = tmp_path / "p.json", tmp_path / "r.json"
+    planning = "--model alexnet-owt --input-size 64 --procs 4 --batch 32 --cluster localhost --scenario per-layer"
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hybridpar",
-            "plan",
-            "--model",
-            "alexnet-owt",
-            "--input-size",
-            "64",
-            "--procs",
-            "4",
-            "--batch",
-            "32",
-            "--cluster",
-            "localhost",
-            "--scenario",
-            "per-layer",
-            "--out",
-            str(plan_file),
-        ],
+        [sys.executable, "-m", "hybridpar", "plan", *planning.split(), "--out", str(plan_file)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -139,25 +121,8 @@ def test_plan_file_round_trip_measures_what_it_predicts(tmp_path):
     assert plan["scenario"] == "per-layer" and len(set(plan["styles"].values())) >= 2, plan[
         "styles"
     ]
-    r = subprocess.run(
-        CMD
-        + [
-            "--plan",
-            str(plan_file),
-            "--data",
-            "synthetic:256",
-            "--epochs",
-            "1",
-            "--max-steps",
-            "3",
-            "--report",
-            str(report),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    training = f"--plan {plan_file} --data synthetic:256 --epochs 1 --max-steps 3 --report {report}"
+    r = subprocess.run(CMD + training.split(), capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     d = json.loads(report.read_text())
     assert d["plan"]["styles"] == plan["styles"] and d["procs"] == 4

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from hybridpar import faults
 from hybridpar.comm.codecs import get_codec
-from hybridpar.comm.collectives import all_reduce, even_split
+from hybridpar.comm.collectives import all_reduce
 from hybridpar.comm.hooks import ReducerState, allreduce_hook, compressed_hook, host_hook
 from hybridpar.comm.host import HostReducer, HostState
 from hybridpar.comm.ledger import Ledger
@@ -32,7 +32,7 @@ from hybridpar.plan import ParallelPlan, Term
 from hybridpar.train import checkpoint
 from hybridpar.train.checkpoint import Position
 from hybridpar.train.config import TrainConfig
-from hybridpar.train.data import Dataset, epoch_steps, load_data
+from hybridpar.train.data import Dataset, epoch_steps, load_data, rows_of
 from hybridpar.train.optim import KrizhevskySGD, lr_factor
 from hybridpar.train.run import Job
 
@@ -165,8 +165,7 @@ class Trainer:
         """(rows this rank feeds in, rows its outputs belong to) of a global batch of n."""
         if self.hybrid is not None:
             return self.hybrid.input_rows(n), self.hybrid.output_rows(n)
-        sizes = even_split(n, self.P)
-        mine = slice(sum(sizes[: self.rank]), sum(sizes[: self.rank + 1]))
+        mine = rows_of(n, self.P, self.rank)
         return mine, mine
 
     @property
