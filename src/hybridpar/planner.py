@@ -18,9 +18,11 @@ needs Pr <= the layer's output channels/features (uneven shards are allowed); a 
 Pr <= the output height. Layers of one segment (no point between them where the runtime can change
 the layout, e.g. the two convolutions of a residual block: hybridpar.analysis) take one style; the
 redistribution into a segment moves the activation at its entry. The per-layer search minimises
-communication time by dynamic programming over layers (state: the style of the previous layer;
-inside a segment the only transition is to the same style); with a memory limit it adds lambda *
-bytes to the objective and raises lambda until the plan fits (Lagrangian relaxation).
+the exposed communication time by dynamic programming over layers (state: the style of the previous
+layer; inside a segment the only transition is to the same style; with overlap a Pareto front per
+state, see `_Context.chain`), so it is never worse than a fixed scenario it contains; with a memory
+limit it adds lambda * bytes to the objective and raises lambda until the plan fits (Lagrangian
+relaxation).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from hybridpar.candidates import NOT_EXECUTABLE, LayerPlan, Plan, PlanResult, export
+from hybridpar.candidates import NOT_EXECUTABLE, OVERLAPPABLE, LayerPlan, Plan, PlanResult, export
 from hybridpar.cluster import Cluster
 from hybridpar.cost.collectives import Comm
 from hybridpar.cost.compute import ComputeModel, FlopsModel
@@ -121,12 +123,16 @@ class _Context:
     def terms(self, i: int, s: Style) -> dict[str, Comm]:
         return layer_comms(self.layers[i], i == 0, s, self.B, self.net, self.e, self.bn)
 
-    def own(self, i: int, s: Style) -> tuple[float, float]:
-        """(communication seconds, memory bytes) of layer i under s, redistribution left out."""
+    def own(self, i: int, s: Style) -> tuple[float, float, float]:
+        """(exposed seconds, hideable seconds, memory bytes) of layer i under s, redistribution left
+        out. Without overlap nothing is hideable; with it the OVERLAPPABLE terms are."""
         key = (i, s)
         if key not in self._own:
-            comm = math.fsum(c.seconds for c in self.terms(i, s).values())
-            self._own[key] = (comm, self.memory(i, s))
+            terms = self.terms(i, s)
+            hide = math.fsum(c.seconds for k, c in terms.items() if k in OVERLAPPABLE)
+            hide = hide if self.overlap else 0.0
+            comm = math.fsum(c.seconds for c in terms.values())
+            self._own[key] = (comm - hide, hide, self.memory(i, s))
         return self._own[key]
 
     def layer_plan(self, i: int, s: Style, prev: Style | None) -> LayerPlan | str:
@@ -160,30 +166,50 @@ class _Context:
         return plan
 
     def chain(self, options: list[list[Style]], lam: float) -> list[Style] | str:
-        """Dynamic programming over layers: the cheapest chain of styles, one per layer, with cost
-        comm + lambda * memory; a string says which layer nothing fits."""
-        best: dict[Style, tuple[float, list[Style]]] = {}
+        """Dynamic programming over layers: the chain of styles, one per layer, with the least
+        exposed communication + lambda * memory; a string says which layer nothing fits.
+
+        With overlap the objective is N + max(0, H - K): N the communication that cannot hide
+        (and lambda * memory), H the weight all-reduces that can hide behind the backward pass,
+        K the backward time (the same for every chain). That is not a sum over layers, so each
+        state keeps the Pareto front of (N, H) pairs instead of one number; an H beyond K is
+        moved into N (it is exposed whatever comes later), which keeps the pruning exact."""
+        K = math.fsum(b for _, b in self.compute) if self.overlap else 0.0
+        State = tuple[float, float, list[Style]]  # (N, H, chain)
+
+        def add(front: list[State], n: float, h: float, chain: list[Style]) -> None:
+            if h > K:
+                n, h = n + (h - K), K
+            for fn, fh, _ in front:
+                if fn <= n and fh <= h:
+                    return
+            front[:] = [f for f in front if not (n <= f[0] and h <= f[1])]
+            front.append((n, h, chain))
+
+        best: dict[Style, list[State]] = {}
         for i, opts in enumerate(options):
-            nxt: dict[Style, tuple[float, list[Style]]] = {}
+            nxt: dict[Style, list[State]] = {}
             for s in opts:
                 if self.why_not(i, s):
                     continue
-                comm, mem = self.own(i, s)
-                own = comm + lam * mem
+                exposed, hide, mem = self.own(i, s)
+                own = exposed + lam * mem
+                front: list[State] = []
                 if i == 0:
-                    nxt[s] = (own, [s])
-                    continue
-                cand = None
-                for p, (c, chain) in best.items():
+                    add(front, own, hide, [s])
+                for p, states in best.items():
                     r = self.transition(i, p, s)
-                    if r is not None and (cand is None or c + r.seconds < cand[0]):
-                        cand = (c + r.seconds, chain)
-                if cand is not None:
-                    nxt[s] = (cand[0] + own, [*cand[1], s])
+                    if r is None:
+                        continue
+                    for n, h, chain in states:
+                        add(front, n + r.seconds + own, h + hide, [*chain, s])
+                if front:
+                    nxt[s] = front
             if not nxt:
                 return f"no style fits layer {self.layers[i].name}"
             best = nxt
-        return min(best.values(), key=lambda v: v[0])[1]
+        finals = [(n + max(0.0, h - K), c) for st in best.values() for n, h, c in st]
+        return min(finals, key=lambda v: v[0])[1]
 
     def search(
         self,
