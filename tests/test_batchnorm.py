@@ -158,7 +158,7 @@ def _adaptive(window, threshold, bz_max, per_rank):
     rank = dist.get_rank()
     ledger = Ledger()
     switch = BNSwitch(bz_max=bz_max, rule=LossPlateau(window, threshold), ledger=ledger)
-    switch.start(per_rank)
+    switch.start(per_rank * dist.get_world_size())  # BZ: the global batch
     torch.manual_seed(0)
     model = convert_global_batchnorm(
         nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)),
@@ -168,7 +168,7 @@ def _adaptive(window, threshold, bz_max, per_rank):
     per_step = []
     for step in range(8):
         g = torch.Generator().manual_seed(step * 10 + rank)
-        x = torch.randn(4, 3, generator=g)
+        x = torch.randn(per_rank, 3, generator=g)
         before = ledger.count("bn_stats")
         loss = model(x).pow(2).sum()
         loss.backward()
@@ -176,21 +176,27 @@ def _adaptive(window, threshold, bz_max, per_rank):
         # a loss, different on each rank, that stops improving at step 2: the window means are
         # 10, 1, 1, so the third window (steps 4-5) sees no improvement and the switch comes at 6
         switch.observe(1.0 if step >= 2 else 10.0 - step + rank, 1)
-    return switch.record(), per_step
+    return switch.record(), per_step, ledger.count("bn_switch")
 
 
-def test_adaptive_switches_once_on_every_rank_at_the_same_step():
+def test_adaptive_starts_local_and_turns_global_on_every_rank_at_the_same_step():
+    """Liu et al. 4.3: the global step is skipped until the model converges."""
     results = run_ranks(_adaptive, 2, 2, 0.05, None, 4)
-    records = [r for r, _ in results]
+    records = [r for r, _, _ in results]
     assert all(r == records[0] for r in records)  # one decision for all ranks
     rec = records[0]
-    assert rec["mode"] == "local" and rec["switched_at_step"] == 6
+    assert rec["mode"] == "global" and rec["switched_at_step"] == 6
     assert "converged" in rec["reason"]
-    for _, per_step in results:
-        assert per_step == [1] * 6 + [0] * 2  # global statistics until the switch, local after
+    for _, per_step, agreed in results:
+        assert per_step == [0] * 6 + [1] * 2  # local statistics until the switch, global after
+        assert agreed == 3  # one agreement per window until the switch, none after
 
 
-def test_adaptive_stays_local_for_large_per_rank_batches():
-    for rec, per_step in run_ranks(_adaptive, 2, 2, 0.05, 4, 4):
-        assert rec["mode"] == "local" and rec["switched_at_step"] == 0
-        assert "bz_max" in rec["reason"] and per_step == [0] * 8
+def test_adaptive_stays_local_throughout_for_a_large_global_batch():
+    """BZ = 8 (2 ranks x 4) >= bz_max = 8: local throughout, and nothing is all-reduced to decide."""
+    for rec, per_step, agreed in run_ranks(_adaptive, 2, 2, 0.05, 8, 4):
+        assert rec["mode"] == "local" and rec["switched_at_step"] is None
+        assert "bz_max" in rec["reason"] and per_step == [0] * 8 and agreed == 0
+    # one example fewer per rank: BZ = 6 < 8, so the rule is watched and the switch comes
+    for rec, per_step, _ in run_ranks(_adaptive, 2, 2, 0.05, 8, 3):
+        assert rec["mode"] == "global" and per_step == [0] * 6 + [1] * 2

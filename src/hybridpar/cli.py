@@ -241,7 +241,7 @@ def _print_report(report: dict) -> None:
     if bn.get("requested") == "adaptive":
         when = bn["switched_at_step"]
         print(
-            f"batch norm: adaptive, {'global throughout' if when is None else f'local from step {when}: ' + bn['reason']}"
+            f"batch norm: adaptive, {f'global from step {when}: ' if when is not None else 'local throughout'}{bn['reason']}"
         )
     print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):

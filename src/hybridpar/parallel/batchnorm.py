@@ -214,10 +214,16 @@ class LossPlateau:
 @dataclass
 class BNSwitch:
     """The adaptive rule of Liu et al. section 4.3, shared by every AdaptiveGlobalBatchNorm of a
-    model: global statistics while the per-rank batch is below `bz_max` and training has not
-    converged, local from then on. The switch happens once and never goes back.
+    model. AGBN "degrades into the original BN algorithm (1) under large-batch regime; (2) until
+    the training accuracy converges" (their introduction): the global step is skipped while the
+    model has not converged, and always when the batch BZ is at least `bz_max`. So statistics are
+    local from the start, turn global once the training loss stops improving, and stay global; with
+    BZ >= bz_max they stay local throughout and no switch is ever watched for.
 
-    Call `start(per_rank_batch)` before training and `observe(loss_sum, count)` after every step
+    BZ is the global batch, the batch "for the whole devices" as their section 5 defines it (the
+    per-device batch there is BZ_mini = BZ / n); pass `bz_max` times n for a per-device threshold.
+
+    Call `start(global_batch)` before training and `observe(loss_sum, count)` after every step
     on every rank. Every `rule.window` steps the ranks all-reduce the window's loss sum and count,
     so all of them apply the rule to the same global numbers and switch at the same step (DESIGN.md
     invariant 3)."""
@@ -227,24 +233,26 @@ class BNSwitch:
     group: dist.ProcessGroup | None = None
     ledger: Ledger | None = None
     device: str = "cpu"  # where the agreed window sums are reduced (cuda under NCCL)
-    mode: str = "global"
+    mode: str = "local"
     switched_at: int | None = None
     reason: str = ""
     steps: int = 0
     window_means: list[float] = field(default_factory=list)
+    large_batch: bool = False
     _acc: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
 
     @property
     def use_global(self) -> bool:
         return self.mode == "global"
 
-    def start(self, per_rank_batch: int) -> None:
-        if self.bz_max is not None and per_rank_batch >= self.bz_max:
-            self._switch(f"per-rank batch {per_rank_batch} >= bz_max {self.bz_max}")
+    def start(self, global_batch: int) -> None:
+        if self.bz_max is not None and global_batch >= self.bz_max:
+            self.large_batch = True
+            self.reason = f"batch {global_batch} >= bz_max {self.bz_max}: local throughout"
 
     def observe(self, loss_sum: float, count: float) -> None:
         self.steps += 1
-        if not self.use_global or self.rule is None:
+        if self.use_global or self.large_batch or self.rule is None:
             return
         self._acc = [self._acc[0] + float(loss_sum), self._acc[1] + float(count), self._acc[2] + 1]
         if self._acc[2] < self.rule.window:
@@ -263,16 +271,17 @@ class BNSwitch:
 
     def state(self) -> dict:
         """For a checkpoint: the decision so far and this rank's window accumulators."""
-        keys = ("mode", "switched_at", "reason", "steps", "window_means")
+        keys = ("mode", "switched_at", "reason", "steps", "window_means", "large_batch")
         return {**{k: getattr(self, k) for k in keys}, "acc": list(self._acc)}
 
     def restore(self, state: dict) -> None:
         for k in ("mode", "switched_at", "reason", "steps", "window_means"):
             setattr(self, k, state[k])
+        self.large_batch = bool(state.get("large_batch", False))
         self._acc = list(state["acc"])
 
     def _switch(self, reason: str) -> None:
-        self.mode, self.switched_at, self.reason = "local", self.steps, reason
+        self.mode, self.switched_at, self.reason = "global", self.steps, reason
 
     def record(self) -> dict:
         """For the training report."""
@@ -289,7 +298,8 @@ class BNSwitch:
 
 
 class AdaptiveGlobalBatchNorm(GlobalBatchNorm):
-    """GlobalBatchNorm that falls back to local BN when its `switch` says so (Liu et al. 4.3)."""
+    """GlobalBatchNorm whose statistics are local until its `switch` turns them global (Liu et
+    al. 4.3: AGBN)."""
 
     def __init__(self, num_features: int, *args, switch: BNSwitch | None = None, **kwargs) -> None:
         super().__init__(num_features, *args, **kwargs)

@@ -97,15 +97,15 @@ class TrainConfig:
     bn: BN = meta(
         "global",
         "batch-norm statistics: per rank (local), over the whole batch (global), "
-        "or global until a rule says local (adaptive)",
+        "or local until the training loss converges, then global (adaptive, Liu et al. 4.3)",
     )
     bn_max_batch: int | None = meta(
-        None, "adaptive: local BN from the start when the per-rank batch is at least this"
+        None, "adaptive: local BN throughout when the global batch is at least this"
     )
     bn_window: int = meta(50, "adaptive: steps per loss window")
     bn_threshold: float = meta(
         0.01,
-        "adaptive: switch to local BN when a window's loss improves by less than this (relative)",
+        "adaptive: turn global when a window's loss improves by less than this (relative)",
     )
 
     def validate(self) -> TrainConfig:

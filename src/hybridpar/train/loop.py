@@ -63,7 +63,7 @@ class Trainer:
                 cfg.bn_max_batch, LossPlateau(cfg.bn_window, cfg.bn_threshold), ledger=self.ledger
             )
             self.bn_switch.device = self.device.type
-            self.bn_switch.start(-(-plan.batch // self.P))  # the nominal per-rank batch
+            self.bn_switch.start(plan.batch)  # BZ: the global batch (Liu et al. section 5)
         if plan.engine == "ddp":
             self.net: nn.Module = self._ddp(model, input_shape)
         else:
