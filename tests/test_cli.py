@@ -137,12 +137,15 @@ def test_plan_with_a_codec_predicts_a_quarter_of_the_bytes():
 
 
 def test_codecs_command_prints_table_2():
-    r = run("codecs", "--no-speed", "--size", "20000")
+    r = run("codecs", "--no-speed", "--size", "20000", "--mlp-steps", "2")
     assert r.returncode == 0, r.stderr
     for needle in (
         "normal(0, 0.01)",
-        "digits-cnn gradients",
-        "digits-cnn activations",
-        "dynamic-tree",
+        "mlp grads L3",
+        "mlp acts L1",
+        "rel % tensor",
+        "rel % 4096",
+        "ours 0.2        paper 0.2",
     ):
         assert needle in r.stdout
+    assert run("codecs", "--block", "0").returncode == 2

@@ -7,7 +7,7 @@
 | dynamic-tree | 8    | sign, e zeros (the decimal exponent, 0..6), a 1 flag bit, then 6-e bits of a  |
 |              |      | linear bisection of the decade [0.1, 1] * 10^-e                               |
 | static-tree  | 8    | sign, 3-bit decimal exponent E, 4-bit bisection of [0.1, 1] * 10^-E           |
-| mantissa     | 8    | sign, 3-bit decimal exponent E, 4-bit integer mantissa M: M/15 * 10^-E        |
+| mantissa     | 8    | sign, 3-bit decimal exponent E, 4-bit integer mantissa M: M * 10^-(E+1)       |
 | linear       | 8    | sign and round(127 * |x| / absmax)                                            |
 
 Every 8-bit type is normalised by the absolute maximum, per tensor (as in the paper) or per block
@@ -77,8 +77,12 @@ def _static_tree() -> list[float]:
 
 
 def _mantissa() -> list[float]:
-    """m = E << 4 | M, value M / 15 * 10^-E (many values have several codes)."""
-    return [(m & 15) / 15 * 10.0 ** -(m >> 4) for m in range(128)]
+    """m = E << 4 | M, value M * 10^-(E+1): an integer mantissa M in 0..15 (Dettmers section 3.1:
+    "the mantissa will hold values between 0 and 15"), exponent offset 1 so that 1.0 (M=10, E=0)
+    is the top of the normalised range. M > 10 at E = 0 lies above 1 and is never chosen; many
+    values have several codes (2 * 10^-1 = 20 * 10^-2 is not one, M < 16, but 1 * 10^-1 = 10 *
+    10^-2 is)."""
+    return [min((m & 15) * 10.0 ** -((m >> 4) + 1), 1.0) for m in range(128)]
 
 
 def _linear() -> list[float]:
