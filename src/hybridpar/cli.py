@@ -107,6 +107,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hybridpar.planner import NOT_EXECUTABLE, SCENARIOS, make_plan
 
     cfg = from_namespace(PlanConfig, args)
+    if args.model_of == "dettmers":
+        return _plan_dettmers(cfg, args)
+    if args.dettmers_profile:
+        raise ConfigError("--dettmers-profile needs --model-of dettmers")
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     if args.scenario != "all" and "batch" not in scenarios:
         scenarios.insert(0, "batch")  # the baseline every speedup refers to
@@ -143,6 +147,80 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"wrote the {best.scenario} plan to {path} (domain styles left out: not executed yet)",
             file=sys.stderr if args.json else sys.stdout,
         )
+    return 0
+
+
+def _plan_dettmers(cfg: PlanConfig, args: argparse.Namespace) -> int:
+    """`plan --model-of dettmers`: Dettmers' Appendix A predictions at 32 and 8 bits."""
+    from hybridpar.cluster import load_cluster
+    from hybridpar.cost import dettmers as dm
+
+    if args.out or args.scenario != "all":
+        raise ConfigError("--model-of dettmers predicts one layout; drop --out and --scenario")
+    if args.dettmers_profile:
+        prof = dm.load_profile(args.dettmers_profile)
+        if prof.gpus != args.procs:
+            raise ConfigError(
+                f"{args.dettmers_profile} describes {prof.gpus} GPUs; pass --procs {prof.gpus}"
+            )
+    else:
+        from hybridpar.analysis_cache import zoo_cost_layers
+
+        if cfg.batch % args.procs:
+            raise ConfigError(f"--batch {cfg.batch} must be a multiple of --procs {args.procs}")
+        layers = zoo_cost_layers(cfg.model, cfg.input_size)
+        prof = dm.profile_from_layers(
+            layers, load_cluster(cfg.cluster), args.procs, cfg.batch // args.procs
+        )
+    preds = {b: dm.node_speedup(prof, b) for b in (32, 8)}
+    paper = prof is dm.APPENDIX_A_4GPU
+    out: dict = {
+        "model_of": "dettmers",
+        "source": prof.source,
+        "gpus": prof.gpus,
+        "node": {
+            str(b): {
+                "conv_ms": p.conv,
+                "fc_ms": p.fc,
+                "penalty_ms": p.penalty,
+                "speedup": p.speedup,
+            }
+            for b, p in preds.items()
+        },
+    }
+    if paper:
+        out["paper_node"] = {str(k): v for k, v in dm.PAPER_4GPU.items()}
+        out["convnet2_check"] = dm.node_speedup(prof, 32, total=dm.CONVNET2_TOTAL).speedup
+        c = dm.APPENDIX_A_96GPU
+        out["cluster_96"] = {
+            str(s): {
+                "ours": [
+                    dm.cluster_speedup(c, t, s, b)["speedup"]
+                    for t in (prof.total, dm.CONVNET2_TOTAL)
+                    for b in (32, 8)
+                ],
+                "paper": list(dm.PAPER_96GPU[s]),
+            }
+            for s in c.sync_single
+        }
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"Dettmers' Appendix A model, {prof.gpus} GPUs; inputs: {prof.source}")
+    print(f"{'bits':>4} {'conv ms':>8} {'fc ms':>7} {'penalty ms':>11} {'speed-up':>9}  paper")
+    for b, p in preds.items():
+        ref = f"{dm.PAPER_4GPU[b]:.2f}x" if paper else "-"
+        print(f"{b:>4} {p.conv:8.2f} {p.fc:7.2f} {p.penalty:11.2f} {p.speedup:8.2f}x  {ref}")
+    if paper:
+        print(
+            f"with convnet2 kernels (17 s / 96 per pass): {out['convnet2_check']:.2f}x; "
+            f"Krizhevsky measured {dm.PAPER_4GPU['krizhevsky_measured']:.2f}x"
+        )
+        print("\n32 nodes x 3 GPUs (Table 7): ours | paper, NervanaGPU 32/8-bit, convnet2 32/8-bit")
+        for s, row in out["cluster_96"].items():
+            ours = " ".join(f"{v:6.2f}" for v in row["ours"])
+            ref = " ".join(f"{v:6.2f}" for v in row["paper"])
+            print(f"  sub-batch {s:>5}: {ours} | {ref}")
     return 0
 
 
@@ -310,6 +388,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         default=None,
         help="write the chosen plan for `hybridpar train --plan` (domain left out)",
+    )
+    p.add_argument(
+        "--model-of",
+        default="gholami",
+        choices=["gholami", "dettmers"],
+        help="cost model: Gholami's alpha-beta equations (default) or Dettmers' Appendix A "
+        "speed-up model (conv batch, FC model-parallel over sub-batches)",
+    )
+    p.add_argument(
+        "--dettmers-profile",
+        default=None,
+        help="with --model-of dettmers: 'appendix-a' (the paper's tables) or a JSON file of "
+        "per-layer times (default: from the model's FLOPs and the cluster)",
     )
     p.set_defaults(func=cmd_plan)
 
