@@ -23,7 +23,18 @@ CMD = [sys.executable, "-m", "hybridpar", "train", "--no-progress"]
 def test_train_digits_reports_prediction_and_measurement(tmp_path):
     report = tmp_path / "r.json"
     r = subprocess.run(
-        CMD + ["--nproc", "2", "--preset", "owt", "--epochs", "3", "--report", str(report)],
+        CMD
+        + ["--nproc", "2", "--preset", "owt", "--epochs", "3", "--report", str(report)]
+        + [
+            "--base-batch",
+            "16",
+            "--scale-rule",
+            "sqrt",
+            "--lr",
+            "0.02",
+            "--schedule",
+            "krizhevsky",
+        ],
         capture_output=True,
         text=True,
         timeout=240,
@@ -31,6 +42,9 @@ def test_train_digits_reports_prediction_and_measurement(tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(report.read_text())
     assert d["procs"] == 2 and d["preset"] == "owt" and len(d["epochs"]) == 3
+    # batch 64 = 4 x the base batch 16: lr x sqrt(4), weight decay keeping 4 steps' decay
+    assert d["hparams"]["lr"] == pytest.approx(0.04)
+    assert d["hparams"]["weight_decay"] == pytest.approx((1 - (1 - 0.02 * 5e-4) ** 4) / 0.04)
     styles = d["plan"]["styles"]
     assert {k: v for k, v in styles.items() if v != "batch"} == {
         "6": "model(2x1)",
@@ -86,6 +100,8 @@ def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path):
         ({"bn": "sync"}, "--bn must be one of"),
         ({"lr": -1.0}, "--lr must be positive"),
         ({"momentum": 1.0}, "--momentum must be in"),
+        ({"scale_rule": "linear"}, "--base-batch"),
+        ({"base_batch": 0, "scale_rule": "linear"}, "--base-batch must be positive"),
         ({"plan": "p.json", "preset": "owt"}, "not both"),
     ],
 )

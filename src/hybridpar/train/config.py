@@ -44,7 +44,16 @@ class TrainConfig:
     momentum: float = meta(0.9, "momentum")
     weight_decay: float = meta(5e-4, "weight decay")
     schedule: Literal["constant", "krizhevsky", "cosine"] = meta(
-        "constant", "learning-rate schedule"
+        "constant", "learning-rate schedule (krizhevsky: x 250^(-1/3) at 25, 50 and 75 %)"
+    )
+    base_batch: int | None = meta(
+        None,
+        "the batch --lr and --weight-decay were tuned for; --scale-rule scales them to --batch",
+    )
+    scale_rule: Literal["none", "linear", "sqrt"] = meta(
+        "none",
+        "Krizhevsky section 5 for a k times larger batch: linear (lr x k, his practice) or sqrt "
+        "(lr x sqrt(k), weight decay keeping k steps' decay)",
     )
     seed: int = meta(0, "seed of the model, the data order and dropout")
     input_size: int | None = meta(None, "image side, e.g. 64 (default: the data's or the model's)")
@@ -123,11 +132,14 @@ class TrainConfig:
             "input_size",
             "bn_window",
             "bn_max_batch",
+            "base_batch",
         )
         positive(
             self, "weight_decay", "codec_block", "bn_threshold", "checkpoint_every", allow_zero=True
         )
         positive(self, "checkpoint_keep")
+        if self.scale_rule != "none" and self.base_batch is None:
+            raise ConfigError(f"--scale-rule {self.scale_rule} scales from --base-batch: give one")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ConfigError("--resume auto resumes from --checkpoint-dir: give one")
         if not 0 <= self.momentum < 1:

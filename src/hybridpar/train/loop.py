@@ -33,7 +33,7 @@ from hybridpar.train import checkpoint
 from hybridpar.train.checkpoint import Position
 from hybridpar.train.config import TrainConfig
 from hybridpar.train.data import Dataset, epoch_steps, load_data, rows_of
-from hybridpar.train.optim import KrizhevskySGD, lr_factor
+from hybridpar.train.optim import KrizhevskySGD, lr_factor, scale_hparams
 from hybridpar.train.run import Job
 
 __all__ = ["Progress", "Trainer", "agreed_plan", "fit", "strict", "train_worker"]
@@ -79,8 +79,10 @@ class Trainer:
                 codec_block=cfg.codec_block or None,
                 error_feedback=cfg.error_feedback,
             )
+        k = plan.batch / cfg.base_batch if cfg.base_batch else 1.0
+        self.lr, wd = scale_hparams(cfg.lr, cfg.weight_decay, k, cfg.scale_rule)
         self.opt = KrizhevskySGD(
-            self.net.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            self.net.parameters(), lr=self.lr, momentum=cfg.momentum, weight_decay=wd
         )
         self.step_no = 0
         self.resharded = False  # set by a checkpoint load onto another plan or P
@@ -174,7 +176,7 @@ class Trainer:
 
     def set_lr(self, progress: float) -> None:
         for g in self.opt.param_groups:
-            g["lr"] = self.cfg.lr * lr_factor(self.cfg.schedule, progress)
+            g["lr"] = self.lr * lr_factor(self.cfg.schedule, progress)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int, int]:
         """One SGD step on the global batch (x, y), identical on every rank. Returns this rank's
@@ -452,6 +454,8 @@ def train_worker(job: Job) -> dict | None:
         return None
     checkpoint.save_weights(weights, cfg.save)
     out = report(job, plan, data.name, epochs, times, bytes_measured, hosts, trainer.bn_switch)
+    # what the optimizer ran with: --lr and --weight-decay after --scale-rule
+    out["hparams"] = {"lr": trainer.lr, "weight_decay": trainer.opt.param_groups[0]["weight_decay"]}
     out["written"] = [str(cfg.save)]
     if cfg.report:
         json_path, png = write_report(out, cfg.report)
