@@ -25,16 +25,7 @@ def test_train_digits_reports_prediction_and_measurement(tmp_path):
     r = subprocess.run(
         CMD
         + ["--nproc", "2", "--preset", "owt", "--epochs", "3", "--report", str(report)]
-        + [
-            "--base-batch",
-            "16",
-            "--scale-rule",
-            "sqrt",
-            "--lr",
-            "0.02",
-            "--schedule",
-            "krizhevsky",
-        ],
+        + ["--base-batch", "16", "--scale-rule", "sqrt", "--lr", "0.025"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -43,8 +34,8 @@ def test_train_digits_reports_prediction_and_measurement(tmp_path):
     d = json.loads(report.read_text())
     assert d["procs"] == 2 and d["preset"] == "owt" and len(d["epochs"]) == 3
     # batch 64 = 4 x the base batch 16: lr x sqrt(4), weight decay keeping 4 steps' decay
-    assert d["hparams"]["lr"] == pytest.approx(0.04)
-    assert d["hparams"]["weight_decay"] == pytest.approx((1 - (1 - 0.02 * 5e-4) ** 4) / 0.04)
+    assert d["hparams"]["lr"] == pytest.approx(0.05)
+    assert d["hparams"]["weight_decay"] == pytest.approx((1 - (1 - 0.025 * 5e-4) ** 4) / 0.05)
     styles = d["plan"]["styles"]
     assert {k: v for k, v in styles.items() if v != "batch"} == {
         "6": "model(2x1)",
