@@ -1,23 +1,35 @@
 """Claim: on alexnet-owt (FC head 4096 wide) the planner's plans move several times fewer bytes per
 iteration than torch DDP on the same model, data, global batch and processes, and run faster.
 
-Runs, in one invocation, for each P: torch DDP (its buckets all-reduced through a logged comm
-hook), and hybridpar with the planner's choice on this machine (`auto`, cluster localhost), its
-per-layer and same-grid plans, and Krizhevsky's layout (`owt`: FC pure model, P x 1). Prints the
-grids each plan uses, bytes per iteration per rank (from the ledger) next to the prediction, median
-time per iteration next to the predicted time, and the ratios to DDP.
+Runs, in one invocation, for each P:
+- **plain DDP**, the baseline: torch DDP in a plain loop with torch.optim.SGD, as a user writes it
+  (benchmarks/plain_ddp.py), sharing only the model and the data; every ratio is against it;
+- torch DDP inside hybridpar's trainer (its buckets all-reduced through a logged comm hook);
+- hybridpar with the planner's choice on this machine (`auto`, cluster localhost), its per-layer
+  and same-grid plans, and Krizhevsky's layout (`owt`: FC pure model, P x 1).
+Prints the grids each plan uses, bytes per iteration per rank (from the ledger; for plain DDP the
+ring all-reduce's 2(P-1)/P of the gradient) next to the prediction, median time per iteration next
+to the predicted time, and the ratios to plain DDP. Then our optimizer step (Krizhevsky's rule,
+multi-tensor) against torch.optim.SGD's on the same parameters, one thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
+import torch
+from plain_ddp import run_local
+
+from hybridpar.models import build_model
 from hybridpar.train.config import TrainConfig
+from hybridpar.train.optim import KrizhevskySGD
 from hybridpar.train.run import run
 
 COMM_TERMS = ("dw_allreduce", "allgather", "dx_allreduce", "redistribute")
 CONTENDERS = (
-    ("torch DDP", "ddp"),
+    ("DDP in trainer", "ddp"),
     ("hybridpar auto", "auto"),
     ("per-layer", "per-layer"),
     ("same-grid", "same-grid"),
@@ -59,22 +71,65 @@ def main() -> None:
     )
     rows = []
     for P in [int(p) for p in args.procs.split(",")]:
-        results = {name: one(base.with_(nproc=P, preset=preset)) for name, preset in CONTENDERS}
-        rows += [(P, name, r, results["torch DDP"]) for name, r in results.items()]
+        plain = run_local(P, "alexnet-owt", args.input_size, args.batch, args.steps)
+        results = {
+            "plain DDP": {
+                "grids": f"1x{P}",
+                "bytes": plain["ring_bytes_per_rank"],
+                "predicted": plain["ring_bytes_per_rank"],
+                "time": plain["time_s"],
+                "wait": float("nan"),
+                "predicted_s": 0.0,
+            }
+        }
+        results.update(
+            {name: one(base.with_(nproc=P, preset=preset)) for name, preset in CONTENDERS}
+        )
+        rows += [(P, name, r, results["plain DDP"]) for name, r in results.items()]
     print(
         f"alexnet-owt at {args.input_size}x{args.input_size}, global batch {args.batch}, gloo on CPU, "
         f"median of {args.steps - 1} iterations; plans priced on the calibrated localhost"
     )
     print(
         f"{'P':>2} {'contender':<15} {'grids':<14} {'MB/iter':>8} {'predicted':>9} {'bytes vs DDP':>12} "
-        f"{'ms/iter':>8} {'pred ms':>8} {'comm ms':>8} {'time vs DDP':>11}"
+        f"{'ms/iter':>8} {'pred ms':>8} {'comm ms':>8} {'speed vs plain DDP':>18}"
     )
     for P, name, r, ddp in rows:
         print(
             f"{P:>2} {name:<15} {r['grids']:<14} {r['bytes'] / 1e6:8.2f} {r['predicted'] / 1e6:9.2f} "
             f"{ddp['bytes'] / r['bytes']:11.2f}x {r['time'] * 1e3:8.1f} {r['predicted_s'] * 1e3:8.1f} "
-            f"{r['wait'] * 1e3:8.1f} {ddp['time'] / r['time']:10.2f}x"
+            f"{r['wait'] * 1e3:8.1f} {ddp['time'] / r['time']:17.2f}x"
         )
+
+    optimizer_step(args.input_size)
+
+
+def optimizer_step(input_size: int, repeats: int = 9) -> None:
+    """Our update (Krizhevsky's rule) against torch.optim.SGD (momentum 0.9, weight decay 5e-4,
+    torch's default foreach path) on alexnet-owt's parameters, one thread, median of `repeats`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    params = list(build_model("alexnet-owt", input_size=input_size).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+
+    def median_s(opt) -> float:
+        opt.step()  # state allocation
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            opt.step()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    ours = median_s(KrizhevskySGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4))
+    sgd = median_s(torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4))
+    torch.set_num_threads(threads)
+    n = sum(p.numel() for p in params) / 1e6
+    print(
+        f"\noptimizer step, {n:.1f} M parameters, one thread: ours {ours * 1e3:.1f} ms, "
+        f"torch.optim.SGD {sgd * 1e3:.1f} ms, ours {sgd / ours:.2f}x as fast"
+    )
 
 
 if __name__ == "__main__":

@@ -30,16 +30,28 @@ class KrizhevskySGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
+        """One multi-tensor update per (group, device, dtype), no per-parameter temporaries:
+        v *= mu; v -= lr g; v -= lr wd w; w += v (torch's _foreach kernels, as torch.optim.SGD's
+        foreach path uses)."""
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+            by_kind: dict[tuple, tuple[list, list, list]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                v = self.state[p].get("v")
-                if v is None:
-                    v = self.state[p]["v"] = torch.zeros_like(p)
-                v.mul_(mu).add_(p.grad + wd * p, alpha=-lr)
-                p.add_(v)
+                state = self.state[p]
+                if "v" not in state:
+                    state["v"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                ps, gs, vs = by_kind.setdefault((p.device, p.dtype), ([], [], []))
+                ps.append(p)
+                gs.append(p.grad)
+                vs.append(state["v"])
+            for ps, gs, vs in by_kind.values():
+                torch._foreach_mul_(vs, mu)
+                torch._foreach_add_(vs, gs, alpha=-lr)
+                if wd:
+                    torch._foreach_add_(vs, ps, alpha=-lr * wd)
+                torch._foreach_add_(ps, vs)
 
 
 def lr_factor(schedule: str, progress: float) -> float:
