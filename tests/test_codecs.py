@@ -30,7 +30,38 @@ def test_fast_encoder_equals_reference(name, block):
     assert torch.equal(e.payload, codes) and torch.equal(e.scales, scales)
 
 
-def test_compiled_path_equals_reference():
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_c_kernels_equal_reference_and_the_torch_path(name, monkeypatch):
+    """The C kernels (hybridpar.comm.kernels) give the reference's bytes and the torch path's
+    decoded values, blocks with NaN or inf included (handed to the torch path), in a reused
+    buffer too."""
+    from hybridpar.comm import codecs, kernels
+
+    if not kernels.available():
+        pytest.skip("no C compiler here: the codecs run on the torch path")
+    codec = get_codec(name, 512)
+    x = torch.cat([_data(5000), _data(1000, 1e-5, 1), torch.zeros(700), _data(333, 7.0, 2)])
+    x[700], x[2100] = float("nan"), float("-inf")
+    e = codec.encode(x)
+    codes, scales = reference_encode(codec, x)
+    finite = torch.isfinite(scales).repeat_interleave(512)[: x.numel()]
+    assert torch.equal(e.payload[finite], codes[finite])  # the reference's bytes
+    assert torch.equal(e.scales.nan_to_num(0.5), scales.nan_to_num(0.5))  # NaN == NaN here
+    d = codec.decode(e)
+    again = codec.decode(codec.encode(x, out=e), out=torch.empty_like(x))
+    assert torch.equal(d.nan_to_num(7.0), again.nan_to_num(7.0))
+    monkeypatch.setattr(codecs, "_KERNEL_MIN", 1 << 40)  # the torch path
+    torch_enc = codec.encode(x)
+    assert torch.equal(e.payload, torch_enc.payload)  # non-finite blocks: the torch path's bytes
+    torch_path = codec.decode(torch_enc)
+    assert torch.equal(d.nan_to_num(7.0), torch_path.nan_to_num(7.0))
+    assert not torch.isfinite(d[512:1024]).any() and not torch.isfinite(d[2048:2560]).any()
+
+
+def test_compiled_path_equals_reference(monkeypatch):
+    from hybridpar.comm import codecs
+
+    monkeypatch.setattr(codecs, "_KERNEL_MIN", 1 << 40)  # not the C kernels: torch.compile
     """Large tensors go through torch.compile: same bytes as the eager reference."""
     codec = get_codec("dynamic-tree", 4096)
     x = _data(70_000) * torch.linspace(0.01, 3, 70_000)

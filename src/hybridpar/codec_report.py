@@ -137,22 +137,24 @@ def paper_value(data: str, codec: str) -> str:
 
 
 def throughput(
-    name: str, block: int | None, n: int = 1 << 24, repeats: int = 5
+    name: str, block: int | None, n: int = 1 << 24, repeats: int = 5, reuse: bool = True
 ) -> tuple[float, float]:
-    """(encode, decode) GB/s of float32 on one thread, best of `repeats` after a warm-up."""
+    """(encode, decode) GB/s of float32 on one thread, best of `repeats` after a warm-up, into
+    output buffers allocated once (as a reducer reuses them, and as bitsandbytes' `out=`), or
+    fresh ones each call with reuse=False."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         codec = get_codec(name, block)
         x = torch.randn(n)
         e = codec.encode(x)
-        codec.decode(e)  # warm-up (and compilation)
+        y = codec.decode(e)  # warm-up (and compilation)
         enc = dec = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            e = codec.encode(x)
+            e = codec.encode(x, out=e if reuse else None)
             t1 = time.perf_counter()
-            codec.decode(e)
+            codec.decode(e, out=y if reuse else None)
             t2 = time.perf_counter()
             enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
         return 4 * n / enc / 1e9, 4 * n / dec / 1e9

@@ -22,6 +22,9 @@ Properties (tests check each): zeros decode to exact zeros; encoding a decoded t
 the same bytes; a block holding NaN or +-inf decodes to non-finite values across the block (the
 scale is non-finite), so a diverging run stays visibly diverged instead of being clipped.
 
+On CPU, tensors of 1024 elements or more go through C kernels (`hybridpar.comm.kernels`, built on
+first use with the system compiler): about 5 GB/s encoding and 20 GB/s decoding on one thread,
+same bytes. The rest of this paragraph is the torch path, used elsewhere and as the fallback.
 Encoding is one fused pass. Rather than a binary search over the 255 levels, the top 17 bits of
 the normalised float32 (|x|/absmax in [0, 1]) index a 32513-entry table that gives the nearest level
 at the bucket's lower edge; one comparison with the midpoint to the next level finishes the
@@ -43,6 +46,7 @@ from functools import cache
 
 import torch
 
+from hybridpar.comm import kernels
 from hybridpar.wire import CODECS, DEFAULT_BLOCK, EIGHT_BIT, check_codec, payload_bytes
 
 __all__ = [
@@ -57,6 +61,7 @@ __all__ = [
 _SHIFT = 15  # bucket = top 17 bits of a non-negative float32
 _BUCKETS = (0x3F800000 >> _SHIFT) + 1  # up to and including 1.0
 _COMPILE_MIN = 1 << 16  # smaller tensors are encoded eagerly: compiling would not pay
+_KERNEL_MIN = 1024  # below this the C kernels' call overhead is not worth it either
 
 
 def _dynamic_tree() -> list[float]:
@@ -224,7 +229,9 @@ class Codec:
     def wire_bytes(self, numel: int) -> int:
         return numel * self.bits // 8 + 4 * self.blocks(numel)
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def encode(self, x: torch.Tensor, out: Encoded | None = None) -> Encoded:
+        """`out`: an Encoded of the same codec and size whose payload and scales are reused
+        (saves allocating, and first touching, fresh pages on every call)."""
         flat = x.detach().reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.float()
@@ -232,6 +239,14 @@ class Codec:
             return Encoded(self.name, flat, None, x.shape)
         if self.name in ("fp16", "bf16"):
             dt = torch.float16 if self.name == "fp16" else torch.bfloat16
+            if (
+                out is not None
+                and out.payload.dtype == dt
+                and out.payload.shape == flat.shape
+                and out.payload.device == flat.device
+            ):
+                out.payload.copy_(flat)
+                return Encoded(self.name, out.payload, None, x.shape)
             return Encoded(self.name, flat.to(dt), None, x.shape)
         t = _tables_for(self.name, flat.device)
         n = flat.numel()
@@ -240,8 +255,31 @@ class Codec:
                 self.name, flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0), x.shape
             )
         block = n if self.block is None else self.block
-        codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
-        scales = torch.empty(self.blocks(n), dtype=torch.float32, device=flat.device)
+        reuse = (
+            out is not None
+            and out.scales is not None
+            and out.payload.numel() == n
+            and out.payload.dtype == torch.uint8
+            and out.payload.device == flat.device
+            and out.payload.is_contiguous()
+            and out.scales.numel() == self.blocks(n)
+            and out.scales.is_contiguous()
+        )
+        codes = out.payload if reuse else torch.empty(n, dtype=torch.uint8, device=flat.device)
+        scales = (
+            out.scales
+            if reuse
+            else torch.empty(self.blocks(n), dtype=torch.float32, device=flat.device)
+        )
+        if flat.device.type == "cpu" and n >= _KERNEL_MIN and kernels.available():
+            flat = flat.contiguous()
+            if kernels.encode(flat, block, t.lut, t.mid, t.canon, codes, scales):
+                for b in torch.nonzero(torch.isnan(scales)).view(-1).tolist():  # NaN or inf
+                    lo = b * block
+                    c, sc = _encode_blocks(flat[lo : lo + block].view(1, -1), t.lut, t.mid, t.canon)
+                    codes[lo : lo + block] = c.view(-1)
+                    scales[b] = sc.view(-1)[0]
+            return Encoded(self.name, codes, scales, x.shape)
         full = (n // block) * block if block else 0
         enc = _fast(_encode_blocks, n)
         if full:
@@ -254,15 +292,29 @@ class Codec:
             scales[-1] = s.view(-1)[0]
         return Encoded(self.name, codes, scales, x.shape)
 
-    def decode(self, e: Encoded) -> torch.Tensor:
+    def decode(self, e: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a contiguous float32 tensor of e's size to decode into (returned reshaped)."""
         if e.scales is None:
+            if out is not None and out.numel() == e.payload.numel() and out.dtype == torch.float32:
+                return out.view(-1).copy_(e.payload.view(-1)).view(e.shape)
             return e.payload.float().view(e.shape)
         t = _tables_for(self.name, e.payload.device)
         n = e.payload.numel()
         if n == 0:
             return e.payload.new_empty(e.shape, dtype=torch.float32)
         block = n if self.block is None else self.block
-        out = torch.empty(n, dtype=torch.float32, device=e.payload.device)
+        if (
+            out is None
+            or out.numel() != n
+            or out.dtype != torch.float32
+            or not out.is_contiguous()
+            or out.device != e.payload.device
+        ):
+            out = torch.empty(n, dtype=torch.float32, device=e.payload.device)
+        out = out.view(-1)
+        if e.payload.device.type == "cpu" and n >= _KERNEL_MIN and kernels.available():
+            kernels.decode(e.payload.contiguous(), block, e.scales.contiguous(), t.decode, out)
+            return out.view(e.shape)
         full = (n // block) * block if block else 0
         dec = _fast(_decode_blocks, n)
         if full:

@@ -1,0 +1,194 @@
+"""The 8-bit codecs' CPU kernels in C, built on first use with the system C compiler and loaded
+with ctypes.
+
+Why plain C and ctypes, not torch.compile, a torch C++ extension, or numba:
+- torch.compile (the previous path) does not vectorise the table gathers on CPU. It reached about
+  1 GB/s each way, and decoding is a 256-entry lookup and a multiply, bound by memory bandwidth.
+- A torch C++ extension needs torch's headers. One build takes about a minute, once per machine,
+  test run and CI job. This file needs none: one C file and `cc`, under a second.
+- numba would add a large dependency (llvmlite) for two loops.
+
+Each kernel makes one pass over its input per block: the block's absmax (a block of 4096 floats
+stays in L1), then the codes. The arithmetic is the torch path's, operation for operation:
+float32 multiplies, no fused multiply-add (-ffp-contract=off), no fast-math. So the bytes are
+the same, and the tests compare them with `reference_encode`. A block holding NaN or inf is left
+to the torch path, which defines what such a block becomes (the kernel marks it; it is rare).
+ctypes releases the GIL during a call, so a reducer thread encodes while autograd runs.
+
+HYBRIDPAR_KERNELS=0 turns the kernels off. A missing or failing compiler falls back to the torch
+path with one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+__all__ = ["available", "decode", "encode"]
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+/* Encode n floats in blocks of `block`: per block the absmax into scales[b], then per element the
+   nearest level: bucket = top 17 bits of |x|/absmax, lut[bucket] the nearest level at the bucket's
+   lower edge, one comparison with the midpoint to the next level. Returns how many blocks hold a
+   non-finite value; their scale is set to NaN and their codes are left for the caller. */
+int64_t hp_encode(const float *x, int64_t n, int64_t block, const int32_t *lut, int32_t nbuckets,
+                  const float *mid, const int32_t *canon, int32_t nlevels, uint8_t *codes,
+                  float *scales) {
+    int64_t bad_blocks = 0;
+    for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
+        int64_t len = n - lo < block ? n - lo : block;
+        const float *xs = x + lo;
+        uint8_t *cs = codes + lo;
+        float m = 0.0f;
+        int bad = 0;
+#pragma omp simd reduction(max : m) reduction(| : bad)
+        for (int64_t j = 0; j < len; j++) {
+            float a = fabsf(xs[j]);
+            bad |= !(a <= 3.4028234663852886e38f); /* NaN or inf */
+            m = a > m ? a : m;
+        }
+        if (bad) {
+            scales[b] = NAN;
+            bad_blocks++;
+            continue;
+        }
+        scales[b] = m;
+        float inv = m > 0.0f ? 1.0f / m : 0.0f;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) {
+            float v = fabsf(xs[j]) * inv;
+            v = v < 1.0f ? v : 1.0f;
+            int32_t bits;
+            memcpy(&bits, &v, 4);
+            int32_t k = bits >> 15;
+            k = k < nbuckets - 1 ? k : nbuckets - 1;
+            int32_t i = lut[k];
+            i += v >= mid[i];
+            i = i < nlevels - 1 ? i : nlevels - 1;
+            cs[j] = (uint8_t)(canon[i] | (((xs[j] < 0.0f) & (i > 0)) << 7));
+        }
+    }
+    return bad_blocks;
+}
+
+/* Decode: out = table[code] * scale of the element's block. */
+void hp_decode(const uint8_t *codes, int64_t n, int64_t block, const float *scales,
+               const float *table, float *out) {
+    for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
+        int64_t len = n - lo < block ? n - lo : block;
+        float s = scales[b];
+        const uint8_t *cs = codes + lo;
+        float *os = out + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) os[j] = table[cs[j]] * s;
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(
+            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
+            "",
+        )
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build() -> ctypes.CDLL:
+    from hybridpar.cluster import cache_dir
+
+    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_key()).encode()).hexdigest()[:16]
+    folder = cache_dir() / "kernels"
+    lib = folder / f"codecs-{key}.so"
+    if not lib.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            src, out = Path(tmp) / "codecs.c", Path(tmp) / "codecs.so"
+            src.write_text(_SOURCE)
+            cc = os.environ.get("CC", "cc")
+            subprocess.run(
+                [cc, *_FLAGS, str(src), "-o", str(out)],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+            os.replace(out, lib)  # atomic: ranks building at once each leave a whole file
+    dll = ctypes.CDLL(str(lib))
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    dll.hp_encode.argtypes = [p, i64, i64, p, ctypes.c_int32, p, p, ctypes.c_int32, p, p]
+    dll.hp_encode.restype = i64
+    dll.hp_decode.argtypes = [p, i64, i64, p, p, p]
+    dll.hp_decode.restype = None
+    return dll
+
+
+def _get() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("HYBRIDPAR_KERNELS", "1") != "0":
+                try:
+                    _lib = _build()
+                except (OSError, subprocess.SubprocessError) as exc:
+                    detail = getattr(exc, "stderr", b"") or b""
+                    warnings.warn(
+                        f"codec kernels not built ({type(exc).__name__}: "
+                        f"{detail.decode(errors='replace').strip()[:200] or exc}); "
+                        "codecs run on the slower torch path",
+                        stacklevel=3,
+                    )
+            _tried = True
+    return _lib
+
+
+def available() -> bool:
+    return _get() is not None
+
+
+def encode(x, block: int, lut, mid, canon, codes, scales) -> int:
+    """x float32 contiguous CPU (n,), lut and canon int32, mid float32, codes uint8 (n,), scales
+    float32 (ceil(n/block),); returns
+    the number of blocks holding NaN or inf (scale NaN, codes not written)."""
+    lib = _get()
+    assert lib is not None
+    return lib.hp_encode(
+        x.data_ptr(),
+        x.numel(),
+        block,
+        lut.data_ptr(),
+        lut.numel(),
+        mid.data_ptr(),
+        canon.data_ptr(),
+        canon.numel(),
+        codes.data_ptr(),
+        scales.data_ptr(),
+    )
+
+
+def decode(codes, block: int, scales, table, out) -> None:
+    lib = _get()
+    assert lib is not None
+    lib.hp_decode(
+        codes.data_ptr(), codes.numel(), block, scales.data_ptr(), table.data_ptr(), out.data_ptr()
+    )
