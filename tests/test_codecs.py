@@ -244,3 +244,62 @@ def test_table_2_mnist_mlp_activations_dynamic_tree_best_per_layer():
     for layer in acts:
         errs = {r["codec"]: r["tensor"]["mean_rel_pct"] for r in rows if r["data"] == layer}
         assert min(errs, key=errs.get) == "dynamic-tree", (layer, errs)
+
+
+class _FakeBucket:
+    def __init__(self, t):
+        self.t = t
+
+    def buffer(self):
+        return self.t
+
+    def index(self):
+        return 3
+
+
+def _threaded_hook(P_split):
+    """compressed_hook on a CommWorker and its own group, with the main thread issuing its own
+    collectives on WORLD meanwhile (as global BN does during backward)."""
+    from hybridpar.comm.grid import group_timeout, new_group
+    from hybridpar.comm.hooks import ReducerState, compressed_hook, piece_key
+    from hybridpar.comm.worker import CommWorker
+
+    P, rank = dist.get_world_size(), dist.get_rank()
+    twin = new_group(list(range(P)), group_timeout(), "test_grads", tag="grads")
+    codec = get_codec("dynamic-tree", 64)
+    x = _data(3001, seed=rank)
+    ledger = Ledger()
+    worker = CommWorker()
+    state = ReducerState(
+        group=twin, average=True, ledger=ledger, codec=codec, worker=worker, split_elements=P_split
+    )
+    state.error_feedback, state.bucket_layers[3] = True, {"w": 3001}
+    fut = compressed_hook(state, _FakeBucket(x.clone()))
+    side = [torch.full((4,), float(rank)) for _ in range(5)]
+    for t in side:
+        dist.all_reduce(t)  # the main thread's collectives, on another group
+    got = fut.wait()
+    worker.close()
+    # the same pieces reduced one after another, synchronously
+    ref, residuals = x.clone(), {}
+    for k, lo in enumerate(range(0, 3001, P_split)):
+        compressed_all_reduce(
+            ref[lo : lo + P_split], twin, codec, None, "dw_allreduce", None, residuals,
+            piece_key(3, k),
+        )  # fmt: skip
+    ref /= P
+    same = [torch.empty_like(got) for _ in range(P)]
+    dist.all_gather(same, got)
+    return (
+        torch.equal(got, ref),
+        all(torch.equal(same[0], s) for s in same),
+        all(float(t[0]) == sum(range(P)) for t in side),
+        sorted(state.residuals) == sorted(residuals),
+        ledger.bytes_by_term().get("dw_allreduce", 0.0),
+    )
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_compressed_hook_on_its_thread_splits_and_overlaps_safely(P):
+    for equal, identical, side_ok, keys, booked in run_ranks(_threaded_hook, P, 1000):
+        assert equal and identical and side_ok and keys and booked > 0

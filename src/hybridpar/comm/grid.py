@@ -59,13 +59,16 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
 _GROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
-def new_group(members: list[int], timeout: datetime.timedelta, desc: str) -> dist.ProcessGroup:
+def new_group(
+    members: list[int], timeout: datetime.timedelta, desc: str, tag: str = ""
+) -> dist.ProcessGroup:
     """dist.new_group, once per (members, timeout) for the life of the default group: a job that
     parallelizes several models (tests, benchmarks) reuses its groups instead of opening new
     connections each time. Every rank calls it for every group in the same order, as new_group
-    requires, so every rank hits or misses the cache alike."""
+    requires, so every rank hits or misses the cache alike. A `tag` gives the same members a
+    second, separate group (the gradient reducer's own, see grad_group)."""
     world = dist.group.WORLD
-    key = (id(world), tuple(members), timeout)
+    key = (id(world), tuple(members), timeout, tag)
     if key not in _GROUPS:  # the value keeps `world` alive, so its id is not reused
         _GROUPS[key] = (world, dist.new_group(members, timeout=timeout, group_desc=desc))
     return _GROUPS[key][1]
@@ -181,3 +184,16 @@ class GridSet:
 
     def regroup(self, a: int, b: int) -> dist.ProcessGroup:
         return self._moves[(max(a, b), min(a, b))]
+
+    def grad_group(self, pc: int) -> dist.ProcessGroup:
+        """A second group with the members of this rank's batch group of grid `pc`, for the
+        gradient reducer's thread alone (comm.worker). Collective: every rank calls it for the same
+        pcs in the same order; it creates the twin of every batch group of that grid."""
+        g = self.grid(pc)
+        ranks = torch.arange(g.pr * g.pc).reshape(g.pc, g.pr).t().tolist()
+        mine = None
+        for members in ranks:
+            grp = new_group(members, self.timeout, "hybridpar_grads", tag="grads")
+            if dist.get_rank() in members:
+                mine = grp
+        return mine

@@ -14,15 +14,18 @@ import torch.distributed as dist
 from hybridpar.comm.codecs import Codec, get_codec
 from hybridpar.comm.collectives import all_reduce, compressed_all_reduce, group_size
 from hybridpar.comm.ledger import Ledger
+from hybridpar.comm.worker import CommWorker
 from hybridpar.plan import Term
 
 __all__ = [
+    "PIECE_STRIDE",
     "ReducerState",
     "allreduce_hook",
     "compressed_hook",
     "dynamic8",
     "host_hook",
     "linear8",
+    "piece_key",
 ]
 
 
@@ -41,6 +44,12 @@ class ReducerState:
     error_feedback: bool = False
     """keep what the encoding lost per bucket and add it back at the next step"""
     residuals: dict = field(default_factory=dict)
+    worker: CommWorker | None = None
+    """compressed_hook runs on this thread (overlapping backward) instead of inside the hook; the
+    group must then be one that only this thread uses (GridSet.grad_group)"""
+    split_elements: int = 1 << 20
+    """with a worker: a bucket larger than this is reduced as several jobs of at most this many
+    elements, so its first pieces are summed while the rest of the queue waits"""
 
 
 def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -69,12 +78,25 @@ def _done(result: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
+PIECE_STRIDE = 1 << 20
+
+
+def piece_key(bucket: int, piece: int) -> int:
+    """The error-feedback key of piece `piece` of a split bucket: an int (checkpoints name
+    residuals by it), the bucket's own index for the first piece; `key % PIECE_STRIDE` gives the
+    bucket back."""
+    return bucket + piece * PIECE_STRIDE
+
+
 def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
     """The bucket summed by `compressed_all_reduce` with state.codec: 8-bit chunks to their owners
     by all-to-all, float32 sums, 8-bit sums back by all-gather (Krizhevsky 4.1 + Dettmers).
 
-    It runs synchronously inside the hook: the two collectives depend on each other, and starting
-    the second from a completion callback could order collectives differently on different ranks.
+    Without `state.worker` it runs synchronously inside the hook: the two collectives depend on
+    each other, and starting the second from a completion callback could order collectives
+    differently on different ranks. With a worker (`CommWorker`) the hook queues the bucket, cut
+    into pieces of at most `state.split_elements`, and returns at once: the thread reduces the
+    pieces in order, on `state.group`, which only the worker may use, while backward goes on.
     """
     group = state.group if state.group is not None else dist.group.WORLD
     p = group_size(group)
@@ -84,17 +106,31 @@ def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.T
     codec = state.codec or get_codec("dynamic-tree")
     if codec.name == "none":
         return allreduce_hook(state, bucket)
-    compressed_all_reduce(
-        buf,
-        group,
-        codec,
-        state.ledger,
-        state.term,
-        state.bucket_layers.get(bucket.index()),
-        state.residuals if state.error_feedback else None,
-        bucket.index(),
-    )
-    return _done(buf.div_(p) if state.average else buf)
+    index, layers = bucket.index(), state.bucket_layers.get(bucket.index())
+    residuals = state.residuals if state.error_feedback else None
+
+    def reduce(piece: torch.Tensor, key: object) -> None:
+        # a piece's bytes are booked over the bucket's layers pro rata, like the whole bucket's
+        compressed_all_reduce(piece, group, codec, state.ledger, state.term, layers, residuals, key)
+
+    if state.worker is None:
+        reduce(buf, index)
+        return _done(buf.div_(p) if state.average else buf)
+    step = max(1, state.split_elements)
+    n = buf.numel()
+    futures = []
+    for k, lo in enumerate(range(0, n, step)):
+        piece = buf[lo : lo + step]
+        futures.append(
+            state.worker.submit(lambda piece=piece, k=k: reduce(piece, piece_key(index, k)))
+        )
+
+    def finish(_: object) -> torch.Tensor:
+        for f in futures:
+            f.wait()  # raises a piece's error
+        return buf.div_(p) if state.average else buf
+
+    return torch.futures.collect_all(futures).then(finish)
 
 
 def dynamic8(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from hybridpar.comm.grid import GridSet, ProcessGrid
 from hybridpar.comm.hooks import ReducerState, allreduce_hook, compressed_hook, host_hook
 from hybridpar.comm.host import HostReducer, HostState
 from hybridpar.comm.ledger import Ledger
+from hybridpar.comm.worker import CommWorker
 from hybridpar.errors import ConfigError
 from hybridpar.parallel.batchnorm import BNSwitch, convert_global_batchnorm
 from hybridpar.parallel.layout import Layout, resolve
@@ -114,7 +116,10 @@ class HybridParallel(nn.Module):
         self.bn_switch = bn_switch if plan.bn == "adaptive" else None
         if plan.bn != "local":
             self._global_batchnorm(bn_switch if plan.bn == "adaptive" else None)
+        self.comm_worker: CommWorker | None = None
         self.sync = self._grad_sync(bucket_bytes, error_feedback)
+        if self.comm_worker is not None:  # let the thread end with the wrapper
+            weakref.finalize(self, self.comm_worker.stop)
 
     # --- building ----------------------------------------------------------------------------
 
@@ -175,13 +180,20 @@ class HybridParallel(nn.Module):
             module = name.rpartition(".")[0]
             groups.setdefault(pc, []).append((self.layout.layer_of.get(module, module), p))
         hook, state = allreduce_hook, ReducerState
+        pairs = [(self.grids.grid(pc).batch_group, named) for pc, named in sorted(groups.items())]
         if self.codec is not None and "grads" in self.plan.compress:
-            hook = compressed_hook
-            state = functools.partial(ReducerState, codec=self.codec, error_feedback=error_feedback)
+            # the compressed reducer on its own thread and groups, overlapping backward
+            hook, self.comm_worker = compressed_hook, CommWorker()
+            state = functools.partial(
+                ReducerState,
+                codec=self.codec,
+                error_feedback=error_feedback,
+                worker=self.comm_worker,
+            )
+            pairs = [(self.grids.grad_group(pc), named) for pc, named in sorted(groups.items())]
         if self.plan.reducer == "host":  # resolve() checked: every layer batch, float32 grads
             hook, state = host_hook, _host_state
             self._broadcast_parameters()  # Sekiyama's Algorithm 5: parameters sent once, at the start
-        pairs = [(self.grids.grid(pc).batch_group, named) for pc, named in sorted(groups.items())]
         return GradSync(pairs, self.ledger, bucket_bytes, hook, state)
 
     @torch.no_grad()

@@ -21,9 +21,17 @@ from torch.nn import functional as F
 from hybridpar import faults
 from hybridpar.comm.codecs import get_codec
 from hybridpar.comm.collectives import all_reduce
-from hybridpar.comm.hooks import ReducerState, allreduce_hook, compressed_hook, host_hook
+from hybridpar.comm.grid import group_timeout, new_group
+from hybridpar.comm.hooks import (
+    PIECE_STRIDE,
+    ReducerState,
+    allreduce_hook,
+    compressed_hook,
+    host_hook,
+)
 from hybridpar.comm.host import HostReducer, HostState
 from hybridpar.comm.ledger import Ledger
+from hybridpar.comm.worker import CommWorker
 from hybridpar.errors import ConfigError
 from hybridpar.parallel.api import HybridParallel, parallelize
 from hybridpar.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
@@ -121,6 +129,10 @@ class Trainer:
                 codec=codec,
                 error_feedback=cfg.error_feedback,
             )
+            if compressed:  # on its own thread and group, overlapping backward (comm.worker)
+                members = list(range(self.P))
+                state.group = new_group(members, group_timeout(), "hybridpar_grads", tag="grads")
+                state.worker = CommWorker()
             net.register_comm_hook(state, compressed_hook if compressed else allreduce_hook)
             self.reducer_state = state
         return net
@@ -149,7 +161,7 @@ class Trainer:
     def residual_slot(self, bucket: int, j: int, size: tuple[int, ...]) -> None:
         """Make room for a residual a checkpoint holds, so that it can be loaded in place."""
         states = self._reducer_states()
-        st = states.get(bucket, states.get(-1))
+        st = states.get(bucket % PIECE_STRIDE, states.get(-1))  # a split bucket's pieces too
         slot = st.residuals.setdefault(bucket, [None, None])
         slot[j] = torch.zeros(size)
 
