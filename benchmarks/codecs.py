@@ -9,6 +9,8 @@
    dynamic map at the same block size. Goal: dynamic-tree no worse than bitsandbytes.
 3. bytes: the ledger of a compressed all-reduce of a 64 MB float32 tensor on 4 gloo ranks against a
    float32 all-reduce of the same tensor; goal: at most 0.27x.
+4. training: alexnet-owt on 4 ranks over loopback, pure batch, fp32 against dynamic-tree
+   gradients; goal: 8-bit no slower. (On a 1 Gbit/s link: benchmarks/cluster.py.)
 """
 
 from __future__ import annotations
@@ -156,11 +158,36 @@ def wire_bytes(P: int, mb: int, block: int) -> None:
     print(f"goal <= 0.27x: {'met' if r['8bit'] / r['fp32'] <= 0.27 else 'NOT met'}")
 
 
+def training(P: int, steps: int) -> None:
+    """8-bit gradients against fp32 in training on loopback: alexnet-owt 64 px, batch 32, pure
+    batch plan, the compressed reducer on its thread."""
+    from hybridpar.train.config import TrainConfig
+    from hybridpar.train.run import run
+
+    base = TrainConfig(
+        model="alexnet-owt", data="synthetic:512", input_size=64, epochs=1, batch=32,
+        max_steps=steps, nproc=P, preset="batch", cluster="cori-knl", progress=False,
+        quiet=True, lr=0.01,
+    )  # fmt: skip
+    print(f"\n4. training on loopback, alexnet-owt 64 px, batch 32, P = {P}, pure batch plan")
+    times = {}
+    for name, cfg in (
+        ("fp32", base),
+        ("dynamic-tree grads", base.with_(codec="dynamic-tree", compress="grads")),
+    ):
+        r = run(cfg)
+        times[name] = r["iteration"]["time_s"]
+        print(f"{name:<20} {times[name] * 1e3:8.1f} ms/iter")
+    ratio = times["fp32"] / times["dynamic-tree grads"]
+    print(f"8-bit vs fp32: {ratio:.2f}x as fast (goal: no slower, >= 1.0x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--block", type=int, default=4096)
     ap.add_argument("--size", type=int, default=1 << 24, help="elements timed")
-    ap.add_argument("--parts", default="1,2,3")
+    ap.add_argument("--parts", default="1,2,3,4")
+    ap.add_argument("--steps", type=int, default=8, help="training steps of part 4")
     ap.add_argument("--mb", type=int, default=64)
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -170,6 +197,8 @@ def main() -> None:
         error(args.block, 1 << 24)
     if "3" in parts:
         wire_bytes(4, args.mb, args.block)
+    if "4" in parts:
+        training(4, args.steps)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ class ReducerState:
     worker: CommWorker | None = None
     """compressed_hook runs on this thread (overlapping backward) instead of inside the hook; the
     group must then be one that only this thread uses (GridSet.grad_group)"""
-    split_elements: int = 1 << 20
+    split_elements: int = 1 << 22
     """with a worker: a bucket larger than this is reduced as several jobs of at most this many
     elements, so its first pieces are summed while the rest of the queue waits"""
 
