@@ -202,3 +202,22 @@ def test_planner_footnote_breakdown_is_per_term():
     terms = {k for x in fc.layers for k in x.terms}
     assert {"allgather", "dx_allreduce", "dw_allreduce", "redistribute"} <= terms
     assert fc.comm_s == pytest.approx(sum(c.seconds for x in fc.layers for c in x.terms.values()))
+
+
+def test_global_bn_priced_with_the_calibrated_shared_memory_latency():
+    """With `small_alpha` (hybridpar calibrate measures the shared-memory path) a BN all-reduce
+    takes that long, whatever alpha-beta says; the bytes do not change."""
+    import dataclasses
+
+    from hybridpar.cluster import PRESETS
+    from hybridpar.cost.layers import t_global_bn
+    from hybridpar.errors import ConfigError
+
+    net = PRESETS["cori-knl"]
+    fast = dataclasses.replace(net, small_alpha=20e-6)
+    a, b = t_global_bn(16, 4, net), t_global_bn(16, 4, fast)
+    for term in a:
+        assert b[term].bytes == a[term].bytes and b[term].seconds == 20e-6
+        assert a[term].seconds != 20e-6
+    with pytest.raises(ConfigError, match="small_alpha"):
+        dataclasses.replace(net, small_alpha=-1.0)

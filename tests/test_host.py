@@ -87,3 +87,65 @@ def test_a_missing_rank_ends_the_wait_with_its_name():
     msg = run_ranks(_missing, 2)[0]
     assert "rank(s) [1] did not deliver bucket 0 within 2 s" in msg, msg
     assert not _ours()
+
+
+def _small(sizes):
+    """Shared-memory small all-reduces (comm.small) against gloo: same sums, the same bits on
+    every rank, both parities, float64 and float32, and a tensor over capacity back on gloo."""
+    from hybridpar.comm import small
+    from hybridpar.comm.collectives import all_reduce
+    from hybridpar.comm.grid import group_timeout, new_group
+    from hybridpar.comm.ledger import Ledger
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    group = new_group(list(range(P)), group_timeout(), "test_small", tag="small-test")
+    r = small.enable(group)
+    ledger, ok, same = Ledger(), [], []
+    for step, (n, dtype) in enumerate(sizes):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank * 7 + step)).to(dtype)
+        ref = x.clone()
+        dist.all_reduce(ref)
+        all_reduce(x, group, ledger, "bn_stats", {"bn": n})
+        ok.append(torch.allclose(x, ref, rtol=1e-12 if dtype == torch.float64 else 1e-5))
+        gathered = [torch.empty_like(x) for _ in range(P)]
+        dist.all_gather(gathered, x)
+        same.append(all(torch.equal(gathered[0], g) for g in gathered))
+    booked = ledger.bytes_by_term()["bn_stats"]
+    return all(ok), all(same), r.calls, booked
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_small_all_reduce_through_shared_memory(P):
+    sizes = [(33, torch.float64), (7, torch.float32), (1, torch.float64), (65, torch.float64)]
+    sizes += [(20000, torch.float32)]  # 80 KB: over capacity, gloo
+    for ok, same, calls, booked in run_ranks(_small, P, sizes):
+        assert ok and same
+        assert calls == 4  # the four small ones went through shared memory
+        # the ledger books what an all-reduce would, whichever path ran
+        from hybridpar.comm.ledger import bus_bytes
+
+        expect = sum(
+            bus_bytes("all_reduce", n * (8 if d == torch.float64 else 4), P) for n, d in sizes
+        )
+        assert booked == pytest.approx(expect)
+    assert not _ours()
+
+
+def _small_missing():
+    from hybridpar.comm import small
+    from hybridpar.comm.collectives import all_reduce
+
+    os.environ["HYBRIDPAR_TIMEOUT_S"] = "2"
+    small.enable(dist.group.WORLD)
+    if dist.get_rank() == 1:
+        return "skipped"  # rank 1 never joins the all-reduce
+    try:
+        all_reduce(torch.ones(3), dist.group.WORLD, None, "metrics")
+    except RuntimeError as exc:
+        return str(exc)
+    return "returned"
+
+
+def test_small_all_reduce_names_the_missing_rank():
+    out = run_ranks(_small_missing, 2)
+    assert "rank(s) [1] did not join a small all-reduce" in out[0] and out[1] == "skipped"

@@ -39,6 +39,32 @@ def _time_allreduce(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -
     return out
 
 
+def _time_small(repeats: int = 200) -> float | None:
+    """Median seconds of a 33-element float64 all-reduce through host shared memory (comm.small,
+    what BN statistics take); None where it does not apply (several hosts)."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.comm import small
+
+    r = small.enable(dist.group.WORLD)
+    if r is None:
+        return None
+    t = torch.ones(33, dtype=torch.float64)
+    for _ in range(10):
+        r.small_all_reduce(t)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r.small_all_reduce(t)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
+    return {"allreduce": _time_allreduce(sizes, repeats, device), "small": _time_small()}
+
+
 def _flops(threads: int) -> float:
     import torch
 
@@ -67,7 +93,7 @@ def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
     return max(float(alpha), 0.0), float(beta)
 
 
-def _fitted(times: dict[int, float], nproc: int) -> dict:
+def _fitted(times: dict[int, float], nproc: int, small: float | None = None) -> dict:
     import math
 
     from hybridpar.errors import ConfigError
@@ -86,6 +112,7 @@ def _fitted(times: dict[int, float], nproc: int) -> dict:
         "flops": _flops(threads),
         "word_bytes": 4,
         "source": f"hybridpar calibrate: gloo all-reduce on {nproc} ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
+        "small_alpha": small,
     }
 
 
@@ -107,8 +134,9 @@ def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict
     if nproc < 2:
         raise ConfigError("calibrate times all-reduces between processes: use --nproc 2 or more")
 
-    times = launch(_time_allreduce, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
-    data = _fitted(times, nproc)
+    got = launch(_time_all, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
+    times = got["allreduce"]
+    data = _fitted(times, nproc, got["small"])
     path = _save(data)
     return {**data, "measured_s": {str(k): v for k, v in times.items()}, "path": str(path)}
 
@@ -119,6 +147,7 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
     import torch.distributed as dist
 
     times = _time_allreduce(SIZES, repeats, device)
+    small = _time_small() if device == "cpu" else None
     if dist.get_rank() == 0:
-        _save(_fitted(times, dist.get_world_size()))
+        _save(_fitted(times, dist.get_world_size(), small))
     dist.barrier()

@@ -363,6 +363,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"localhost: alpha {d['alpha'] * 1e6:.2f} us, bandwidth {1 / d['beta'] / 1e9:.3f} GB/s, "
         f"{d['flops'] / 1e9:.1f} GFLOP/s per process; saved to {d['path']}"
     )
+    if d.get("small_alpha") is not None:
+        print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")
     for n, t in d["measured_s"].items():
         print(f"  all-reduce {int(n):>10} B on {args.nproc} ranks: {t * 1e3:8.3f} ms")
     return 0

@@ -32,6 +32,9 @@ class Cluster:
     flops: float  # sustained FLOP/s of one process
     word_bytes: int = 4  # bytes per element of an uncompressed tensor (fp32)
     source: str = ""  # where the numbers come from
+    # seconds per small all-reduce (BN statistics, metrics) through host shared memory
+    # (comm.small), measured by `hybridpar calibrate`; None: the alpha-beta model prices them
+    small_alpha: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("alpha", "beta", "flops"):
@@ -47,6 +50,11 @@ class Cluster:
                 )
         if not isinstance(self.word_bytes, int) or self.word_bytes <= 0:
             raise ConfigError(f"cluster {self.name!r}: word_bytes must be a positive integer")
+        v = self.small_alpha
+        if v is not None and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
+            raise ConfigError(
+                f"cluster {self.name!r}: small_alpha must be a number of seconds >= 0, got {v!r}"
+            )
 
     @property
     def bandwidth(self) -> float:

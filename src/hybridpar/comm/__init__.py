@@ -13,5 +13,8 @@ def shutdown() -> None:
     right after its last collective can close connections a slower peer is still reading, and gloo
     then aborts that peer ("terminate called without an active exception")."""
     if dist.is_initialized():
+        from hybridpar.comm import small
+
         dist.barrier()
+        small.disable_all()
         dist.destroy_process_group()

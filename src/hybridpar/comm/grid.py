@@ -185,15 +185,20 @@ class GridSet:
     def regroup(self, a: int, b: int) -> dist.ProcessGroup:
         return self._moves[(max(a, b), min(a, b))]
 
-    def grad_group(self, pc: int) -> dist.ProcessGroup:
-        """A second group with the members of this rank's batch group of grid `pc`, for the
-        gradient reducer's thread alone (comm.worker). Collective: every rank calls it for the same
-        pcs in the same order; it creates the twin of every batch group of that grid."""
+    def twin_group(self, pc: int, tag: str) -> dist.ProcessGroup:
+        """Another group with the members of this rank's batch group of grid `pc`, so that one kind
+        of traffic never queues behind another on one group: "grads" for the gradient reducer's
+        thread (comm.worker), "bn" for batch-norm statistics. Collective: every rank calls it for
+        the same (pc, tag) in the same order; it creates the twin of every batch group of that
+        grid."""
         g = self.grid(pc)
         ranks = torch.arange(g.pr * g.pc).reshape(g.pc, g.pr).t().tolist()
         mine = None
         for members in ranks:
-            grp = new_group(members, self.timeout, "hybridpar_grads", tag="grads")
+            grp = new_group(members, self.timeout, f"hybridpar_{tag}", tag=tag)
             if dist.get_rank() in members:
                 mine = grp
         return mine
+
+    def grad_group(self, pc: int) -> dist.ProcessGroup:
+        return self.twin_group(pc, "grads")

@@ -83,9 +83,13 @@ class _Topology:
     hosts: int
 
 
-def discover(group: dist.ProcessGroup | None = None, host: str | None = None) -> _Topology:
+def discover(
+    group: dist.ProcessGroup | None = None, host: str | None = None, leaders: bool = True
+) -> _Topology:
     """Which ranks of `group` share this host (by host name; `host` overrides it, for tests that
-    emulate several hosts on one machine). Collective: every rank of the group calls it."""
+    emulate several hosts on one machine). Collective: every rank of the group calls it. With
+    several hosts and `leaders`, it also creates the group of one rank per host, which every rank
+    of the default group must join (new_group's rule): only for `group` = the whole world."""
     group = group or dist.group.WORLD
     me = dist.get_rank()
     name = host or os.environ.get("HYBRIDPAR_HOST") or socket.gethostname()
@@ -95,7 +99,7 @@ def discover(group: dist.ProcessGroup | None = None, host: str | None = None) ->
     mine = [r for n, r in names if n == name]
     leaders_ranks = [min(r for n, r in names if n == h) for h in hosts]
     leaders = None
-    if len(hosts) > 1:  # every rank creates the group, in the same order
+    if len(hosts) > 1 and leaders:  # every rank creates the group, in the same order
         import datetime
 
         leaders = dist.new_group(leaders_ranks, timeout=datetime.timedelta(seconds=_timeout()))
@@ -113,10 +117,11 @@ class HostReducer:
         group: dist.ProcessGroup | None = None,
         ledger: Ledger | None = None,
         host: str | None = None,
+        leaders: bool = True,
     ) -> None:
         self.group = group or dist.group.WORLD
         self.ledger = ledger
-        self.topo = discover(self.group, host)
+        self.topo = discover(self.group, host, leaders)
         token = [secrets.token_hex(6) if dist.get_rank(self.group) == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=self.group)
         self.token = token[0]
@@ -188,8 +193,10 @@ class HostReducer:
             if not missing:
                 return
             spins += 1
-            if spins > 200:
-                time.sleep(50e-6 if spins < 2000 else 1e-3)
+            if spins <= 64:
+                os.sched_yield()  # a runnable peer on this core gets it at once
+            else:
+                time.sleep(20e-6 if spins < 2000 else 1e-3)
             if time.monotonic() > deadline:
                 ranks = [self.topo.local_ranks[i] for i in missing]
                 raise RuntimeError(

@@ -205,12 +205,17 @@ def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float 
 
 def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> dict[str, Comm]:
     """Global batch norm over p ranks (Liu et al.): forward all-reduce of [sum x, sum x^2, m] and
-    backward all-reduce of [sum dy, sum dy*(x - mean)], both in float64 (8 bytes an element)."""
+    backward all-reduce of [sum dy, sum dy*(x - mean)], both in float64 (8 bytes an element).
+    With a calibrated `small_alpha` (shared memory on one host, comm.small) each takes that long;
+    the bytes are the same."""
+
+    def small(n: float) -> Comm:
+        c = all_reduce(n, p, net)
+        return c if net.small_alpha is None else Comm(c.kind, c.group, c.bytes, net.small_alpha)
+
     return {
-        Term.BN_STATS: all_reduce((2 * channels + 1) * 8, p, net),
-        Term.BN_GRAD: all_reduce(2 * channels * 8, p, net)
-        if backward
-        else Comm.zero("all_reduce", p),
+        Term.BN_STATS: small((2 * channels + 1) * 8),
+        Term.BN_GRAD: small(2 * channels * 8) if backward else Comm.zero("all_reduce", p),
     }
 
 

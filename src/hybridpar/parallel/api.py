@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hybridpar.comm import small
 from hybridpar.comm.codecs import Codec, get_codec
 from hybridpar.comm.collectives import even_split
 from hybridpar.comm.grid import GridSet, ProcessGrid
@@ -156,11 +157,23 @@ class HybridParallel(nn.Module):
         return rng
 
     def _global_batchnorm(self, switch: BNSwitch | None) -> None:
-        """Batch norm over the ranks that split the examples of its segment's layout."""
+        """Batch norm over the ranks that split the examples of its segment's layout, on a twin of
+        that batch group (never behind gradient buckets), through shared memory on one host."""
+        pcs = sorted(
+            {
+                self.layout.segments[seg].pc
+                for name, m in self.module.named_modules()
+                if isinstance(m, _BatchNorm)
+                and (seg := self.layout.module_segment.get(name)) is not None
+            }
+        )
+        groups = {pc: self.grids.twin_group(pc, "bn") for pc in pcs}  # collective, fixed order
+        for pc in pcs:
+            small.enable(groups[pc])
         for name, m in list(self.module.named_modules()):
             seg = self.layout.module_segment.get(name)
             if isinstance(m, _BatchNorm) and seg is not None:
-                group = self.grids.grid(self.layout.segments[seg].pc).batch_group
+                group = groups[self.layout.segments[seg].pc]
                 new = convert_global_batchnorm(
                     m,
                     group,

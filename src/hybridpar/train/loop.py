@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridpar import faults
+from hybridpar.comm import small
 from hybridpar.comm.codecs import get_codec
 from hybridpar.comm.collectives import all_reduce
 from hybridpar.comm.grid import group_timeout, new_group
@@ -64,6 +65,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.plan, self.ledger = cfg, plan, ledger or Ledger()
         self.P, self.rank = dist.get_world_size(), dist.get_rank()
+        small.enable(dist.group.WORLD)  # metrics, the BN switch, DDP's global BN: shared memory
         self.device = next(model.parameters()).device
         self.bn_switch = None
         if plan.bn == "adaptive":
