@@ -161,4 +161,5 @@ def host_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     )
     if not state.average:
         return fut
-    return fut.then(lambda f: f.value().div_(p))
+    # a result in shared memory (zero-copy) is every rank's: divide a copy, not it
+    return fut.then(lambda f: f.value() / p)

@@ -84,11 +84,11 @@ class _Topology:
 
 
 def discover(
-    group: dist.ProcessGroup | None = None, host: str | None = None, leaders: bool = True
+    group: dist.ProcessGroup | None = None, host: str | None = None, make_leaders: bool = True
 ) -> _Topology:
     """Which ranks of `group` share this host (by host name; `host` overrides it, for tests that
     emulate several hosts on one machine). Collective: every rank of the group calls it. With
-    several hosts and `leaders`, it also creates the group of one rank per host, which every rank
+    several hosts and `make_leaders`, it also creates the group of one rank per host, which every rank
     of the default group must join (new_group's rule): only for `group` = the whole world."""
     group = group or dist.group.WORLD
     me = dist.get_rank()
@@ -99,7 +99,7 @@ def discover(
     mine = [r for n, r in names if n == name]
     leaders_ranks = [min(r for n, r in names if n == h) for h in hosts]
     leaders = None
-    if len(hosts) > 1 and leaders:  # every rank creates the group, in the same order
+    if len(hosts) > 1 and make_leaders:  # every rank creates the group, in the same order
         import datetime
 
         leaders = dist.new_group(leaders_ranks, timeout=datetime.timedelta(seconds=_timeout()))
@@ -117,11 +117,11 @@ class HostReducer:
         group: dist.ProcessGroup | None = None,
         ledger: Ledger | None = None,
         host: str | None = None,
-        leaders: bool = True,
+        make_leaders: bool = True,
     ) -> None:
         self.group = group or dist.group.WORLD
         self.ledger = ledger
-        self.topo = discover(self.group, host, leaders)
+        self.topo = discover(self.group, host, make_leaders)
         token = [secrets.token_hex(6) if dist.get_rank(self.group) == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=self.group)
         self.token = token[0]
@@ -156,6 +156,14 @@ class HostReducer:
 
         self._worker.submit(run)
         return fut
+
+    def slot(self, key: object, n: int) -> torch.Tensor:
+        """This rank's slot for the next all-reduce of `key` (n floats; made on first use, which
+        is collective). Write the tensor there and pass the slot to `all_reduce`: the copy into
+        shared memory is skipped, and the result comes back as a view of the shared sum, which
+        stays valid until this rank's next all-reduce of `key` but one."""
+        seg = self._segment(key, n)
+        return seg.slot((self.steps[key] + 1) % 2, self.topo.local_rank)
 
     def _segment(self, key: object, n: int) -> _Segment:
         seg = self.segments.get(key)
@@ -220,7 +228,10 @@ class HostReducer:
         parity, me, L = step % 2, topo.local_rank, topo.local_size
         everyone = list(range(L))
         t0 = time.perf_counter()
-        _to_host(flat, seg.slot(parity, me))
+        mine = seg.slot(parity, me)
+        in_slot = flat.data_ptr() == mine.data_ptr()  # written there already (`slot`)
+        if not in_slot:
+            _to_host(flat, mine)
         seg.flags[parity, me, 0] = step  # arrived
         self._wait(seg, parity, 0, step, everyone, "deliver", key)
         lo, hi = n * me // L, n * (me + 1) // L  # Algorithm 7: each rank sums its slice
@@ -239,13 +250,14 @@ class HostReducer:
                 seg.flags[parity, me, 2] = step
             else:
                 self._wait(seg, parity, 2, step, [0], "share the all-host sum of", key)
-        _from_host(total, flat)
+        if not in_slot:
+            _from_host(total, flat)
         self.wait_s += time.perf_counter() - t0
         if self.ledger is not None:
             self.ledger.record("host_reduce", 1, 0.0, time.perf_counter() - t0, term, layers)
             if topo.leaders is not None and topo.leader:
                 self.ledger.record("all_reduce", topo.hosts, n * 4, 0.0, term, layers)
-        return t
+        return total.view(t.shape) if in_slot else t
 
     def close(self) -> None:
         if self._worker is not None:
@@ -302,3 +314,11 @@ class HostState:
     ledger: Ledger | None = None
     term: str = Term.DW_ALLREDUCE
     bucket_layers: dict[int, dict[str, float]] = field(default_factory=dict)
+    zero_copy: bool = True
+
+    def buffer_for(self, index: int, numel: int, device: torch.device) -> torch.Tensor | None:
+        """Where hybridpar's gradient synchroniser should pack bucket `index`: this rank's slot in
+        shared memory (CPU float32), so the bucket is never copied in or out; None: its own."""
+        if not self.zero_copy or device.type != "cpu" or self.reducer.topo.local_size == 1:
+            return None
+        return self.reducer.slot(index, numel)

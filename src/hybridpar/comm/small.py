@@ -35,7 +35,7 @@ class SmallReducer(HostReducer):
     """All-reduce of small CPU tensors over a group whose ranks share this host."""
 
     def __init__(self, group: dist.ProcessGroup, capacity: int = CAPACITY) -> None:
-        super().__init__(group, leaders=False)
+        super().__init__(group, make_leaders=False)
         if self.topo.hosts != 1:
             raise ValueError("SmallReducer needs every rank of its group on this host")
         self.capacity = capacity

@@ -135,8 +135,26 @@ class GradSync:
         state, b = self.buckets[slot]
         b.ready.add(j)
         if len(b.ready) == len(b.params) and b.future is None:
-            b.pack()
-            b.future = self.hook(state, b)
+            self._launch(state, b)
+
+    def _launch(self, state: ReducerState, b: Bucket) -> None:
+        """Pack the bucket (where the reducer wants it: the host reducer's shared memory) and hand
+        it to the hook."""
+        where = getattr(state, "buffer_for", None)
+        if where is not None:
+            buf = where(b.index(), b.numel, b.flat.device)
+            if buf is not None and buf.dtype == b.flat.dtype:
+                b.flat = buf
+        b.pack()
+
+        def unpack(f: torch.futures.Future, b: Bucket = b) -> bool:
+            # on the thread that completed the reduction, while backward goes on: a bucket's
+            # parameters get no more gradient this step, so their .grad can be written now
+            result = f.value()
+            b.unpack(result if isinstance(result, torch.Tensor) else result[0])
+            return True
+
+        b.future = self.hook(state, b).then(unpack)
 
     def wait(self) -> float:
         """Launch buckets whose parameters got no gradient, wait for all, write the sums back.
@@ -146,11 +164,9 @@ class GradSync:
             if (
                 b.future is None
             ):  # unused parameters: reduce zeros so every rank runs the same collectives
-                b.pack()
-                b.future = self.hook(state, b)
+                self._launch(state, b)
         for _, b in self.buckets:
-            result = b.future.wait()
-            b.unpack(result if isinstance(result, torch.Tensor) else result[0])
+            b.future.wait()  # summed and written back (or raises the reduction's error)
             b.future, b.ready = None, set()
         end = time.perf_counter()
         self.wait_s = end - t0
