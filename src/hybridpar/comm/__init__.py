@@ -1,5 +1,8 @@
 """Communication: the process grids, the ledger and every collective hybridpar runs."""
 
+import os
+import time
+
 import torch.distributed as dist
 
 from hybridpar.comm.grid import GridSet, ProcessGrid, check_grid
@@ -7,14 +10,34 @@ from hybridpar.comm.ledger import Ledger
 
 __all__ = ["GridSet", "Ledger", "ProcessGrid", "check_grid", "shutdown"]
 
+_ENDS = 0
 
-def shutdown() -> None:
-    """End torch.distributed cleanly: a barrier, then destroy_process_group. A rank that tears down
-    right after its last collective can close connections a slower peer is still reading, and gloo
-    then aborts that peer ("terminate called without an active exception")."""
-    if dist.is_initialized():
-        from hybridpar.comm import small
 
-        dist.barrier()
-        small.disable_all()
-        dist.destroy_process_group()
+def shutdown(timeout_s: float = 60.0) -> None:
+    """End torch.distributed cleanly. A rank that tears down right after its last collective can
+    close connections a slower peer is still reading, and gloo then aborts that peer ("terminate
+    called without an active exception"). So: stop the communication threads, a barrier, then
+    every rank says through the store that it is out of the barrier and waits until all have said
+    so; only then are the groups destroyed, when no rank is inside a gloo operation."""
+    global _ENDS
+    if not dist.is_initialized():
+        return
+    from hybridpar.comm import small, worker
+
+    worker.close_all()  # no thread still holds a group when the groups are destroyed
+    dist.barrier()
+    small.disable_all()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        store = None
+    if store is not None:
+        _ENDS += 1
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"hybridpar/shutdown/{restart}/{_ENDS}"
+        world = dist.get_world_size()
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < world and time.monotonic() < deadline:
+            time.sleep(0.001)
+    dist.destroy_process_group()

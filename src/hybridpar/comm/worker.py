@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["CommWorker"]
+__all__ = ["CommWorker", "close_all"]
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class CommWorker:
@@ -28,6 +31,7 @@ class CommWorker:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        _LIVE.add(self)
 
     def submit(self, fn: Callable[[], torch.Tensor]) -> torch.futures.Future:
         """Run `fn` on the thread after the jobs before it; its result (or exception) lands in the
@@ -52,6 +56,11 @@ class CommWorker:
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
+            # drop the job before waiting for the next: an idle thread must not keep its tensors
+            # and process groups alive past the end of the job (gloo aborts a process whose
+            # groups are destroyed late, at interpreter exit)
+            del item, fn, fut
+            result = None
 
     def stop(self) -> None:
         """Let the thread end after the queued jobs, without waiting for it."""
@@ -64,3 +73,9 @@ class CommWorker:
                 self._q.put(None)
                 self._thread.join()
             self._thread = None
+
+
+def close_all() -> None:
+    """Finish and stop every worker thread (comm.shutdown calls it before the groups go)."""
+    for w in list(_LIVE):
+        w.close()
