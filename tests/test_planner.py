@@ -1,7 +1,9 @@
+import dataclasses
 import itertools
 import math
 
 import pytest
+from test_cost import conv
 
 from hybridpar.analysis_cache import zoo_cost_layers
 from hybridpar.cluster import PRESETS, Cluster, load_cluster
@@ -287,21 +289,7 @@ def _random_layers(draw, st):
             c2 = draw(st.integers(1, 64))
             k = draw(st.sampled_from([1, 3]))
             seg = i if i > 0 and draw(st.booleans()) else None
-            layers.append(
-                CostLayer(
-                    f"c{i}",
-                    "conv",
-                    c * c2 * k * k + c2,
-                    c * hw * hw,
-                    c2 * hw * hw,
-                    (c, hw, hw),
-                    (c2, hw, hw),
-                    (k, k),
-                    c2,
-                    2 * c * c2 * k * k * hw * hw,
-                    segment=seg,
-                )
-            )
+            layers.append(dataclasses.replace(conv(c, c2, hw, k, f"c{i}"), segment=seg))
             c = c2
         else:
             a = c * hw * hw if layers and layers[-1].kind == "conv" else c
