@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -64,7 +65,11 @@ class _Segment:
             os.close(fd)
         whole = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.floats = whole[:data].view(torch.float32).view(2, nlocal + 1, n)
-        self.flags = whole[self.flag_off :].view(torch.int64).view(2, nlocal, _FLAGS)
+        # flags through numpy: polling one is a plain memory read, ~20x cheaper than indexing a
+        # tensor (the small all-reduces poll them in a loop)
+        self.flags = np.frombuffer(
+            self.mm, dtype=np.int64, count=2 * nlocal * _FLAGS, offset=self.flag_off
+        ).reshape(2, nlocal, _FLAGS)
 
     def slot(self, parity: int, i: int) -> torch.Tensor:
         return self.floats[parity, i]
@@ -194,18 +199,20 @@ class HostReducer:
         key: object,
     ) -> None:
         flags = seg.flags[parity, :, col]
-        deadline = time.monotonic() + _timeout()
+        deadline = 0.0
         spins = 0
         while True:
-            missing = [i for i in who if int(flags[i]) < step]
-            if not missing:
+            if all(flags[i] >= step for i in who):
                 return
+            if not deadline:
+                deadline = time.monotonic() + _timeout()
             spins += 1
             if spins <= 64:
                 os.sched_yield()  # a runnable peer on this core gets it at once
             else:
                 time.sleep(20e-6 if spins < 2000 else 1e-3)
             if time.monotonic() > deadline:
+                missing = [i for i in who if flags[i] < step]
                 ranks = [self.topo.local_ranks[i] for i in missing]
                 raise RuntimeError(
                     f"host reducer: rank(s) {ranks} did not {what} bucket {key!r} within "

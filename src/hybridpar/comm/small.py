@@ -39,8 +39,17 @@ class SmallReducer(HostReducer):
         if self.topo.hosts != 1:
             raise ValueError("SmallReducer needs every rank of its group on this host")
         self.capacity = capacity
-        self._segment("small", capacity // 4)
+        seg = self._segment("small", capacity // 4)
+        # each rank's slot as bytes, per parity, made once
+        self._bytes = [
+            [seg.slot(q, i).view(torch.uint8) for i in range(self.topo.local_size)] for q in (0, 1)
+        ]
+        self._everyone = list(range(self.topo.local_size))
         self.calls = 0
+
+    def close(self) -> None:
+        self._bytes = []  # views of the segment go before it is unmapped
+        super().close()
 
     def fits(self, t: torch.Tensor) -> bool:
         return (
@@ -56,16 +65,11 @@ class SmallReducer(HostReducer):
         parity, me, L = step % 2, self.topo.local_rank, self.topo.local_size
         flat = t.view(-1)
         nbytes = flat.numel() * flat.element_size()
-
-        def slot(i: int) -> torch.Tensor:
-            return seg.slot(parity, i).view(torch.uint8)[:nbytes].view(flat.dtype)
-
-        slot(me).copy_(flat)
+        slots = [b[:nbytes].view(flat.dtype) for b in self._bytes[parity]]
+        slots[me].copy_(flat)
         seg.flags[parity, me, 0] = step
-        self._wait(seg, parity, 0, step, list(range(L)), "join a small all-reduce on", "small")
-        flat.copy_(slot(0))
-        for i in range(1, L):
-            flat.add_(slot(i))
+        self._wait(seg, parity, 0, step, self._everyone, "join a small all-reduce on", "small")
+        torch.sum(torch.stack(slots), 0, out=flat) if L > 2 else torch.add(*slots, out=flat)
         self.calls += 1
         return t
 
