@@ -363,3 +363,28 @@ def test_a_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
 
     d = json.loads(report.read_text(), parse_constant=refuse)  # no bare NaN or Infinity
     assert d["final"]["loss"] is None
+
+
+def test_one_process_trains_without_calibrating(tmp_path):
+    """P = 1 has no all-reduce to time: an uncalibrated `localhost` must not stop `auto` (found
+    on the GPU machine: the in-job calibration of one rank fitted beta = inf and refused)."""
+    env = {**os.environ, "HYBRIDPAR_CACHE": str(tmp_path)}
+    r = subprocess.run(
+        CMD
+        + [
+            "--model",
+            "digits-cnn",
+            "--nproc",
+            "1",
+            "--epochs",
+            "1",
+            "--save",
+            str(tmp_path / "w.pt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "calibrating" not in r.stdout and not (tmp_path / "localhost.json").exists()

@@ -276,7 +276,12 @@ def agreed_plan(job: Job) -> ParallelPlan:
     if job.plan is not None:
         return job.plan
     cfg, rank = job.cfg, dist.get_rank()
-    missing = cfg.cluster == "localhost" and not (rank == 0 and localhost_path().exists())
+    # one process has nothing to calibrate (no all-reduce to time) and one plan: it is priced on
+    # whatever `localhost` holds, bytes only when it was never calibrated
+    searched = job.procs > 1
+    missing = (
+        searched and cfg.cluster == "localhost" and not (rank == 0 and localhost_path().exists())
+    )
     if _broadcast(missing):
         if rank == 0:
             print(
@@ -291,7 +296,7 @@ def agreed_plan(job: Job) -> ParallelPlan:
             layers = model_layers(
                 meta_model(cfg.model, job.input_shape, job.num_classes), job.input_shape
             )
-            cluster = pricing_cluster(cfg.cluster, True)
+            cluster = pricing_cluster(cfg.cluster, searched)
             plan = build_plan(cfg, job.procs, layers, job.input_shape, cluster)
             answer = ("plan", plan.with_choices(device=cfg.device).to_json())
         except ConfigError as exc:
