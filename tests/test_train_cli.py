@@ -370,17 +370,7 @@ def test_one_process_trains_without_calibrating(tmp_path):
     on the GPU machine: the in-job calibration of one rank fitted beta = inf and refused)."""
     env = {**os.environ, "HYBRIDPAR_CACHE": str(tmp_path)}
     r = subprocess.run(
-        CMD
-        + [
-            "--model",
-            "digits-cnn",
-            "--nproc",
-            "1",
-            "--epochs",
-            "1",
-            "--save",
-            str(tmp_path / "w.pt"),
-        ],
+        CMD + f"--model digits-cnn --nproc 1 --epochs 1 --save {tmp_path / 'w.pt'}".split(),
         capture_output=True,
         text=True,
         timeout=120,
