@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-class Cluster:
+class TwoHosts:
     def __init__(self, rate: str) -> None:
         tag = os.getpid() % 100000
         self.ns = [f"hp{tag}a", f"hp{tag}b"]
@@ -174,7 +174,7 @@ def main() -> int:
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print("skipped: needs root and the ip and tc tools to create network namespaces")
         return 0
-    c = Cluster(args.rate)
+    c = TwoHosts(args.rate)
     atexit.register(c.down)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: (c.down(), sys.exit(128 + s)))

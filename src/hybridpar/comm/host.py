@@ -27,7 +27,6 @@ import os
 import secrets
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +35,7 @@ import torch.distributed as dist
 
 from hybridpar import faults
 from hybridpar.comm.ledger import Ledger
+from hybridpar.comm.worker import CommWorker
 from hybridpar.plan import Term
 
 __all__ = ["HostReducer", "HostState", "discover"]
@@ -133,7 +133,7 @@ class HostReducer:
         self.segments: dict[object, _Segment] = {}
         self.steps: dict[object, int] = {}
         self.wait_s = 0.0
-        self._worker: ThreadPoolExecutor | None = None
+        self._worker = CommWorker("hybridpar-host")  # started on first use
 
     def all_reduce_async(
         self,
@@ -149,18 +149,7 @@ class HostReducer:
         seg = self.segments.get(key)
         if seg is None or seg.n != t.numel():
             self._segment(key, t.numel())
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hybridpar-host")
-        fut: torch.futures.Future = torch.futures.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(self.all_reduce(t, key, term, layers))
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        self._worker.submit(run)
-        return fut
+        return self._worker.submit(lambda: self.all_reduce(t, key, term, layers))
 
     def slot(self, key: object, n: int) -> torch.Tensor:
         """This rank's slot for the next all-reduce of `key` (n floats; made on first use, which
@@ -267,9 +256,7 @@ class HostReducer:
         return total.view(t.shape) if in_slot else t
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        self._worker.close()
         for seg in self.segments.values():
             seg.floats = seg.flags = None
             seg.mm.close()

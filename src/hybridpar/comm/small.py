@@ -20,6 +20,8 @@ rank's flag for call k - 1. So every rank has finished reading call k - 2, which
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -78,8 +80,6 @@ def enable(group: dist.ProcessGroup | None = None) -> SmallReducer | None:
     """Route the group's small synchronous CPU all-reduces through shared memory when all its ranks
     share this host (collective over the group; idempotent). Returns the reducer, or None where
     it does not apply (one rank, several hosts, HYBRIDPAR_SMALL_SHM=0)."""
-    import os
-
     group = group or dist.group.WORLD
     if id(group) in _REDUCERS:
         return _REDUCERS[id(group)][1]
