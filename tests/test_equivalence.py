@@ -119,8 +119,9 @@ def test_the_large_zoo_models_on_two_ranks(name):
     assert len(run_ranks(_matrix, 2, name, 2, timeout_s=400)[0]) >= 2
 
 
-@pytest.mark.parametrize("codec", ["dynamic-tree", "fp16"])
-def test_compressed_plans_book_the_predicted_payload(codec):
+@pytest.mark.parametrize("codec,P", [("dynamic-tree", 4), ("fp16", 4), ("dynamic-tree", 3)])
+def test_compressed_plans_book_the_predicted_payload(codec, P):
     """With a codec the payload (elements x its bytes) is what the cost model predicts, per layer
-    and term; the 8-bit scales and the padding of uneven pieces are booked apart."""
-    assert run_ranks(_matrix, 4, "tv-alexnet", 4, codec, timeout_s=240)[0]
+    and term; the 8-bit scales and the padding of uneven pieces are booked apart. (The gradients
+    go through the threaded compressed reducer on its own groups.)"""
+    assert run_ranks(_matrix, P, "tv-alexnet", P, codec, timeout_s=240)[0]

@@ -59,7 +59,8 @@ def _train(kind, hosts):
 
 
 @pytest.mark.parametrize(
-    "P,kind,hosts", [(2, "batch", 1), (4, "batch", 1), (4, "batch", 2), (2, "ddp", 1)]
+    "P,kind,hosts",
+    [(2, "batch", 1), (3, "batch", 1), (4, "batch", 1), (4, "batch", 2), (2, "ddp", 1)],
 )
 def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts):
     """Same parameters after 5 steps as single-process SGD (and so as the process-group
