@@ -32,27 +32,36 @@ def one(cfg: TrainConfig) -> dict:
     }
 
 
-def cost(procs: list[int], steps: int) -> None:
-    print(f"\n1. resnet20 on digits, per-rank batch 8, {steps} steps, hybridpar grid 1xP, gloo CPU")
-    print(f"{'P':>2} {'bn':<9} {'ms/iter':>8} {'vs local':>9} {'BN KB/iter':>11}  note")
+def cost(procs: list[int], steps: int, repeat: int) -> None:
+    print(
+        f"\n1. resnet20 on digits, per-rank batch 8, {steps} steps, hybridpar grid 1xP, gloo CPU; "
+        f"local, global and adaptive run in turn, {repeat} rounds: median ms/iter over the rounds "
+        "[min-max]"
+    )
+    print(
+        f"{'P':>2} {'bn':<9} {'ms/iter':>8} {'range':>13} {'vs local':>9} {'BN KB/iter':>11}  note"
+    )
     for P in procs:
         base = dataclasses.replace(
             BASE, nproc=P, batch=8 * P, epochs=1, max_steps=steps, preset=f"grid:1x{P}"
         )
-        rows = {
-            bn: one(
-                dataclasses.replace(base, bn=bn, bn_window=max(1, steps // 3), bn_threshold=0.5)
-            )
-            for bn in ("local", "global", "adaptive")
-        }
-        for bn, r in rows.items():
-            note = ""
+        runs: dict[str, list[dict]] = {"local": [], "global": [], "adaptive": []}
+        for _ in range(repeat):
+            for bn, got in runs.items():
+                cfg = dataclasses.replace(
+                    base, bn=bn, bn_window=max(1, steps // 3), bn_threshold=0.5
+                )
+                got.append(one(cfg))
+        med = {bn: statistics.median(r["time"] for r in got) for bn, got in runs.items()}
+        for bn, got in runs.items():
+            r, note = got[-1], ""
             if bn == "adaptive":
                 at = r["bn"].get("switched_at_step")
                 note = "local throughout" if at is None else f"local, global from step {at}"
+            lo, hi = (f(g["time"] for g in got) * 1e3 for f in (min, max))
             print(
-                f"{P:>2} {bn:<9} {r['time'] * 1e3:8.1f} {rows['local']['time'] / r['time']:8.2f}x "
-                f"{r['bn_bytes'] / 1e3:11.2f}  {note}"
+                f"{P:>2} {bn:<9} {med[bn] * 1e3:8.1f} {f'[{lo:.1f}-{hi:.1f}]':>13} "
+                f"{med[bn] / med['local']:8.2f}x {r['bn_bytes'] / 1e3:11.2f}  {note}"
             )
 
 
@@ -96,13 +105,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--procs", default="2,4")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of part 1 (noise)")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--parts", default="1,2,3")
     args = ap.parse_args()
     parts = args.parts.split(",")
     if "1" in parts:
-        cost([int(p) for p in args.procs.split(",")], args.steps)
+        cost([int(p) for p in args.procs.split(",")], args.steps, args.repeat)
     if "2" in parts:
         accuracy([int(s) for s in args.seeds.split(",")], args.epochs)
     if "3" in parts:

@@ -11,8 +11,10 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from torch import nn
 
+from hybridpar.comm import kernels
 from hybridpar.comm.collectives import all_reduce
 from hybridpar.comm.ledger import Ledger
+from hybridpar.parallel import batchnorm
 from hybridpar.parallel.batchnorm import (
     AdaptiveGlobalBatchNorm,
     BNSwitch,
@@ -22,7 +24,8 @@ from hybridpar.parallel.batchnorm import (
     convert_global_batchnorm,
 )
 
-SIZES = {2: [3, 5], 4: [3, 0, 4, 2]}  # examples per rank; rank 1 of 4 has none
+SIZES = {2: [3, 5], 3: [3, 0, 4], 4: [3, 0, 4, 2]}  # examples per rank; rank 1 of 3, 4 has none
+USE_KERNELS = batchnorm._use_kernels
 STEPS = 3
 
 
@@ -59,7 +62,11 @@ def _reference(dims, sizes, affine, momentum, offset=0.0, dtype=torch.float32):
     return start, bn, outs
 
 
-def _exactness(dims, affine, momentum):
+def _exactness(dims, affine, momentum, path="kernels"):
+    if path == "torch":  # the CUDA / other-dtype path, run here on CPU
+        batchnorm._use_kernels = lambda *a: False
+    else:
+        assert kernels.available()
     P, rank = dist.get_world_size(), dist.get_rank()
     sizes = SIZES[P]
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
@@ -104,6 +111,50 @@ def test_matches_batchnorm_on_the_global_batch(P, dims):
 
 def test_affine_false_and_cumulative_momentum():
     run_ranks(_exactness, 2, 2, False, None)
+
+
+def test_torch_path_matches_batchnorm_on_the_global_batch():
+    """The path CUDA and non-float32 tensors take, here on CPU over 3 ranks (without affine
+    parameters: the one-process test below)."""
+    for stats, grads, _ in run_ranks(_exactness, 3, 2, True, 0.1, "torch"):
+        assert (stats, grads) == (STEPS, STEPS)
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (7, 5, 3), (4, 5, 3, 2)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_kernel_and_torch_paths_agree_in_one_process(shape, affine):
+    """_GlobalBatchNormFn on one rank (no group: the all-reduces are no-ops) by both paths against
+    nn.BatchNorm: output, input and parameter gradients, running statistics; dy not contiguous."""
+    torch.manual_seed(0)
+    ref = nn.BatchNorm1d(5, affine=affine) if len(shape) < 4 else nn.BatchNorm2d(5, affine=affine)
+    if affine:
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5)
+            ref.bias.uniform_(-1, 1)
+    x = torch.randn(shape) * 2 + 3
+    dy = torch.randn(tuple(reversed(shape))).permute(*reversed(range(len(shape))))
+    assert not dy.is_contiguous()
+    outs = []
+    for fast in (True, False, None):  # kernels, torch ops, nn.BatchNorm
+        bn = copy.deepcopy(ref)
+        xi = x.clone().requires_grad_()
+        if fast is None:
+            y = bn(xi)
+        else:
+            batchnorm._use_kernels = (lambda *a: True) if fast else (lambda *a: False)
+            try:
+                run = (bn.running_mean, bn.running_var)
+                y = batchnorm._GlobalBatchNormFn.apply(
+                    xi, bn.weight, bn.bias, run, 0.1, bn.eps, None, None, ""
+                )
+            finally:
+                batchnorm._use_kernels = USE_KERNELS
+        y.backward(dy)
+        grads = [bn.weight.grad, bn.bias.grad] if affine else []
+        outs.append([y.detach(), xi.grad, *grads, bn.running_mean, bn.running_var])
+    for a, b, c in zip(*outs, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)
 
 
 def _large_mean():

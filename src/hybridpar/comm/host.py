@@ -43,6 +43,12 @@ __all__ = ["HostReducer", "HostState", "discover"]
 _FLAGS = 4  # per rank and parity: arrived, done, final (+1 spare, keeps 32-byte rows)
 
 
+# How long a wait yields the core (sched_yield) before it sleeps. Timer slack makes a Python sleep
+# last 60 us or more, and ranks in lockstep (global BN's small all-reduces) typically wait tens of
+# microseconds, so waking from a sleep would cost more than the wait itself.
+_YIELD_S = 500e-6
+
+
 def _timeout() -> float:
     return float(os.environ.get("HYBRIDPAR_TIMEOUT_S", "300"))
 
@@ -188,24 +194,26 @@ class HostReducer:
         key: object,
     ) -> None:
         flags = seg.flags[parity, :, col]
-        deadline = 0.0
-        spins = 0
+        start = limit = 0.0
         while True:
             if all(flags[i] >= step for i in who):
                 return
-            if not deadline:
-                deadline = time.monotonic() + _timeout()
-            spins += 1
-            if spins <= 64:
-                os.sched_yield()  # a runnable peer on this core gets it at once
-            else:
-                time.sleep(20e-6 if spins < 2000 else 1e-3)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if not start:
+                start, limit = now, _timeout()
+            waited = now - start
+            if waited < _YIELD_S:
+                # sched_yield: a runnable peer on this core (an oversubscribed machine) gets the
+                # core at once; otherwise the wait ends within a microsecond of the flag
+                os.sched_yield()
+            else:  # a long wait (a slow peer, a large bucket): give the core away
+                time.sleep(20e-6 if waited < 0.05 else 1e-3)
+            if waited > limit:
                 missing = [i for i in who if flags[i] < step]
                 ranks = [self.topo.local_ranks[i] for i in missing]
                 raise RuntimeError(
                     f"host reducer: rank(s) {ranks} did not {what} bucket {key!r} within "
-                    f"{_timeout():g} s (dead or hung?)"
+                    f"{limit:g} s (dead or hung?)"
                 )
 
     def all_reduce(

@@ -11,7 +11,8 @@ quantity minus psi * mean and better conditioned). The weight and bias gradients
 rank's share, as in torch's SyncBatchNorm: the gradient synchroniser (hybridpar's or DDP) sums them.
 
 Numerics. var = E[x^2] - E[x]^2 cancels catastrophically in fp32 when |mean| >> std. Each rank
-computes its own mean and variance with torch's stable `var_mean`, turns them into the sums
+computes its own mean and variance stably (two passes: the C kernel in float64 on CPU, torch's
+`batch_norm_update_stats` elsewhere), turns them into the sums
 m_i*mu_i and m_i*(var_i + mu_i^2) in float64, and the reduction and the subtraction happen in
 float64. The relative error of the variance is then about 1e-16 * (mean/std)^2 instead of 1e-7 *
 (mean/std)^2: a channel with mean 1e4 and std 1 comes out right to about 1e-8 (a test checks it).
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hybridpar.comm import kernels
 from hybridpar.comm.collectives import all_reduce, group_size
 from hybridpar.comm.ledger import Ledger
 from hybridpar.plan import Term
@@ -42,61 +44,149 @@ __all__ = [
 ]
 
 
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _use_kernels(x: torch.Tensor, weight: torch.Tensor | None, running) -> bool:
+    """The C kernels take contiguous float32 CPU tensors (parameters and buffers included)."""
+    f32 = torch.float32
+    return (
+        x.device.type == "cpu"
+        and x.dtype == f32
+        and x.is_contiguous()
+        and (weight is None or weight.dtype == f32)
+        and (running is None or all(r.dtype == f32 and r.is_contiguous() for r in running))
+        and kernels.available()
+    )
+
+
 class _GlobalBatchNormFn(torch.autograd.Function):
+    """Global BN's forward and backward, each around one all-reduce. `running` is (running_mean,
+    running_var) to update with weight `factor`, or None.
+
+    At a per-rank batch of 8 a BN layer holds a few thousand values, so small ops, not arithmetic,
+    set its cost. On CPU float32 four C kernels (hybridpar.comm.kernels) do the work: the moments,
+    the normalisation with the running-statistics update, the backward's sums, and dx. Elsewhere
+    (CUDA, other dtypes) torch ops do it: forward `batch_norm_update_stats`, the all-reduce, then
+    batch norm in eval mode with the global statistics as its running ones; backward torch's
+    eval-mode batch-norm backward for this rank's sums and, after their all-reduce, dx = w invstd
+    dy + [the eval-mode batch norm of x whose weight and bias carry the global sums]."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, group, ledger, layer):
+    def forward(ctx, x, weight, bias, running, factor, eps, group, ledger, layer):
         c = x.shape[1]
-        dims = [0, *range(2, x.dim())]
-        m_local = x.numel() // c if c else 0
-        stats = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
-        if m_local:
-            var_l, mean_l = torch.var_mean(x.float(), dim=dims, correction=0)
-            mean_l = mean_l.double()
-            stats[:c] = m_local * mean_l
-            stats[c : 2 * c] = m_local * (var_l.double() + mean_l * mean_l)
-        stats[2 * c] = m_local
+        n, s = (x.shape[0], x.numel() // (x.shape[0] * c)) if x.numel() else (0, 0)
+        fast = _use_kernels(x, weight, running)
+        stats = torch.empty(2 * c + 1, dtype=torch.float64, device=x.device)
+        if fast:
+            kernels.bn().hp_bn_stats(x.data_ptr(), n, c, s, stats.data_ptr())
+        else:
+            _stats_torch(x, stats)
         all_reduce(stats, group, ledger, Term.BN_STATS, {layer: stats.numel()} if layer else None)
         m = float(stats[2 * c])
         if m <= 1:
             raise ValueError(
                 f"GlobalBatchNorm needs more than 1 value per channel over the group, got {int(m)}"
             )
-        mean64 = stats[:c] / m
-        var64 = (stats[c : 2 * c] / m - mean64 * mean64).clamp_min(0.0)
-        # the running variance is unbiased over the global sample count, as for one big batch
-        mean, var_unbiased = mean64.to(x.dtype), (var64 * (m / (m - 1))).to(x.dtype)
-        invstd = torch.rsqrt(var64 + eps).to(x.dtype)
-        # the normalisation itself in one fused pass: torch's batch norm in eval mode, with the
-        # global statistics given as its running ones
-        y = F.batch_norm(x, mean, var64.to(x.dtype), weight, bias, False, 0.0, eps)
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.m, ctx.group, ctx.ledger, ctx.layer = m, group, ledger, layer
-        ctx.mark_non_differentiable(mean, var_unbiased)
-        return y, mean, var_unbiased
+        if fast:
+            y, mean, invstd, var = torch.empty_like(x), x.new_empty(c), x.new_empty(c), None
+            rm, rv = running if running is not None else (None, None)
+            kernels.bn().hp_bn_forward(
+                x.data_ptr(), n, c, s, stats.data_ptr(), eps, _ptr(weight), _ptr(bias),
+                y.data_ptr(), mean.data_ptr(), invstd.data_ptr(), _ptr(rm), _ptr(rv), factor,
+            )  # fmt: skip
+        else:
+            y, mean, var, invstd = _forward_torch(x, stats, m, weight, bias, running, factor, eps)
+        ctx.save_for_backward(x, weight, mean, invstd, var)
+        ctx.m, ctx.eps, ctx.fast = m, eps, fast
+        ctx.group, ctx.ledger, ctx.layer = group, ledger, layer
+        return y
 
     @staticmethod
-    def backward(ctx, dy, _dmean, _dvar):
-        x, weight, mean, invstd = ctx.saved_tensors
-        c = x.shape[1]
-        dims = [0, *range(2, x.dim())]
-        shape = [1, c] + [1] * (x.dim() - 2)
-        xmu = x - mean.view(shape)
-        sums = torch.cat([dy.sum(dims), (dy * xmu).sum(dims)]).double()
-        dweight = dbias = None
-        if weight is not None:  # this rank's share; the gradient synchroniser sums them
-            dweight = (sums[c:].to(x.dtype) * invstd) if ctx.needs_input_grad[1] else None
-            dbias = sums[:c].to(x.dtype) if ctx.needs_input_grad[2] else None
+    def backward(ctx, dy):
+        x, weight, mean, invstd, var = ctx.saved_tensors
+        c, need = x.shape[1], ctx.needs_input_grad
+        n, s = (x.shape[0], x.numel() // (x.shape[0] * c)) if x.numel() else (0, 0)
+        fast = ctx.fast
+        if fast:
+            dy = dy.contiguous()
+        sums = torch.empty(2 * c, dtype=torch.float64, device=x.device)
+        # this rank's sum dy and invstd * sum dy * (x - mean): the bias and weight gradients'
+        # shares (the gradient synchroniser sums them, as for torch's SyncBatchNorm)
+        if fast:
+            dweight = x.new_empty(c) if weight is not None and need[1] else None
+            dbias = x.new_empty(c) if weight is not None and need[2] else None
+            kernels.bn().hp_bn_backward_reduce(
+                dy.data_ptr(), x.data_ptr(), n, c, s, mean.data_ptr(), invstd.data_ptr(),
+                sums.data_ptr(), _ptr(dweight), _ptr(dbias),
+            )  # fmt: skip
+        elif not x.numel():  # a rank with no examples (torch's kernel divides by zero)
+            dweight, dbias = torch.zeros_like(mean), torch.zeros_like(mean)
+            sums.zero_()
+        else:
+            _, dweight, dbias = torch.ops.aten.native_batch_norm_backward(
+                dy, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+            )
+            torch.cat([dbias, dweight], out=sums)
         dx = None
-        if ctx.needs_input_grad[0]:
+        if need[0]:
             layers = {ctx.layer: sums.numel()} if ctx.layer else None
             all_reduce(sums, ctx.group, ctx.ledger, Term.BN_GRAD, layers)
-            mean_dy = (sums[:c] / ctx.m).to(x.dtype).view(shape)
-            mean_dy_xmu = (sums[c:] / ctx.m).to(x.dtype).view(shape)
-            istd = invstd.view(shape)
-            dx = (dy - mean_dy - xmu * istd * istd * mean_dy_xmu) * istd
-            if weight is not None:
-                dx = dx * weight.view(shape)
-        return dx, dweight, dbias, None, None, None, None
+            if fast:
+                dx = torch.empty_like(x)
+                kernels.bn().hp_bn_backward(
+                    dy.data_ptr(), x.data_ptr(), n, c, s, mean.data_ptr(), invstd.data_ptr(),
+                    _ptr(weight), sums.data_ptr(), ctx.m, dx.data_ptr(),
+                )  # fmt: skip
+            else:
+                dx = _backward_torch(dy, x, weight, mean, var, invstd, sums, ctx.m, ctx.eps)
+        if weight is None or not need[1]:
+            dweight = None
+        if weight is None or not need[2]:
+            dbias = None
+        return dx, dweight, dbias, None, None, None, None, None, None
+
+
+def _stats_torch(x: torch.Tensor, stats: torch.Tensor) -> None:
+    """hp_bn_stats in torch ops: [sum x, m (var + mean^2), m] in float64 from torch's own stable
+    per-channel statistics (var = E[x^2] - E[x]^2 would cancel in fp32 when |mean| >> std)."""
+    c = x.shape[1]
+    m_local = x.numel() // c if c else 0
+    if m_local:
+        xs = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        mean_l, var_l = torch.batch_norm_update_stats(xs, None, None, 0.0)
+        mean_d = mean_l.double()
+        torch.mul(mean_d, m_local, out=stats[:c])
+        torch.addcmul(var_l.double(), mean_d, mean_d, out=stats[c : 2 * c]).mul_(m_local)
+    else:
+        stats[: 2 * c] = 0.0
+    stats[2 * c] = m_local
+
+
+def _forward_torch(x, stats, m, weight, bias, running, factor, eps):
+    """hp_bn_forward in torch ops; returns y, mean, biased variance, invstd."""
+    c = x.shape[1]
+    mom = stats[: 2 * c].view(2, c) / m  # E[x], E[x^2] in float64
+    var64 = torch.addcmul(mom[1], mom[0], mom[0], value=-1.0).clamp_min_(0.0)
+    # mean, biased variance (for normalising), unbiased variance over the global sample count
+    # (for the running statistics, as for one big batch)
+    mean, var, var_unbiased = torch.stack([mom[0], var64, var64 * (m / (m - 1))]).to(x.dtype)
+    if running is not None:
+        torch._foreach_mul_(list(running), 1 - factor)
+        torch._foreach_add_(list(running), [mean, var_unbiased], alpha=factor)
+    y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+    return y, mean, var, torch.rsqrt(var64 + eps).to(x.dtype)
+
+
+def _backward_torch(dy, x, weight, mean, var, invstd, sums, m, eps):
+    """hp_bn_backward in torch ops."""
+    c = x.shape[1]
+    scale = invstd if weight is None else invstd * weight  # d y / d x-hat, per channel
+    # -(w invstd / m) * [global sum dy, global invstd * sum dy * (x - mean)]
+    coef = (sums.view(2, c) * (-1.0 / m)).to(x.dtype).mul_(scale)
+    dx = F.batch_norm(x, mean, var, coef[1], coef[0], False, 0.0, eps)
+    return dx.addcmul_(dy, scale.view([1, c] + [1] * (x.dim() - 2)))
 
 
 class GlobalBatchNorm(_BatchNorm):
@@ -154,18 +244,16 @@ class GlobalBatchNorm(_BatchNorm):
         if not (batch_stats and self.training and group_size(group) > 1 and self.use_global()):
             return self._local(x)
         factor = self._momentum_factor()
+        running = None
+        if self.track_running_stats and self.running_mean is not None:
+            running = (self.running_mean, self.running_var)
         if torch.is_autocast_enabled(x.device.type):
             # autocast runs batch norm in float32 (torch's policy for F.batch_norm): the same here
             x = x.float()
         with torch.autocast(x.device.type, enabled=False):
-            y, mean, var = _GlobalBatchNormFn.apply(
-                x, self.weight, self.bias, self.eps, group, self.ledger, self.layer
+            return _GlobalBatchNormFn.apply(
+                x, self.weight, self.bias, running, factor, self.eps, group, self.ledger, self.layer
             )
-        if self.track_running_stats and self.running_mean is not None:
-            with torch.no_grad():
-                self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-                self.running_var.mul_(1 - factor).add_(var, alpha=factor)
-        return y
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """torch BatchNorm's forward (what the module would do without the group)."""
