@@ -56,6 +56,13 @@ def test_c_kernels_equal_reference_and_the_torch_path(name, monkeypatch):
     torch_path = codec.decode(torch_enc)
     assert torch.equal(d.nan_to_num(7.0), torch_path.nan_to_num(7.0))
     assert not torch.isfinite(d[512:1024]).any() and not torch.isfinite(d[2048:2560]).any()
+    # decode_add: the kernel's one pass equals acc + decode bit for bit, as does the torch path
+    acc = _data(x.numel(), seed=9)
+    fused = codec.decode_add(e, acc.clone())
+    assert torch.equal(fused.nan_to_num(7.0), (acc + torch_path).nan_to_num(7.0))
+    assert torch.equal(
+        codec.decode_add(torch_enc, acc.clone()).nan_to_num(7.0), fused.nan_to_num(7.0)
+    )
 
 
 def test_compiled_path_equals_reference(monkeypatch):
@@ -163,12 +170,12 @@ def test_wire_bytes_and_byte_buffers():
     assert torch.equal(h.decode(h.from_bytes(h.to_bytes(h.encode(x)), 200)), h.roundtrip(x))
 
 
-def _allreduce(name, block, n, ef):
+def _allreduce(name, block, n, ef, dtype=torch.float32):
     P, rank = dist.get_world_size(), dist.get_rank()
     codec = get_codec(name, block)
-    xs = [_data(n, 1.0, seed=s) for s in range(P)]
+    xs = [_data(n, 1.0, seed=s).to(dtype).float() for s in range(P)]
     ledger = Ledger()
-    t = xs[rank].clone()
+    t = xs[rank].to(dtype, copy=True)
     residuals = {} if ef else None
     compressed_all_reduce(
         t, dist.group.WORLD, codec, ledger, "dw_allreduce", {"w": n}, residuals, key=0
@@ -177,7 +184,7 @@ def _allreduce(name, block, n, ef):
     same = [torch.empty_like(t) for _ in range(P)]
     dist.all_gather(same, t)
     identical = all(torch.equal(same[0], s) for s in same)
-    rel = float((t - exact).norm() / exact.norm())
+    rel = float((t.float() - exact).norm() / exact.norm())
     payload = ledger.bytes_by_term().get("dw_allreduce", 0.0)
     overhead = ledger.bytes_by_term().get("codec_overhead", 0.0)
     # error feedback: the residual of a second identical call corrects the first's error
@@ -189,11 +196,19 @@ def _allreduce(name, block, n, ef):
     return identical, rel, payload, overhead, ef_rel
 
 
-@pytest.mark.parametrize("P", [2, 4])
-@pytest.mark.parametrize("name", ["dynamic-tree", "fp16"])
-def test_compressed_all_reduce_is_close_identical_and_booked(P, name):
+@pytest.mark.parametrize(
+    ("P", "name", "dtype"),
+    [
+        (2, "dynamic-tree", torch.float32),
+        (3, "fp16", torch.float32),
+        (4, "dynamic-tree", torch.bfloat16),
+    ],
+)
+def test_compressed_all_reduce_is_close_identical_and_booked(P, name, dtype):
+    """bf16 gradients are encoded from float32 and the sums written back as bf16."""
     n = 1001  # does not split evenly
-    for identical, rel, payload, overhead, _ in run_ranks(_allreduce, P, name, 64, n, False):
+    got = run_ranks(_allreduce, P, name, 64, n, False, dtype)
+    for identical, rel, payload, overhead, _ in got:
         assert identical  # every rank holds the same sum
         assert rel < (0.03 if name != "fp16" else 1e-3), rel
         elem = 1 if name != "fp16" else 2

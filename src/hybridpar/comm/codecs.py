@@ -37,6 +37,7 @@ tests compare against.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -44,6 +45,7 @@ import warnings
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 
 from hybridpar.comm import kernels
@@ -114,6 +116,7 @@ class _Tables:
     mid: torch.Tensor  # float32[levels]: midpoint between level i and i + 1 (inf after the last)
     canon: torch.Tensor  # int32[levels]: level index -> its (canonical) magnitude code
     levels: torch.Tensor  # float32[levels], ascending
+    packed: torch.Tensor  # int64[_BUCKETS]: the C encoder's one lookup per element (_packed)
 
 
 @cache
@@ -140,7 +143,25 @@ def _tables(name: str) -> _Tables:
         raise AssertionError(f"codec {name}: levels too close for the bucket table")
     signed = torch.tensor(mags + [-v for v in mags], dtype=torch.float32)
     canon = torch.tensor([code_of[v] for v in levels], dtype=torch.int32)
-    return _Tables(signed, lut, mid, canon, lv.float())
+    return _Tables(signed, lut, mid, canon, lv.float(), _packed(lut, mid, canon))
+
+
+def _packed(lut: torch.Tensor, mid: torch.Tensor, canon: torch.Tensor) -> torch.Tensor:
+    """Per bucket, in one 64-bit word, everything the encoder's three dependent lookups (lut, then
+    mid and canon) would find: the midpoint above the bucket's lower level (bits 0-31, float32),
+    that level's code and sign mask (0x80 unless it is level 0; bits 32-47), the next level's code
+    and sign mask (bits 48-63). The C encoder makes one gather per element instead of three."""
+    last = canon.shape[0] - 1
+    lo = lut.long().clamp(max=last)
+    hi = (lo + 1).clamp(max=last)
+    mid_bits = mid[lo].view(torch.int32).numpy().astype(np.uint32).astype(np.uint64)
+    codes = [
+        canon[i].numpy().astype(np.uint64)
+        | np.where(i.numpy() > 0, 0x80, 0).astype(np.uint64) << np.uint64(8)
+        for i in (lo, hi)
+    ]
+    word = mid_bits | codes[0] << np.uint64(32) | codes[1] << np.uint64(48)
+    return torch.from_numpy(word.view(np.int64))
 
 
 def _encode_blocks(x: torch.Tensor, lut: torch.Tensor, mid: torch.Tensor, canon: torch.Tensor):
@@ -273,7 +294,7 @@ class Codec:
         )
         if flat.device.type == "cpu" and n >= _KERNEL_MIN and kernels.available():
             flat = flat.contiguous()
-            if kernels.encode(flat, block, t.lut, t.mid, t.canon, codes, scales):
+            if kernels.encode(flat, block, t.packed, codes, scales):
                 for b in torch.nonzero(torch.isnan(scales)).view(-1).tolist():  # NaN or inf
                     lo = b * block
                     c, sc = _encode_blocks(flat[lo : lo + block].view(1, -1), t.lut, t.mid, t.canon)
@@ -326,6 +347,25 @@ class Codec:
             out[full:] = _decode_blocks(e.payload[full:], e.scales[-1:], t.decode)
         return out.view(e.shape)
 
+    def decode_add(self, e: Encoded, acc: torch.Tensor) -> torch.Tensor:
+        """acc += decode(e), bit for bit, for a contiguous float32 `acc` of e's size; on CPU one
+        pass (no decoded temporary) where the C kernels run."""
+        n = e.payload.numel()
+        if (
+            e.scales is not None
+            and e.payload.device.type == "cpu"
+            and n >= _KERNEL_MIN
+            and acc.is_contiguous()
+            and acc.dtype == torch.float32
+            and acc.numel() == n
+            and kernels.available()
+        ):
+            t = _tables_for(self.name, e.payload.device)
+            block = n if self.block is None else self.block
+            kernels.decode_add(e.payload.contiguous(), block, e.scales.contiguous(), t.decode, acc)
+            return acc
+        return acc.add_(self.decode(e).view(acc.shape))
+
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x)).to(x.dtype)
 
@@ -351,7 +391,7 @@ class Codec:
 @cache
 def _tables_on(name: str, device: str) -> _Tables:
     t = _tables(name)
-    return _Tables(*(getattr(t, f).to(device) for f in ("decode", "lut", "mid", "canon", "levels")))
+    return _Tables(*(getattr(t, f.name).to(device) for f in dataclasses.fields(_Tables)))
 
 
 def _tables_for(name: str, device: torch.device) -> _Tables:

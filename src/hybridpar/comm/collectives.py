@@ -12,6 +12,7 @@ padding under the separate term `codec_overhead`.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Sequence
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.comm import small as _small
-from hybridpar.comm.codecs import Codec
+from hybridpar.comm.codecs import Codec, Encoded
 from hybridpar.comm.ledger import Entry, Ledger
 from hybridpar.plan import Term
 
@@ -225,6 +226,11 @@ def compressed_all_reduce(
     tensor. Wire bytes per element: about 2 (p-1)/p x the codec's size, against 8 (p-1)/p for a
     float32 ring all-reduce.
 
+    No copies beyond the codec's own passes: chunks are encoded straight into the send buffer
+    (one frame per chunk: scales, then payload; `_frame`), the owner decodes and adds in one pass
+    (`Codec.decode_add`), and the gathered sums are decoded straight into `t`. The byte buffers
+    are kept per thread and reused (`_scratch`).
+
     Error feedback (as in 1-bit SGD): with a `residuals` dict, what the encoding lost this time
     (of the chunks sent, and of the owned sum) is kept under `key` and added back next time.
     """
@@ -237,7 +243,8 @@ def compressed_all_reduce(
     me = dist.get_rank(group)
     sizes = even_split(n, p)
     offs = [sum(sizes[:j]) for j in range(p)]
-    x = flat.float()
+    x = flat.float()  # flat itself when it is float32
+    res = None
     if residuals is not None:
         res = residuals.get(key)
         if res is None or res[0].numel() != n:
@@ -247,40 +254,87 @@ def compressed_all_reduce(
             )
             residuals[key] = res
         x = x + res[0]
-    send, send_len = [], []
+    frames = [_frame_bytes(codec, k) for k in sizes]
+    send_len = [0 if j == me else frames[j] for j in range(p)]
+    recv_len = [0 if j == me else frames[me] for j in range(p)]
+    send = _scratch("send", sum(send_len), x.device)
+    pos = 0
     for j in range(p):
         if j == me:
-            send_len.append(0)
             continue
         piece = x[offs[j] : offs[j] + sizes[j]]
-        enc = codec.encode(piece)
-        if residuals is not None:
-            residuals[key][0][offs[j] : offs[j] + sizes[j]] = piece - codec.decode(enc)
-        b = codec.to_bytes(enc)
-        send.append(b)
-        send_len.append(b.numel())
-    mine_len = codec.wire_bytes(sizes[me])
-    recv_len = [0 if j == me else mine_len for j in range(p)]
-    recv = torch.empty(sum(recv_len), dtype=torch.uint8, device=x.device)
-    dist.all_to_all_single(recv, torch.cat(send), recv_len, send_len, group=group)
-    acc = x[offs[me] : offs[me] + sizes[me]].clone()
+        enc = _encode_into(codec, piece, _frame(codec, send[pos : pos + frames[j]], sizes[j]))
+        pos += frames[j]
+        if res is not None:
+            lost = res[0][offs[j] : offs[j] + sizes[j]]
+            torch.sub(piece, codec.decode(enc, out=lost).view(-1), out=lost)
+    recv = _scratch("recv", sum(recv_len), x.device)
+    dist.all_to_all_single(recv, send, recv_len, send_len, group=group)
+    acc = x[offs[me] : offs[me] + sizes[me]]  # x is not read again: sum into it
+    if x.data_ptr() == flat.data_ptr():
+        acc = acc.clone() if res is not None else acc
     pos = 0
     for j in range(p):
         if j != me:
-            acc += codec.decode(codec.from_bytes(recv[pos : pos + mine_len], sizes[me]))
-            pos += mine_len
-    if residuals is not None:
-        acc += residuals[key][1]
-    enc = codec.encode(acc)
-    if residuals is not None:
-        residuals[key][1].copy_(acc - codec.decode(enc))
-    lengths = [codec.wire_bytes(k) for k in sizes]
-    got = _gather_bytes(codec.to_bytes(enc), lengths, group)
+            codec.decode_add(_frame(codec, recv[pos : pos + frames[me]], sizes[me]), acc)
+            pos += frames[me]
+    if res is not None:
+        acc += res[1]
+    top = frames[0]  # even_split puts the largest chunk first; every frame is padded to it
+    mine = _scratch("gather", top, x.device)
+    enc = _encode_into(codec, acc, _frame(codec, mine[: frames[me]], sizes[me]))
+    if res is not None:
+        torch.sub(acc, codec.decode(enc, out=res[1]).view(-1), out=res[1])
+    got = _scratch("gathered", p * top, x.device)
+    _all_gather_single(got, mine, group=group)
+    dst = flat if flat.dtype == torch.float32 else x
     for j in range(p):
-        flat[offs[j] : offs[j] + sizes[j]] = codec.decode(codec.from_bytes(got[j], sizes[j]))
+        chunk = dst[offs[j] : offs[j] + sizes[j]]
+        codec.decode(_frame(codec, got[j * top : j * top + frames[j]], sizes[j]), out=chunk)
+    if dst is not flat:
+        flat.copy_(dst)
     payload = n * codec.bits / 8
-    scales = sum(4 * codec.blocks(k) for k in sizes)
     seconds = time.perf_counter() - t0
-    _book(ledger, "all_to_all", p, payload, scales, seconds, term, layers)
-    _book(ledger, "all_gather", p, payload, p * max(lengths) - payload, 0.0, term, layers)
+    _book(ledger, "all_to_all", p, payload, sum(frames) - payload, seconds, term, layers)
+    _book(ledger, "all_gather", p, payload, p * top - payload, 0.0, term, layers)
     return t
+
+
+def _frame_bytes(codec: Codec, numel: int) -> int:
+    """Bytes of one chunk on compressed_all_reduce's wire: its scales, then its payload, padded to
+    4 bytes so that the next frame's scales stay aligned."""
+    return 4 * codec.blocks(numel) + -(-numel * codec.bits // 8 // 4) * 4
+
+
+def _frame(codec: Codec, buf: torch.Tensor, numel: int) -> Encoded:
+    """The Encoded whose scales and payload are views of the frame `buf`."""
+    sb, nb = 4 * codec.blocks(numel), numel * codec.bits // 8
+    if codec.eight_bit:
+        return Encoded(codec.name, buf[sb : sb + nb], buf[:sb].view(torch.float32), (numel,))
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(codec.name, torch.float32)
+    return Encoded(codec.name, buf[:nb].view(dt), None, (numel,))
+
+
+def _encode_into(codec: Codec, x: torch.Tensor, frame: Encoded) -> Encoded:
+    """Encode x into the frame's views (copied there when the codec could not write in place)."""
+    e = codec.encode(x, out=frame)
+    if e.payload.numel() and e.payload.data_ptr() != frame.payload.data_ptr():
+        frame.payload.copy_(e.payload.view(-1))
+    if e.scales is not None and e.scales.numel() and e.scales.data_ptr() != frame.scales.data_ptr():
+        frame.scales.copy_(e.scales)
+    return frame
+
+
+# all_gather_into_tensor is deprecated from torch 2.13 on, under its new name
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A byte buffer of `nbytes`, kept per thread, name and device and reused across calls (fresh
+    pages on every call would each cost a page fault); valid until this thread's next call."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    buf = bufs.get((name, device))
+    if buf is None or buf.numel() < nbytes:
+        buf = bufs[(name, device)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes]

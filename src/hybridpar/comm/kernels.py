@@ -36,7 +36,7 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["available", "bn", "decode", "encode"]
+__all__ = ["available", "bn", "decode", "decode_add", "encode"]
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -44,12 +44,12 @@ _SOURCE = r"""
 #include <string.h>
 
 /* Encode n floats in blocks of `block`: per block the absmax into scales[b], then per element the
-   nearest level: bucket = top 17 bits of |x|/absmax, lut[bucket] the nearest level at the bucket's
-   lower edge, one comparison with the midpoint to the next level. Returns how many blocks hold a
+   nearest level: bucket k = top 17 bits of |x|/absmax; packed[k] holds the midpoint above the
+   bucket's lower level (low 32 bits, float) and the codes of that level and the next, each with
+   its sign mask (codecs._packed): one comparison picks the level. Returns how many blocks hold a
    non-finite value; their scale is set to NaN and their codes are left for the caller. */
-int64_t hp_encode(const float *x, int64_t n, int64_t block, const int32_t *lut, int32_t nbuckets,
-                  const float *mid, const int32_t *canon, int32_t nlevels, uint8_t *codes,
-                  float *scales) {
+int64_t hp_encode(const float *x, int64_t n, int64_t block, const uint64_t *packed,
+                  int32_t nbuckets, uint8_t *codes, float *scales) {
     int64_t bad_blocks = 0;
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t len = n - lo < block ? n - lo : block;
@@ -78,10 +78,12 @@ int64_t hp_encode(const float *x, int64_t n, int64_t block, const int32_t *lut, 
             memcpy(&bits, &v, 4);
             int32_t k = bits >> 15;
             k = k < nbuckets - 1 ? k : nbuckets - 1;
-            int32_t i = lut[k];
-            i += v >= mid[i];
-            i = i < nlevels - 1 ? i : nlevels - 1;
-            cs[j] = (uint8_t)(canon[i] | (((xs[j] < 0.0f) & (i > 0)) << 7));
+            uint64_t e = packed[k];
+            uint32_t mb = (uint32_t)e, both = (uint32_t)(e >> 32);
+            float mid;
+            memcpy(&mid, &mb, 4);
+            uint32_t sel = v >= mid ? both >> 16 : both & 0xffffu;
+            cs[j] = (uint8_t)((sel & 0xffu) | (xs[j] < 0.0f ? (sel >> 8) & 0xffu : 0u));
         }
     }
     return bad_blocks;
@@ -97,6 +99,20 @@ void hp_decode(const uint8_t *codes, int64_t n, int64_t block, const float *scal
         float *os = out + lo;
 #pragma omp simd
         for (int64_t j = 0; j < len; j++) os[j] = table[cs[j]] * s;
+    }
+}
+
+/* Decode and accumulate: acc += table[code] * scale (the same float32 product as hp_decode, then
+   one add: bit for bit acc + decode). */
+void hp_decode_add(const uint8_t *codes, int64_t n, int64_t block, const float *scales,
+                   const float *table, float *acc) {
+    for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
+        int64_t len = n - lo < block ? n - lo : block;
+        float s = scales[b];
+        const uint8_t *cs = codes + lo;
+        float *os = acc + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) os[j] += table[cs[j]] * s;
     }
 }
 
@@ -237,10 +253,12 @@ def _build() -> ctypes.CDLL:
             os.replace(out, lib)  # atomic: ranks building at once each leave a whole file
     dll = ctypes.CDLL(str(lib))
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    dll.hp_encode.argtypes = [p, i64, i64, p, ctypes.c_int32, p, p, ctypes.c_int32, p, p]
+    dll.hp_encode.argtypes = [p, i64, i64, p, ctypes.c_int32, p, p]
     dll.hp_encode.restype = i64
     dll.hp_decode.argtypes = [p, i64, i64, p, p, p]
     dll.hp_decode.restype = None
+    dll.hp_decode_add.argtypes = [p, i64, i64, p, p, p]
+    dll.hp_decode_add.restype = None
     f64 = ctypes.c_double
     dll.hp_bn_stats.argtypes = [p, i64, i64, i64, p]
     dll.hp_bn_forward.argtypes = [p, i64, i64, i64, p, f64, p, p, p, p, p, p, p, f64]
@@ -276,24 +294,16 @@ def available() -> bool:
     return _get() is not None
 
 
-def encode(x, block: int, lut, mid, canon, codes, scales) -> int:
-    """x float32 contiguous CPU (n,), lut and canon int32, mid float32, codes uint8 (n,), scales
-    float32 (ceil(n/block),); returns
-    the number of blocks holding NaN or inf (scale NaN, codes not written)."""
+def encode(x, block: int, packed, codes, scales) -> int:
+    """x float32 contiguous CPU (n,), packed int64 (codecs._packed), codes uint8 (n,), scales
+    float32 (ceil(n/block),); returns the number of blocks holding NaN or inf (scale NaN, codes not
+    written)."""
     lib = _get()
     assert lib is not None
     return lib.hp_encode(
-        x.data_ptr(),
-        x.numel(),
-        block,
-        lut.data_ptr(),
-        lut.numel(),
-        mid.data_ptr(),
-        canon.data_ptr(),
-        canon.numel(),
-        codes.data_ptr(),
+        x.data_ptr(), x.numel(), block, packed.data_ptr(), packed.numel(), codes.data_ptr(),
         scales.data_ptr(),
-    )
+    )  # fmt: skip
 
 
 def decode(codes, block: int, scales, table, out) -> None:
@@ -301,6 +311,14 @@ def decode(codes, block: int, scales, table, out) -> None:
     assert lib is not None
     lib.hp_decode(
         codes.data_ptr(), codes.numel(), block, scales.data_ptr(), table.data_ptr(), out.data_ptr()
+    )
+
+
+def decode_add(codes, block: int, scales, table, acc) -> None:
+    lib = _get()
+    assert lib is not None
+    lib.hp_decode_add(
+        codes.data_ptr(), codes.numel(), block, scales.data_ptr(), table.data_ptr(), acc.data_ptr()
     )
 
 
