@@ -262,19 +262,23 @@ def test_table_2_mnist_mlp_activations_dynamic_tree_best_per_layer():
 
 
 class _FakeBucket:
-    def __init__(self, t):
-        self.t = t
+    def __init__(self, t, index=3, last=True):
+        self.t, self._index, self._last = t, index, last
 
     def buffer(self):
         return self.t
 
     def index(self):
-        return 3
+        return self._index
+
+    def is_last(self):
+        return self._last
 
 
 def _threaded_hook(P_split):
-    """compressed_hook on a CommWorker and its own group, with the main thread issuing its own
-    collectives on WORLD meanwhile (as global BN does during backward)."""
+    """compressed_hook on a CommWorker and its own group, two buckets (3001 and 1500 elements) in
+    one step, with the main thread issuing its own collectives on WORLD meanwhile (as global BN
+    does during backward); the step twice, for error feedback."""
     from hybridpar.comm.grid import group_timeout, new_group
     from hybridpar.comm.hooks import ReducerState, compressed_hook, piece_key
     from hybridpar.comm.worker import CommWorker
@@ -282,39 +286,60 @@ def _threaded_hook(P_split):
     P, rank = dist.get_world_size(), dist.get_rank()
     twin = new_group(list(range(P)), group_timeout(), "test_grads", tag="grads")
     codec = get_codec("dynamic-tree", 64)
-    x = _data(3001, seed=rank)
+    xs = {3: _data(3001, seed=rank), 4: _data(1500, seed=10 + rank)}
     ledger = Ledger()
     worker = CommWorker()
     state = ReducerState(
         group=twin, average=True, ledger=ledger, codec=codec, worker=worker, split_elements=P_split
     )
-    state.error_feedback, state.bucket_layers[3] = True, {"w": 3001}
-    fut = compressed_hook(state, _FakeBucket(x.clone()))
-    side = [torch.full((4,), float(rank)) for _ in range(5)]
-    for t in side:
-        dist.all_reduce(t)  # the main thread's collectives, on another group
-    got = fut.wait()
+    state.error_feedback = True
+    state.bucket_layers.update({3: {"w": 3001}, 4: {"v": 1500}})
+    calls = [0]
+    real = dist.all_to_all_single
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    dist.all_to_all_single = counted
+    results = []
+    for _ in range(2):
+        futs = [compressed_hook(state, _FakeBucket(x.clone(), i, i == 4)) for i, x in xs.items()]
+        side = [torch.full((4,), float(rank)) for _ in range(5)]
+        for t in side:
+            dist.all_reduce(t)  # the main thread's collectives, on another group
+        results.append([f.wait() for f in futs])
     worker.close()
-    # the same pieces reduced one after another, synchronously
-    ref, residuals = x.clone(), {}
-    for k, lo in enumerate(range(0, 3001, P_split)):
-        compressed_all_reduce(
-            ref[lo : lo + P_split], twin, codec, None, "dw_allreduce", None, residuals,
-            piece_key(3, k),
-        )  # fmt: skip
-    ref /= P
+    dist.all_to_all_single = real
+    # the same pieces reduced one after another, synchronously: 2 collectives each
+    refs, residuals = [], {}
+    for _ in range(2):
+        step = []
+        for i, x in xs.items():
+            ref = x.clone()
+            for k, lo in enumerate(range(0, x.numel(), P_split)):
+                compressed_all_reduce(
+                    ref[lo : lo + P_split], twin, codec, None, "dw_allreduce", None, residuals,
+                    piece_key(i, k),
+                )  # fmt: skip
+            step.append(ref / P)
+        refs.append(step)
+    got = torch.cat([t for step in results for t in step])
     same = [torch.empty_like(got) for _ in range(P)]
     dist.all_gather(same, got)
+    pieces = sum(-(-x.numel() // P_split) for x in xs.values())
     return (
-        torch.equal(got, ref),
+        torch.equal(got, torch.cat([t for step in refs for t in step])),
         all(torch.equal(same[0], s) for s in same),
         all(float(t[0]) == sum(range(P)) for t in side),
         sorted(state.residuals) == sorted(residuals),
         ledger.bytes_by_term().get("dw_allreduce", 0.0),
+        (calls[0], 2 * (pieces + 1)),  # m pieces a step: m + 1 collectives, not 2m
     )
 
 
 @pytest.mark.parametrize("P", [2, 3])
 def test_compressed_hook_on_its_thread_splits_and_overlaps_safely(P):
-    for equal, identical, side_ok, keys, booked in run_ranks(_threaded_hook, P, 1000):
+    for equal, identical, side_ok, keys, booked, calls in run_ranks(_threaded_hook, P, 1000):
         assert equal and identical and side_ok and keys and booked > 0
+        assert calls[0] == calls[1], calls

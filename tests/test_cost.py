@@ -221,3 +221,15 @@ def test_global_bn_priced_with_the_calibrated_shared_memory_latency():
         assert a[term].seconds != 20e-6
     with pytest.raises(ConfigError, match="small_alpha"):
         dataclasses.replace(net, small_alpha=-1.0)
+
+
+def test_pipelined_compressed_reduction_saves_the_all_gather_latency():
+    """The gradient pipeline (comm.collectives.CompressedPipeline) carries the sums back in the
+    next piece's all-to-all: the same bytes, the all-gather's latency gone."""
+    net = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e12)
+    n, p = 4e6, 4
+    two = cc.compressed_all_reduce(n, p, net)
+    one = cc.compressed_all_reduce(n, p, net, pipelined=True)
+    assert one.bytes == two.bytes == cc.all_reduce(n, p, net).bytes
+    assert two.seconds - one.seconds == pytest.approx(net.alpha * math.ceil(math.log2(p)))
+    assert one.seconds == pytest.approx((p - 1) * net.alpha + net.beta * one.bytes)

@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.comm.codecs import Codec, get_codec
-from hybridpar.comm.collectives import all_reduce, compressed_all_reduce, group_size
+from hybridpar.comm.collectives import (
+    CompressedPipeline,
+    all_reduce,
+    compressed_all_reduce,
+    group_size,
+)
 from hybridpar.comm.ledger import Ledger
 from hybridpar.comm.worker import CommWorker
 from hybridpar.plan import Term
@@ -50,6 +55,14 @@ class ReducerState:
     split_elements: int = 1 << 22
     """with a worker: a bucket larger than this is reduced as several jobs of at most this many
     elements, so its first pieces are summed while the rest of the queue waits"""
+    buckets_per_step: int = 0
+    """with a worker: how many buckets this state reduces per step (hybridpar's GradSync sets it;
+    0: the bucket's is_last() says, as torch DDP's buckets, launched in order, do)"""
+    launched: int = 0
+    pipeline: CompressedPipeline | None = None
+    """with a worker: the compressed pipeline, created on the worker thread at first use"""
+    in_flight: dict = field(default_factory=dict)
+    """with a worker: the futures of buckets not yet summed (an error fails them all)"""
 
 
 def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -90,13 +103,16 @@ def piece_key(bucket: int, piece: int) -> int:
 
 def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:
     """The bucket summed by `compressed_all_reduce` with state.codec: 8-bit chunks to their owners
-    by all-to-all, float32 sums, 8-bit sums back by all-gather (Krizhevsky 4.1 + Dettmers).
+    by all-to-all, float32 sums, 8-bit sums back (Krizhevsky 4.1 + Dettmers).
 
     Without `state.worker` it runs synchronously inside the hook: the two collectives depend on
     each other, and starting the second from a completion callback could order collectives
     differently on different ranks. With a worker (`CommWorker`) the hook queues the bucket, cut
-    into pieces of at most `state.split_elements`, and returns at once: the thread reduces the
-    pieces in order, on `state.group`, which only the worker may use, while backward goes on.
+    into pieces of at most `state.split_elements`, and returns at once: the thread pushes the
+    pieces in order through a `CompressedPipeline` on `state.group`, which only the worker may
+    use, while backward goes on. The sums of piece k travel with piece k + 1's chunks, and the
+    pipeline is flushed after the step's last bucket, so a step of m pieces makes m + 1
+    collectives; a bucket's future completes once its last piece is summed.
     """
     group = state.group if state.group is not None else dist.group.WORLD
     p = group_size(group)
@@ -109,28 +125,46 @@ def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.T
     index, layers = bucket.index(), state.bucket_layers.get(bucket.index())
     residuals = state.residuals if state.error_feedback else None
 
-    def reduce(piece: torch.Tensor, key: object) -> None:
-        # a piece's bytes are booked over the bucket's layers pro rata, like the whole bucket's
-        compressed_all_reduce(piece, group, codec, state.ledger, state.term, layers, residuals, key)
-
     if state.worker is None:
-        reduce(buf, index)
+        compressed_all_reduce(buf, group, codec, state.ledger, state.term, layers, residuals, index)
         return _done(buf.div_(p) if state.average else buf)
+    if state.buckets_per_step:  # the same count on every rank: the step's last launch flushes
+        state.launched = (state.launched + 1) % state.buckets_per_step
+        last = state.launched == 0
+    else:
+        last = bucket.is_last()
     step = max(1, state.split_elements)
-    n = buf.numel()
-    futures = []
-    for k, lo in enumerate(range(0, n, step)):
-        piece = buf[lo : lo + step]
-        futures.append(
-            state.worker.submit(lambda piece=piece, k=k: reduce(piece, piece_key(index, k)))
-        )
+    done: torch.futures.Future = torch.futures.Future()
+    state.in_flight[id(done)] = done
+    starts = range(0, buf.numel(), step)
 
-    def finish(_: object) -> torch.Tensor:
-        for f in futures:
-            f.wait()  # raises a piece's error
-        return buf.div_(p) if state.average else buf
+    def finished() -> None:
+        state.in_flight.pop(id(done), None)
+        done.set_result(buf.div_(p) if state.average else buf)
 
-    return torch.futures.collect_all(futures).then(finish)
+    def push(k: int, lo: int) -> None:
+        try:
+            if state.pipeline is None:
+                state.pipeline = CompressedPipeline(
+                    group, codec, state.ledger, state.term, residuals
+                )
+            tail = k == len(starts) - 1
+            # a piece's bytes are booked over the bucket's layers pro rata, like the bucket's
+            state.pipeline.push(
+                buf[lo : lo + step], layers, piece_key(index, k), finished if tail else None
+            )
+            if tail and last:
+                state.pipeline.flush()
+        except BaseException as exc:  # the waiting rank raises it: a timeout names the peer
+            state.pipeline = None  # nothing half-sent carries over
+            for f in list(state.in_flight.values()):
+                if not f.done():
+                    f.set_exception(exc)
+            state.in_flight.clear()
+
+    for k, lo in enumerate(starts):
+        state.worker.submit(lambda k=k, lo=lo: push(k, lo))
+    return done
 
 
 def dynamic8(state: ReducerState, bucket) -> torch.futures.Future[torch.Tensor]:

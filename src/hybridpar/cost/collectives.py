@@ -73,13 +73,20 @@ def all_reduce(n: float, p: int, net: Cluster) -> Comm:
     return Comm("all_reduce", p, v, 2 * net.alpha * clog2(p) + net.beta * v)
 
 
-def compressed_all_reduce(n: float, p: int, net: Cluster) -> Comm:
+def compressed_all_reduce(n: float, p: int, net: Cluster, pipelined: bool = False) -> Comm:
     """Krizhevsky's section 4.1 reduction, used with a codec: chunks to their owners by all-to-all,
     encoded sums back by all-gather: (p-1)*alpha + alpha*ceil(log p) + 2*beta*(p-1)/p*n, where n
-    is the encoded size. Same bytes as `all_reduce` of n bytes; more latency."""
+    is the encoded size. Same bytes as `all_reduce` of n bytes; more latency.
+
+    `pipelined`: the gradient reducer's stream (comm.collectives.CompressedPipeline), where the
+    sums of one piece ride in the next piece's all-to-all: one all-to-all's latency per piece,
+    (p-1)*alpha + 2*beta*(p-1)/p*n (the one flush per step is left out)."""
     if p <= 1:
         return Comm.zero("all_reduce", p)
     a, g = all_to_all(n, p, net), all_gather(n, p, net)
+    latency = a.seconds - net.beta * a.bytes
+    if pipelined:
+        return Comm("all_reduce", p, a.bytes + g.bytes, latency + net.beta * (a.bytes + g.bytes))
     return Comm("all_reduce", p, a.bytes + g.bytes, a.seconds + g.seconds)
 
 

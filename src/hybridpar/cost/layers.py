@@ -165,7 +165,8 @@ class Wire:
     """Bytes per element on the wire by kind of traffic, for a codec that compresses some of it:
     `grads` for weight-gradient reductions, `acts` for activations and their gradients (the
     all-gathers of Y, the dX all-reduces, the redistributions, the halos). A compressed reduction
-    runs as all-to-all + all-gather (hybridpar.comm.collectives.compressed_all_reduce)."""
+    runs as all-to-all + all-gather (hybridpar.comm.collectives.compressed_all_reduce); gradient
+    reductions as one all-to-all each (the pipeline: cost.collectives.compressed_all_reduce)."""
 
     grads: float
     acts: float
@@ -177,8 +178,8 @@ class Wire:
         return e if isinstance(e, Wire) else Wire(e, e)
 
 
-def _reduce(n: float, p: int, net: Cluster, compressed: bool) -> Comm:
-    return compressed_all_reduce(n, p, net) if compressed else all_reduce(n, p, net)
+def _reduce(n: float, p: int, net: Cluster, compressed: bool, pipelined: bool = False) -> Comm:
+    return compressed_all_reduce(n, p, net, pipelined) if compressed else all_reduce(n, p, net)
 
 
 def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
@@ -200,7 +201,9 @@ def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float 
     every rank, not split)."""
     w = Wire.of(e)
     sharded = layer.params - layer.extra_params
-    return _reduce((sharded / shard + layer.extra_params) * w.grads, p, net, w.grads_compressed)
+    n = (sharded / shard + layer.extra_params) * w.grads
+    # compressed gradients stream through the reducer thread's pipeline (hooks.compressed_hook)
+    return _reduce(n, p, net, w.grads_compressed, pipelined=True)
 
 
 def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> dict[str, Comm]:

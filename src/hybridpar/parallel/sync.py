@@ -116,6 +116,8 @@ class GradSync:
                 chunks[-1].append((n, p))
                 size += nbytes
             state = state_factory(group=group, average=False, ledger=ledger)
+            if hasattr(state, "buckets_per_step"):  # the compressed pipeline flushes per step
+                state.buckets_per_step = len(chunks)
             for k, chunk in enumerate(chunks):
                 b = Bucket(index, chunk, k == len(chunks) - 1)
                 layers: dict[str, float] = {}
