@@ -199,25 +199,30 @@ def main() -> int:
         ]  # fmt: skip
         outs = c.torchrun(plain_args, args.nproc_per_node, args.timeout)
         plain = json.loads(next(o for o in outs if o.strip()).strip().splitlines()[-1])
-        rows.append(("torch DDP, plain loop (baseline)", plain["time_s"], None))
+        rows.append(("torch DDP, plain loop (baseline)", plain["time_s"], None, None))
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "r.json"
             for name, cmd in contenders(args, report):
                 c.torchrun(cmd, args.nproc_per_node, args.timeout)
                 r = json.loads(report.read_text())
                 b = r["bytes"]["measured"]
-                rows.append((name, r["iteration"]["time_s"], sum(b.values())))
+                it = r["iteration"]
+                rows.append((name, it["time_s"], sum(b.values()), it.get("comm_wait_s")))
                 report.unlink()
         base = rows[0][1]
         print(
             f"alexnet-owt {args.input_size}x{args.input_size}, global batch {args.batch}, P = {P}, "
             f"median of {args.steps - 1} iterations"
         )
-        print(f"{'contender':<36} {'ms/iter':>8} {'MB/iter/rank':>13} {'speed vs plain DDP':>19}")
-        for name, t, nbytes in rows:
+        print(
+            f"{'contender':<36} {'ms/iter':>8} {'MB/iter/rank':>13} {'speed vs plain DDP':>19} "
+            f"{'comm wait ms':>13}"
+        )
+        for name, t, nbytes, wait in rows:
             mb = f"{nbytes / 1e6:13.1f}" if nbytes is not None else f"{'':>13}"
-            print(f"{name:<36} {t * 1e3:8.1f} {mb} {base / t:18.2f}x")
-        best8 = min(t for n, t, _ in rows if "dynamic" in n and "batch" in n)
+            w = f"{wait * 1e3:13.1f}" if wait is not None else ""
+            print(f"{name:<36} {t * 1e3:8.1f} {mb} {base / t:18.2f}x {w}")
+        best8 = min(t for n, t, _, _ in rows if "dynamic" in n and "batch" in n)
         print(
             f"pure batch with dynamic-tree gradients vs plain DDP: {base / best8:.2f}x "
             f"(goal >= 2.5x: {'met' if base / best8 >= 2.5 else 'NOT met'})"
