@@ -224,8 +224,8 @@ def test_global_bn_priced_with_the_calibrated_shared_memory_latency():
 
 
 def test_pipelined_compressed_reduction_saves_the_all_gather_latency():
-    """The gradient pipeline (comm.collectives.CompressedPipeline) carries the sums back in the
-    next piece's all-to-all: the same bytes, the all-gather's latency gone."""
+    """The gradient pipeline (comm.collectives.CompressedPipeline) returns one piece's sums while
+    the next piece's chunks go out: the same bytes, the all-gather's latency hidden."""
     net = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e12)
     n, p = 4e6, 4
     two = cc.compressed_all_reduce(n, p, net)

@@ -225,7 +225,7 @@ def compressed_all_reduce(
     them, adds them to its own chunk in float32, encodes the sum once and sends it to every other
     rank; every rank (the owner too) decodes all the chunks, so all end up with the same tensor.
     Wire bytes per element: about 2 (p-1)/p x the codec's size, against 8 (p-1)/p for a float32
-    ring all-reduce. This is a `CompressedPipeline` of one piece: two collectives.
+    ring all-reduce. This is a `CompressedPipeline` of one piece: two all-to-alls.
 
     Error feedback (as in 1-bit SGD): with a `residuals` dict, what the encoding lost this time
     (of the chunks sent, and of the owned sum) is kept under `key` and added back next time.
@@ -264,6 +264,9 @@ class _Piece:
             self.res = res
             self.x = self.x + res[0]
         self.chunk = lambda j: slice(self.offs[j], self.offs[j] + self.sizes[j])
+        self.slot, self.returning = 0, False
+        self.recv: torch.Tensor | None = None
+        self.work = None
 
     def encode_chunk(self, codec: Codec, j: int, out: torch.Tensor) -> None:
         """Chunk j (owned by rank j) into the frame `out`; its loss into the residual."""
@@ -304,18 +307,24 @@ class _Piece:
 
 
 class CompressedPipeline:
-    """compressed_all_reduce over a stream of tensors (a reducer thread's bucket pieces), with the
-    return trip of piece k riding in the all-to-all of piece k + 1: m pieces take m + 1
-    collectives instead of 2m. Where one collective costs milliseconds of latency whatever its
-    size (4 ranks on 2 cores: about 4.6 ms), that is most of the difference.
+    """compressed_all_reduce over a stream of tensors (a reducer thread's bucket pieces), with
+    the collectives of consecutive pieces in flight together: the all-to-all that carries piece
+    k's chunks to their owners and the one that carries piece k-1's sums back run at the same
+    time, while this thread encodes, sums and decodes. So the link is not idle during the codec
+    work, and where a collective costs milliseconds of latency (4 ranks on 2 cores: about 4.6 ms)
+    two latencies overlap.
 
-    `push(t)` sends t's chunks to their owners (with the previous piece's sums, if one is
-    waiting) and sums the chunks this rank owns; the sums wait for the next push or for
-    `flush()`, which sends them alone. A pushed tensor holds its sum only after the push that
-    follows it, or the flush, returns. Every rank must push the same sequence and flush at the
-    same points (the hooks flush after a step's last bucket), so every rank issues the same
-    collectives. Bytes and sums are those of compressed_all_reduce, bit for bit.
+    `push(t)` encodes t's chunks and starts sending them; it then finishes what earlier pushes
+    started: the previous piece's owned chunk is summed and its sum sent back, and the piece
+    before that decoded into its tensor. `flush()` finishes everything. A pushed tensor holds
+    its sum once the push two after it, or a flush, returns (`on_done` says when). Every rank
+    must push the same sequence and flush at the same points (the hooks flush after a step's last
+    bucket): the collectives are then started in the same order everywhere (gloo keeps
+    concurrent collectives of one group apart by sequence number). Bytes and sums are those of
+    compressed_all_reduce, bit for bit.
     """
+
+    SLOTS = 3  # pieces whose buffers may be in use at once: sending, returning, being created
 
     def __init__(
         self,
@@ -328,59 +337,84 @@ class CompressedPipeline:
         self.group, self.codec, self.ledger, self.term = group, codec, ledger, term
         self.residuals = residuals
         self.p, self.me = group_size(group), dist.get_rank(group)
-        self.pending: _Piece | None = None
+        self.live: list[_Piece] = []
+        self.count = 0
 
     def push(self, t: torch.Tensor, layers=None, key: object = None, on_done=None) -> None:
         """`on_done()` is called (on this thread) once t holds its sum."""
-        self._exchange(_Piece(self, t, layers, key, on_done))
+        piece = _Piece(self, t, layers, key, on_done)
+        piece.slot, self.count = self.count % self.SLOTS, self.count + 1
+        self._guarded(lambda: (self._scatter(piece), self._advance(keep=1)))
 
     def flush(self) -> None:
-        if self.pending is not None:
-            self._exchange(None)
+        self._guarded(lambda: self._advance(keep=0))
 
-    def _exchange(self, nxt: _Piece | None) -> None:
-        prev, p, me, codec = self.pending, self.p, self.me, self.codec
-        self.pending = None  # an error below leaves nothing half-sent for the next call
-        device = (nxt or prev).x.device
-        # to rank j: [my summed chunk of prev | chunk j of nxt]; from rank j: [j's summed chunk
-        # of prev | j's piece of my chunk of nxt]
-        send_len = [0 if j == me else self._lengths(prev, nxt, me, j) for j in range(p)]
-        recv_len = [0 if j == me else self._lengths(prev, nxt, j, me) for j in range(p)]
-        send = _scratch("send", sum(send_len), device)
+    def _guarded(self, fn) -> None:
+        try:
+            fn()
+        except BaseException:
+            self.live.clear()  # nothing half-done carries over into the next call
+            raise
+
+    def _buf(self, piece: _Piece, name: str, nbytes: int) -> torch.Tensor:
+        return _scratch(f"{name}{piece.slot}", nbytes, piece.x.device)
+
+    def _scatter(self, piece: _Piece) -> None:
+        """Encode the chunks other ranks own into one frame each and start sending them."""
+        p, me, f = self.p, self.me, piece.frames
+        send_len = [0 if j == me else f[j] for j in range(p)]
+        recv_len = [0 if j == me else f[me] for j in range(p)]
+        send = self._buf(piece, "send", sum(send_len))
         pos = 0
         for j in range(p):
-            if j == me:
-                continue
-            if prev is not None:
-                k = prev.frames[me]
-                send[pos : pos + k].copy_(_scratch("sum", k, device))
-                pos += k
-            if nxt is not None:
-                nxt.encode_chunk(codec, j, send[pos : pos + nxt.frames[j]])
-                pos += nxt.frames[j]
-        recv = _scratch("recv", sum(recv_len), device)
-        dist.all_to_all_single(recv, send, recv_len, send_len, group=self.group)
-        sums, mine, pos = [], [], 0
-        for j in range(p):
-            if j == me:
-                sums.append(_scratch("sum", prev.frames[me], device) if prev is not None else None)
-                continue
-            if prev is not None:
-                sums.append(recv[pos : pos + prev.frames[j]])
-                pos += prev.frames[j]
-            if nxt is not None:
-                mine.append(recv[pos : pos + nxt.frames[me]])
-                pos += nxt.frames[me]
-        if prev is not None:
-            prev.finish(self, sums)  # before the sum buffer is reused for nxt
-        if nxt is not None:
-            nxt.owner_sum(codec, me, mine, _scratch("sum", nxt.frames[me], device))
-            self.pending = nxt
+            if j != me:
+                piece.encode_chunk(self.codec, j, send[pos : pos + f[j]])
+                pos += f[j]
+        piece.recv = self._buf(piece, "recv", sum(recv_len))
+        piece.work = dist.all_to_all_single(
+            piece.recv, send, recv_len, send_len, group=self.group, async_op=True
+        )
+        self.live.append(piece)
 
-    @staticmethod
-    def _lengths(prev: _Piece | None, nxt: _Piece | None, src: int, dst: int) -> int:
-        """Bytes rank src sends rank dst: src's summed chunk of prev, dst's chunk of nxt."""
-        return (prev.frames[src] if prev else 0) + (nxt.frames[dst] if nxt else 0)
+    def _give_back(self, piece: _Piece) -> None:
+        """Sum the owned chunk and start sending the encoded sum to every other rank."""
+        p, me, f = self.p, self.me, piece.frames
+        piece.work.wait()
+        k = f[me]
+        received = [piece.recv[i * k : (i + 1) * k] for i in range(p - 1)]
+        send = self._buf(piece, "back", (p - 1) * k)
+        piece.owner_sum(self.codec, me, received, send[:k])
+        for i in range(1, p - 1):
+            send[i * k : (i + 1) * k].copy_(send[:k])
+        send_len = [0 if j == me else k for j in range(p)]
+        recv_len = [0 if j == me else f[j] for j in range(p)]
+        piece.recv = self._buf(piece, "sums", sum(recv_len))
+        piece.work = dist.all_to_all_single(
+            piece.recv, send, recv_len, send_len, group=self.group, async_op=True
+        )
+        piece.returning = True
+
+    def _finish(self, piece: _Piece) -> None:
+        piece.work.wait()
+        sums, pos = [], 0
+        for j in range(self.p):
+            if j == self.me:
+                sums.append(self._buf(piece, "back", piece.frames[j]))
+            else:
+                sums.append(piece.recv[pos : pos + piece.frames[j]])
+                pos += piece.frames[j]
+        piece.finish(self, sums)
+
+    def _advance(self, keep: int) -> None:
+        """Send back the sums of every piece but the newest `keep`, then decode every piece
+        whose sums are on their way, but the newest `keep` of those."""
+        for piece in self.live[: len(self.live) - keep]:
+            if not piece.returning:
+                self._give_back(piece)
+        returning = [q for q in self.live if q.returning]
+        for piece in returning[: len(returning) - keep]:
+            self._finish(piece)
+            self.live.remove(piece)
 
 
 def _frame_bytes(codec: Codec, numel: int) -> int:

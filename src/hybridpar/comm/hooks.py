@@ -110,9 +110,9 @@ def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.T
     differently on different ranks. With a worker (`CommWorker`) the hook queues the bucket, cut
     into pieces of at most `state.split_elements`, and returns at once: the thread pushes the
     pieces in order through a `CompressedPipeline` on `state.group`, which only the worker may
-    use, while backward goes on. The sums of piece k travel with piece k + 1's chunks, and the
-    pipeline is flushed after the step's last bucket, so a step of m pieces makes m + 1
-    collectives; a bucket's future completes once its last piece is summed.
+    use, while backward goes on. The all-to-alls of consecutive pieces are in flight together
+    while the thread encodes, sums and decodes; the pipeline is flushed after the step's last
+    bucket, and a bucket's future completes once its last piece is summed.
     """
     group = state.group if state.group is not None else dist.group.WORLD
     p = group_size(group)

@@ -79,8 +79,9 @@ def compressed_all_reduce(n: float, p: int, net: Cluster, pipelined: bool = Fals
     is the encoded size. Same bytes as `all_reduce` of n bytes; more latency.
 
     `pipelined`: the gradient reducer's stream (comm.collectives.CompressedPipeline), where the
-    sums of one piece ride in the next piece's all-to-all: one all-to-all's latency per piece,
-    (p-1)*alpha + 2*beta*(p-1)/p*n (the one flush per step is left out)."""
+    all-to-all that sends one piece's chunks and the one that returns the previous piece's sums
+    are in flight together: one all-to-all's latency per piece, (p-1)*alpha + 2*beta*(p-1)/p*n
+    (the flush at the end of a step is left out)."""
     if p <= 1:
         return Comm.zero("all_reduce", p)
     a, g = all_to_all(n, p, net), all_gather(n, p, net)

@@ -166,7 +166,7 @@ class Wire:
     `grads` for weight-gradient reductions, `acts` for activations and their gradients (the
     all-gathers of Y, the dX all-reduces, the redistributions, the halos). A compressed reduction
     runs as all-to-all + all-gather (hybridpar.comm.collectives.compressed_all_reduce); gradient
-    reductions as one all-to-all each (the pipeline: cost.collectives.compressed_all_reduce)."""
+    reductions at one all-to-all's latency (the pipeline: cost.collectives.compressed_all_reduce)."""
 
     grads: float
     acts: float
