@@ -276,9 +276,11 @@ class _FakeBucket:
 
 
 def _threaded_hook(P_split):
-    """compressed_hook on a CommWorker and its own group, two buckets (3001 and 1500 elements) in
-    one step, with the main thread issuing its own collectives on WORLD meanwhile (as global BN
-    does during backward); the step twice, for error feedback."""
+    """compressed_hook on a CommWorker and its own group, three buckets (3001, 1500 and 700
+    elements) in one step, with the main thread issuing its own collectives on WORLD meanwhile (as
+    global BN does during backward); the step twice, for error feedback. The middle bucket belongs
+    to another reducer state on the same worker (as two grids' batch groups do), so two pipelines
+    share the thread while their collectives are in flight."""
     from hybridpar.comm.grid import group_timeout, new_group
     from hybridpar.comm.hooks import ReducerState, compressed_hook, piece_key
     from hybridpar.comm.worker import CommWorker
@@ -286,25 +288,32 @@ def _threaded_hook(P_split):
     P, rank = dist.get_world_size(), dist.get_rank()
     twin = new_group(list(range(P)), group_timeout(), "test_grads", tag="grads")
     codec = get_codec("dynamic-tree", 64)
-    xs = {3: _data(3001, seed=rank), 4: _data(1500, seed=10 + rank)}
+    xs = {3: _data(3001, seed=rank), 4: _data(1500, seed=10 + rank), 5: _data(700, seed=20 + rank)}
     ledger = Ledger()
     worker = CommWorker()
-    state = ReducerState(
-        group=twin, average=True, ledger=ledger, codec=codec, worker=worker, split_elements=P_split
-    )
-    state.error_feedback = True
-    state.bucket_layers.update({3: {"w": 3001}, 4: {"v": 1500}})
+    # buckets 3 and 5 are one state's (5 its last), 4 another's: 4 is pushed while 3's last
+    # pieces are still in flight
+    a, b = (
+        ReducerState(
+            group=twin, average=True, ledger=ledger, codec=codec, worker=worker,
+            split_elements=P_split, error_feedback=True, bucket_layers={i: {"w": 1} for i in xs},
+        )
+        for _ in range(2)
+    )  # fmt: skip
+    states, last = {3: a, 4: b, 5: a}, {3: False, 4: True, 5: True}
     calls = [0]
     real = dist.all_to_all_single
 
-    def counted(*a, **k):
+    def counted(*args, **kw):
         calls[0] += 1
-        return real(*a, **k)
+        return real(*args, **kw)
 
     dist.all_to_all_single = counted
     results = []
     for _ in range(2):
-        futs = [compressed_hook(state, _FakeBucket(x.clone(), i, i == 4)) for i, x in xs.items()]
+        futs = [
+            compressed_hook(states[i], _FakeBucket(x.clone(), i, last[i])) for i, x in xs.items()
+        ]
         side = [torch.full((4,), float(rank)) for _ in range(5)]
         for t in side:
             dist.all_reduce(t)  # the main thread's collectives, on another group
@@ -332,7 +341,7 @@ def _threaded_hook(P_split):
         torch.equal(got, torch.cat([t for step in refs for t in step])),
         all(torch.equal(same[0], s) for s in same),
         all(float(t[0]) == sum(range(P)) for t in side),
-        sorted(state.residuals) == sorted(residuals),
+        sorted([*a.residuals, *b.residuals]) == sorted(residuals),
         ledger.bytes_by_term().get("dw_allreduce", 0.0),
         (calls[0], 2 * 2 * pieces),  # two all-to-alls a piece
     )

@@ -232,7 +232,8 @@ def compressed_all_reduce(
     """
     if group_size(group) == 1:
         return t
-    pipe = CompressedPipeline(group, codec, ledger, term, residuals)
+    # one-shot pipelines end flushed, so they can all use this thread's "once" buffers
+    pipe = CompressedPipeline(group, codec, ledger, term, residuals, buffers="once")
     pipe.push(t, layers, key)
     pipe.flush()
     return t
@@ -333,9 +334,14 @@ class CompressedPipeline:
         ledger: Ledger | None,
         term: str,
         residuals: dict | None = None,
+        buffers: object = None,
     ) -> None:
         self.group, self.codec, self.ledger, self.term = group, codec, ledger, term
         self.residuals = residuals
+        # whose byte buffers (per thread, `_scratch`): its own unless the caller says otherwise, so
+        # two pipelines on one thread (two groups' reducers on one worker) never share buffers
+        # that a collective in flight still reads
+        self.buffers = buffers if buffers is not None else id(self)
         self.p, self.me = group_size(group), dist.get_rank(group)
         self.live: list[_Piece] = []
         self.count = 0
@@ -357,7 +363,7 @@ class CompressedPipeline:
             raise
 
     def _buf(self, piece: _Piece, name: str, nbytes: int) -> torch.Tensor:
-        return _scratch(f"{name}{piece.slot}", nbytes, piece.x.device)
+        return _scratch((self.buffers, name, piece.slot), nbytes, piece.x.device)
 
     def _scatter(self, piece: _Piece) -> None:
         """Encode the chunks other ranks own into one frame each and start sending them."""
@@ -445,7 +451,7 @@ def _encode_into(codec: Codec, x: torch.Tensor, frame: Encoded) -> Encoded:
 _SCRATCH = threading.local()
 
 
-def _scratch(name: str, nbytes: int, device: torch.device) -> torch.Tensor:
+def _scratch(name: object, nbytes: int, device: torch.device) -> torch.Tensor:
     """A byte buffer of `nbytes`, kept per thread, name and device and reused across calls (fresh
     pages on every call would each cost a page fault); valid until this thread's next call."""
     bufs = _SCRATCH.__dict__.setdefault("bufs", {})
