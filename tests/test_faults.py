@@ -105,3 +105,19 @@ def test_the_launcher_stopped_or_killed_leaves_nothing_behind(tmp_path, sig, whe
     if when == "mid-run":
         latest = (tmp_path / "ck" / "latest").read_text()
         last_checkpoint_loads(tmp_path, int(latest.split("-")[1]))
+
+
+def test_a_shared_memory_timeout_blames_the_hung_rank_not_the_waiter():
+    """A rank that times out in a shared-memory wait (comm.host) is a victim: with a rank still
+    running (stopped, hung), the launcher names that one, as for a gloo timeout."""
+    from types import SimpleNamespace
+
+    from hybridpar.train.launch import _blame
+
+    procs = [SimpleNamespace(exitcode=c) for c in (None, None, 1, 1)]
+    msg = (
+        "RuntimeError: host reducer timed out: rank(s) [0, 1] did not join a small all-reduce on "
+        "bucket 'small' within 5 s (dead or hung?)"
+    )
+    first, _ = _blame(procs, {2: (msg, ""), 3: (msg, "")})
+    assert first.startswith("rank 0 did not respond (hung?); ranks [2, 3] timed out"), first

@@ -212,8 +212,8 @@ class HostReducer:
                 missing = [i for i in who if flags[i] < step]
                 ranks = [self.topo.local_ranks[i] for i in missing]
                 raise RuntimeError(
-                    f"host reducer: rank(s) {ranks} did not {what} bucket {key!r} within "
-                    f"{limit:g} s (dead or hung?)"
+                    f"host reducer timed out: rank(s) {ranks} did not {what} bucket {key!r} "
+                    f"within {limit:g} s (dead or hung?)"
                 )
 
     def all_reduce(
