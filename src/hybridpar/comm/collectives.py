@@ -244,7 +244,7 @@ class _Piece:
     sent, its owned chunk summed when they arrive, and the sums decoded into it at the end."""
 
     def __init__(self, pipe: CompressedPipeline, t: torch.Tensor, layers, key, on_done) -> None:
-        self.t, self.layers, self.key, self.on_done = t, layers, key, on_done
+        self.layers, self.on_done = layers, on_done
         self.t0 = time.perf_counter()
         p, me, codec = pipe.p, pipe.me, pipe.codec
         self.flat = t.view(-1)
