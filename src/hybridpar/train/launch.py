@@ -153,12 +153,29 @@ def _child(
             ) from None
         queue.put((rank, "ok", result))
         shutdown()  # nobody tears down the group while another rank still uses it
+        code = 0
     except BaseException as exc:  # report everything, including KeyboardInterrupt
         last = (
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         )
         queue.put((rank, "error", (last, traceback.format_exc())))
-        raise SystemExit(1) from None
+        code = 1
+    _leave(queue, code)
+
+
+def _leave(queue: mp.Queue, code: int) -> None:
+    """End a rank once its report is in the pipe, without the interpreter's teardown. By now
+    shutdown() has ended torch.distributed, but C++ objects that Python still references (gloo's
+    contexts and threads, the store's client) are destroyed during finalisation in no set order,
+    and about one run in a hundred of a test that ends with async gloo collectives aborted there
+    ("terminate called without an active exception", SIGABRT) after returning its result; the
+    launcher then reported the rank as killed. Nothing a rank owns needs that teardown: shared
+    memory segments are unlinked when mapped, files are closed by their owners."""
+    queue.close()
+    queue.join_thread()  # the feeder thread has written the report
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _describe(code: int | None) -> str:
