@@ -149,3 +149,17 @@ def test_codecs_command_prints_table_2():
     ):
         assert needle in r.stdout
     assert run("codecs", "--block", "0").returncode == 2
+
+
+def test_every_command_prints_its_help(capsys):
+    """`hybridpar CMD --help` for every command: argparse %-formats help texts, and one option's
+    help with a bare "%" ("75 %") made `hybridpar train --help` raise instead of printing."""
+    from hybridpar.cli import build_parser, main
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert {"plan", "train"} <= set(commands)
+    for name in commands:
+        with pytest.raises(SystemExit) as exit_:
+            main([name, "--help"])
+        assert exit_.value.code == 0, name
+        assert "usage: hybridpar " + name in capsys.readouterr().out

@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         tp, _ = _unwrap(hints[f.name])
         names = [flag_of(cls, f.name), *f.metadata.get("aliases", ())]
         default = f.default if f.default is not MISSING else None
-        kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
+        # argparse %-formats help texts: a literal "%" ("75 %") must be doubled
+        kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "").replace("%", "%%")}
         if f.metadata.get("required"):
             kw["required"] = True
         if tp is bool:
