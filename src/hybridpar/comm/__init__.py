@@ -18,7 +18,8 @@ def shutdown(timeout_s: float = 60.0) -> None:
     close connections a slower peer is still reading, and gloo then aborts that peer ("terminate
     called without an active exception"). So: stop the communication threads, a barrier, then
     every rank says through the store that it is out of the barrier and waits until all have said
-    so; only then are the groups destroyed, when no rank is inside a gloo operation."""
+    so; only then are the groups destroyed, when no rank is inside a gloo operation. Rank 0, whose
+    process holds the store, then waits until every rank has left the store alone."""
     global _ENDS
     if not dist.is_initialized():
         return
@@ -40,4 +41,11 @@ def shutdown(timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while store.add(key, 0) < world and time.monotonic() < deadline:
             time.sleep(0.001)
+        # the store lives in rank 0's process (launch, init_process_group's env:// rendezvous):
+        # rank 0 goes only after every rank has made its last call to it, or a rank still polling
+        # above gets "Connection reset by peer"
+        store.add(f"{key}/left", 1)
+        if dist.get_rank() == 0:
+            while store.add(f"{key}/left", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.001)
     dist.destroy_process_group()
