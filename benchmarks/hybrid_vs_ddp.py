@@ -5,7 +5,9 @@ Runs, in one invocation, for each P:
 - **plain DDP**, the baseline: torch DDP in a plain loop with torch.optim.SGD, as a user writes it
   (benchmarks/plain_ddp.py), sharing only the model and the data; every ratio is against it;
 - torch DDP inside hybridpar's trainer (its buckets all-reduced through a logged comm hook);
-- hybridpar with the planner's choice on this machine (`auto`, cluster localhost), its per-layer
+- hybridpar with the planner's choice on this machine (`auto`, cluster localhost), the same plan
+  with every collective on gloo (`auto, gloo only`: HYBRIDPAR_SMALL_SHM=0 turns off the
+  shared-memory path of the activations' all-gathers and all-reduces, comm.small), its per-layer
   and same-grid plans, and Krizhevsky's layout (`owt`: FC pure model, P x 1).
 Prints the grids each plan uses, bytes per iteration per rank (from the ledger; for plain DDP the
 ring all-reduce's 2(P-1)/P of the gradient) next to the prediction, median time per iteration next
@@ -16,6 +18,7 @@ multi-tensor) against torch.optim.SGD's on the same parameters, one thread.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -28,17 +31,27 @@ from hybridpar.train.optim import KrizhevskySGD
 from hybridpar.train.run import run
 
 COMM_TERMS = ("dw_allreduce", "allgather", "dx_allreduce", "redistribute")
-CONTENDERS = (
-    ("DDP in trainer", "ddp"),
-    ("hybridpar auto", "auto"),
-    ("per-layer", "per-layer"),
-    ("same-grid", "same-grid"),
-    ("owt", "owt"),
+CONTENDERS = (  # (name, preset, environment)
+    ("DDP in trainer", "ddp", {}),
+    ("hybridpar auto", "auto", {}),
+    ("auto, gloo only", "auto", {"HYBRIDPAR_SMALL_SHM": "0"}),
+    ("per-layer", "per-layer", {}),
+    ("same-grid", "same-grid", {}),
+    ("owt", "owt", {}),
 )
 
 
-def one(cfg: TrainConfig) -> dict:
-    r = run(cfg)
+def one(cfg: TrainConfig, env: dict[str, str]) -> dict:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the ranks inherit it
+    try:
+        r = run(cfg)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     styles = r["plan"]["styles"].values()
     return {
         "grids": "+".join(
@@ -83,7 +96,7 @@ def main() -> None:
             }
         }
         results.update(
-            {name: one(base.with_(nproc=P, preset=preset)) for name, preset in CONTENDERS}
+            {name: one(base.with_(nproc=P, preset=preset), env) for name, preset, env in CONTENDERS}
         )
         rows += [(P, name, r, results["plain DDP"]) for name, r in results.items()]
     print(

@@ -91,23 +91,29 @@ def test_a_missing_rank_ends_the_wait_with_its_name():
 
 
 def _small(sizes):
-    """Shared-memory small all-reduces (comm.small) against gloo: same sums, the same bits on
-    every rank, both parities, float64 and float32, and a tensor over capacity back on gloo."""
+    """Shared-memory all-reduces (comm.small) against gloo: same sums, the same bits on every
+    rank, both parities, float64 and float32, a tensor over the first segment's capacity (which
+    grows), a non-contiguous one, and one over MAX_BYTES back on gloo."""
     from hybridpar.comm import small
     from hybridpar.comm.collectives import all_reduce
     from hybridpar.comm.grid import group_timeout, new_group
     from hybridpar.comm.ledger import Ledger
 
     rank, P = dist.get_rank(), dist.get_world_size()
+    small.MAX_BYTES = 1 << 18  # so that the last tensor stays on gloo
     group = new_group(list(range(P)), group_timeout(), "test_small", tag="small-test")
     r = small.enable(group)
     ledger, ok, same = Ledger(), [], []
     for step, (n, dtype) in enumerate(sizes):
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank * 7 + step)).to(dtype)
+        if n % 2 == 0:  # a non-contiguous view: summed in place all the same
+            x = torch.stack([x, x]).t()[:, 0]
         ref = x.clone()
         dist.all_reduce(ref)
         all_reduce(x, group, ledger, "bn_stats", {"bn": n})
-        ok.append(torch.allclose(x, ref, rtol=1e-12 if dtype == torch.float64 else 1e-5))
+        # another order of the same sums than gloo's: float32 rounding apart
+        tol = 1e-12 if dtype == torch.float64 else 1e-6
+        ok.append(torch.allclose(x, ref, rtol=tol, atol=tol))
         gathered = [torch.empty_like(x) for _ in range(P)]
         dist.all_gather(gathered, x)
         same.append(all(torch.equal(gathered[0], g) for g in gathered))
@@ -118,10 +124,11 @@ def _small(sizes):
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_small_all_reduce_through_shared_memory(P):
     sizes = [(33, torch.float64), (7, torch.float32), (1, torch.float64), (65, torch.float64)]
-    sizes += [(20000, torch.float32)]  # 80 KB: over capacity, gloo
+    sizes += [(20000, torch.float32), (3, torch.float32)]  # 80 KB: the segment grows
+    sizes += [(70000, torch.float32)]  # 280 KB: over MAX_BYTES (set to 256 KB), gloo
     for ok, same, calls, booked in run_ranks(_small, P, sizes):
         assert ok and same
-        assert calls == 4  # the four small ones went through shared memory
+        assert calls == 6  # all but the last went through shared memory
         # the ledger books what an all-reduce would, whichever path ran
         from hybridpar.comm.ledger import bus_bytes
 
@@ -129,6 +136,57 @@ def test_small_all_reduce_through_shared_memory(P):
             bus_bytes("all_reduce", n * (8 if d == torch.float64 else 4), P) for n, d in sizes
         )
         assert booked == pytest.approx(expect)
+    assert not _ours()
+
+
+def _shm_all_gather():
+    """all_gather_uneven through shared memory against the concatenation every rank can build
+    itself: along dim 0 and dim 1, uneven pieces with an empty one, float32 and float64, a
+    non-contiguous input, pieces that outgrow the first segment; then the same calls on gloo."""
+    from hybridpar.comm import small
+    from hybridpar.comm.collectives import all_gather_uneven
+    from hybridpar.comm.grid import group_timeout, new_group
+    from hybridpar.comm.ledger import Ledger
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    cases = [  # (sizes, dim, other dims, dtype)
+        ([2] * P, 0, (3, 5), torch.float32),
+        ([0, *range(3, 3 + P - 1)], 1, (4, 6), torch.float64),
+        ([100 + 30 * i for i in range(P)], 0, (64, 3), torch.float32),  # up to 300 KB a piece
+        ([1] * P, 0, (7,), torch.float32),
+    ]
+
+    def piece(case: int, i: int) -> torch.Tensor:
+        sizes, dim, other, dtype = cases[case]
+        shape = list(other)
+        shape.insert(dim, sizes[i])
+        g = torch.Generator().manual_seed(100 * case + i)
+        return torch.randn(shape, generator=g).to(dtype)
+
+    def run(group) -> tuple[bool, float]:
+        ledger, ok = Ledger(), []
+        for k, (sizes, dim, _, _) in enumerate(cases):
+            mine = piece(k, rank)
+            if k == 1:
+                mine = mine.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
+            got = all_gather_uneven(mine, sizes, dim, group, ledger, "allgather", "fc")
+            want = torch.cat([piece(k, i) for i in range(P)], dim=dim)
+            ok.append(torch.equal(got, want))
+        return all(ok), ledger.bytes_by_term()["allgather"]
+
+    shm = new_group(list(range(P)), group_timeout(), "test_gather", tag="gather-test")
+    r = small.enable(shm)
+    ok_shm, booked_shm = run(shm)
+    ok_gloo, booked_gloo = run(new_group(list(range(P)), group_timeout(), "t", tag="gloo-test"))
+    return ok_shm, ok_gloo, r.calls, booked_shm == booked_gloo, r.capacity
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_all_gather_through_shared_memory(P):
+    for ok_shm, ok_gloo, calls, same_booking, capacity in run_ranks(_shm_all_gather, P):
+        assert ok_shm and ok_gloo and same_booking
+        assert calls == 4  # every case through shared memory
+        assert capacity >= (100 + 30 * (P - 1)) * 64 * 3 * 4  # grown to the largest piece
     assert not _ours()
 
 
@@ -149,4 +207,4 @@ def _small_missing():
 
 def test_small_all_reduce_names_the_missing_rank():
     out = run_ranks(_small_missing, 2)
-    assert "rank(s) [1] did not join a small all-reduce" in out[0] and out[1] == "skipped"
+    assert "rank(s) [1] did not join an all-reduce" in out[0] and out[1] == "skipped"

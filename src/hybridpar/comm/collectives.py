@@ -115,8 +115,9 @@ def all_gather_uneven(
 ) -> torch.Tensor:
     """Concatenate along `dim` the pieces of every rank of `group`; piece i has sizes[i] along dim.
 
-    Uneven pieces are padded to the largest for the wire; the ledger records the bytes of the
-    real (unpadded) result, the quantity the cost model predicts."""
+    On one host (a group `comm.small.enable`d) through shared memory; otherwise on
+    torch.distributed, uneven pieces padded to the largest for the wire. The ledger records the
+    bytes of the real (unpadded) result, the quantity the cost model predicts."""
     p = len(sizes)
     if p == 1:
         return t
@@ -125,13 +126,14 @@ def all_gather_uneven(
     t0 = time.perf_counter()
     top = max(sizes)
     t = t.contiguous()
-    if t.shape[dim] < top:
-        pad_shape = list(t.shape)
-        pad_shape[dim] = top - t.shape[dim]
-        t = torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
-    pieces = [torch.empty_like(t) for _ in range(p)]
-    dist.all_gather(pieces, t, group=group)
-    out = torch.cat([x.narrow(dim, 0, n) for x, n in zip(pieces, sizes, strict=True)], dim=dim)
+    small = _small.reducer_for(group)
+    inner = math.prod(
+        n for i, n in enumerate(t.shape) if i != dim % t.dim()
+    )  # a piece may be empty
+    if small is not None and small.fits(t, top * inner * t.element_size()):  # alike on every rank
+        out = small.all_gather(t, list(sizes), dim)  # shared memory: one copy in, one out
+    else:
+        out = _gloo_all_gather(t, sizes, dim, group, top)
     if ledger is not None:
         ledger.record(
             "all_gather",
@@ -142,6 +144,19 @@ def all_gather_uneven(
             {layer: out.numel()} if layer else None,
         )
     return out
+
+
+def _gloo_all_gather(
+    t: torch.Tensor, sizes: Sequence[int], dim: int, group: dist.ProcessGroup, top: int
+) -> torch.Tensor:
+    """all_gather_uneven on torch.distributed: pieces padded to the largest for the wire."""
+    if t.shape[dim] < top:
+        pad_shape = list(t.shape)
+        pad_shape[dim] = top - t.shape[dim]
+        t = torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+    pieces = [torch.empty_like(t) for _ in sizes]
+    dist.all_gather(pieces, t, group=group)
+    return torch.cat([x.narrow(dim, 0, n) for x, n in zip(pieces, sizes, strict=True)], dim=dim)
 
 
 def _shape_with(t: torch.Tensor, dim: int, n: int) -> list[int]:

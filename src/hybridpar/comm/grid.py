@@ -160,6 +160,21 @@ class GridSet:
         self._moves: dict[tuple[int, int], dist.ProcessGroup] = {}
         for a, b in sorted({(max(a, b), min(a, b)) for a, b in moves if a != b}):
             self._moves[(a, b)] = self._regroup(a, b)
+        if device == "cpu":
+            self._shared_memory()
+
+    def _shared_memory(self) -> None:
+        """The activations' collectives (all-gathers, dX all-reduces, hand-offs) through host
+        shared memory wherever a group's ranks share a host (comm.small). Setting a group up is
+        collective over it; every rank does its groups in the order they were created, so no two
+        ranks wait for each other in different groups."""
+        from hybridpar.comm import small
+
+        for g in self.grids.values():
+            small.enable(g.model_group)
+            small.enable(g.batch_group)
+        for _, group in sorted(self._moves.items(), key=lambda kv: kv[0]):
+            small.enable(group)
 
     def grid(self, pc: int) -> ProcessGrid:
         return self.grids[pc]

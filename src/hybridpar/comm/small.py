@@ -9,10 +9,19 @@ flags are up, every rank adds up all the slots in rank order, so every rank gets
 It is the host reducer's mechanism (comm.host): one segment per group, double-buffered by call
 parity, waits that give the core away and time out naming the missing rank.
 
+The same holds for the activations of model-parallel layers: the all-gathers of a layer's input
+and output pieces and the all-reduces of dX (Gholami et al.'s 1.5D scheme, Krizhevsky's hand-off)
+are hundreds of kilobytes, a few per layer and step, and at 4 ranks on 2 cores gloo spends about
+4.6 ms of latency on each. Through shared memory an all-gather is one copy in and one
+concatenation out of the peers' slots.
+
 `enable(group)` (collective over the group) sets it up where every rank of the group is on this
-host. After that, `comm.collectives.all_reduce` on that group takes this path for CPU tensors of
-up to `capacity` bytes when called synchronously. Across hosts, or for CUDA tensors, it stays on
-torch.distributed.
+host; `GridSet` does it for the groups its layers and hand-offs use. After that,
+`comm.collectives.all_reduce` and `all_gather_uneven` on that group take this path for
+synchronous CPU calls of up to `MAX_BYTES` per rank; the segment grows (collectively: every rank
+makes the same call, so every rank decides alike) to the largest call seen. Across hosts, for
+CUDA tensors, for async calls, and for larger tensors (the gradient buckets: the host reducer's
+job) it stays on torch.distributed.
 
 Why this is safe: a rank writes its slot of parity q at call k only after it has seen every
 rank's flag for call k - 1. So every rank has finished reading call k - 2, which used parity q.
@@ -20,6 +29,7 @@ rank's flag for call k - 1. So every rank has finished reading call k - 2, which
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -29,7 +39,8 @@ from hybridpar.comm.host import HostReducer
 
 __all__ = ["SmallReducer", "enable", "reducer_for"]
 
-CAPACITY = 1 << 16  # bytes per rank and call: 8192 float64 (BN of 4096 channels)
+CAPACITY = 1 << 16  # bytes per rank and call to start with: 8192 float64 (BN of 4096 channels)
+MAX_BYTES = 1 << 24  # per rank and call: larger tensors stay on torch.distributed
 _REDUCERS: dict[int, tuple[dist.ProcessGroup, SmallReducer]] = {}
 
 
@@ -40,40 +51,80 @@ class SmallReducer(HostReducer):
         super().__init__(group, make_leaders=False)
         if self.topo.hosts != 1:
             raise ValueError("SmallReducer needs every rank of its group on this host")
+        self._everyone = list(range(self.topo.local_size))
+        self.calls = 0
+        self._map(capacity)
+
+    def _map(self, capacity: int) -> None:
+        """A segment of `capacity` bytes per rank and parity (collective over the group)."""
         self.capacity = capacity
         seg = self._segment("small", capacity // 4)
-        # each rank's slot as bytes, per parity, made once
+        # each rank's slot as bytes, per parity, made once per segment
         self._bytes = [
             [seg.slot(q, i).view(torch.uint8) for i in range(self.topo.local_size)] for q in (0, 1)
         ]
-        self._everyone = list(range(self.topo.local_size))
-        self.calls = 0
+
+    def _room(self, nbytes: int) -> None:
+        """Grow the segment to hold `nbytes` per rank. Every rank of the group makes the same call
+        with the same size, so all grow at the same call, together (the new segment's creation
+        is collective); the old one is released once no view of it is left."""
+        if nbytes > self.capacity:
+            self._map(max(2 * self.capacity, 1 << (nbytes - 1).bit_length()))
 
     def close(self) -> None:
         self._bytes = []  # views of the segment go before it is unmapped
         super().close()
 
-    def fits(self, t: torch.Tensor) -> bool:
-        return (
-            t.device.type == "cpu"
-            and t.is_contiguous()
-            and t.numel() * t.element_size() <= self.capacity
-        )
+    def fits(self, t: torch.Tensor, nbytes: int | None = None) -> bool:
+        """Whether a synchronous collective of t (`nbytes` per rank: t's own by default) takes
+        this path."""
+        nbytes = t.numel() * t.element_size() if nbytes is None else nbytes
+        return t.device.type == "cpu" and nbytes <= MAX_BYTES
 
-    def small_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` in place over the group (same bits on every rank)."""
+    def _post(self, flat: torch.Tensor, what: str, need: int) -> list[torch.Tensor]:
+        """Write flat into this rank's slot, raise its flag, wait for every rank's; the slots of
+        this call, as bytes (valid until this rank's call after next). `need`: the largest
+        rank's bytes, the same number on every rank."""
+        self._room(need)
         seg = self.segments["small"]
         step = self.steps["small"] = self.steps["small"] + 1
-        parity, me, L = step % 2, self.topo.local_rank, self.topo.local_size
-        flat = t.view(-1)
+        parity, me = step % 2, self.topo.local_rank
+        slots = self._bytes[parity]
         nbytes = flat.numel() * flat.element_size()
-        slots = [b[:nbytes].view(flat.dtype) for b in self._bytes[parity]]
-        slots[me].copy_(flat)
+        slots[me][:nbytes].view(flat.dtype).copy_(flat)
         seg.flags[parity, me, 0] = step
-        self._wait(seg, parity, 0, step, self._everyone, "join a small all-reduce on", "small")
-        torch.sum(torch.stack(slots), 0, out=flat) if L > 2 else torch.add(*slots, out=flat)
+        self._wait(seg, parity, 0, step, self._everyone, what, "small")
         self.calls += 1
+        return slots
+
+    def small_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` in place over the group. Every rank adds the slots in rank order, so every rank
+        gets the same bits."""
+        flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        posted = self._post(flat, "join an all-reduce on", nbytes)
+        slots = [b[:nbytes].view(flat.dtype) for b in posted]
+        torch.add(slots[0], slots[1], out=flat)
+        for s in slots[2:]:
+            flat.add_(s)
+        if flat.data_ptr() != t.data_ptr():
+            t.copy_(flat.view(t.shape))
         return t
+
+    def all_gather(self, t: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
+        """The pieces of every rank concatenated along `dim`; rank i's has sizes[i] along dim (the
+        other dimensions as t's)."""
+        t = t.contiguous()
+        inner = math.prod(n for i, n in enumerate(t.shape) if i != dim % t.dim())
+        slots = self._post(
+            t.view(-1), "join an all-gather on", max(sizes) * inner * t.element_size()
+        )
+        pieces = []
+        for b, n in zip(slots, sizes, strict=True):
+            shape = list(t.shape)
+            shape[dim] = n
+            pieces.append(b[: n * inner * t.element_size()].view(t.dtype).view(shape))
+        return torch.cat(pieces, dim=dim)
 
 
 def enable(group: dist.ProcessGroup | None = None) -> SmallReducer | None:
