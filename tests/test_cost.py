@@ -223,6 +223,44 @@ def test_global_bn_priced_with_the_calibrated_shared_memory_latency():
         dataclasses.replace(net, small_alpha=-1.0)
 
 
+def test_activation_collectives_priced_through_shared_memory_on_one_host():
+    """With `small_alpha` and `shm_beta` (calibrated on one host) the activations' all-gathers,
+    dX all-reduces and hand-offs cost small_alpha + shm_beta * bytes, as comm.small runs them;
+    encoded activations (a codec: gloo in the runtime) and gradient reductions keep alpha-beta;
+    the bytes never change."""
+    import dataclasses
+
+    from hybridpar.analysis import analyze
+    from hybridpar.cost.layers import (
+        Wire,
+        cost_layers,
+        t_allgather,
+        t_dw_allreduce,
+        t_dx_allreduce,
+    )
+    from hybridpar.errors import ConfigError
+    from hybridpar.models import build_model
+
+    net = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e12)
+    shm = dataclasses.replace(net, small_alpha=20e-6, shm_beta=1e-10)
+    layer = cost_layers(analyze(build_model("alexnet-owt", input_size=64), (3, 64, 64)))[-3]
+    for fn in (t_allgather, t_dx_allreduce):
+        a, b = fn(layer, 2, 2, 32, net, 4.0), fn(layer, 2, 2, 32, shm, 4.0)
+        assert b.bytes == a.bytes > 0
+        assert b.seconds == pytest.approx(20e-6 + 1e-10 * a.bytes)
+        coded = Wire(4.0, 1.0, False, True)
+        assert fn(layer, 2, 2, 32, shm, coded).seconds == fn(layer, 2, 2, 32, net, coded).seconds
+    a = redistribute(Style.model(2, 2), Style.model(4, 1), 9216, 32, net)
+    b = redistribute(Style.model(2, 2), Style.model(4, 1), 9216, 32, shm)
+    assert b.bytes == a.bytes and b.seconds == pytest.approx(20e-6 + 1e-10 * a.bytes)
+    assert (
+        t_dw_allreduce(layer, 2, 2, shm, 4.0).seconds
+        == t_dw_allreduce(layer, 2, 2, net, 4.0).seconds
+    )
+    with pytest.raises(ConfigError, match="shm_beta"):
+        dataclasses.replace(net, shm_beta=-1.0)
+
+
 def test_pipelined_compressed_reduction_saves_the_all_gather_latency():
     """The gradient pipeline (comm.collectives.CompressedPipeline) returns one piece's sums while
     the next piece's chunks go out: the same bytes, the all-gather's latency hidden."""

@@ -61,8 +61,39 @@ def _time_small(repeats: int = 200) -> float | None:
     return statistics.median(ts)
 
 
+def _time_shm_beta(small: float | None, piece: int = 1 << 18, repeats: int = 20) -> float | None:
+    """Seconds per byte of an all-gather through host shared memory (comm.small, what the
+    activations of model-parallel layers take on one host): the median of all-gathers of
+    `piece` float32 per rank, less `small` (its latency), over the bytes each rank receives.
+    None where the path does not apply."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.comm import small as shm
+
+    r = shm.enable(dist.group.WORLD)
+    if r is None or small is None:
+        return None
+    p = dist.get_world_size()
+    t = torch.ones(piece)
+    for _ in range(3):
+        r.all_gather(t, [piece] * p, 0)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r.all_gather(t, [piece] * p, 0)
+        ts.append(time.perf_counter() - t0)
+    received = (p - 1) * 4 * piece  # the cost model's all-gather volume, (p-1)/p of the whole
+    return max(0.0, statistics.median(ts) - small) / received
+
+
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
-    return {"allreduce": _time_allreduce(sizes, repeats, device), "small": _time_small()}
+    small = _time_small()
+    return {
+        "allreduce": _time_allreduce(sizes, repeats, device),
+        "small": small,
+        "shm_beta": _time_shm_beta(small),
+    }
 
 
 def _flops(threads: int) -> float:
@@ -93,7 +124,9 @@ def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
     return max(float(alpha), 0.0), float(beta)
 
 
-def _fitted(times: dict[int, float], nproc: int, small: float | None = None) -> dict:
+def _fitted(
+    times: dict[int, float], nproc: int, small: float | None = None, shm_beta: float | None = None
+) -> dict:
     import math
 
     from hybridpar.errors import ConfigError
@@ -113,6 +146,7 @@ def _fitted(times: dict[int, float], nproc: int, small: float | None = None) -> 
         "word_bytes": 4,
         "source": f"hybridpar calibrate: gloo all-reduce on {nproc} ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
         "small_alpha": small,
+        "shm_beta": shm_beta,
     }
 
 
@@ -136,7 +170,7 @@ def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict
 
     got = launch(_time_all, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
     times = got["allreduce"]
-    data = _fitted(times, nproc, got["small"])
+    data = _fitted(times, nproc, got["small"], got["shm_beta"])
     path = _save(data)
     return {**data, "measured_s": {str(k): v for k, v in times.items()}, "path": str(path)}
 
@@ -148,6 +182,7 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
 
     times = _time_allreduce(SIZES, repeats, device)
     small = _time_small() if device == "cpu" else None
+    shm_beta = _time_shm_beta(small) if device == "cpu" else None
     if dist.get_rank() == 0:
-        _save(_fitted(times, dist.get_world_size(), small))
+        _save(_fitted(times, dist.get_world_size(), small, shm_beta))
     dist.barrier()

@@ -365,6 +365,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     if d.get("small_alpha") is not None:
         print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")
+    if d.get("shm_beta"):
+        print(f"  all-gather through shared memory: {1 / d['shm_beta'] / 1e9:8.2f} GB/s")
     for n, t in d["measured_s"].items():
         print(f"  all-reduce {int(n):>10} B on {args.nproc} ranks: {t * 1e3:8.3f} ms")
     return 0

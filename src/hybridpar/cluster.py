@@ -35,6 +35,10 @@ class Cluster:
     # seconds per small all-reduce (BN statistics, metrics) through host shared memory
     # (comm.small), measured by `hybridpar calibrate`; None: the alpha-beta model prices them
     small_alpha: float | None = None
+    # seconds per byte of an activation collective through host shared memory (comm.small: the
+    # all-gathers, dX all-reduces and hand-offs of a job on one host), measured by `hybridpar
+    # calibrate`; with small_alpha it prices them; None: the alpha-beta model prices them
+    shm_beta: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("alpha", "beta", "flops"):
@@ -50,11 +54,12 @@ class Cluster:
                 )
         if not isinstance(self.word_bytes, int) or self.word_bytes <= 0:
             raise ConfigError(f"cluster {self.name!r}: word_bytes must be a positive integer")
-        v = self.small_alpha
-        if v is not None and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
-            raise ConfigError(
-                f"cluster {self.name!r}: small_alpha must be a number of seconds >= 0, got {v!r}"
-            )
+        for f, unit in (("small_alpha", "seconds"), ("shm_beta", "seconds per byte")):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
+                raise ConfigError(
+                    f"cluster {self.name!r}: {f} must be a number of {unit} >= 0, got {v!r}"
+                )
 
     @property
     def bandwidth(self) -> float:

@@ -182,9 +182,19 @@ def _reduce(n: float, p: int, net: Cluster, compressed: bool, pipelined: bool = 
     return compressed_all_reduce(n, p, net, pipelined) if compressed else all_reduce(n, p, net)
 
 
+def _on_host(c: Comm, net: Cluster, compressed: bool = False) -> Comm:
+    """An activation collective as the runtime runs it on one host: through shared memory
+    (comm.small), small_alpha + shm_beta * bytes, where `hybridpar calibrate` measured both;
+    encoded activations (a codec) and clusters without those numbers stay on alpha-beta."""
+    if compressed or net.small_alpha is None or net.shm_beta is None or c.group <= 1:
+        return c
+    return Comm(c.kind, c.group, c.bytes, net.small_alpha + net.shm_beta * c.bytes)
+
+
 def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
     """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_i: forward all-gather of Y over the model group."""
-    return all_gather(B / pc * layer.d_out * Wire.of(e).acts, pr, net)
+    w = Wire.of(e)
+    return _on_host(all_gather(B / pc * layer.d_out * w.acts, pr, net), net, w.acts_compressed)
 
 
 def t_dx_allreduce(
@@ -192,7 +202,9 @@ def t_dx_allreduce(
 ) -> Comm:
     """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX."""
     w = Wire.of(e)
-    return _reduce(B / pc * layer.d_in * w.acts, pr, net, w.acts_compressed)
+    return _on_host(
+        _reduce(B / pc * layer.d_in * w.acts, pr, net, w.acts_compressed), net, w.acts_compressed
+    )
 
 
 def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float | Wire) -> Comm:
@@ -312,7 +324,12 @@ def redistribute(
     a height slice (free) and a gather of the rows; from pure batch with Pr*Pc = P it is one
     all-to-all within the model group each way. The first layer reads its input in any layout.
     """
-    e = Wire.of(net.word_bytes if e is None else e).acts
+    wire = Wire.of(net.word_bytes if e is None else e)
+    e = wire.acts
+
+    def gather(n: float, p: int) -> Comm:
+        return _on_host(all_gather(n, p, net), net, wire.acts_compressed)
+
     if prev is None or prev.layout == nxt.layout:
         return Comm.zero("redistribute")
     p = nxt.pr * nxt.pc
@@ -322,7 +339,7 @@ def redistribute(
         lo, hi = min(c1, c2), max(c1, c2)
         if hi % lo:
             return None
-        g = all_gather(B / lo * d * e, hi // lo, net)  # forward if c2 < c1, backward otherwise
+        g = gather(B / lo * d * e, hi // lo)  # forward if c2 < c1, backward otherwise
         return Comm(Term.REDISTRIBUTE, g.group, g.bytes, g.seconds)
     if a[0] == "rep" and b[0] == "dom":
         _, pr, pc = b
@@ -332,7 +349,7 @@ def redistribute(
         step = redistribute(prev, Style.model(pr, pc), d, B, net, e)
         if step is None:
             return None
-        g = all_gather(B / pc * d * e, pr, net)  # backward: gather the rows of dX
+        g = gather(B / pc * d * e, pr)  # backward: gather the rows of dX
         return Comm("redistribute", pr, step.bytes + g.bytes, step.seconds + g.seconds)
     if a[0] == "dom" and b[0] == "rep":
         back = redistribute(nxt, Style.domain(a[1], a[2]), d, B, net, e)  # symmetric
