@@ -261,6 +261,25 @@ def test_activation_collectives_priced_through_shared_memory_on_one_host():
         dataclasses.replace(net, shm_beta=-1.0)
 
 
+def test_ranks_share_the_cores_of_a_calibrated_host():
+    """`localhost` records one core's rate and the cores: P ranks each get cores / P of the host,
+    so 4 ranks on 2 cores compute at half a core each and 1 rank at both; without `cores` the
+    rate is per process, whatever P."""
+    import dataclasses
+
+    from hybridpar.errors import ConfigError
+
+    per_process = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e11)
+    host = dataclasses.replace(per_process, cores=2)
+    assert host.rank_flops(4) == 0.5e11 and host.rank_flops(1) == 2e11
+    assert per_process.rank_flops(4) == per_process.rank_flops(1) == 1e11
+    a = make_plan("digits-cnn", 4, 32, per_process, scenarios=["batch"]).scenario("batch")
+    b = make_plan("digits-cnn", 4, 32, host, scenarios=["batch"]).scenario("batch")
+    assert b.compute_s == pytest.approx(2 * a.compute_s) and b.comm_s == a.comm_s
+    with pytest.raises(ConfigError, match="cores"):
+        dataclasses.replace(per_process, cores=0)
+
+
 def test_pipelined_compressed_reduction_saves_the_all_gather_latency():
     """The gradient pipeline (comm.collectives.CompressedPipeline) returns one piece's sums while
     the next piece's chunks go out: the same bytes, the all-gather's latency hidden."""

@@ -99,14 +99,18 @@ def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict
 def _flops(threads: int) -> float:
     import torch
 
-    torch.set_num_threads(threads)
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    a @ b
-    t0 = time.perf_counter()
-    k = 10
-    for _ in range(k):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # put back after: a rank of a job calibrates in it
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
         a @ b
-    return 2 * 512**3 * k / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        k = 10
+        for _ in range(k):
+            a @ b
+        return 2 * 512**3 * k / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
 
 
 def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
@@ -137,12 +141,12 @@ def _fitted(
             f"the all-reduce timings do not fit alpha + beta * bytes (alpha {alpha}, beta {beta}); "
             "nothing was saved: run `hybridpar calibrate` again on a quieter machine"
         )
-    threads = max(1, (os.cpu_count() or 1) // nproc)
     return {
         "name": "localhost",
         "alpha": alpha,
         "beta": beta,
-        "flops": _flops(threads),
+        "flops": _flops(1),  # one core's: a job's ranks share `cores` (Cluster.rank_flops)
+        "cores": os.cpu_count() or 1,
         "word_bytes": 4,
         "source": f"hybridpar calibrate: gloo all-reduce on {nproc} ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
         "small_alpha": small,

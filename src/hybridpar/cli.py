@@ -61,7 +61,7 @@ def _print_plan(result, shown: list) -> None:
     c = result.cluster
     print(
         f"{result.model} on {c.name} (alpha {c.alpha * 1e6:g} us, {c.bandwidth / 1e9:g} GB/s, "
-        f"{c.flops / 1e12:g} TFLOP/s), P={result.procs}, B={result.batch}, "
+        f"{c.rank_flops(result.procs) / 1e12:g} TFLOP/s per rank), P={result.procs}, B={result.batch}, "
         f"{result.elem_bytes:g} bytes/element"
         + (
             f", codec {result.codec} on {'+'.join(result.compress)}"
@@ -361,7 +361,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     d = calibrate(nproc=args.nproc, repeats=args.repeats)
     print(
         f"localhost: alpha {d['alpha'] * 1e6:.2f} us, bandwidth {1 / d['beta'] / 1e9:.3f} GB/s, "
-        f"{d['flops'] / 1e9:.1f} GFLOP/s per process; saved to {d['path']}"
+        f"{d['flops'] / 1e9:.1f} GFLOP/s per core ({d['cores']} cores); saved to {d['path']}"
     )
     if d.get("small_alpha") is not None:
         print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")

@@ -39,6 +39,14 @@ class Cluster:
     # all-gathers, dX all-reduces and hand-offs of a job on one host), measured by `hybridpar
     # calibrate`; with small_alpha it prices them; None: the alpha-beta model prices them
     shm_beta: float | None = None
+    # cores of the one host of a calibrated cluster (`localhost`): `flops` is then one core's rate,
+    # and P ranks on it each get cores / P of the host (rank_flops); None: `flops` is per process
+    cores: int | None = None
+
+    def rank_flops(self, P: int) -> float:
+        """FLOP/s one of P ranks sustains: `flops`, or on a calibrated host its share of the cores
+        (the trainer gives each rank cores // P threads; more ranks than cores share them)."""
+        return self.flops if self.cores is None else self.flops * self.cores / max(1, P)
 
     def __post_init__(self) -> None:
         for f in ("alpha", "beta", "flops"):
@@ -52,6 +60,8 @@ class Cluster:
                 raise ConfigError(
                     f"cluster {self.name!r}: {f} must be a positive number, got {v!r}"
                 )
+        if self.cores is not None and (not isinstance(self.cores, int) or self.cores <= 0):
+            raise ConfigError(f"cluster {self.name!r}: cores must be a positive integer")
         if not isinstance(self.word_bytes, int) or self.word_bytes <= 0:
             raise ConfigError(f"cluster {self.name!r}: word_bytes must be a positive integer")
         for f, unit in (("small_alpha", "seconds"), ("shm_beta", "seconds per byte")):

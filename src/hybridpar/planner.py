@@ -351,7 +351,7 @@ def plan(
         P,
         B,
         cluster,
-        compute or FlopsModel(cluster.flops),
+        compute or FlopsModel(cluster.rank_flops(P)),
         wire(base, codec, compress, amp),
         overlap,
         bn,
@@ -436,5 +436,5 @@ def evaluate(
 ) -> Plan:
     """The predicted cost of one given chain of styles (what the runtime is about to execute)."""
     e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, codec, compress, amp)
-    ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.flops), e, False, bn)
+    ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.rank_flops(P)), e, False, bn)
     return ctx.evaluate(name, None, styles)
