@@ -197,7 +197,9 @@ def launch(
     backend: str | None = None,
     grace_s: float = 3.0,
 ) -> list[Any]:
-    """fn(*args) on nprocs ranks; returns their results in rank order."""
+    """fn(*args) on nprocs ranks; returns their results in rank order. A spawned rank ends with
+    os._exit once it has reported (see `_leave`): fn's atexit handlers do not run, so fn closes
+    (flushes) what it opens."""
     if under_torchrun():
         from hybridpar.comm import shutdown
 
