@@ -39,9 +39,24 @@ def _time_allreduce(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -
     return out
 
 
-def _time_small(repeats: int = 200) -> float | None:
-    """Median seconds of a 33-element float64 all-reduce through host shared memory (comm.small,
-    what BN statistics take); None where it does not apply (several hosts)."""
+def _median_s(fn, warmup: int, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _time_shm(piece: int = 1 << 18) -> tuple[float | None, float | None]:
+    """The shared-memory path (comm.small) on this host: `small_alpha`, the median seconds of a
+    33-element float64 all-reduce (what BN statistics take), and `shm_beta`, seconds per byte of
+    an all-gather of `piece` float32 per rank (what the activations of model-parallel layers
+    take): its median less small_alpha, over the bytes each rank receives. (None, None) where
+    the path does not apply (several hosts)."""
     import torch
     import torch.distributed as dist
 
@@ -49,50 +64,21 @@ def _time_small(repeats: int = 200) -> float | None:
 
     r = small.enable(dist.group.WORLD)
     if r is None:
-        return None
-    t = torch.ones(33, dtype=torch.float64)
-    for _ in range(10):
-        r.small_all_reduce(t)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        r.small_all_reduce(t)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def _time_shm_beta(small: float | None, piece: int = 1 << 18, repeats: int = 20) -> float | None:
-    """Seconds per byte of an all-gather through host shared memory (comm.small, what the
-    activations of model-parallel layers take on one host): the median of all-gathers of
-    `piece` float32 per rank, less `small` (its latency), over the bytes each rank receives.
-    None where the path does not apply."""
-    import torch
-    import torch.distributed as dist
-
-    from hybridpar.comm import small as shm
-
-    r = shm.enable(dist.group.WORLD)
-    if r is None or small is None:
-        return None
-    p = dist.get_world_size()
-    t = torch.ones(piece)
-    for _ in range(3):
-        r.all_gather(t, [piece] * p, 0)
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        r.all_gather(t, [piece] * p, 0)
-        ts.append(time.perf_counter() - t0)
+        return None, None
+    stats = torch.ones(33, dtype=torch.float64)
+    alpha = _median_s(lambda: r.small_all_reduce(stats), warmup=10, repeats=200)
+    p, acts = dist.get_world_size(), torch.ones(piece)
+    gather = _median_s(lambda: r.all_gather(acts, [piece] * p, 0), warmup=3, repeats=20)
     received = (p - 1) * 4 * piece  # the cost model's all-gather volume, (p-1)/p of the whole
-    return max(0.0, statistics.median(ts) - small) / received
+    return alpha, max(0.0, gather - alpha) / received
 
 
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
-    small = _time_small()
+    small, shm_beta = _time_shm()
     return {
         "allreduce": _time_allreduce(sizes, repeats, device),
         "small": small,
-        "shm_beta": _time_shm_beta(small),
+        "shm_beta": shm_beta,
     }
 
 
@@ -185,8 +171,7 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
     import torch.distributed as dist
 
     times = _time_allreduce(SIZES, repeats, device)
-    small = _time_small() if device == "cpu" else None
-    shm_beta = _time_shm_beta(small) if device == "cpu" else None
+    small, shm_beta = _time_shm() if device == "cpu" else (None, None)
     if dist.get_rank() == 0:
         _save(_fitted(times, dist.get_world_size(), small, shm_beta))
     dist.barrier()
