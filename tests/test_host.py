@@ -3,6 +3,7 @@ hierarchical path on two emulated hosts, a missing rank ends the wait with its n
 is left in /dev/shm."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -19,34 +20,99 @@ def _ours():
     return {f for f in os.listdir("/dev/shm") if f.startswith("hybridpar-")}
 
 
-def _sum(n, hosts):
+def _sum(n, hosts, stage_bytes):
+    """Three ways in: a tensor copied in and out, one written into its slot first (zero-copy),
+    and a staged all-reduce fed in uneven pieces (`start`, as the gradient synchroniser packs)."""
     rank = dist.get_rank()
     host = None if hosts == 1 else f"host{rank * hosts // dist.get_world_size()}"
-    r = HostReducer(host=host)
-    out = []
+    r = HostReducer(host=host, stage_bytes=stage_bytes)
+    out, same = [], []
     for step in range(3):  # several steps: both parities of the double buffer
         for key, size in ((0, n), (1, n // 3 + 1)):
-            x = torch.randn(size, generator=torch.Generator().manual_seed(rank * 10 + step))
-            ref = x.clone()
-            dist.all_reduce(ref)
-            r.all_reduce(x, key=key)
-            out.append(torch.allclose(x, ref, rtol=1e-5, atol=1e-5))
+            for how in ("copy", "slot", "start"):
+                gen = torch.Generator().manual_seed(rank * 10 + step)
+                x = torch.randn(size, generator=gen)
+                ref = x.clone()
+                dist.all_reduce(ref)
+                if how == "copy":
+                    got = r.all_reduce(x, key=(key, how))
+                elif how == "slot":
+                    slot = r.slot((key, how), size)
+                    slot.copy_(x)
+                    got = r.all_reduce(slot, key=(key, how))
+                else:
+                    run = r.start((key, how), size)
+                    lo = 0
+                    for hi in (size // 7, size // 7 + 1, size // 2, size):
+                        run.buffer[lo:hi].copy_(x[lo:hi])
+                        run.deliver(hi)
+                        lo = hi
+                    got = run.future.wait()
+                out.append(torch.allclose(got, ref, rtol=1e-5, atol=1e-5))
+                every = [torch.empty_like(got) for _ in range(dist.get_world_size())]
+                dist.all_gather(every, got.clone())
+                same.append(all(torch.equal(every[0], e) for e in every))
     topo = (r.topo.local_size, r.topo.hosts, r.topo.leader)
+    stages = {k: seg.stages for k, seg in r.segments.items()}
+    got = slot = run = None  # views of the segments go before they are unmapped
     r.close()
-    return all(out), topo
+    return all(out), all(same), topo, stages
 
 
-@pytest.mark.parametrize("P,hosts", [(2, 1), (4, 1), (4, 2)])
-def test_host_sum_equals_all_reduce(P, hosts):
-    for i, (ok, (local, nhosts, leader)) in enumerate(run_ranks(_sum, P, 1001, hosts)):
-        assert ok
+@pytest.mark.parametrize("P,hosts", [(2, 1), (3, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("stage_bytes", [0, 400])
+def test_host_sum_equals_all_reduce(P, hosts, stage_bytes):
+    """Same sums as gloo, the same bits on every rank, in one stage and in many (1001 floats in
+    stages of 100; 334 in stages of 100 and a short one)."""
+    for i, (ok, same, topo, stages) in enumerate(run_ranks(_sum, P, 1001, hosts, stage_bytes)):
+        local, nhosts, leader = topo
+        assert ok and same
         assert (local, nhosts) == (P // hosts, hosts)
         assert leader == (i % (P // hosts) == 0)
+        assert stages[(0, "start")] == (11 if stage_bytes else 1)
+        assert stages[(1, "copy")] == (4 if stage_bytes else 1)
     assert not _ours()
 
 
-def _train(kind, hosts):
+def _early(n):
+    """Half of a staged all-reduce delivered: its first stages must be summed by every rank
+    before the rest is written."""
+    from hybridpar.comm.host import _FLAGS, DONE
+
+    rank = dist.get_rank()
+    r = HostReducer(stage_bytes=400)
+    x = torch.full((n,), float(rank + 1))
+    run = r.start("k", n)
+    run.buffer[: n // 2].copy_(x[: n // 2])
+    run.deliver(n // 2)
+    seg = r.segments["k"]
+    done = seg.flags[1, :, DONE::_FLAGS]  # step 1: parity 1; one column per stage
+    deadline = time.monotonic() + 30
+    while not (done[:, 0] == 1).all() and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    early = bool((done[:, 0] == 1).all())
+    late = bool((done[:, -1] == 0).all())  # the last stage: nobody has delivered it
+    dist.barrier()  # every rank has looked before anyone delivers the rest
+    run.buffer[n // 2 :].copy_(x[n // 2 :])
+    run.deliver(n)
+    got = run.future.wait()
+    P = dist.get_world_size()
+    ok = torch.equal(got, torch.full((n,), float(P * (P + 1) // 2)))
+    got = run = done = seg = None
+    r.close()
+    return early, late, ok
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_staged_all_reduce_sums_what_has_arrived(P):
+    for early, late, ok in run_ranks(_early, P, 1000):
+        assert early and late and ok
+    assert not _ours()
+
+
+def _train(kind, hosts, stage_mb):
     rank, P = dist.get_rank(), dist.get_world_size()
+    os.environ["HYBRIDPAR_HOST_STAGE_MB"] = stage_mb
     if hosts > 1:
         os.environ["HYBRIDPAR_HOST"] = f"host{rank * hosts // P}"
     plan = preset("tv-alexnet", kind, P, reducer="host", bn="local")
@@ -59,13 +125,19 @@ def _train(kind, hosts):
 
 
 @pytest.mark.parametrize(
-    "P,kind,hosts",
-    [(2, "batch", 1), (3, "batch", 1), (4, "batch", 1), (4, "batch", 2), (2, "ddp", 1)],
+    "P,kind,hosts,stage_mb",
+    [
+        (2, "batch", 1, "0.0001"),  # stages of 26 floats: buckets and parameters in pieces
+        (3, "batch", 1, "0.0001"),
+        (4, "batch", 1, "0"),  # one stage per bucket
+        (4, "batch", 2, "0.0001"),
+        (2, "ddp", 1, "0.0001"),  # DDP's hook: copied in and out stage by stage
+    ],
 )
-def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts):
+def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts, stage_mb):
     """Same parameters after 5 steps as single-process SGD (and so as the process-group
     all-reduce, which the runtime's equivalence tests hold to the same oracle)."""
-    assert all(run_ranks(_train, P, kind, hosts))
+    assert all(run_ranks(_train, P, kind, hosts, stage_mb))
     assert not _ours()
 
 

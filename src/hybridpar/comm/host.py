@@ -11,6 +11,13 @@ Several hosts (discovered from the host names, not configured): after the intra-
 per host (the leader) all-reduces the host sums over torch.distributed, writes the result back
 into the segment and raises a final flag that the other ranks of its host wait for.
 
+Stages (issue 12, item 4): a bucket is summed in stages of `stage_bytes` (1 MB by default,
+HYBRIDPAR_HOST_STAGE_MB sets it, 0 means one stage), each with its own arrival and done flags. A
+rank raises a stage's arrival flag as soon as that stage of its slot is written, and the ranks sum
+stage c while stage c + 1 is still being written: by the gradient synchroniser packing a bucket
+straight into the slot on the autograd thread (`start`), or by the reducer's own copy in. The
+slices a rank sums were written a moment before, so they are read from cache rather than memory.
+
 Robustness: every wait has the job's collective timeout (HYBRIDPAR_TIMEOUT_S) and names the rank
 that did not arrive. A segment is a file in /dev/shm that is unlinked as soon as every rank of the
 host has mapped it, so nothing is left behind even when a rank is killed.
@@ -38,9 +45,11 @@ from hybridpar.comm.ledger import Ledger
 from hybridpar.comm.worker import CommWorker
 from hybridpar.plan import Term
 
-__all__ = ["HostReducer", "HostState", "discover"]
+__all__ = ["HostReducer", "HostState", "StagedReduce", "discover"]
 
-_FLAGS = 4  # per rank and parity: arrived, done, final (+1 spare, keeps 32-byte rows)
+_FLAGS = 4  # per rank, parity and stage: arrived, done, final (+1 spare, keeps 32-byte rows)
+ARRIVED, DONE, FINAL = 0, 1, 2
+STAGE_BYTES = 1 << 20  # a bucket's stage when HYBRIDPAR_HOST_STAGE_MB is not set
 
 
 # How long a wait yields the core (sched_yield) before it sleeps. Timer slack makes a Python sleep
@@ -53,14 +62,31 @@ def _timeout() -> float:
     return float(os.environ.get("HYBRIDPAR_TIMEOUT_S", "300"))
 
 
-class _Segment:
-    """One bucket's shared memory: 2 parities x (P slots + 1 sum) x n floats, then the flags."""
+def _stage_bytes() -> int:
+    text = os.environ.get("HYBRIDPAR_HOST_STAGE_MB")
+    if text is None:
+        return STAGE_BYTES
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"HYBRIDPAR_HOST_STAGE_MB={text!r}: give megabytes >= 0 (0: one stage)")
+    return int(mb * 2**20)
 
-    def __init__(self, path: str, local: int, nlocal: int, n: int, create: bool) -> None:
-        self.n, self.nlocal = n, nlocal
+
+class _Segment:
+    """One bucket's shared memory: 2 parities x (P slots + 1 sum) x n floats, then the flags:
+    2 parities x P ranks x (stages x _FLAGS); stage c covers floats bounds[c]:bounds[c + 1]."""
+
+    def __init__(
+        self, path: str, local: int, nlocal: int, n: int, create: bool, stages: int = 1
+    ) -> None:
+        self.n, self.nlocal, self.stages = n, nlocal, stages
+        self.bounds = [n * c // stages for c in range(stages + 1)]
         data = 2 * (nlocal + 1) * n * 4
         self.flag_off = (data + 63) // 64 * 64
-        size = self.flag_off + 2 * nlocal * _FLAGS * 8
+        size = self.flag_off + 2 * nlocal * stages * _FLAGS * 8
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -74,8 +100,8 @@ class _Segment:
         # flags through numpy: polling one is a plain memory read, ~20x cheaper than indexing a
         # tensor (the small all-reduces poll them in a loop)
         self.flags = np.frombuffer(
-            self.mm, dtype=np.int64, count=2 * nlocal * _FLAGS, offset=self.flag_off
-        ).reshape(2, nlocal, _FLAGS)
+            self.mm, dtype=np.int64, count=2 * nlocal * stages * _FLAGS, offset=self.flag_off
+        ).reshape(2, nlocal, stages * _FLAGS)
 
     def slot(self, parity: int, i: int) -> torch.Tensor:
         return self.floats[parity, i]
@@ -117,11 +143,39 @@ def discover(
     return _Topology(mine.index(me), len(mine), mine, me == mine[0], leaders, len(hosts))
 
 
+class StagedReduce:
+    """An all-reduce started before its input is written (`HostReducer.start`).
+
+    Write the input into `buffer` (this rank's slot) from the front and call `deliver(upto)` once
+    its first `upto` floats are there: each stage that is complete is announced to the other
+    ranks, and the reducer's thread sums it while the rest is written. `stage` is a stage's length
+    in floats, the piece a writer should deliver at a time. `future` completes with the sum, a view
+    of shared memory valid until this rank's all-reduce of the same key after next. Every stage
+    must be delivered (`deliver(n)` at the end), or the ranks wait for it until the timeout."""
+
+    def __init__(self, seg: _Segment, parity: int, me: int, step: int) -> None:
+        self.buffer = seg.slot(parity, me)
+        self.stage = max(1, seg.bounds[1] - seg.bounds[0])
+        self.future: torch.futures.Future | None = None
+        self._flags = seg.flags[parity, me]
+        self._bounds = seg.bounds
+        self._step = step
+        self._next = 0  # the first stage not delivered yet
+
+    def deliver(self, upto: int) -> None:
+        stages = len(self._bounds) - 1
+        while self._next < stages and self._bounds[self._next + 1] <= upto:
+            self._flags[self._next * _FLAGS + ARRIVED] = self._step
+            self._next += 1
+
+
 class HostReducer:
     """Sums tensors over the ranks of `group` through host shared memory (one segment per key).
 
     Create it on every rank of the group (collective). `all_reduce(t, key)` sums t in place; `key`
-    names the bucket (a segment is made for each key on first use, also collectively)."""
+    names the bucket (a segment is made for each key on first use, also collectively).
+    `stage_bytes`: the size of a bucket's stages (module docstring); None reads
+    HYBRIDPAR_HOST_STAGE_MB, 0 sums a bucket in one stage."""
 
     def __init__(
         self,
@@ -129,9 +183,11 @@ class HostReducer:
         ledger: Ledger | None = None,
         host: str | None = None,
         make_leaders: bool = True,
+        stage_bytes: int | None = None,
     ) -> None:
         self.group = group or dist.group.WORLD
         self.ledger = ledger
+        self.stage_bytes = _stage_bytes() if stage_bytes is None else stage_bytes
         self.topo = discover(self.group, host, make_leaders)
         token = [secrets.token_hex(6) if dist.get_rank(self.group) == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=self.group)
@@ -152,10 +208,26 @@ class HostReducer:
         caller does next (the rest of the backward pass). Buckets are reduced in the order they
         are submitted, which is the same on every rank. The segment of a new key is made here,
         on the caller's thread, because making it is collective."""
-        seg = self.segments.get(key)
-        if seg is None or seg.n != t.numel():
-            self._segment(key, t.numel())
-        return self._worker.submit(lambda: self.all_reduce(t, key, term, layers))
+        seg, step = self._next_step(key, t.numel())
+        return self._worker.submit(lambda: self._reduce(t, seg, key, step, term, layers, False))
+
+    def start(
+        self,
+        key: object,
+        n: int,
+        term: str = Term.DW_ALLREDUCE,
+        layers: dict[str, float] | None = None,
+    ) -> StagedReduce:
+        """An all-reduce of n floats on the worker thread that sums each stage of this rank's slot
+        as soon as every rank has delivered it: the caller writes the slot and delivers as it
+        goes (StagedReduce). Collective like `all_reduce_async`, in the same order."""
+        seg, step = self._next_step(key, n)
+        run = StagedReduce(seg, step % 2, self.topo.local_rank, step)
+        buf = run.buffer
+        run.future = self._worker.submit(
+            lambda: self._reduce(buf, seg, key, step, term, layers, True)
+        )
+        return run
 
     def slot(self, key: object, n: int) -> torch.Tensor:
         """This rank's slot for the next all-reduce of `key` (n floats; made on first use, which
@@ -165,17 +237,25 @@ class HostReducer:
         seg = self._segment(key, n)
         return seg.slot((self.steps[key] + 1) % 2, self.topo.local_rank)
 
+    def _next_step(self, key: object, n: int) -> tuple[_Segment, int]:
+        """The segment and number of the next all-reduce of `key`, counted on the caller's
+        thread (the order every rank shares), so that `slot` and `start` agree with the worker."""
+        seg = self._segment(key, n)
+        step = self.steps[key] = self.steps[key] + 1
+        return seg, step
+
     def _segment(self, key: object, n: int) -> _Segment:
         seg = self.segments.get(key)
         if seg is not None and seg.n == n:
             return seg
         t = self.topo
         path = f"/dev/shm/hybridpar-{self.token}-{t.local_ranks[0]}-{len(self.segments)}-{n}"
+        stages = max(1, min(n, -(-n * 4 // self.stage_bytes))) if self.stage_bytes else 1
         if t.leader:
-            seg = _Segment(path, t.local_rank, t.local_size, n, create=True)
+            seg = _Segment(path, t.local_rank, t.local_size, n, True, stages)
         dist.barrier(group=self.group)  # created before anyone opens it
         if not t.leader:
-            seg = _Segment(path, t.local_rank, t.local_size, n, create=False)
+            seg = _Segment(path, t.local_rank, t.local_size, n, False, stages)
         dist.barrier(group=self.group)  # everyone has it mapped: the name can go
         if t.leader:
             os.unlink(path)
@@ -223,44 +303,73 @@ class HostReducer:
         term: str = Term.DW_ALLREDUCE,
         layers: dict[str, float] | None = None,
     ) -> torch.Tensor:
+        seg, step = self._next_step(key, t.numel())
+        return self._reduce(t, seg, key, step, term, layers, False)
+
+    def _reduce(
+        self,
+        t: torch.Tensor,
+        seg: _Segment,
+        key: object,
+        step: int,
+        term: str,
+        layers: dict[str, float] | None,
+        delivered: bool,
+    ) -> torch.Tensor:
+        """All-reduce number `step` of `key`. `delivered`: the caller raises the arrival flags
+        itself as it writes the slot (`start`); otherwise they are raised here, stage by stage
+        as the copy into the slot goes (CPU), or at once."""
         faults.at("host")
         flat = t.view(-1)
-        n = flat.numel()
-        seg = self._segment(key, n)
         topo = self.topo
-        step = self.steps[key] = self.steps[key] + 1
         parity, me, L = step % 2, topo.local_rank, topo.local_size
         everyone = list(range(L))
+        flags = seg.flags[parity, me]
         t0 = time.perf_counter()
         mine = seg.slot(parity, me)
-        in_slot = flat.data_ptr() == mine.data_ptr()  # written there already (`slot`)
-        if not in_slot:
+        in_slot = flat.data_ptr() == mine.data_ptr()  # written there already (`slot`, `start`)
+        staged_copy = not in_slot and flat.device.type == "cpu"
+        if not in_slot and not staged_copy:  # CUDA: one copy through pinned memory
             _to_host(flat, mine)
-        seg.flags[parity, me, 0] = step  # arrived
-        self._wait(seg, parity, 0, step, everyone, "deliver", key)
-        lo, hi = n * me // L, n * (me + 1) // L  # Algorithm 7: each rank sums its slice
-        out = seg.total(parity)[lo:hi]
-        torch.add(
-            seg.floats[parity, 0, lo:hi], seg.floats[parity, 1, lo:hi], out=out
-        ) if L > 1 else out.copy_(seg.floats[parity, 0, lo:hi])
-        for i in range(2, L):
-            out.add_(seg.floats[parity, i, lo:hi])
-        seg.flags[parity, me, 1] = step  # my slice is summed
-        self._wait(seg, parity, 1, step, everyone, "sum its slice of", key)
-        total = seg.total(parity)
-        if topo.leaders is not None:  # hierarchical: the host sums meet over the network
+        if not delivered and not staged_copy:
+            flags[ARRIVED::_FLAGS] = step  # every stage has arrived
+        total, slots = seg.total(parity), seg.floats[parity]
+        for c in range(seg.stages):
+            a, b = seg.bounds[c], seg.bounds[c + 1]
+            if staged_copy:
+                mine[a:b].copy_(flat[a:b])
+                flags[c * _FLAGS + ARRIVED] = step
+            self._wait(seg, parity, c * _FLAGS + ARRIVED, step, everyone, "deliver", key)
+            lo, hi = a + (b - a) * me // L, a + (b - a) * (me + 1) // L  # Algorithm 7's slice
+            out = total[lo:hi]
+            if L > 1:
+                torch.add(slots[0, lo:hi], slots[1, lo:hi], out=out)
+            else:
+                out.copy_(slots[0, lo:hi])
+            for i in range(2, L):
+                out.add_(slots[i, lo:hi])
+            flags[c * _FLAGS + DONE] = step  # my slice of stage c is summed
+        hosts = topo.leaders is not None
+        for c in range(seg.stages):
+            self._wait(seg, parity, c * _FLAGS + DONE, step, everyone, "sum its slice of", key)
+            if staged_copy and not hosts:  # stage c is final: copy it out while others finish
+                a, b = seg.bounds[c], seg.bounds[c + 1]
+                flat[a:b].copy_(total[a:b])
+        if hosts:  # hierarchical: the host sums meet over the network
             if topo.leader:
                 dist.all_reduce(total, group=topo.leaders)
-                seg.flags[parity, me, 2] = step
+                flags[FINAL] = step
             else:
-                self._wait(seg, parity, 2, step, [0], "share the all-host sum of", key)
-        if not in_slot:
+                self._wait(seg, parity, FINAL, step, [0], "share the all-host sum of", key)
+            if staged_copy:
+                flat.copy_(total)
+        if not in_slot and not staged_copy:
             _from_host(total, flat)
         self.wait_s += time.perf_counter() - t0
         if self.ledger is not None:
             self.ledger.record("host_reduce", 1, 0.0, time.perf_counter() - t0, term, layers)
-            if topo.leaders is not None and topo.leader:
-                self.ledger.record("all_reduce", topo.hosts, n * 4, 0.0, term, layers)
+            if hosts and topo.leader:
+                self.ledger.record("all_reduce", topo.hosts, seg.n * 4, 0.0, term, layers)
         return total.view(t.shape) if in_slot else t
 
     def close(self) -> None:
@@ -318,9 +427,20 @@ class HostState:
     bucket_layers: dict[int, dict[str, float]] = field(default_factory=dict)
     zero_copy: bool = True
 
-    def buffer_for(self, index: int, numel: int, device: torch.device) -> torch.Tensor | None:
-        """Where hybridpar's gradient synchroniser should pack bucket `index`: this rank's slot in
-        shared memory (CPU float32), so the bucket is never copied in or out; None: its own."""
-        if not self.zero_copy or device.type != "cpu" or self.reducer.topo.local_size == 1:
+    def start_bucket(
+        self, index: int, numel: int, device: torch.device, dtype: torch.dtype
+    ) -> StagedReduce | None:
+        """For hybridpar's gradient synchroniser: the all-reduce of bucket `index`, started before
+        the bucket is packed. The bucket is packed straight into this rank's slot in shared memory
+        (CPU float32), so it is never copied in or out, and its stages are summed as the pack
+        delivers them. None: pack it in its own buffer and call `host_hook`."""
+        r = self.reducer
+        if not self.zero_copy or device.type != "cpu" or dtype != torch.float32:
             return None
-        return self.reducer.slot(index, numel)
+        if r.topo.local_size == 1:
+            return None
+        run = r.start(index, numel, self.term, self.bucket_layers.get(index))
+        if self.average:  # a result in shared memory is every rank's: divide a copy
+            p = dist.get_world_size(r.group)
+            run.future = run.future.then(lambda f: f.value() / p)
+        return run

@@ -48,7 +48,7 @@ class SmallReducer(HostReducer):
     """All-reduce of small CPU tensors over a group whose ranks share this host."""
 
     def __init__(self, group: dist.ProcessGroup, capacity: int = CAPACITY) -> None:
-        super().__init__(group, make_leaders=False)
+        super().__init__(group, make_leaders=False, stage_bytes=0)
         if self.topo.hosts != 1:
             raise ValueError("SmallReducer needs every rank of its group on this host")
         self._everyone = list(range(self.topo.local_size))

@@ -54,14 +54,24 @@ class Bucket:
     def gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params]
 
-    def pack(self) -> None:
+    def pack(self, deliver: Callable[[int], None] | None = None, piece: int = 0) -> None:
+        """Copy the gradients into `flat`. `deliver(k)`: called whenever the first k elements
+        are written, `piece` elements at a time at most (a staged reducer sums what has arrived
+        while the rest is copied)."""
         off = 0
         for p in self.params:
             n = p.numel()
-            if p.grad is None:
-                self.flat[off : off + n].zero_()
-            else:
-                self.flat[off : off + n].copy_(p.grad.reshape(-1))
+            dst = self.flat[off : off + n]
+            grad = None if p.grad is None else p.grad.reshape(-1)
+            step = piece if deliver is not None and piece > 0 else max(n, 1)
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                if grad is None:
+                    dst[a:b].zero_()
+                else:
+                    dst[a:b].copy_(grad[a:b])
+                if deliver is not None:
+                    deliver(off + b)
             off += n
 
     def unpack(self, result: torch.Tensor) -> None:
@@ -140,14 +150,21 @@ class GradSync:
             self._launch(state, b)
 
     def _launch(self, state: ReducerState, b: Bucket) -> None:
-        """Pack the bucket (where the reducer wants it: the host reducer's shared memory) and hand
-        it to the hook."""
-        where = getattr(state, "buffer_for", None)
-        if where is not None:
-            buf = where(b.index(), b.numel, b.flat.device)
-            if buf is not None and buf.dtype == b.flat.dtype:
-                b.flat = buf
-        b.pack()
+        """Pack the bucket and hand it to the hook. A state that can start its reduction first
+        (HostState: the host reducer) gets the bucket packed straight into its shared memory, and
+        sums each stage of it while the rest is packed; the hook is not called then."""
+        start = getattr(state, "start_bucket", None)
+        run = start(b.index(), b.numel, b.flat.device, b.flat.dtype) if start else None
+        if run is None:
+            b.pack()
+            fut = self.hook(state, b)
+        else:
+            b.flat = run.buffer
+            try:
+                b.pack(run.deliver, run.stage)
+            finally:  # whatever happened, no rank is left waiting for a stage of ours
+                run.deliver(b.numel)
+            fut = run.future
 
         def unpack(f: torch.futures.Future, b: Bucket = b) -> bool:
             # on the thread that completed the reduction, while backward goes on: a bucket's
@@ -156,7 +173,7 @@ class GradSync:
             b.unpack(result if isinstance(result, torch.Tensor) else result[0])
             return True
 
-        b.future = self.hook(state, b).then(unpack)
+        b.future = fut.then(unpack)
 
     def wait(self) -> float:
         """Launch buckets whose parameters got no gradient, wait for all, write the sums back.
