@@ -131,7 +131,7 @@ def _train(kind, hosts, stage_mb):
         (3, "batch", 1, "0.0001"),
         (4, "batch", 1, "0"),  # one stage per bucket
         (4, "batch", 2, "0.0001"),
-        (2, "ddp", 1, "0.0001"),  # DDP's hook: copied in and out stage by stage
+        (2, "ddp", 1, "0.0001"),  # DDP's hook: copied in, summed as one stage
     ],
 )
 def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts, stage_mb):

@@ -14,9 +14,10 @@ into the segment and raises a final flag that the other ranks of its host wait f
 Stages (issue 12, item 4): a bucket is summed in stages of `stage_bytes` (1 MB by default,
 HYBRIDPAR_HOST_STAGE_MB sets it, 0 means one stage), each with its own arrival and done flags. A
 rank raises a stage's arrival flag as soon as that stage of its slot is written, and the ranks sum
-stage c while stage c + 1 is still being written: by the gradient synchroniser packing a bucket
-straight into the slot on the autograd thread (`start`), or by the reducer's own copy in. The
-slices a rank sums were written a moment before, so they are read from cache rather than memory.
+stage c while stage c + 1 is still being written: the gradient synchroniser packs a bucket
+straight into the slot on the autograd thread (`start`) while the reducer's thread sums. What that
+saves in training is the last bucket's sum after its pack (docs/host-reducer.md, measured). A
+tensor the reducer copies in (DDP's hook) is summed as one stage: staged, it was slower.
 
 Robustness: every wait has the job's collective timeout (HYBRIDPAR_TIMEOUT_S) and names the rank
 that did not arrive. A segment is a file in /dev/shm that is unlinked as soon as every rank of the
@@ -317,8 +318,10 @@ class HostReducer:
         delivered: bool,
     ) -> torch.Tensor:
         """All-reduce number `step` of `key`. `delivered`: the caller raises the arrival flags
-        itself as it writes the slot (`start`); otherwise they are raised here, stage by stage
-        as the copy into the slot goes (CPU), or at once."""
+        stage by stage as it writes the slot (`start`), and each stage is summed as soon as every
+        rank has delivered it. Otherwise the whole tensor is in the slot (copied in here, or
+        written there before: `slot`) and is summed as one stage: a tensor copied in and out stage
+        by stage, with a wait per stage, measured 1.1-1.3x slower (docs/host-reducer.md)."""
         faults.at("host")
         flat = t.view(-1)
         topo = self.topo
@@ -328,17 +331,15 @@ class HostReducer:
         t0 = time.perf_counter()
         mine = seg.slot(parity, me)
         in_slot = flat.data_ptr() == mine.data_ptr()  # written there already (`slot`, `start`)
-        staged_copy = not in_slot and flat.device.type == "cpu"
-        if not in_slot and not staged_copy:  # CUDA: one copy through pinned memory
+        if not in_slot:
             _to_host(flat, mine)
-        if not delivered and not staged_copy:
-            flags[ARRIVED::_FLAGS] = step  # every stage has arrived
+        if delivered:
+            parts = [(c, seg.bounds[c], seg.bounds[c + 1]) for c in range(seg.stages)]
+        else:  # one part; the flags go up in stage order, so the last stage's stands for all
+            flags[ARRIVED::_FLAGS] = step
+            parts = [(seg.stages - 1, 0, seg.n)]
         total, slots = seg.total(parity), seg.floats[parity]
-        for c in range(seg.stages):
-            a, b = seg.bounds[c], seg.bounds[c + 1]
-            if staged_copy:
-                mine[a:b].copy_(flat[a:b])
-                flags[c * _FLAGS + ARRIVED] = step
+        for c, a, b in parts:
             self._wait(seg, parity, c * _FLAGS + ARRIVED, step, everyone, "deliver", key)
             lo, hi = a + (b - a) * me // L, a + (b - a) * (me + 1) // L  # Algorithm 7's slice
             out = total[lo:hi]
@@ -348,22 +349,20 @@ class HostReducer:
                 out.copy_(slots[0, lo:hi])
             for i in range(2, L):
                 out.add_(slots[i, lo:hi])
-            flags[c * _FLAGS + DONE] = step  # my slice of stage c is summed
+            if delivered:
+                flags[c * _FLAGS + DONE] = step  # my slice of stage c is summed
+            else:
+                flags[DONE::_FLAGS] = step
         hosts = topo.leaders is not None
-        for c in range(seg.stages):
+        for c, _, _ in parts:
             self._wait(seg, parity, c * _FLAGS + DONE, step, everyone, "sum its slice of", key)
-            if staged_copy and not hosts:  # stage c is final: copy it out while others finish
-                a, b = seg.bounds[c], seg.bounds[c + 1]
-                flat[a:b].copy_(total[a:b])
         if hosts:  # hierarchical: the host sums meet over the network
             if topo.leader:
                 dist.all_reduce(total, group=topo.leaders)
                 flags[FINAL] = step
             else:
                 self._wait(seg, parity, FINAL, step, [0], "share the all-host sum of", key)
-            if staged_copy:
-                flat.copy_(total)
-        if not in_slot and not staged_copy:
+        if not in_slot:
             _from_host(total, flat)
         self.wait_s += time.perf_counter() - t0
         if self.ledger is not None:
