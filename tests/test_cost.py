@@ -226,8 +226,8 @@ def test_global_bn_priced_with_the_calibrated_shared_memory_latency():
 def test_activation_collectives_priced_through_shared_memory_on_one_host():
     """With `small_alpha` and `shm_beta` (calibrated on one host) the activations' all-gathers,
     dX all-reduces and hand-offs cost small_alpha + shm_beta * bytes, as comm.small runs them;
-    encoded activations (a codec: gloo in the runtime) and gradient reductions keep alpha-beta;
-    the bytes never change."""
+    encoded activations (a codec: gloo in the runtime), collectives over 16 MB per rank and
+    gradient reductions keep alpha-beta; the bytes never change."""
     import dataclasses
 
     from hybridpar.analysis import analyze
@@ -250,6 +250,10 @@ def test_activation_collectives_priced_through_shared_memory_on_one_host():
         assert b.seconds == pytest.approx(20e-6 + 1e-10 * a.bytes)
         coded = Wire(4.0, 1.0, False, True)
         assert fn(layer, 2, 2, 32, shm, coded).seconds == fn(layer, 2, 2, 32, net, coded).seconds
+        # over SHM_MAX_BYTES (16 MB) per rank the runtime uses gloo: 32768 examples per batch
+        # group, 256 floats in (dX: 32 MB) and 4096 out (128 MB a piece)
+        big = fn(layer, 2, 2, 65536, shm, 4.0)
+        assert big.seconds == fn(layer, 2, 2, 65536, net, 4.0).seconds > 1e-3
     a = redistribute(Style.model(2, 2), Style.model(4, 1), 9216, 32, net)
     b = redistribute(Style.model(2, 2), Style.model(4, 1), 9216, 32, shm)
     assert b.bytes == a.bytes and b.seconds == pytest.approx(20e-6 + 1e-10 * a.bytes)

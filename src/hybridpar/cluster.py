@@ -21,7 +21,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["BYTES_ONLY", "PRESETS", "Cluster", "load_cluster"]
+__all__ = ["BYTES_ONLY", "PRESETS", "SHM_MAX_BYTES", "Cluster", "load_cluster"]
+
+# the largest collective, per rank, that the runtime sends through host shared memory (comm.small);
+# larger ones go on torch.distributed, and the cost model prices them there
+SHM_MAX_BYTES = 1 << 24
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,13 @@ import os
 import torch
 import torch.distributed as dist
 
+from hybridpar.cluster import SHM_MAX_BYTES
 from hybridpar.comm.host import HostReducer
 
 __all__ = ["SmallReducer", "enable", "reducer_for"]
 
 CAPACITY = 1 << 16  # bytes per rank and call to start with: 8192 float64 (BN of 4096 channels)
-MAX_BYTES = 1 << 24  # per rank and call: larger tensors stay on torch.distributed
+MAX_BYTES = SHM_MAX_BYTES  # per rank and call: larger tensors stay on torch.distributed
 _REDUCERS: dict[int, tuple[dist.ProcessGroup, SmallReducer]] = {}
 
 

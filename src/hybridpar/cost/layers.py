@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybridpar.cluster import Cluster
+from hybridpar.cluster import SHM_MAX_BYTES, Cluster
 from hybridpar.cost.collectives import (
     Comm,
     all_gather,
@@ -182,11 +182,14 @@ def _reduce(n: float, p: int, net: Cluster, compressed: bool, pipelined: bool = 
     return compressed_all_reduce(n, p, net, pipelined) if compressed else all_reduce(n, p, net)
 
 
-def _on_host(c: Comm, net: Cluster, compressed: bool = False) -> Comm:
+def _on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm:
     """An activation collective as the runtime runs it on one host: through shared memory
-    (comm.small), small_alpha + shm_beta * bytes, where `hybridpar calibrate` measured both;
-    encoded activations (a codec) and clusters without those numbers stay on alpha-beta."""
+    (comm.small), small_alpha + shm_beta * bytes, where `hybridpar calibrate` measured both.
+    Encoded activations (a codec), clusters without those numbers, and collectives of more than
+    SHM_MAX_BYTES per rank (`rank_bytes`: what the runtime sends on gloo) stay on alpha-beta."""
     if compressed or net.small_alpha is None or net.shm_beta is None or c.group <= 1:
+        return c
+    if rank_bytes > SHM_MAX_BYTES:
         return c
     return Comm(c.kind, c.group, c.bytes, net.small_alpha + net.shm_beta * c.bytes)
 
@@ -194,7 +197,8 @@ def _on_host(c: Comm, net: Cluster, compressed: bool = False) -> Comm:
 def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
     """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_i: forward all-gather of Y over the model group."""
     w = Wire.of(e)
-    return _on_host(all_gather(B / pc * layer.d_out * w.acts, pr, net), net, w.acts_compressed)
+    n = B / pc * layer.d_out * w.acts
+    return _on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
 
 
 def t_dx_allreduce(
@@ -202,9 +206,8 @@ def t_dx_allreduce(
 ) -> Comm:
     """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX."""
     w = Wire.of(e)
-    return _on_host(
-        _reduce(B / pc * layer.d_in * w.acts, pr, net, w.acts_compressed), net, w.acts_compressed
-    )
+    n = B / pc * layer.d_in * w.acts
+    return _on_host(_reduce(n, pr, net, w.acts_compressed), net, w.acts_compressed, n)
 
 
 def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float | Wire) -> Comm:
@@ -328,7 +331,7 @@ def redistribute(
     e = wire.acts
 
     def gather(n: float, p: int) -> Comm:
-        return _on_host(all_gather(n, p, net), net, wire.acts_compressed)
+        return _on_host(all_gather(n, p, net), net, wire.acts_compressed, n / p)
 
     if prev is None or prev.layout == nxt.layout:
         return Comm.zero("redistribute")
