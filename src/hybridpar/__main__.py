@@ -1,5 +1,3 @@
-import sys
+from hybridpar.cli import entry
 
-from hybridpar.cli import main
-
-sys.exit(main())
+entry()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -477,5 +478,19 @@ def main(argv: list[str] | None = None) -> int:
         restore()
 
 
+def entry() -> None:
+    """The `hybridpar` command: main(), then exit with its code. A rank that torchrun started
+    skips the interpreter's teardown, where gloo's C++ destructors can abort a process whose job
+    has already finished (train.launch._leave does the same for the ranks it spawns)."""
+    from hybridpar.train.launch import under_torchrun
+
+    code = main()
+    if under_torchrun():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
