@@ -164,6 +164,24 @@ def test_cli_mistakes_end_in_one_line_before_spawning(cli, tmp_path, name, argv,
     assert len(lines) == 1 or lines[0].startswith("usage:"), err
 
 
+@pytest.mark.parametrize(
+    "var, value, needle",
+    [
+        ("HYBRIDPAR_HOST_STAGE_MB", "-1", "give megabytes >= 0"),
+        ("HYBRIDPAR_HOST_STAGE_MB", "lots", "give megabytes >= 0"),
+        ("HYBRIDPAR_TIMEOUT_S", "0", "timeout in seconds > 0"),
+        ("HYBRIDPAR_TIMEOUT_S", "soon", "timeout in seconds > 0"),
+    ],
+)
+def test_bad_settings_in_the_environment_end_in_one_line_before_spawning(
+    cli, monkeypatch, var, value, needle
+):
+    monkeypatch.setenv(var, value)
+    code, err = cli(*TRAIN)
+    assert code == 2, err
+    assert err.strip().count("\n") == 0 and needle in err and var in err, err
+
+
 def test_the_catalogue_is_long_enough():
     assert len(CASES) + len(API_CASES) >= 40
 

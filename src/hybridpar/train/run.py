@@ -44,6 +44,7 @@ def prepare(cfg: TrainConfig) -> Job:
     from hybridpar.train.data import signature
 
     cfg.validate()
+    _check_environment()
     loaded = ParallelPlan.load(cfg.plan) if cfg.plan else None
     cfg = _defaults(cfg, loaded)
     resume = _resume(cfg)
@@ -75,6 +76,25 @@ def prepare(cfg: TrainConfig) -> Job:
     if plan is not None:
         plan = plan.with_choices(device=device)
     return Job(cfg.with_(device=device), P, shape, classes, plan, resume)
+
+
+def _check_environment() -> None:
+    """The HYBRIDPAR_* settings the ranks read, checked before they are spawned."""
+    from hybridpar.comm.host import _stage_bytes
+
+    try:
+        _stage_bytes()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    timeout = os.environ.get("HYBRIDPAR_TIMEOUT_S", "300")
+    try:
+        ok = float(timeout) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"HYBRIDPAR_TIMEOUT_S={timeout!r}: give the collective timeout in seconds > 0"
+        )
 
 
 def _device(cfg: TrainConfig, P: int) -> str:
