@@ -221,7 +221,9 @@ class HostReducer:
     ) -> StagedReduce:
         """An all-reduce of n floats on the worker thread that sums each stage of this rank's slot
         as soon as every rank has delivered it: the caller writes the slot and delivers as it
-        goes (StagedReduce). Collective like `all_reduce_async`, in the same order."""
+        goes (StagedReduce). Collective like `all_reduce_async`, in the same order. Start a key's
+        next all-reduce only once its previous one has completed (its future is done), as the
+        gradient synchroniser does: the slot is double-buffered, not queued."""
         seg, step = self._next_step(key, n)
         run = StagedReduce(seg, step % 2, self.topo.local_rank, step)
         buf = run.buffer

@@ -186,7 +186,8 @@ def _on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm
     """An activation collective as the runtime runs it on one host: through shared memory
     (comm.small), small_alpha + shm_beta * bytes, where `hybridpar calibrate` measured both.
     Encoded activations (a codec), clusters without those numbers, and collectives of more than
-    SHM_MAX_BYTES per rank (`rank_bytes`: what the runtime sends on gloo) stay on alpha-beta."""
+    SHM_MAX_BYTES per rank stay on alpha-beta, as the runtime sends them on gloo (`rank_bytes`:
+    what one rank contributes, the size the runtime compares with that limit)."""
     if compressed or net.small_alpha is None or net.shm_beta is None or c.group <= 1:
         return c
     if rank_bytes > SHM_MAX_BYTES:
