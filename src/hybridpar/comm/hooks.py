@@ -189,11 +189,7 @@ def host_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     reducer = state.reducer
     if dist.get_world_size(reducer.group) == 1:
         return _done(buf)
-    p = dist.get_world_size(reducer.group)
     fut = reducer.all_reduce_async(
         buf, key=bucket.index(), term=state.term, layers=state.bucket_layers.get(bucket.index())
     )
-    if not state.average:
-        return fut
-    # a result in shared memory (zero-copy) is every rank's: divide a copy, not it
-    return fut.then(lambda f: f.value() / p)
+    return state.averaged(fut)

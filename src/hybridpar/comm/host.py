@@ -76,6 +76,17 @@ def _stage_bytes() -> int:
     return int(mb * 2**20)
 
 
+def sum_in_order(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """out = parts[0] + parts[1] + ..., added in that (rank) order, so that every rank that sums
+    the same parts gets the same bits."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
+
+
 class _Segment:
     """One bucket's shared memory: 2 parities x (P slots + 1 sum) x n floats, then the flags:
     2 parities x P ranks x (stages x _FLAGS); stage c covers floats bounds[c]:bounds[c + 1]."""
@@ -344,13 +355,7 @@ class HostReducer:
         for c, a, b in parts:
             self._wait(seg, parity, c * _FLAGS + ARRIVED, step, everyone, "deliver", key)
             lo, hi = a + (b - a) * me // L, a + (b - a) * (me + 1) // L  # Algorithm 7's slice
-            out = total[lo:hi]
-            if L > 1:
-                torch.add(slots[0, lo:hi], slots[1, lo:hi], out=out)
-            else:
-                out.copy_(slots[0, lo:hi])
-            for i in range(2, L):
-                out.add_(slots[i, lo:hi])
+            sum_in_order(total[lo:hi], list(slots[:L, lo:hi]))
             if delivered:
                 flags[c * _FLAGS + DONE] = step  # my slice of stage c is summed
             else:
@@ -441,7 +446,13 @@ class HostState:
         if r.topo.local_size == 1:
             return None
         run = r.start(index, numel, self.term, self.bucket_layers.get(index))
-        if self.average:  # a result in shared memory is every rank's: divide a copy
-            p = dist.get_world_size(r.group)
-            run.future = run.future.then(lambda f: f.value() / p)
+        run.future = self.averaged(run.future)
         return run
+
+    def averaged(self, fut: torch.futures.Future) -> torch.futures.Future:
+        """The sum as DDP expects it: divided by the ranks when `average`. A result in shared
+        memory (zero-copy) is every rank's, so a copy is divided, never the sum itself."""
+        if not self.average:
+            return fut
+        p = dist.get_world_size(self.reducer.group)
+        return fut.then(lambda f: f.value() / p)

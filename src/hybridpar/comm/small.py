@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.cluster import SHM_MAX_BYTES
-from hybridpar.comm.host import HostReducer
+from hybridpar.comm.host import HostReducer, sum_in_order
 
 __all__ = ["SmallReducer", "enable", "reducer_for"]
 
@@ -104,10 +104,7 @@ class SmallReducer(HostReducer):
         flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
         nbytes = flat.numel() * flat.element_size()
         posted = self._post(flat, "join an all-reduce on", nbytes)
-        slots = [b[:nbytes].view(flat.dtype) for b in posted]
-        torch.add(slots[0], slots[1], out=flat)
-        for s in slots[2:]:
-            flat.add_(s)
+        sum_in_order(flat, [b[:nbytes].view(flat.dtype) for b in posted])
         if flat.data_ptr() != t.data_ptr():
             t.copy_(flat.view(t.shape))
         return t
