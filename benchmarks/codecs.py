@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from hybridpar.codec_report import throughput
-from hybridpar.comm.codecs import get_codec
-from hybridpar.wire import CODECS, EIGHT_BIT
+from hybridpar.choices import CODECS, EIGHT_BIT
+from hybridpar.commands.codec_report import throughput
+from hybridpar.runtime.comm.codecs import get_codec
 
 
 def _bnb():
@@ -62,9 +62,9 @@ def bnb_throughput(F, block: int, n: int, repeats: int = 5) -> tuple[float, floa
 
 
 def speed(block: int, n: int) -> None:
-    from hybridpar.comm import kernels
+    from hybridpar.runtime.comm import kernels
 
-    path = "C kernels (hybridpar.comm.kernels)" if kernels.available() else "torch path"
+    path = "C kernels (hybridpar.runtime.comm.kernels)" if kernels.available() else "torch path"
     print(
         f"\n1. throughput, one thread, {n * 4 / 2**20:.0f} MB of float32, blocks of {block}, "
         f"outputs allocated once; ours on the {path}"
@@ -122,8 +122,8 @@ def error(block: int, n: int) -> None:
 def _reduce(n: int, block: int) -> dict:
     import torch.distributed as dist
 
-    from hybridpar.comm.collectives import all_reduce, compressed_all_reduce
-    from hybridpar.comm.ledger import Ledger
+    from hybridpar.runtime.comm.collectives import all_reduce, compressed_all_reduce
+    from hybridpar.runtime.comm.ledger import Ledger
 
     torch.set_num_threads(1)
     t = torch.randn(n)
@@ -143,7 +143,7 @@ def _reduce(n: int, block: int) -> dict:
 
 
 def wire_bytes(P: int, mb: int, block: int) -> None:
-    from hybridpar.train.launch import launch
+    from hybridpar.runtime.launcher import launch
 
     n = mb * 2**20 // 4
     r = launch(_reduce, P, n, block, timeout_s=600, backend="gloo")[0]
@@ -162,8 +162,8 @@ def wire_bytes(P: int, mb: int, block: int) -> None:
 def training(P: int, steps: int, repeat: int) -> None:
     """8-bit gradients against fp32 in training on loopback: alexnet-owt 64 px, batch 32, pure
     batch plan, the compressed reducer on its thread. The two run in turn, `repeat` rounds."""
-    from hybridpar.train.config import TrainConfig
-    from hybridpar.train.run import run
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.run import run
 
     base = TrainConfig(
         model="alexnet-owt", data="synthetic:512", input_size=64, epochs=1, batch=32,

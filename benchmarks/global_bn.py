@@ -14,8 +14,8 @@ import argparse
 import dataclasses
 import statistics
 
-from hybridpar.train.config import TrainConfig
-from hybridpar.train.run import run
+from hybridpar.runtime.train.config import TrainConfig
+from hybridpar.runtime.train.run import run
 
 BASE = TrainConfig(model="resnet20", data="digits", progress=False, lr=0.02, schedule="cosine")
 

@@ -23,11 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybridpar.train.launch import launch
+from hybridpar.runtime.launcher import launch
 
 
 def _speed(sizes_mb: list[int], repeats: int) -> dict:
-    from hybridpar.comm.host import HostReducer
+    from hybridpar.runtime.comm.host import HostReducer
 
     torch.set_num_threads(1)
     r = HostReducer()  # 1 MB stages (the default)
@@ -75,12 +75,12 @@ def _speed(sizes_mb: list[int], repeats: int) -> dict:
 
 
 def _overlap(steps: int, input_size: int, batch: int, stage_mb: str) -> dict:
-    from hybridpar.cluster import BYTES_ONLY
-    from hybridpar.comm.host import HostReducer
-    from hybridpar.models import build_model
-    from hybridpar.planner import plan_for
-    from hybridpar.train.config import TrainConfig
-    from hybridpar.train.loop import Trainer
+    from hybridpar.planning.cluster import BYTES_ONLY
+    from hybridpar.planning.models import build_model
+    from hybridpar.planning.search import plan_for
+    from hybridpar.runtime.comm.host import HostReducer
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.loop import Trainer
 
     os.environ["HYBRIDPAR_HOST_STAGE_MB"] = stage_mb
     torch.set_num_threads(1)

@@ -25,10 +25,10 @@ import time
 import torch
 from plain_ddp import run_local
 
-from hybridpar.models import build_model
-from hybridpar.train.config import TrainConfig
-from hybridpar.train.optim import KrizhevskySGD
-from hybridpar.train.run import run
+from hybridpar.planning.models import build_model
+from hybridpar.runtime.train.config import TrainConfig
+from hybridpar.runtime.train.optim import KrizhevskySGD
+from hybridpar.runtime.train.run import run
 
 COMM_TERMS = ("dw_allreduce", "allgather", "dx_allreduce", "redistribute")
 CONTENDERS = (  # (name, preset, environment)

@@ -28,8 +28,8 @@ def _loop(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from hybridpar.models import MODELS, build_model, input_shape
-    from hybridpar.train.data import load_data, signature
+    from hybridpar.planning.models import MODELS, build_model, input_shape
+    from hybridpar.runtime.train.data import load_data, signature
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, args.local_world or world)))

@@ -19,10 +19,10 @@ import time
 import torch
 from torch import nn
 
-from hybridpar.analysis import analyze
-from hybridpar.cluster import PRESETS
-from hybridpar.cost.layers import cost_layers
-from hybridpar.planner import make_plan, plan
+from hybridpar.planning.analysis import analyze
+from hybridpar.planning.cluster import PRESETS
+from hybridpar.planning.cost.layers import cost_layers
+from hybridpar.planning.search import make_plan, plan
 
 
 def wall(cmd: list[str]) -> float:

@@ -3,7 +3,7 @@ traceback re-raised in the parent). Functions must live at module level (they ar
 
 from __future__ import annotations
 
-from hybridpar.train.launch import RankFailure, launch
+from hybridpar.runtime.launcher import RankFailure, launch
 
 
 def run_ranks(fn, nprocs, *args, timeout_s=60.0):

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.models import build_model
-from hybridpar.train.optim import KrizhevskySGD
+from hybridpar.planning.models import build_model
+from hybridpar.runtime.train.optim import KrizhevskySGD
 
 STEPS, B, CLASSES = 4, 12, 5
 
@@ -133,10 +133,10 @@ def assert_same_state(got: dict, want: dict, label: str) -> None:
 
 def preset(name: str, which: str, P: int, **choices) -> ParallelPlan:  # noqa: F821
     """The plan a preset names for one of MAKERS (priced on a fast test network)."""
-    from hybridpar.analysis import analyze
-    from hybridpar.cluster import Cluster
-    from hybridpar.cost.layers import cost_layers
-    from hybridpar.presets import plan_preset
+    from hybridpar.planning.analysis import analyze
+    from hybridpar.planning.cluster import Cluster
+    from hybridpar.planning.cost.layers import cost_layers
+    from hybridpar.planning.presets import plan_preset
 
     builder, shape = MAKERS[name]
     with torch.device("meta"):

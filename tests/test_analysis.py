@@ -2,10 +2,10 @@ import pytest
 import torch
 from torch import nn
 
-from hybridpar.analysis import analyze, trace
-from hybridpar.cost.layers import cost_layers
 from hybridpar.errors import ConfigError
-from hybridpar.models import MODELS, build_model, input_shape
+from hybridpar.planning.analysis import analyze, trace
+from hybridpar.planning.cost.layers import cost_layers
+from hybridpar.planning.models import MODELS, build_model, input_shape
 
 
 def meta(name, **kw):

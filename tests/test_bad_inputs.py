@@ -1,6 +1,6 @@
 """A catalogue of user mistakes, each with its one-line message and where it is caught.
 
-CLI cases run `hybridpar.cli.main` in this process with the launcher replaced by a tripwire, so a
+CLI cases run `hybridpar.commands.cli.main` in this process with the launcher replaced by a tripwire, so a
 case passes only if it ends with exit code 2 and one line on stderr *before any process is
 spawned*. Python API cases check the exception and its message; the ones that need ranks share one
 spawn."""
@@ -16,19 +16,19 @@ from nets import TVAlexNet, batches
 
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style
-from hybridpar.train.launch import RankFailure
+from hybridpar.runtime.launcher import RankFailure
 
 
 @pytest.fixture
 def cli(monkeypatch, capsys, tmp_path):
     """main(argv) -> (exit code, stderr); spawning anything fails the test."""
-    from hybridpar import cli as cli_module
+    from hybridpar.commands import cli as cli_module
 
     def tripwire(*args, **kwargs):
         raise AssertionError("a process was spawned for bad input")
 
-    monkeypatch.setattr("hybridpar.train.run.launch", tripwire)
-    monkeypatch.setattr("hybridpar.train.launch.launch", tripwire)
+    monkeypatch.setattr("hybridpar.runtime.train.run.launch", tripwire)
+    monkeypatch.setattr("hybridpar.runtime.launcher.launch", tripwire)
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
 
     def run(*argv):
@@ -197,7 +197,7 @@ API_CASES = [
 
 
 def _parallelize_alone():
-    from hybridpar.parallel import parallelize
+    from hybridpar.runtime.parallel import parallelize
 
     parallelize(TVAlexNet(), ParallelPlan(1, 4, input_shape=(1, 8, 8)))
 
@@ -217,7 +217,7 @@ def test_python_api_mistakes_raise_clear_errors(name, call, error, needle):
 
 def _misuses():
     """Mistakes with a parallelized model, each one line, none a hang or a C++ abort."""
-    from hybridpar.parallel import parallelize
+    from hybridpar.runtime.parallel import parallelize
 
     P = dist.get_world_size()
     plan = ParallelPlan(P, 12, {"classifier.*": Style.model(P, 1)}, input_shape=(1, 8, 8))
@@ -256,6 +256,6 @@ def _unpicklable():
 
 def test_a_result_that_cannot_be_sent_back_is_named():
     with pytest.raises(RankFailure, match="cannot be sent back"):
-        from hybridpar.train.launch import launch
+        from hybridpar.runtime.launcher import launch
 
         launch(_unpicklable, 2, backend="gloo", timeout_s=30)

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from torch import nn
 
-from hybridpar.comm import kernels
-from hybridpar.comm.collectives import all_reduce
-from hybridpar.comm.ledger import Ledger
-from hybridpar.parallel import batchnorm
-from hybridpar.parallel.batchnorm import (
+from hybridpar.runtime.comm import kernels
+from hybridpar.runtime.comm.collectives import all_reduce
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.parallel import batchnorm
+from hybridpar.runtime.parallel.batchnorm import (
     AdaptiveGlobalBatchNorm,
     BNSwitch,
     GlobalBatchNorm,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from procs import TRAIN
 
-from hybridpar.models import build_model
+from hybridpar.planning.models import build_model
 
 CMD = [*TRAIN, *["--model", "digits-cnn", "--batch", "48", "--max-steps", "5", "--lr", "0.05"]]
 
@@ -74,8 +74,8 @@ def test_a_checkpoint_dir_is_continued_only_on_purpose(tmp_path):
     """Checked before spawning, from the checkpoint's metadata: a folder with checkpoints is only
     written into with --resume auto, and a resume needs the same model, data, batch and seed."""
     from hybridpar.errors import ConfigError
-    from hybridpar.train.config import TrainConfig
-    from hybridpar.train.run import prepare
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.run import prepare
 
     ck = tmp_path / "ck"
     (ck / "step-00000002").mkdir(parents=True)

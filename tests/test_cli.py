@@ -154,7 +154,7 @@ def test_codecs_command_prints_table_2():
 def test_every_command_prints_its_help(capsys):
     """`hybridpar CMD --help` for every command: argparse %-formats help texts, and one option's
     help with a bare "%" ("75 %") made `hybridpar train --help` raise instead of printing."""
-    from hybridpar.cli import build_parser, main
+    from hybridpar.commands.cli import build_parser, main
 
     commands = build_parser()._subparsers._group_actions[0].choices
     assert {"plan", "train"} <= set(commands)

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
 
-from hybridpar.comm.codecs import CODECS, get_codec, magnitude_levels, reference_encode
-from hybridpar.comm.collectives import all_gather_uneven, compressed_all_reduce
-from hybridpar.comm.ledger import Ledger, bus_bytes
-from hybridpar.wire import EIGHT_BIT
+from hybridpar.choices import EIGHT_BIT
+from hybridpar.runtime.comm.codecs import CODECS, get_codec, magnitude_levels, reference_encode
+from hybridpar.runtime.comm.collectives import all_gather_uneven, compressed_all_reduce
+from hybridpar.runtime.comm.ledger import Ledger, bus_bytes
 
 BLOCKS = [None, 64]
 
@@ -32,10 +32,10 @@ def test_fast_encoder_equals_reference(name, block):
 
 @pytest.mark.parametrize("name", EIGHT_BIT)
 def test_c_kernels_equal_reference_and_the_torch_path(name, monkeypatch):
-    """The C kernels (hybridpar.comm.kernels) give the reference's bytes and the torch path's
+    """The C kernels (hybridpar.runtime.comm.kernels) give the reference's bytes and the torch path's
     decoded values, blocks with NaN or inf included (handed to the torch path), in a reused
     buffer too."""
-    from hybridpar.comm import codecs, kernels
+    from hybridpar.runtime.comm import codecs, kernels
 
     if not kernels.available():
         pytest.skip("no C compiler here: the codecs run on the torch path")
@@ -66,7 +66,7 @@ def test_c_kernels_equal_reference_and_the_torch_path(name, monkeypatch):
 
 
 def test_compiled_path_equals_reference(monkeypatch):
-    from hybridpar.comm import codecs
+    from hybridpar.runtime.comm import codecs
 
     monkeypatch.setattr(codecs, "_KERNEL_MIN", 1 << 40)  # not the C kernels: torch.compile
     """Large tensors go through torch.compile: same bytes as the eager reference."""
@@ -76,7 +76,7 @@ def test_compiled_path_equals_reference(monkeypatch):
     codes, scales = reference_encode(codec, x)
     assert torch.equal(e.payload, codes) and torch.equal(e.scales, scales)
     # the compiled decode equals a plain table lookup of the reference codes times their scales
-    from hybridpar.comm.codecs import _tables
+    from hybridpar.runtime.comm.codecs import _tables
 
     table = _tables("dynamic-tree").decode
     plain = (table[codes[: 17 * 4096].long()].view(17, 4096) * scales[:17, None]).reshape(-1)
@@ -252,7 +252,7 @@ def test_table_2_mnist_mlp_activations_dynamic_tree_best_per_layer():
     """Table 2's model-parallel rows: on the paper's 784-1024-1024-10 RMSProp network (digits
     upsampled to 28x28, 60 steps, as `hybridpar codecs` prints it) dynamic tree has the lowest
     relative error on every layer's activations, one scale per tensor as in the paper."""
-    from hybridpar.codec_report import error_table, mlp_tensors
+    from hybridpar.commands.codec_report import error_table, mlp_tensors
 
     acts = {k: v for k, v in mlp_tensors(60).items() if k.startswith("mlp acts")}
     rows = error_table(acts, (None,))
@@ -281,9 +281,9 @@ def _threaded_hook(P_split):
     global BN does during backward); the step twice, for error feedback. The middle bucket belongs
     to another reducer state on the same worker (as two grids' batch groups do), so two pipelines
     share the thread while their collectives are in flight."""
-    from hybridpar.comm.grid import group_timeout, new_group
-    from hybridpar.comm.hooks import ReducerState, compressed_hook, piece_key
-    from hybridpar.comm.worker import CommWorker
+    from hybridpar.runtime.comm.grid import group_timeout, new_group
+    from hybridpar.runtime.comm.hooks import ReducerState, compressed_hook, piece_key
+    from hybridpar.runtime.comm.worker import CommWorker
 
     P, rank = dist.get_world_size(), dist.get_rank()
     twin = new_group(list(range(P)), group_timeout(), "test_grads", tag="grads")

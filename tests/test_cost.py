@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from hybridpar.cluster import PRESETS, Cluster
-from hybridpar.cost import collectives as cc
-from hybridpar.cost.layers import (
+from hybridpar.planning.cluster import PRESETS, Cluster
+from hybridpar.planning.cost import collectives as cc
+from hybridpar.planning.cost.layers import (
     CostLayer,
     Style,
     eq3_model,
@@ -18,7 +18,7 @@ from hybridpar.cost.layers import (
     eq9_integrated_domain,
     redistribute,
 )
-from hybridpar.planner import make_plan
+from hybridpar.planning.search import make_plan
 
 # alpha = 1, beta = 1e-3: a result reads as (number of messages) + (bytes) / 1000
 NET = Cluster("unit", alpha=1.0, beta=1e-3, flops=1e9)
@@ -134,7 +134,7 @@ ALEX = None
 def alexnet_layers():
     global ALEX
     if ALEX is None:
-        from hybridpar.analysis_cache import zoo_cost_layers
+        from hybridpar.planning.analysis_cache import zoo_cost_layers
 
         ALEX = zoo_cost_layers("alexnet")
     return ALEX
@@ -183,8 +183,8 @@ def test_eq5_crossover_for_alexnet_conv4():
 
 def test_krizhevsky_footnote4():
     """Per sample, 4096x512x2 FLOPs take 2.09 us at 2 TFLOP/s; receiving 4096 floats 2.73 us at 6 GB/s."""
-    from hybridpar.analysis_cache import zoo_cost_layers
-    from hybridpar.cost.compute import FlopsModel
+    from hybridpar.planning.analysis_cache import zoo_cost_layers
+    from hybridpar.planning.cost.compute import FlopsModel
 
     net = PRESETS["k20-pcie"]
     fc7 = [x for x in zoo_cost_layers("alexnet-owt") if x.kind == "linear"][1]
@@ -209,9 +209,9 @@ def test_global_bn_priced_with_the_calibrated_shared_memory_latency():
     takes that long, whatever alpha-beta says; the bytes do not change."""
     import dataclasses
 
-    from hybridpar.cluster import PRESETS
-    from hybridpar.cost.layers import t_global_bn
     from hybridpar.errors import ConfigError
+    from hybridpar.planning.cluster import PRESETS
+    from hybridpar.planning.cost.layers import t_global_bn
 
     net = PRESETS["cori-knl"]
     fast = dataclasses.replace(net, small_alpha=20e-6)
@@ -230,16 +230,16 @@ def test_activation_collectives_priced_through_shared_memory_on_one_host():
     gradient reductions keep alpha-beta; the bytes never change."""
     import dataclasses
 
-    from hybridpar.analysis import analyze
-    from hybridpar.cost.layers import (
+    from hybridpar.errors import ConfigError
+    from hybridpar.planning.analysis import analyze
+    from hybridpar.planning.cost.layers import (
         Wire,
         cost_layers,
         t_allgather,
         t_dw_allreduce,
         t_dx_allreduce,
     )
-    from hybridpar.errors import ConfigError
-    from hybridpar.models import build_model
+    from hybridpar.planning.models import build_model
 
     net = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e12)
     shm = dataclasses.replace(net, small_alpha=20e-6, shm_beta=1e-10)

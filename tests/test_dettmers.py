@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from hybridpar.analysis_cache import zoo_cost_layers
-from hybridpar.cluster import PRESETS
-from hybridpar.cost import dettmers as dm
 from hybridpar.errors import ConfigError
+from hybridpar.planning.analysis_cache import zoo_cost_layers
+from hybridpar.planning.cluster import PRESETS
+from hybridpar.planning.cost import dettmers as dm
 
 
 @pytest.mark.parametrize("bits", [32, 8])

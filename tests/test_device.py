@@ -13,8 +13,8 @@ from nets import MAKERS, B, batches, make, optimizer
 from torch.nn import functional as F
 
 from hybridpar.errors import ConfigError
-from hybridpar.parallel import parallelize
 from hybridpar.plan import ParallelPlan, Style
+from hybridpar.runtime.parallel import parallelize
 
 # bf16 keeps 8 bits of mantissa (a rounding is up to 2**-8 = 0.4 % relative): after 4 steps the
 # split runs stay within this of one process running the same bf16 steps
@@ -66,8 +66,8 @@ def test_bf16_autocast_training_stays_within_the_stated_tolerance(P, name, style
 
 
 def test_cuda_is_refused_where_there_is_no_gpu_for_every_rank():
-    from hybridpar.train.config import TrainConfig
-    from hybridpar.train.run import prepare
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.run import prepare
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(ConfigError, match=f"{gpus + 1} local ranks but {gpus} GPUs"):
@@ -120,7 +120,7 @@ def test_training_on_one_gpu_equals_the_cpu():
 @needs_cuda
 @pytest.mark.parametrize("name", ["dynamic-tree", "linear", "mantissa", "static-tree"])
 def test_codecs_on_cuda_are_byte_equal_to_the_cpu_reference(name):
-    from hybridpar.comm.codecs import get_codec, reference_encode
+    from hybridpar.runtime.comm.codecs import get_codec, reference_encode
 
     x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(0))
     codec = get_codec(name, 4096)
@@ -130,7 +130,7 @@ def test_codecs_on_cuda_are_byte_equal_to_the_cpu_reference(name):
 
 
 def _bn_on_cuda():
-    from hybridpar.parallel import GlobalBatchNorm2d
+    from hybridpar.runtime.parallel import GlobalBatchNorm2d
 
     torch.manual_seed(0)
     x = torch.randn(8, 3, 4, 4, device="cuda")
@@ -152,7 +152,7 @@ def test_global_batchnorm_on_cuda_equals_batchnorm():
 
 
 def _host_on_cuda():
-    from hybridpar.comm.host import HostReducer
+    from hybridpar.runtime.comm.host import HostReducer
 
     r = HostReducer()
     x = torch.full((1000,), float(dist.get_rank() + 1), device="cuda")

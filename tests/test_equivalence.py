@@ -14,12 +14,12 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from nets import MAKERS, B, assert_same_state, batches, make, train_parallel, train_reference
 
-from hybridpar.analysis import analyze
-from hybridpar.cluster import Cluster
-from hybridpar.comm.ledger import Ledger
-from hybridpar.cost.layers import cost_layers
-from hybridpar.parallel import parallelize
-from hybridpar.planner import plan
+from hybridpar.planning.analysis import analyze
+from hybridpar.planning.cluster import Cluster
+from hybridpar.planning.cost.layers import cost_layers
+from hybridpar.planning.search import plan
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.parallel import parallelize
 
 # a fast network (1 us, 1 GB/s): the per-layer search mixes grids here (checked below)
 NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)

@@ -112,7 +112,7 @@ def test_a_shared_memory_timeout_blames_the_hung_rank_not_the_waiter():
     running (stopped, hung), the launcher names that one, as for a gloo timeout."""
     from types import SimpleNamespace
 
-    from hybridpar.train.launch import _blame
+    from hybridpar.runtime.launcher import _blame
 
     procs = [SimpleNamespace(exitcode=c) for c in (None, None, 1, 1)]
     msg = (
@@ -140,6 +140,6 @@ def test_a_rank_that_has_reported_skips_the_interpreter_teardown():
     ends without the interpreter's teardown: a C++ destructor that aborts there (seen about once
     in a hundred runs of a test ending with async gloo collectives) cannot turn a finished job
     into 'rank 1 was killed by SIGABRT'."""
-    from hybridpar.train.launch import launch
+    from hybridpar.runtime.launcher import launch
 
     assert launch(_aborts_in_teardown, 2, 1, timeout_s=30.0, backend="gloo") == [0, 1]

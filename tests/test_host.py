@@ -11,9 +11,9 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from nets import assert_same_state, batches, make, preset, train_reference
 
-from hybridpar.comm.host import HostReducer
-from hybridpar.train.config import TrainConfig
-from hybridpar.train.loop import Trainer
+from hybridpar.runtime.comm.host import HostReducer
+from hybridpar.runtime.train.config import TrainConfig
+from hybridpar.runtime.train.loop import Trainer
 
 
 def _ours():
@@ -77,7 +77,7 @@ def test_host_sum_equals_all_reduce(P, hosts, stage_bytes):
 def _early(n):
     """Half of a staged all-reduce delivered: its first stages must be summed by every rank
     before the rest is written."""
-    from hybridpar.comm.host import _FLAGS, DONE
+    from hybridpar.runtime.comm.host import _FLAGS, DONE
 
     rank = dist.get_rank()
     r = HostReducer(stage_bytes=400)
@@ -166,10 +166,10 @@ def _small(sizes):
     """Shared-memory all-reduces (comm.small) against gloo: same sums, the same bits on every
     rank, both parities, float64 and float32, a tensor over the first segment's capacity (which
     grows), a non-contiguous one, and one over MAX_BYTES back on gloo."""
-    from hybridpar.comm import small
-    from hybridpar.comm.collectives import all_reduce
-    from hybridpar.comm.grid import group_timeout, new_group
-    from hybridpar.comm.ledger import Ledger
+    from hybridpar.runtime.comm import small
+    from hybridpar.runtime.comm.collectives import all_reduce
+    from hybridpar.runtime.comm.grid import group_timeout, new_group
+    from hybridpar.runtime.comm.ledger import Ledger
 
     rank, P = dist.get_rank(), dist.get_world_size()
     small.MAX_BYTES = 1 << 18  # so that the last tensor stays on gloo
@@ -202,7 +202,7 @@ def test_small_all_reduce_through_shared_memory(P):
         assert ok and same
         assert calls == 6  # all but the last went through shared memory
         # the ledger books what an all-reduce would, whichever path ran
-        from hybridpar.comm.ledger import bus_bytes
+        from hybridpar.runtime.comm.ledger import bus_bytes
 
         expect = sum(
             bus_bytes("all_reduce", n * (8 if d == torch.float64 else 4), P) for n, d in sizes
@@ -215,10 +215,10 @@ def _shm_all_gather():
     """all_gather_uneven through shared memory against the concatenation every rank can build
     itself: along dim 0 and dim 1, uneven pieces with an empty one, float32 and float64, a
     non-contiguous input, pieces that outgrow the first segment; then the same calls on gloo."""
-    from hybridpar.comm import small
-    from hybridpar.comm.collectives import all_gather_uneven
-    from hybridpar.comm.grid import group_timeout, new_group
-    from hybridpar.comm.ledger import Ledger
+    from hybridpar.runtime.comm import small
+    from hybridpar.runtime.comm.collectives import all_gather_uneven
+    from hybridpar.runtime.comm.grid import group_timeout, new_group
+    from hybridpar.runtime.comm.ledger import Ledger
 
     rank, P = dist.get_rank(), dist.get_world_size()
     cases = [  # (sizes, dim, other dims, dtype)
@@ -263,8 +263,8 @@ def test_all_gather_through_shared_memory(P):
 
 
 def _small_missing():
-    from hybridpar.comm import small
-    from hybridpar.comm.collectives import all_reduce
+    from hybridpar.runtime.comm import small
+    from hybridpar.runtime.comm.collectives import all_reduce
 
     os.environ["HYBRIDPAR_TIMEOUT_S"] = "2"
     small.enable(dist.group.WORLD)

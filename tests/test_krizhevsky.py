@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridpar.errors import ConfigError
-from hybridpar.train.optim import KrizhevskySGD, lr_factor, scale_hparams
+from hybridpar.runtime.train.optim import KrizhevskySGD, lr_factor, scale_hparams
 
 
 def test_section_5_worked_example():
@@ -57,7 +57,7 @@ def test_footnote_1_parameter_count_differs_from_the_papers_0_2_percent():
     """The one-tower net (64-192-384-384-256 filters) has 61,838,248 parameters. Against the
     two-tower net of 2012 (60,965,224, grouped convolutions) that is +1.43 %, not the "0.2 % more
     parameters" of section 5 (docs/fidelity.md)."""
-    from hybridpar.models import build_model
+    from hybridpar.planning.models import build_model
 
     owt = sum(p.numel() for p in build_model("alexnet-owt").parameters())
     assert owt == 61_838_248

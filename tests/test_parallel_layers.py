@@ -8,12 +8,12 @@ from dist_helpers import run_ranks
 from nets import TVAlexNet, batches
 from torch import nn
 
-from hybridpar.comm.collectives import even_split
-from hybridpar.comm.grid import GridSet, ProcessGrid
-from hybridpar.comm.ledger import Ledger
-from hybridpar.parallel import ModelParallelConv2d, ModelParallelLinear, parallelize
-from hybridpar.parallel.redistribute import Redistribute, StepRows
 from hybridpar.plan import ParallelPlan, Style
+from hybridpar.runtime.comm.collectives import even_split
+from hybridpar.runtime.comm.grid import GridSet, ProcessGrid
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.parallel import ModelParallelConv2d, ModelParallelLinear, parallelize
+from hybridpar.runtime.parallel.redistribute import Redistribute, StepRows
 
 
 def _split_layer(pr, pc, kind):

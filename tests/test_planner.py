@@ -5,11 +5,11 @@ import math
 import pytest
 from test_cost import conv
 
-from hybridpar.analysis_cache import zoo_cost_layers
-from hybridpar.cluster import PRESETS, Cluster, load_cluster
-from hybridpar.cost.layers import CostLayer, Style
 from hybridpar.errors import ConfigError
-from hybridpar.planner import SCENARIOS, grids, make_plan, plan
+from hybridpar.planning.analysis_cache import zoo_cost_layers
+from hybridpar.planning.cluster import PRESETS, Cluster, load_cluster
+from hybridpar.planning.cost.layers import CostLayer, Style
+from hybridpar.planning.search import SCENARIOS, grids, make_plan, plan
 
 KNL = PRESETS["cori-knl"]
 
@@ -59,8 +59,8 @@ def test_dp_equals_brute_force():
         + ([Style.domain(*g) for g in gs if g[0] > 1] if x.kind == "conv" else [])
         for x in layers
     ]
-    from hybridpar.cost.compute import FlopsModel
-    from hybridpar.planner import _Context
+    from hybridpar.planning.cost.compute import FlopsModel
+    from hybridpar.planning.search import _Context
 
     ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, False)
     best = min(
@@ -201,8 +201,8 @@ def _segmented():
 
 
 def test_dp_respects_segments_and_equals_brute_force():
-    from hybridpar.cost.compute import FlopsModel
-    from hybridpar.planner import _Context
+    from hybridpar.planning.cost.compute import FlopsModel
+    from hybridpar.planning.search import _Context
 
     layers, P, B = _segmented(), 4, 8
     r = plan(layers, P, B, KNL, scenarios=["per-layer"])
@@ -258,7 +258,7 @@ def test_export_lists_styles_redistributions_and_predictions():
 
 
 def test_presets_are_plans_of_the_planner():
-    from hybridpar.presets import plan_preset
+    from hybridpar.planning.presets import plan_preset
 
     layers = zoo_cost_layers("digits-cnn")
     owt = plan_preset("owt", layers, 4, 64, KNL)

@@ -14,8 +14,8 @@ import pytest
 from procs import assert_all_gone, shm, wait_for_ranks
 
 from hybridpar.errors import ConfigError
-from hybridpar.train.config import TrainConfig
-from hybridpar.train.run import prepare
+from hybridpar.runtime.train.config import TrainConfig
+from hybridpar.runtime.train.run import prepare
 
 CMD = [sys.executable, "-m", "hybridpar", "train", "--no-progress"]
 

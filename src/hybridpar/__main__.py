@@ -1,3 +1,3 @@
-from hybridpar.cli import entry
+from hybridpar.commands.cli import entry
 
 entry()

@@ -15,8 +15,8 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
+from hybridpar.choices import CODECS, check_codec, parse_compress
 from hybridpar.errors import ConfigError
-from hybridpar.wire import CODECS, check_codec, parse_compress
 
 __all__ = [
     "PlanConfig",
@@ -168,8 +168,8 @@ class PlanConfig:
         parse_compress(self.compress)
 
     def plan_kwargs(self) -> dict:
-        """Keyword arguments of `hybridpar.planner.make_plan`."""
-        from hybridpar.cost.compute import load_table
+        """Keyword arguments of `hybridpar.planning.search.make_plan`."""
+        from hybridpar.planning.cost.compute import load_table
 
         return dict(
             input_size=self.input_size,

@@ -4,12 +4,12 @@
     ddp.register_comm_hook(ReducerState(), dynamic8)
 
 `allreduce_hook` is the logged float32 all-reduce; `compressed_hook` uses `state.codec`
-(hybridpar.comm.codecs.get_codec(name, block)) and optional error feedback; `dynamic8` and
+(hybridpar.runtime.comm.codecs.get_codec(name, block)) and optional error feedback; `dynamic8` and
 `linear8` fix the codec; `host_hook` sums through host shared memory (HostState(HostReducer())).
 All average over the group, as DDP expects.
 """
 
-from hybridpar.comm.hooks import (
+from hybridpar.runtime.comm.hooks import (
     ReducerState,
     allreduce_hook,
     compressed_hook,
@@ -17,7 +17,7 @@ from hybridpar.comm.hooks import (
     host_hook,
     linear8,
 )
-from hybridpar.comm.host import HostReducer, HostState
+from hybridpar.runtime.comm.host import HostReducer, HostState
 
 __all__ = [
     "HostReducer",

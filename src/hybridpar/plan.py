@@ -33,8 +33,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
+from hybridpar.choices import CODECS, COMPRESSIBLE
 from hybridpar.errors import ConfigError
-from hybridpar.wire import CODECS, COMPRESSIBLE
 
 __all__ = [
     "BN_MODES",

@@ -1,0 +1,1 @@
+"""The commands: `hybridpar plan | simulate | profile | train | codecs | calibrate`."""

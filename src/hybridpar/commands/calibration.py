@@ -1,0 +1,177 @@
+"""`hybridpar calibrate`: time real all-reduces on this machine, fit alpha and beta, cache them.
+
+Each size is all-reduced `repeats` times on `nproc` local ranks (gloo on CPU); the median times are
+fitted by least squares to the model the planner uses, t = 2 ceil(log p) alpha + 2 (p-1)/p n beta.
+A sustained FLOP rate per process is measured with a matrix multiply at the thread count a rank
+gets. The result is written to the cache as the cluster `localhost`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from hybridpar.planning.cluster import localhost_path
+
+__all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta"]
+
+SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes
+
+
+def _time_allreduce(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for n in sizes:
+        t = torch.ones(n // 4, device=device)
+        dist.all_reduce(t)  # warm up the connection for this size
+        ts = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            ts.append(time.perf_counter() - t0)
+        out[n] = statistics.median(ts)
+    return out
+
+
+def _median_s(fn, warmup: int, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _time_shm(piece: int = 1 << 18) -> tuple[float | None, float | None]:
+    """The shared-memory path (comm.small) on this host: `small_alpha`, the median seconds of a
+    33-element float64 all-reduce (what BN statistics take), and `shm_beta`, seconds per byte of
+    an all-gather of `piece` float32 per rank (what the activations of model-parallel layers
+    take): its median less small_alpha, over the bytes each rank receives. (None, None) where
+    the path does not apply (several hosts)."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.runtime.comm import small
+
+    r = small.enable(dist.group.WORLD)
+    if r is None:
+        return None, None
+    stats = torch.ones(33, dtype=torch.float64)
+    alpha = _median_s(lambda: r.small_all_reduce(stats), warmup=10, repeats=200)
+    p, acts = dist.get_world_size(), torch.ones(piece)
+    gather = _median_s(lambda: r.all_gather(acts, [piece] * p, 0), warmup=3, repeats=20)
+    received = (p - 1) * 4 * piece  # the cost model's all-gather volume, (p-1)/p of the whole
+    return alpha, max(0.0, gather - alpha) / received
+
+
+def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
+    small, shm_beta = _time_shm()
+    return {
+        "allreduce": _time_allreduce(sizes, repeats, device),
+        "small": small,
+        "shm_beta": shm_beta,
+    }
+
+
+def _flops(threads: int) -> float:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # put back after: a rank of a job calibrates in it
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        a @ b
+        t0 = time.perf_counter()
+        k = 10
+        for _ in range(k):
+            a @ b
+        return 2 * 512**3 * k / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
+    """Least squares for t = 2 ceil(log2 p) alpha + 2 (p-1)/p n beta, both kept non-negative."""
+    import numpy as np
+
+    from hybridpar.planning.cost.collectives import clog2
+
+    n = np.array(sorted(times), dtype=float)
+    t = np.array([times[int(k)] for k in n])
+    a = np.stack([np.full_like(n, 2 * clog2(p)), 2 * (p - 1) / p * n], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if beta <= 0:
+        beta = float(t[-1] / a[-1, 1])
+    return max(float(alpha), 0.0), float(beta)
+
+
+def _fitted(
+    times: dict[int, float], nproc: int, small: float | None = None, shm_beta: float | None = None
+) -> dict:
+    import math
+
+    from hybridpar.errors import ConfigError
+
+    alpha, beta = fit_alpha_beta(times, nproc)
+    if not (math.isfinite(alpha) and math.isfinite(beta) and beta > 0):
+        raise ConfigError(
+            f"the all-reduce timings do not fit alpha + beta * bytes (alpha {alpha}, beta {beta}); "
+            "nothing was saved: run `hybridpar calibrate` again on a quieter machine"
+        )
+    return {
+        "name": "localhost",
+        "alpha": alpha,
+        "beta": beta,
+        "flops": _flops(1),  # one core's: a job's ranks share `cores` (Cluster.rank_flops)
+        "cores": os.cpu_count() or 1,
+        "word_bytes": 4,
+        "source": f"hybridpar calibrate: gloo all-reduce on {nproc} ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
+        "small_alpha": small,
+        "shm_beta": shm_beta,
+    }
+
+
+def _save(data: dict) -> Path:
+    """Write the cluster `localhost` atomically: a reader never sees half a file."""
+    path = localhost_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict:
+    """Spawn `nproc` local ranks, time their all-reduces, fit and save `localhost`."""
+    from hybridpar.errors import ConfigError
+    from hybridpar.runtime.launcher import launch
+
+    if nproc < 2:
+        raise ConfigError("calibrate times all-reduces between processes: use --nproc 2 or more")
+
+    got = launch(_time_all, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
+    times = got["allreduce"]
+    data = _fitted(times, nproc, got["small"], got["shm_beta"])
+    path = _save(data)
+    return {**data, "measured_s": {str(k): v for k, v in times.items()}, "path": str(path)}
+
+
+def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
+    """Calibrate on the ranks of a running job (every rank calls it): they all take part in the
+    all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
+    import torch.distributed as dist
+
+    times = _time_allreduce(SIZES, repeats, device)
+    small, shm_beta = _time_shm() if device == "cpu" else (None, None)
+    if dist.get_rank() == 0:
+        _save(_fitted(times, dist.get_world_size(), small, shm_beta))
+    dist.barrier()

@@ -1,0 +1,86 @@
+"""`hybridpar profile`: measure forward and backward seconds per sample of every leaf layer of a zoo
+model on this machine, and save them as a compute table the planner can use (`--compute PATH`).
+
+Forward time is taken between a forward pre-hook and a forward hook, backward time between a full
+backward pre-hook and a full backward hook; the median over repeats is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+__all__ = ["profile_model"]
+
+
+def profile_model(
+    model_name: str,
+    batch: int = 16,
+    input_size: int | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    progress: bool = True,
+) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from hybridpar.planning.models import build_model, input_shape
+
+    torch.manual_seed(0)
+    model = build_model(model_name, input_size=input_size)
+    for m in model.modules():  # full backward hooks refuse in-place activations
+        if hasattr(m, "inplace"):
+            m.inplace = False
+    leaves = {m: n for n, m in model.named_modules() if next(m.children(), None) is None and n}
+    fwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
+    bwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
+    starts: dict[tuple[str, str], float] = {}
+    handles = []
+    for m, n in leaves.items():
+        handles += [
+            m.register_forward_pre_hook(
+                lambda _m, _a, n=n: starts.__setitem__((n, "f"), time.perf_counter())
+            ),
+            m.register_forward_hook(
+                lambda _m, _a, _o, n=n: fwd[n].append(time.perf_counter() - starts[(n, "f")])
+            ),
+            m.register_full_backward_pre_hook(
+                lambda _m, _g, n=n: starts.__setitem__((n, "b"), time.perf_counter())
+            ),
+            m.register_full_backward_hook(
+                lambda _m, _gi, _go, n=n: bwd[n].append(time.perf_counter() - starts[(n, "b")])
+            ),
+        ]
+    x = torch.randn(batch, *input_shape(model_name, input_size), requires_grad=True)
+    try:
+        for it in tqdm(range(warmup + repeats), desc=f"profile {model_name}", disable=not progress):
+            if it == warmup:
+                for v in (*fwd.values(), *bwd.values()):
+                    v.clear()
+            model.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    per_sample = {
+        n: [statistics.median(fwd[n]) / batch, statistics.median(bwd[n]) / batch if bwd[n] else 0.0]
+        for n in leaves.values()
+        if fwd[n]
+    }
+    return {
+        "model": model_name,
+        "input_size": input_size,
+        "batch": batch,
+        "threads": torch.get_num_threads(),
+        "machine": platform.node(),
+        "per_sample_s": per_sample,
+    }
+
+
+def save(table: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1))
+    return path

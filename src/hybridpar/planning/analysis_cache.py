@@ -1,0 +1,61 @@
+"""Cost-model layers of zoo models, cached on disk so that `hybridpar plan` answers without
+importing torch (the import alone takes about a second).
+
+The cache key holds the model name, the input size, the package version and a hash of models.py
+and analysis.py, so editing either invalidates it. Set HYBRIDPAR_CACHE to move the cache, or
+HYBRIDPAR_NO_CACHE=1 to bypass it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from hybridpar.planning.cluster import cache_dir
+from hybridpar.planning.cost.layers import CostLayer, cost_layers
+
+__all__ = ["zoo_cost_layers"]
+
+_PACKAGE = Path(__file__).parent.parent
+
+
+def _key(model: str, input_size: int | None) -> str:
+    h = hashlib.sha256()
+    for f in ("planning/models.py", "planning/analysis.py", "planning/cost/layers.py", "plan.py"):
+        h.update((_PACKAGE / f).read_bytes())
+    return f"{model}-{input_size or 'default'}-{h.hexdigest()[:16]}"
+
+
+def _analyse(model: str, input_size: int | None) -> list[CostLayer]:
+    import torch
+
+    from hybridpar.planning.analysis import analyze
+    from hybridpar.planning.models import build_model, input_shape
+
+    with torch.device("meta"):
+        m = build_model(model, input_size=input_size)
+    return cost_layers(analyze(m, input_shape(model, input_size)))
+
+
+def zoo_cost_layers(model: str, input_size: int | None = None) -> list[CostLayer]:
+    """An unknown name never has a cache entry: the analysis then raises the one-line error."""
+    if os.environ.get("HYBRIDPAR_NO_CACHE"):
+        return _analyse(model, input_size)
+    path = cache_dir() / "analysis" / f"{_key(model, input_size)}.json"
+    if path.is_file():
+        try:
+            rows = json.loads(path.read_text())
+            return [CostLayer.from_dict(r) for r in rows]
+        except (json.JSONDecodeError, TypeError):
+            pass  # a damaged cache entry is rebuilt below
+    layers = _analyse(model, input_size)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps([x.__dict__ for x in layers]))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home only costs the speed-up
+    return layers

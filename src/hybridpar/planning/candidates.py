@@ -1,0 +1,261 @@
+"""The planner's candidates: a style per layer with its predicted terms (LayerPlan, Plan), the
+result of a planning run (PlanResult), and `export`, which turns one candidate into the
+ParallelPlan that `hybridpar train` executes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan, Prediction, Redistribution, Term
+from hybridpar.planning.cluster import Cluster
+from hybridpar.planning.cost.collectives import Comm
+from hybridpar.planning.cost.layers import CostLayer, Style
+
+__all__ = ["NOT_EXECUTABLE", "OVERLAPPABLE", "LayerPlan", "Plan", "PlanResult", "export"]
+
+OVERLAPPABLE = (
+    Term.DW_ALLREDUCE,
+)  # Fig. 8: the weight all-reduce can hide behind back-propagation
+NOT_EXECUTABLE = "domain parallelism is planned but not executed yet"
+
+
+@dataclass
+class LayerPlan:
+    layer: CostLayer
+    style: Style
+    terms: dict[str, Comm]
+    forward_s: float
+    backward_s: float
+    memory_bytes: float
+
+    @property
+    def comm_s(self) -> float:
+        return math.fsum(c.seconds for c in self.terms.values())
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    def to_dict(self) -> dict:
+        x, s = self.layer, self.style
+        return {
+            "name": x.name,
+            "kind": x.kind,
+            "params": x.params,
+            "d_in": x.d_in,
+            "d_out": x.d_out,
+            "style": s.label,
+            "pr": s.pr,
+            "pc": s.pc,
+            "comm_s": self.comm_s,
+            "compute_s": self.compute_s,
+            "terms": {str(k): c.seconds for k, c in self.terms.items()},
+            "bytes": {str(k): c.bytes for k, c in self.terms.items()},
+        }
+
+
+@dataclass
+class Plan:
+    """One candidate: a style per layer and its predicted cost breakdown."""
+
+    scenario: str
+    grid: tuple[int, int] | None
+    layers: list[LayerPlan] = field(default_factory=list)
+    overlap: bool = False
+    reason: str = ""  # why it is infeasible; empty when feasible
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reason
+
+    @property
+    def comm_s(self) -> float:
+        return math.fsum(x.comm_s for x in self.layers) if self.feasible else math.inf
+
+    @property
+    def compute_s(self) -> float:
+        return math.fsum(x.compute_s for x in self.layers) if self.feasible else math.inf
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Communication not hidden behind compute: with overlap, the weight all-reduce runs during
+        the backward pass (perfect overlap, as in Gholami et al. Fig. 8)."""
+        if not self.overlap or not self.feasible:
+            return self.comm_s
+        hideable = math.fsum(
+            x.terms[k].seconds for x in self.layers for k in OVERLAPPABLE if k in x.terms
+        )
+        backward = math.fsum(x.backward_s for x in self.layers)
+        return self.comm_s - min(hideable, backward)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s if self.feasible else math.inf
+
+    @property
+    def memory_bytes(self) -> float:
+        return math.fsum(x.memory_bytes for x in self.layers)
+
+    def bytes_by_term(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for x in self.layers:
+            for k, c in x.terms.items():
+                out[k] = out.get(k, 0.0) + c.bytes
+        return out
+
+    def to_dict(self) -> dict:
+        d = {
+            "name": self.scenario,
+            "grid": list(self.grid) if self.grid else None,
+            "feasible": self.feasible,
+        }
+        if not self.feasible:
+            return {
+                **d,
+                "reason": self.reason,
+                "comm_s": None,
+                "compute_s": None,
+                "total_s": None,
+                "layers": [],
+            }
+        return {
+            **d,
+            "comm_s": self.comm_s,
+            "compute_s": self.compute_s,
+            "total_s": self.total_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "memory_bytes": self.memory_bytes,
+            "layers": [x.to_dict() for x in self.layers],
+        }
+
+
+@dataclass
+class PlanResult:
+    model: str
+    procs: int
+    batch: int
+    cluster: Cluster
+    scenarios: list[Plan]  # the best of each scenario, in SCENARIOS order
+    candidates: dict[str, list[Plan]]  # every grid tried, per scenario
+    elem_bytes: float
+    codec: str | None = None
+    compress: tuple[str, ...] = ()
+    bn: str = "local"
+    input_shape: tuple[int, ...] | None = None
+    amp: str = "none"
+
+    @property
+    def best(self) -> Plan:
+        feasible = [p for p in self.scenarios if p.feasible]
+        if not feasible:
+            reasons = "; ".join(f"{p.scenario}: {p.reason}" for p in self.scenarios)
+            raise ConfigError(f"no plan fits P={self.procs}, B={self.batch} ({reasons})")
+        return min(feasible, key=lambda p: (p.total_s, p.comm_s))
+
+    def scenario(self, name: str) -> Plan | None:
+        return next((p for p in self.scenarios if p.scenario == name), None)
+
+    def speedup_vs_batch(self, best: Plan | None = None) -> dict[str, float] | None:
+        batch = self.scenario("batch")
+        if batch is None or not batch.feasible:
+            return None
+        best = best or self.best
+        return {
+            "comm": batch.comm_s / best.comm_s if best.comm_s > 0 else math.inf,
+            "total": batch.total_s / best.total_s,
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "procs": self.procs,
+            "batch": self.batch,
+            "cluster": self.cluster.to_dict(),
+            "bytes_per_element": self.elem_bytes,
+            "codec": self.codec or "none",
+            "compress": list(self.compress) if self.codec not in (None, "none") else [],
+            "bn": self.bn,
+            "scenarios": [p.to_dict() for p in self.scenarios],
+            "best": self.best.to_dict(),
+            "speedup_vs_batch": self.speedup_vs_batch(),
+        }
+
+    def export(
+        self,
+        chosen: Plan | None = None,
+        *,
+        reducer: str = "process-group",
+        engine: str = "hybridpar",
+    ) -> ParallelPlan:
+        """The ParallelPlan of `chosen` (default: the best)."""
+        return export(
+            chosen or self.best,
+            procs=self.procs,
+            batch=self.batch,
+            model=self.model,
+            input_shape=self.input_shape,
+            cluster=self.cluster.name,
+            codec=self.codec or "none",
+            compress=self.compress,
+            bn=self.bn,
+            amp=self.amp,
+            reducer=reducer,
+            engine=engine,
+        )
+
+
+def export(
+    chosen: Plan,
+    *,
+    procs: int,
+    batch: int,
+    model: str = "",
+    input_shape: tuple[int, ...] | None = None,
+    cluster: str = "",
+    codec: str = "none",
+    compress: tuple[str, ...] = (),
+    bn: str = "local",
+    amp: str = "none",
+    reducer: str = "process-group",
+    engine: str = "hybridpar",
+) -> ParallelPlan:
+    """The ParallelPlan of one evaluated candidate: a style per weighted layer, the redistributions
+    where the layout changes, and the predicted bytes and seconds per (layer, term)."""
+    if not chosen.feasible:
+        raise ConfigError(f"scenario {chosen.scenario} is infeasible: {chosen.reason}")
+    if any(x.style.kind == "domain" and x.style.pr > 1 for x in chosen.layers):
+        raise ConfigError(f"{NOT_EXECUTABLE}; plan with a scenario other than domain")
+    redistributions, prev = [], None
+    for x in chosen.layers:
+        if prev is not None and x.style.layout != prev.layout:
+            at, d = x.layer.entry or x.layer.name, x.layer.entry_elements or x.layer.d_in
+            redistributions.append(Redistribution(at, x.layer.name, prev, x.style, d))
+        prev = x.style
+    return ParallelPlan(
+        procs=procs,
+        batch=batch,
+        styles={x.layer.name: x.style for x in chosen.layers},
+        model=model,
+        input_shape=input_shape,
+        scenario=chosen.scenario,
+        engine=engine,  # type: ignore[arg-type]
+        codec=codec,
+        compress=tuple(compress) if codec != "none" else (),
+        reducer=reducer,  # type: ignore[arg-type]
+        bn=bn,  # type: ignore[arg-type]
+        amp=amp,  # type: ignore[arg-type]
+        redistributions=redistributions,
+        predicted=[
+            Prediction(x.layer.name, str(k), c.bytes, c.seconds)
+            for x in chosen.layers
+            for k, c in x.terms.items()
+        ],
+        cluster=cluster,
+        totals={
+            "comm_s": chosen.exposed_comm_s,
+            "compute_s": chosen.compute_s,
+            "total_s": chosen.total_s,
+        },
+    )

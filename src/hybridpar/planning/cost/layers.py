@@ -1,0 +1,458 @@
+"""Per-layer communication cost of each style: Gholami et al. (SPAA'18) Eqs. 3-9, term by term.
+
+Conventions (stated once; docs/cost-model.md repeats them with a worked example):
+
+- Only layers with weights (conv, linear) are layers i = 1..L of the equations. Pooling, activation,
+  norm and reshape layers ride along with the weighted layer before them, or with the one after
+  them when a segment boundary (hybridpar.planning.analysis) lies in between: a layer rides with the
+  weighted layer whose layout it runs in.
+- d_i is layer i's output per sample *before* pooling; d_{i-1} is its actual input per sample
+  (after the previous layer's pooling). X (input) and Y (output) are (C, H, W) likewise.
+- Sizes are elements x bytes per element (4 for fp32, a codec's rate otherwise); beta is seconds
+  per byte; log is ceil(log2).
+- |W_i| counts weights *and* biases: both are all-reduced in practice (Eq. 2 counts weights only;
+  the difference is below 0.03 % for every layer of AlexNet). Parameters of an unweighted layer
+  that rides along (batch norm's scale and shift) count with its host layer.
+- Index ranges as printed: the forward all-gather sums over i = 1..L, the dX all-reduce over
+  i = 2..L (nothing is back-propagated into the input). The weight all-reduce sums are printed
+  from i = 0, but there is no layer 0 (d_0 is the input, W_0 does not exist): we sum over the
+  layers 1..L. Read literally, i = 0 would add one latency-only term 2*alpha*ceil(log P) and break
+  the identity "Eq. 9 with no domain layers is Eq. 8" that the paper states.
+- A domain layer's halo terms vanish when the image is not split (Pr = 1) and when the kernel is
+  1 wide (floor(k/2) = 0: "for a 1x1 convolution no communication is needed"); Eq. 9's backward
+  halo uses Y_i = X_{i+1} and k_w as printed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybridpar.errors import ConfigError
+from hybridpar.plan import Style, Term
+from hybridpar.planning.cluster import SHM_MAX_BYTES, Cluster
+from hybridpar.planning.cost.collectives import (
+    Comm,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    compressed_all_reduce,
+    halo,
+)
+
+if TYPE_CHECKING:
+    from hybridpar.planning.analysis import LayerSpec
+
+__all__ = [
+    "CostLayer",
+    "Style",
+    "Wire",
+    "cost_layers",
+    "eq3_model",
+    "eq4_batch",
+    "eq5_volume_ratio",
+    "eq6_redistribute",
+    "eq7_domain",
+    "eq8_integrated",
+    "eq9_integrated_domain",
+    "layer_comms",
+    "redistribute",
+    "t_norms",
+]
+
+
+@dataclass(frozen=True)
+class CostLayer:
+    """A weighted layer as the equations see it."""
+
+    name: str
+    kind: str  # conv | linear
+    params: int  # |W_i|, weights + biases
+    d_in: int  # d_{i-1}
+    d_out: int  # d_i, before pooling
+    x_shape: tuple[int, ...]  # (C, H, W) or (features,)
+    y_shape: tuple[int, ...]
+    kernel: tuple[int, ...] | None
+    out_units: int  # what model parallelism splits: output channels or features
+    flops: int  # forward FLOPs per sample, this layer and the unweighted ones riding along
+    members: tuple[str, ...] = field(default=())  # leaf layers folded into this one
+    # parameters of the unweighted layers riding along (batch norm): part of `params`, but they act
+    # on the gathered output, so a model-parallel layout replicates them instead of splitting them
+    extra_params: int = 0
+    segment: int | None = None  # layers of one segment share one layout (None: its own)
+    entry: str | None = None  # first layer of a segment: the module where its layout is set
+    entry_elements: int = 0  # per example, of the activation redistributed there
+    input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
+    norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
+
+    @property
+    def spatial(self) -> bool:
+        return self.kind == "conv" and len(self.x_shape) == 3
+
+    @staticmethod
+    def from_dict(d: dict) -> CostLayer:
+        def tup(v):
+            return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+        return CostLayer(**{k: tup(v) for k, v in d.items()})
+
+
+def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
+    """Fold the leaf layers into the weighted layers of the equations: an unweighted leaf rides
+    along with the weighted layer before it in its segment, or else with the next one."""
+    out: list[CostLayer] = []
+    pending: list[LayerSpec] = []
+    for s in specs:
+        if s.kind in ("conv", "linear") and s.params > 0:
+            first = pending[0] if pending else s
+            layer = CostLayer(
+                name=s.name,
+                kind=s.kind,
+                params=s.params,
+                d_in=s.d_in,
+                d_out=s.d_out,
+                x_shape=s.in_shape,
+                y_shape=s.out_shape,
+                kernel=s.kernel,
+                out_units=s.out_units,
+                flops=s.flops,
+                segment=s.segment,
+                entry=first.entry,
+                entry_elements=first.entry_elements,
+                input_grad=s.input_grad,
+            )
+            for x in pending:
+                layer = _ride(layer, x)
+            out.append(_ride(layer, s, weighted=True))
+            pending = []
+        elif out and out[-1].segment == s.segment and not pending:
+            out[-1] = _ride(out[-1], s)
+        else:
+            pending.append(s)
+    if not out:
+        raise ConfigError("the model has no conv or linear layer with weights: nothing to plan")
+    for s in pending:  # after the last weighted layer
+        out[-1] = _ride(out[-1], s)
+    return out
+
+
+def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
+    """`s` folded into `layer` (members in forward order); the weighted layer itself adds only
+    its name."""
+    if weighted:
+        return CostLayer(**{**layer.__dict__, "members": (*layer.members, s.name)})
+    norms = layer.norms
+    if s.type.startswith("BatchNorm"):
+        norms = (*norms, (s.in_shape[0], s.input_grad))
+    return CostLayer(
+        **{
+            **layer.__dict__,
+            "flops": layer.flops + s.flops,
+            "params": layer.params + s.params,
+            "members": (*layer.members, s.name),
+            "extra_params": layer.extra_params + s.params,
+            "norms": norms,
+        }
+    )
+
+
+# --- the terms ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Wire:
+    """Bytes per element on the wire by kind of traffic, for a codec that compresses some of it:
+    `grads` for weight-gradient reductions, `acts` for activations and their gradients (the
+    all-gathers of Y, the dX all-reduces, the redistributions, the halos). A compressed reduction
+    runs as all-to-all + all-gather (hybridpar.runtime.comm.collectives.compressed_all_reduce); gradient
+    reductions at one all-to-all's latency (the pipeline: cost.collectives.compressed_all_reduce)."""
+
+    grads: float
+    acts: float
+    grads_compressed: bool = False
+    acts_compressed: bool = False
+
+    @staticmethod
+    def of(e: float | Wire) -> Wire:
+        return e if isinstance(e, Wire) else Wire(e, e)
+
+
+def _reduce(n: float, p: int, net: Cluster, compressed: bool, pipelined: bool = False) -> Comm:
+    return compressed_all_reduce(n, p, net, pipelined) if compressed else all_reduce(n, p, net)
+
+
+def _on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm:
+    """An activation collective as the runtime runs it on one host: through shared memory
+    (comm.small), small_alpha + shm_beta * bytes, where `hybridpar calibrate` measured both.
+    Encoded activations (a codec), clusters without those numbers, and collectives of more than
+    SHM_MAX_BYTES per rank stay on alpha-beta, as the runtime sends them on gloo (`rank_bytes`:
+    what one rank contributes, the size the runtime compares with that limit)."""
+    if compressed or net.small_alpha is None or net.shm_beta is None or c.group <= 1:
+        return c
+    if rank_bytes > SHM_MAX_BYTES:
+        return c
+    return Comm(c.kind, c.group, c.bytes, net.small_alpha + net.shm_beta * c.bytes)
+
+
+def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
+    """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_i: forward all-gather of Y over the model group."""
+    w = Wire.of(e)
+    n = B / pc * layer.d_out * w.acts
+    return _on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
+
+
+def t_dx_allreduce(
+    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire
+) -> Comm:
+    """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX."""
+    w = Wire.of(e)
+    n = B / pc * layer.d_in * w.acts
+    return _on_host(_reduce(n, pr, net, w.acts_compressed), net, w.acts_compressed, n)
+
+
+def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float | Wire) -> Comm:
+    """2*(alpha*ceil(log p) + beta*(p-1)/p*|W_i|/shard): all-reduce of the weight gradient over
+    the p ranks that hold the same 1/shard of W (riding-along batch-norm parameters are whole on
+    every rank, not split)."""
+    w = Wire.of(e)
+    sharded = layer.params - layer.extra_params
+    n = (sharded / shard + layer.extra_params) * w.grads
+    # compressed gradients stream through the reducer thread's pipeline (hooks.compressed_hook)
+    return _reduce(n, p, net, w.grads_compressed, pipelined=True)
+
+
+def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> dict[str, Comm]:
+    """Global batch norm over p ranks (Liu et al.): forward all-reduce of [sum x, sum x^2, m] and
+    backward all-reduce of [sum dy, sum dy*(x - mean)], both in float64 (8 bytes an element).
+    With a calibrated `small_alpha` (shared memory on one host, comm.small) each takes that long;
+    the bytes are the same."""
+
+    def small(n: float) -> Comm:
+        c = all_reduce(n, p, net)
+        return c if net.small_alpha is None else Comm(c.kind, c.group, c.bytes, net.small_alpha)
+
+    return {
+        Term.BN_STATS: small((2 * channels + 1) * 8),
+        Term.BN_GRAD: small(2 * channels * 8) if backward else Comm.zero("all_reduce", p),
+    }
+
+
+def t_norms(layer: CostLayer, s: Style, net: Cluster) -> dict[str, Comm]:
+    """The global batch norms riding along with `layer`, over the ranks that split the examples
+    of its layout (the batch group: Pc ranks; a domain layout splits the image too: all P)."""
+    p = s.pr * s.pc if s.kind == "domain" else s.pc
+    out: dict[str, Comm] = {}
+    for channels, grad in layer.norms:
+        for term, c in t_global_bn(channels, p, net, backward=grad).items():
+            prev = out.get(term)
+            out[term] = (
+                c
+                if prev is None
+                else Comm(c.kind, c.group, prev.bytes + c.bytes, prev.seconds + c.seconds)
+            )
+    return out
+
+
+def _halo_rows(layer: CostLayer, axis: int) -> int:
+    if not layer.spatial or layer.kernel is None:
+        raise ConfigError(
+            f"layer {layer.name} is not a 2-d convolution: it cannot be domain-parallel"
+        )
+    return layer.kernel[axis] // 2
+
+
+def t_halo_fwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
+    """alpha + beta*(B/Pc)*X_W*X_C*floor(k_h/2): the input rows a neighbour needs."""
+    if pr <= 1:
+        return Comm.zero("halo")
+    c, _, w = layer.x_shape
+    return halo(B / pc * w * c * _halo_rows(layer, 0) * Wire.of(e).acts, net)
+
+
+def t_halo_bwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
+    """alpha + beta*(B/Pc)*Y_W*Y_C*floor(k_w/2): the output-gradient rows, backward."""
+    if pr <= 1:
+        return Comm.zero("halo")
+    c, _, w = layer.y_shape
+    return halo(B / pc * w * c * _halo_rows(layer, 1) * Wire.of(e).acts, net)
+
+
+def layer_comms(
+    layer: CostLayer,
+    first: bool,
+    s: Style,
+    B: int,
+    net: Cluster,
+    e: float | Wire | None = None,
+    bn: str = "local",
+) -> dict[str, Comm]:
+    """The communication terms of one layer under style `s` (first: nothing is back-propagated
+    into its input, so no dX); with bn global or adaptive, its batch norms' all-reduces too."""
+    e = net.word_bytes if e is None else e
+    p = s.pr * s.pc
+    first = first or not layer.input_grad
+    if s.kind == "domain":
+        terms = {
+            Term.HALO_FWD: t_halo_fwd(layer, s.pr, s.pc, B, net, e),
+            Term.HALO_BWD: t_halo_bwd(layer, s.pr, s.pc, B, net, e),
+            Term.DW_ALLREDUCE: t_dw_allreduce(layer, p, 1, net, e),
+        }
+    else:
+        terms = {
+            Term.ALLGATHER: t_allgather(layer, s.pr, s.pc, B, net, e),
+            Term.DX_ALLREDUCE: Comm.zero("all_reduce", s.pr)
+            if first
+            else t_dx_allreduce(layer, s.pr, s.pc, B, net, e),
+            Term.DW_ALLREDUCE: t_dw_allreduce(layer, s.pc, s.pr, net, e),
+        }
+    if bn != "local":
+        terms.update(t_norms(layer, s, net))
+    return terms
+
+
+def redistribute(
+    prev: Style | None,
+    nxt: Style,
+    d: int,
+    B: int,
+    net: Cluster,
+    e: float | Wire | None = None,
+) -> Comm | None:
+    """Cost of moving the activation feeding `nxt` (d = d_{i-1} per sample) from the layout `prev`
+    left it in, forward and backward together. None when the two layouts do not nest.
+
+    Gholami Eq. 6 is the case batch -> model: an all-gather of B/Pc examples over the model group.
+    Going the other way (to more batch groups) is a local slice forward and the same all-gather of
+    dX backward. Into and out of a domain layout from the layout with the same Pc the extra step is
+    a height slice (free) and a gather of the rows; from pure batch with Pr*Pc = P it is one
+    all-to-all within the model group each way. The first layer reads its input in any layout.
+    """
+    wire = Wire.of(net.word_bytes if e is None else e)
+    e = wire.acts
+
+    def gather(n: float, p: int) -> Comm:
+        return _on_host(all_gather(n, p, net), net, wire.acts_compressed, n / p)
+
+    if prev is None or prev.layout == nxt.layout:
+        return Comm.zero("redistribute")
+    p = nxt.pr * nxt.pc
+    a, b = prev.layout, nxt.layout
+    if a[0] == "rep" and b[0] == "rep":
+        c1, c2 = a[1], b[1]
+        lo, hi = min(c1, c2), max(c1, c2)
+        if hi % lo:
+            return None
+        g = gather(B / lo * d * e, hi // lo)  # forward if c2 < c1, backward otherwise
+        return Comm(Term.REDISTRIBUTE, g.group, g.bytes, g.seconds)
+    if a[0] == "rep" and b[0] == "dom":
+        _, pr, pc = b
+        if a[1] == p:  # pure batch -> domain: all-to-all each way within the model group
+            x = all_to_all(B / p * d * e, pr, net)
+            return Comm("redistribute", pr, 2 * x.bytes, 2 * x.seconds)
+        step = redistribute(prev, Style.model(pr, pc), d, B, net, e)
+        if step is None:
+            return None
+        g = gather(B / pc * d * e, pr)  # backward: gather the rows of dX
+        return Comm("redistribute", pr, step.bytes + g.bytes, step.seconds + g.seconds)
+    if a[0] == "dom" and b[0] == "rep":
+        back = redistribute(nxt, Style.domain(a[1], a[2]), d, B, net, e)  # symmetric
+        return back
+    # domain -> another domain layout: through the replicated layout of the first
+    mid = Style.model(a[1], a[2])
+    x = redistribute(prev, mid, d, B, net, e)
+    y = redistribute(mid, nxt, d, B, net, e)
+    if x is None or y is None:
+        return None
+    return Comm("redistribute", max(x.group, y.group), x.bytes + y.bytes, x.seconds + y.seconds)
+
+
+# --- the equations, literally (sums of the terms above) -------------------------------------
+
+
+def _total(comms: list[Comm]) -> float:
+    return math.fsum(c.seconds for c in comms)
+
+
+def eq3_model(
+    layers: list[CostLayer], P: int, B: int, net: Cluster, e: float | None = None
+) -> float:
+    """Eq. 3, pure model parallelism on P processes."""
+    e = net.word_bytes if e is None else e
+    return _total(
+        [t_allgather(x, P, 1, B, net, e) for x in layers]
+        + [t_dx_allreduce(x, P, 1, B, net, e) for x in layers[1:]]
+    )
+
+
+def eq4_batch(layers: list[CostLayer], P: int, net: Cluster, e: float | None = None) -> float:
+    """Eq. 4, pure batch parallelism: 2 * sum (alpha*ceil(log P) + beta*(P-1)/P*|W_i|)."""
+    e = net.word_bytes if e is None else e
+    return _total([t_dw_allreduce(x, P, 1, net, e) for x in layers])
+
+
+def eq5_volume_ratio(layer: CostLayer, B: int) -> float:
+    """Eq. 5: batch/model communication volume of a conv layer, 2*kh*kw*X_C / (3*B*Y_H*Y_W).
+
+    Derived from 2|W_i| / (3*B*d_i) with |W_i| = kh*kw*X_C*Y_C and d_{i-1} taken equal to d_i, as in
+    the paper; >1 means model parallelism moves fewer bytes."""
+    if not layer.spatial or layer.kernel is None:
+        raise ConfigError(f"Eq. 5 is for conv layers; {layer.name} is {layer.kind}")
+    kh, kw = layer.kernel
+    xc = layer.x_shape[0]
+    _, yh, yw = layer.y_shape
+    return 2 * kh * kw * xc / (3 * B * yh * yw)
+
+
+def eq6_redistribute(d: int, P: int, B: int, net: Cluster, e: float | None = None) -> float:
+    """Eq. 6: alpha*ceil(log P) + beta*B*(P-1)/P*d_i, redistribution from batch to model."""
+    e = net.word_bytes if e is None else e
+    return all_gather(B * d * e, P, net).seconds
+
+
+def eq7_domain(
+    layers: list[CostLayer], P: int, B: int, net: Cluster, e: float | None = None
+) -> float:
+    """Eq. 7, pure domain parallelism: halo exchanges (whole batch B) + the weight all-reduce."""
+    e = net.word_bytes if e is None else e
+    return _total(
+        [t_halo_fwd(x, P, 1, B, net, e) for x in layers]
+        + [t_halo_bwd(x, P, 1, B, net, e) for x in layers]
+        + [t_dw_allreduce(x, P, 1, net, e) for x in layers]
+    )
+
+
+def eq8_integrated(
+    layers: list[CostLayer], pr: int, pc: int, B: int, net: Cluster, e: float | None = None
+) -> float:
+    """Eq. 8, the 1.5D algorithm on a Pr x Pc grid for every layer."""
+    e = net.word_bytes if e is None else e
+    return _total(
+        [t_allgather(x, pr, pc, B, net, e) for x in layers]
+        + [t_dx_allreduce(x, pr, pc, B, net, e) for x in layers[1:]]
+        + [t_dw_allreduce(x, pc, pr, net, e) for x in layers]
+    )
+
+
+def eq9_integrated_domain(
+    layers: list[CostLayer],
+    pr: int,
+    pc: int,
+    B: int,
+    net: Cluster,
+    domain: set[int],
+    e: float | None = None,
+) -> float:
+    """Eq. 9: layers whose index is in `domain` (L_D) split the image over Pr, the others (L_M)
+    split the model; both split the batch over Pc."""
+    e = net.word_bytes if e is None else e
+    lm = [(i, x) for i, x in enumerate(layers) if i not in domain]
+    ld = [x for i, x in enumerate(layers) if i in domain]
+    return _total(
+        [t_allgather(x, pr, pc, B, net, e) for _, x in lm]
+        + [t_dx_allreduce(x, pr, pc, B, net, e) for i, x in lm if i > 0]
+        + [t_dw_allreduce(x, pc, pr, net, e) for _, x in lm]
+        + [t_halo_fwd(x, pr, pc, B, net, e) for x in ld]
+        + [t_halo_bwd(x, pr, pc, B, net, e) for x in ld]
+        + [t_dw_allreduce(x, pr * pc, 1, net, e) for x in ld]
+    )

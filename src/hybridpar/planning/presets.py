@@ -1,0 +1,91 @@
+"""Presets: the named plans of `hybridpar train --preset`, each built by the planner, so presets
+and plan files share one code path."""
+
+from __future__ import annotations
+
+import re
+
+from hybridpar.choices import COMPRESSIBLE
+from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan
+from hybridpar.planning.cluster import Cluster
+from hybridpar.planning.cost.layers import CostLayer
+from hybridpar.planning.search import SCENARIOS, plan
+
+__all__ = ["PRESETS", "SEARCHED", "parse_preset", "plan_preset"]
+
+PRESETS = ("auto", "ddp", "owt", "grid:RxC", "batch", "model", "same-grid", "fc-grid", "per-layer")
+SEARCHED = ("auto", "same-grid", "fc-grid", "per-layer")  # the planner chooses on a cluster
+
+
+def parse_preset(
+    preset: str, procs: int, check_procs: bool = True
+) -> tuple[str, tuple[int, int] | None]:
+    """(scenario, fixed grid or None) of a preset; scenario "all" for auto (the best of every
+    scenario the runtime executes)."""
+    fixed = {
+        "ddp": ("batch", (1, procs)),
+        "batch": ("batch", (1, procs)),
+        "model": ("model", (procs, 1)),
+        "owt": ("fc-grid", (procs, 1)),
+    }
+    if preset in fixed:
+        return fixed[preset]
+    if preset in SEARCHED:
+        return ("all" if preset == "auto" else preset), None
+    m = re.fullmatch(r"grid:(\d+)x(\d+)", preset)
+    if not m:
+        raise ConfigError(f"unknown preset {preset!r}; use {', '.join(PRESETS)} (e.g. grid:2x2)")
+    pr, pc = int(m.group(1)), int(m.group(2))
+    if check_procs and pr * pc != procs:
+        raise ConfigError(
+            f"grid {pr}x{pc} has {pr * pc} ranks but the job has {procs}; use Pr*Pc = {procs}"
+        )
+    return "fc-grid", (pr, pc)
+
+
+def plan_preset(
+    preset: str,
+    layers: list[CostLayer],
+    P: int,
+    B: int,
+    cluster: Cluster,
+    *,
+    model: str = "",
+    input_shape: tuple[int, ...] | None = None,
+    codec: str = "none",
+    compress: tuple[str, ...] = (),
+    bn: str = "local",
+    reducer: str = "process-group",
+    amp: str = "none",
+) -> ParallelPlan:
+    """The ParallelPlan a preset names, built by the planner (so presets and plans share one code
+    path); only what the runtime executes is considered (no domain styles)."""
+    scenario, grid = parse_preset(preset, P)
+    names = [s for s in SCENARIOS if s != "domain"] if scenario == "all" else [scenario]
+    r = plan(
+        layers,
+        P,
+        B,
+        cluster,
+        model=model,
+        scenarios=names,
+        codec=codec,
+        compress=frozenset(compress or COMPRESSIBLE),
+        bn=bn,
+        domain=False,
+        input_shape=input_shape,
+        amp=amp,
+    )
+    if grid is None:
+        chosen = r.best
+    else:
+        chosen = next((p for p in r.candidates[scenario] if p.grid == grid), None)
+        if chosen is None:
+            raise ConfigError(
+                f"preset {preset}: grid {grid[0]}x{grid[1]} does not fit P={P}, B={B}; "
+                f"Pc must divide the batch"
+            )
+    if not chosen.feasible:
+        raise ConfigError(f"preset {preset} cannot run: {chosen.reason}")
+    return r.export(chosen, reducer=reducer, engine="ddp" if preset == "ddp" else "hybridpar")

@@ -1,0 +1,1 @@
+"""The runtime half: execute a ParallelPlan on torch.distributed and measure it."""

@@ -1,0 +1,476 @@
+"""Logged collectives: every collective hybridpar runs goes through this module (or the host
+reducer) so that the ledger sees it. The autograd pairs built on them live next to the layers that
+use them (hybridpar.runtime.parallel.model, .redistribute, .batchnorm). With one rank each is a no-op.
+
+With a codec (hybridpar.runtime.comm.codecs) an all-gather sends each rank's encoded piece and every rank,
+the owner included, uses the decoded pieces (so the replicas stay identical); an all-reduce
+becomes `compressed_all_reduce`. The ledger books the payload (elements x the codec's bytes per
+element) under the term, which is what the cost model predicts, and the per-block scales and
+padding under the separate term `codec_overhead`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.plan import Term
+from hybridpar.runtime.comm import small as _small
+from hybridpar.runtime.comm.codecs import Codec, Encoded
+from hybridpar.runtime.comm.ledger import Entry, Ledger
+
+__all__ = [
+    "CompressedPipeline",
+    "Pending",
+    "all_gather_uneven",
+    "all_reduce",
+    "chunk_sizes",
+    "compressed_all_reduce",
+    "even_split",
+    "group_size",
+]
+
+
+def even_split(n: int, parts: int) -> list[int]:
+    """Split n into `parts` sizes differing by at most one, the larger ones first: how examples
+    split over ranks and how a layer's output features split over a model group."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """torch.chunk's split of n into `parts` (ceil(n / parts) each, the rest to the last, possibly
+    none): how a split layer's output units lie on its model group. It is DTensor's Shard layout,
+    so checkpoints (torch.distributed.checkpoint) can re-split them onto another grid."""
+    c = -(-n // parts)
+    return [max(0, min(c, n - i * c)) for i in range(parts)]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class Pending:
+    """An async collective: wait() blocks, then the ledger entry gets its wall time."""
+
+    def __init__(self, work: dist.Work | None, entry: Entry | None, t0: float) -> None:
+        self.work, self.entry, self.t0 = work, entry, t0
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.finished()
+
+    def finished(self) -> None:
+        """Stamp the wall time; call from the work's future callback (never wait() there)."""
+        if self.entry is not None and self.entry.seconds == 0.0:
+            self.entry.seconds = time.perf_counter() - self.t0
+
+
+def all_reduce(
+    t: torch.Tensor,
+    group: dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layers: dict[str, float] | None = None,
+    async_op: bool = False,
+) -> Pending:
+    """Sum `t` in place over `group`, logged under `term`."""
+    p = group_size(group)
+    t0 = time.perf_counter()
+    if p == 1:
+        return Pending(None, None, t0)
+    small = None if async_op else _small.reducer_for(group)
+    if small is not None and small.fits(t):  # shared memory: microseconds instead of milliseconds
+        small.small_all_reduce(t)
+        if ledger:
+            ledger.record("all_reduce", p, t.numel() * t.element_size(), 0.0, term, layers)
+        return Pending(None, None, t0)
+    work = dist.all_reduce(t, group=group, async_op=async_op)
+    entry = (
+        ledger.record("all_reduce", p, t.numel() * t.element_size(), 0.0, term, layers)
+        if ledger
+        else None
+    )
+    pending = Pending(work, entry, t0)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def all_gather_uneven(
+    t: torch.Tensor,
+    sizes: Sequence[int],
+    dim: int,
+    group: dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layer: str | None,
+    codec: Codec | None = None,
+) -> torch.Tensor:
+    """Concatenate along `dim` the pieces of every rank of `group`; piece i has sizes[i] along dim.
+
+    On one host (a group `comm.small.enable`d) through shared memory; otherwise on
+    torch.distributed, uneven pieces padded to the largest for the wire. The ledger records the
+    bytes of the real (unpadded) result, the quantity the cost model predicts."""
+    p = len(sizes)
+    if p == 1:
+        return t
+    if codec is not None and codec.name != "none":
+        return _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec)
+    t0 = time.perf_counter()
+    top = max(sizes)
+    t = t.contiguous()
+    small = _small.reducer_for(group)
+    inner = math.prod(
+        n for i, n in enumerate(t.shape) if i != dim % t.dim()
+    )  # a piece may be empty
+    if small is not None and small.fits(t, top * inner * t.element_size()):  # alike on every rank
+        out = small.all_gather(t, list(sizes), dim)  # shared memory: one copy in, one out
+    else:
+        out = _gloo_all_gather(t, sizes, dim, group, top)
+    if ledger is not None:
+        ledger.record(
+            "all_gather",
+            p,
+            out.numel() * out.element_size(),
+            time.perf_counter() - t0,
+            term,
+            {layer: out.numel()} if layer else None,
+        )
+    return out
+
+
+def _gloo_all_gather(
+    t: torch.Tensor, sizes: Sequence[int], dim: int, group: dist.ProcessGroup, top: int
+) -> torch.Tensor:
+    """all_gather_uneven on torch.distributed: pieces padded to the largest for the wire."""
+    if t.shape[dim] < top:
+        pad_shape = list(t.shape)
+        pad_shape[dim] = top - t.shape[dim]
+        t = torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+    pieces = [torch.empty_like(t) for _ in sizes]
+    dist.all_gather(pieces, t, group=group)
+    return torch.cat([x.narrow(dim, 0, n) for x, n in zip(pieces, sizes, strict=True)], dim=dim)
+
+
+def _shape_with(t: torch.Tensor, dim: int, n: int) -> list[int]:
+    shape = list(t.shape)
+    shape[dim] = n
+    return shape
+
+
+def _gather_bytes(
+    mine: torch.Tensor, lengths: Sequence[int], group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """All-gather byte buffers of the given lengths (padded to the longest on the wire)."""
+    top = max(lengths)
+    buf = torch.zeros(top, dtype=torch.uint8, device=mine.device)
+    buf[: mine.numel()] = mine
+    pieces = [torch.empty_like(buf) for _ in lengths]
+    dist.all_gather(pieces, buf, group=group)
+    return [x[:n] for x, n in zip(pieces, lengths, strict=True)]
+
+
+def _book(
+    ledger: Ledger | None,
+    kind: str,
+    p: int,
+    payload: float,
+    overhead: float,
+    seconds: float,
+    term: str,
+    layers: dict[str, float] | None,
+) -> None:
+    if ledger is None:
+        return
+    ledger.record(kind, p, payload, seconds, term, layers)
+    if overhead:
+        ledger.record(kind, p, overhead, 0.0, Term.CODEC_OVERHEAD)
+
+
+def _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec: Codec) -> torch.Tensor:
+    t0 = time.perf_counter()
+    t = t.contiguous()
+    inner = math.prod(
+        n for i, n in enumerate(t.shape) if i != dim % t.dim()
+    )  # a piece may be empty
+    numels = [n * inner for n in sizes]
+    lengths = [codec.wire_bytes(n) for n in numels]
+    mine = codec.to_bytes(codec.encode(t))
+    got = _gather_bytes(mine, lengths, group)
+    parts = [
+        codec.decode(codec.from_bytes(b, n)).view(_shape_with(t, dim, k))
+        for b, n, k in zip(got, numels, sizes, strict=True)
+    ]
+    out = torch.cat(parts, dim=dim).to(t.dtype)
+    payload = out.numel() * codec.bits / 8
+    _book(
+        ledger,
+        "all_gather",
+        len(sizes),
+        payload,
+        len(sizes) * max(lengths) - payload,
+        time.perf_counter() - t0,
+        term,
+        {layer: out.numel()} if layer else None,
+    )
+    return out
+
+
+def compressed_all_reduce(
+    t: torch.Tensor,
+    group: dist.ProcessGroup,
+    codec: Codec,
+    ledger: Ledger | None,
+    term: str,
+    layers: dict[str, float] | None = None,
+    residuals: dict | None = None,
+    key: object = None,
+) -> torch.Tensor:
+    """Sum `t` over `group` in place, with every byte on the wire encoded by `codec`.
+
+    Krizhevsky's section 4.1 scheme: each rank owns 1/p of the tensor. Every rank encodes the
+    chunks it does not own and sends them to their owners in one all-to-all; the owner decodes
+    them, adds them to its own chunk in float32, encodes the sum once and sends it to every other
+    rank; every rank (the owner too) decodes all the chunks, so all end up with the same tensor.
+    Wire bytes per element: about 2 (p-1)/p x the codec's size, against 8 (p-1)/p for a float32
+    ring all-reduce. This is a `CompressedPipeline` of one piece: two all-to-alls.
+
+    Error feedback (as in 1-bit SGD): with a `residuals` dict, what the encoding lost this time
+    (of the chunks sent, and of the owned sum) is kept under `key` and added back next time.
+    """
+    if group_size(group) == 1:
+        return t
+    # one-shot pipelines end flushed, so they can all use this thread's "once" buffers
+    pipe = CompressedPipeline(group, codec, ledger, term, residuals, buffers="once")
+    pipe.push(t, layers, key)
+    pipe.flush()
+    return t
+
+
+class _Piece:
+    """One tensor's compressed reduction in flight: its chunks' frames are encoded when it is
+    sent, its owned chunk summed when they arrive, and the sums decoded into it at the end."""
+
+    def __init__(self, pipe: CompressedPipeline, t: torch.Tensor, layers, key, on_done) -> None:
+        self.layers, self.on_done = layers, on_done
+        self.t0 = time.perf_counter()
+        p, me, codec = pipe.p, pipe.me, pipe.codec
+        self.flat = t.view(-1)
+        n = self.flat.numel()
+        self.sizes = even_split(n, p)
+        self.offs = [sum(self.sizes[:j]) for j in range(p)]
+        self.frames = [_frame_bytes(codec, k) for k in self.sizes]
+        self.x = self.flat.float()  # flat itself when it is float32
+        self.res = None
+        if pipe.residuals is not None:
+            res = pipe.residuals.get(key)
+            if res is None or res[0].numel() != n:
+                res = (
+                    torch.zeros_like(self.x),
+                    torch.zeros(self.sizes[me], dtype=torch.float32, device=self.x.device),
+                )
+                pipe.residuals[key] = res
+            self.res = res
+            self.x = self.x + res[0]
+        self.chunk = lambda j: slice(self.offs[j], self.offs[j] + self.sizes[j])
+        self.slot, self.returning = 0, False
+        self.recv: torch.Tensor | None = None
+        self.work = None
+
+    def encode_chunk(self, codec: Codec, j: int, out: torch.Tensor) -> None:
+        """Chunk j (owned by rank j) into the frame `out`; its loss into the residual."""
+        piece = self.x[self.chunk(j)]
+        enc = _encode_into(codec, piece, _frame(codec, out, self.sizes[j]))
+        if self.res is not None:
+            lost = self.res[0][self.chunk(j)]
+            torch.sub(piece, codec.decode(enc, out=lost).view(-1), out=lost)
+
+    def owner_sum(self, codec: Codec, me: int, received: list[torch.Tensor], out: torch.Tensor):
+        """Sum the owned chunk and the frames received for it; encode the sum into `out`."""
+        acc = self.x[self.chunk(me)]  # x is not read again: sum into it, unless it is t itself
+        if self.res is not None and self.x.data_ptr() == self.flat.data_ptr():
+            acc = acc.clone()
+        for frame in received:
+            codec.decode_add(_frame(codec, frame, self.sizes[me]), acc)
+        if self.res is not None:
+            acc += self.res[1]
+        enc = _encode_into(codec, acc, _frame(codec, out, self.sizes[me]))
+        if self.res is not None:
+            torch.sub(acc, codec.decode(enc, out=self.res[1]).view(-1), out=self.res[1])
+
+    def finish(self, pipe: CompressedPipeline, sums: list[torch.Tensor]) -> None:
+        """Decode every rank's summed chunk (frame j from rank j) into t; book the bytes."""
+        codec, p = pipe.codec, pipe.p
+        dst = self.flat if self.flat.dtype == torch.float32 else self.x
+        for j in range(p):
+            codec.decode(_frame(codec, sums[j], self.sizes[j]), out=dst[self.chunk(j)])
+        if dst is not self.flat:
+            self.flat.copy_(dst)
+        payload = self.flat.numel() * codec.bits / 8
+        frames, seconds = sum(self.frames), time.perf_counter() - self.t0
+        layers, term = self.layers, pipe.term
+        _book(pipe.ledger, "all_to_all", p, payload, frames - payload, seconds, term, layers)
+        _book(pipe.ledger, "all_gather", p, payload, frames - payload, 0.0, term, layers)
+        if self.on_done is not None:
+            self.on_done()
+
+
+class CompressedPipeline:
+    """compressed_all_reduce over a stream of tensors (a reducer thread's bucket pieces), with
+    the collectives of consecutive pieces in flight together: the all-to-all that carries piece
+    k's chunks to their owners and the one that carries piece k-1's sums back run at the same
+    time, while this thread encodes, sums and decodes. So the link is not idle during the codec
+    work, and where a collective costs milliseconds of latency (4 ranks on 2 cores: about 4.6 ms)
+    two latencies overlap.
+
+    `push(t)` encodes t's chunks and starts sending them; it then finishes what earlier pushes
+    started: the previous piece's owned chunk is summed and its sum sent back, and the piece
+    before that decoded into its tensor. `flush()` finishes everything. A pushed tensor holds
+    its sum once the push two after it, or a flush, returns (`on_done` says when). Every rank
+    must push the same sequence and flush at the same points (the hooks flush after a step's last
+    bucket): the collectives are then started in the same order everywhere (gloo keeps
+    concurrent collectives of one group apart by sequence number). Bytes and sums are those of
+    compressed_all_reduce, bit for bit.
+    """
+
+    SLOTS = 3  # pieces whose buffers may be in use at once: sending, returning, being created
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        codec: Codec,
+        ledger: Ledger | None,
+        term: str,
+        residuals: dict | None = None,
+        buffers: object = None,
+    ) -> None:
+        self.group, self.codec, self.ledger, self.term = group, codec, ledger, term
+        self.residuals = residuals
+        # whose byte buffers (per thread, `_scratch`): its own unless the caller says otherwise, so
+        # two pipelines on one thread (two groups' reducers on one worker) never share buffers
+        # that a collective in flight still reads
+        self.buffers = buffers if buffers is not None else id(self)
+        self.p, self.me = group_size(group), dist.get_rank(group)
+        self.live: list[_Piece] = []
+        self.count = 0
+
+    def push(self, t: torch.Tensor, layers=None, key: object = None, on_done=None) -> None:
+        """`on_done()` is called (on this thread) once t holds its sum."""
+        piece = _Piece(self, t, layers, key, on_done)
+        piece.slot, self.count = self.count % self.SLOTS, self.count + 1
+        self._guarded(lambda: (self._scatter(piece), self._advance(keep=1)))
+
+    def flush(self) -> None:
+        self._guarded(lambda: self._advance(keep=0))
+
+    def _guarded(self, fn) -> None:
+        try:
+            fn()
+        except BaseException:
+            self.live.clear()  # nothing half-done carries over into the next call
+            raise
+
+    def _buf(self, piece: _Piece, name: str, nbytes: int) -> torch.Tensor:
+        return _scratch((self.buffers, name, piece.slot), nbytes, piece.x.device)
+
+    def _scatter(self, piece: _Piece) -> None:
+        """Encode the chunks other ranks own into one frame each and start sending them."""
+        p, me, f = self.p, self.me, piece.frames
+        send_len = [0 if j == me else f[j] for j in range(p)]
+        recv_len = [0 if j == me else f[me] for j in range(p)]
+        send = self._buf(piece, "send", sum(send_len))
+        pos = 0
+        for j in range(p):
+            if j != me:
+                piece.encode_chunk(self.codec, j, send[pos : pos + f[j]])
+                pos += f[j]
+        piece.recv = self._buf(piece, "recv", sum(recv_len))
+        piece.work = dist.all_to_all_single(
+            piece.recv, send, recv_len, send_len, group=self.group, async_op=True
+        )
+        self.live.append(piece)
+
+    def _give_back(self, piece: _Piece) -> None:
+        """Sum the owned chunk and start sending the encoded sum to every other rank."""
+        p, me, f = self.p, self.me, piece.frames
+        piece.work.wait()
+        k = f[me]
+        received = [piece.recv[i * k : (i + 1) * k] for i in range(p - 1)]
+        send = self._buf(piece, "back", (p - 1) * k)
+        piece.owner_sum(self.codec, me, received, send[:k])
+        for i in range(1, p - 1):
+            send[i * k : (i + 1) * k].copy_(send[:k])
+        send_len = [0 if j == me else k for j in range(p)]
+        recv_len = [0 if j == me else f[j] for j in range(p)]
+        piece.recv = self._buf(piece, "sums", sum(recv_len))
+        piece.work = dist.all_to_all_single(
+            piece.recv, send, recv_len, send_len, group=self.group, async_op=True
+        )
+        piece.returning = True
+
+    def _finish(self, piece: _Piece) -> None:
+        piece.work.wait()
+        sums, pos = [], 0
+        for j in range(self.p):
+            if j == self.me:
+                sums.append(self._buf(piece, "back", piece.frames[j]))
+            else:
+                sums.append(piece.recv[pos : pos + piece.frames[j]])
+                pos += piece.frames[j]
+        piece.finish(self, sums)
+
+    def _advance(self, keep: int) -> None:
+        """Send back the sums of every piece but the newest `keep`, then decode every piece
+        whose sums are on their way, but the newest `keep` of those."""
+        for piece in self.live[: len(self.live) - keep]:
+            if not piece.returning:
+                self._give_back(piece)
+        returning = [q for q in self.live if q.returning]
+        for piece in returning[: len(returning) - keep]:
+            self._finish(piece)
+            self.live.remove(piece)
+
+
+def _frame_bytes(codec: Codec, numel: int) -> int:
+    """Bytes of one chunk on compressed_all_reduce's wire: its scales, then its payload, padded to
+    4 bytes so that the next frame's scales stay aligned."""
+    return 4 * codec.blocks(numel) + -(-numel * codec.bits // 8 // 4) * 4
+
+
+def _frame(codec: Codec, buf: torch.Tensor, numel: int) -> Encoded:
+    """The Encoded whose scales and payload are views of the frame `buf`."""
+    sb, nb = 4 * codec.blocks(numel), numel * codec.bits // 8
+    if codec.eight_bit:
+        return Encoded(codec.name, buf[sb : sb + nb], buf[:sb].view(torch.float32), (numel,))
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(codec.name, torch.float32)
+    return Encoded(codec.name, buf[:nb].view(dt), None, (numel,))
+
+
+def _encode_into(codec: Codec, x: torch.Tensor, frame: Encoded) -> Encoded:
+    """Encode x into the frame's views (copied there when the codec could not write in place)."""
+    e = codec.encode(x, out=frame)
+    if e.payload.numel() and e.payload.data_ptr() != frame.payload.data_ptr():
+        frame.payload.copy_(e.payload.view(-1))
+    if e.scales is not None and e.scales.numel() and e.scales.data_ptr() != frame.scales.data_ptr():
+        frame.scales.copy_(e.scales)
+    return frame
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: object, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A byte buffer of `nbytes`, kept per thread, name and device and reused across calls (fresh
+    pages on every call would each cost a page fault); valid until this thread's next call."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    buf = bufs.get((name, device))
+    if buf is None or buf.numel() < nbytes:
+        buf = bufs[(name, device)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buf[:nbytes]

@@ -1,0 +1,219 @@
+"""Process grids on torch DeviceMeshes: one per distinct grid a plan uses.
+
+A grid Pr x Pc has a mesh of shape (Pc, Pr) with dims ("batch", "model"), so rank = c * Pr + r: a
+model group is Pr consecutive ranks (they hold the same examples and split a layer's weights) and
+a batch group is the Pc ranks with the same r (they hold the same weight shard and split the
+examples).
+
+Layouts. An activation in the layout of grid (Pr, Pc) is split by examples over the Pc batch
+groups and replicated within each model group. Examples are numbered the same way for every grid:
+a step's n examples split over all P ranks in rank order (`even_split(n, P)`), and batch group c of
+any grid holds the blocks of its model group's ranks c*Pr .. c*Pr + Pr - 1. So when Pc' divides Pc
+the coarser layout's batch group is the union of m = Pc / Pc' finer ones, and moving between the
+two is one all-gather (or a slice) among the m ranks that hold the pieces: `GridSet.regroup`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hybridpar.errors import ConfigError
+
+__all__ = ["GridSet", "ProcessGrid", "check_grid", "group_timeout", "rows_of_group"]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def check_grid(pr: int, pc: int, world: int, batch: int | None = None) -> None:
+    """Raise a one-line ConfigError when the grid cannot run on `world` ranks with `batch`."""
+    if pr < 1 or pc < 1:
+        raise ConfigError(f"grid {pr}x{pc}: both sides must be at least 1")
+    if pr * pc != world:
+        raise ConfigError(
+            f"grid {pr}x{pc} has {pr * pc} ranks but the job has {world}; use Pr*Pc = {world}"
+        )
+    if batch is not None and batch % world:
+        raise ConfigError(
+            f"global batch {batch} does not split evenly over {world} ranks; use a multiple of {world}"
+        )
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
+    """The collective timeout the default group was created with (init_process_group's
+    `timeout`); new groups get the same, so a dead rank ends the job as soon on every group."""
+    group = group or dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+
+
+_GROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def new_group(
+    members: list[int], timeout: datetime.timedelta, desc: str, tag: str = ""
+) -> dist.ProcessGroup:
+    """dist.new_group, once per (members, timeout) for the life of the default group: a job that
+    parallelizes several models (tests, benchmarks) reuses its groups instead of opening new
+    connections each time. Every rank calls it for every group in the same order, as new_group
+    requires, so every rank hits or misses the cache alike. A `tag` gives the same members a
+    second, separate group (the gradient reducer's own, see grad_group)."""
+    world = dist.group.WORLD
+    key = (id(world), tuple(members), timeout, tag)
+    if key not in _GROUPS:  # the value keeps `world` alive, so its id is not reused
+        _GROUPS[key] = (world, dist.new_group(members, timeout=timeout, group_desc=desc))
+    return _GROUPS[key][1]
+
+
+def rows_of_group(sizes: list[int], pr: int, c: int) -> int:
+    """Examples held by batch group c of a grid with model groups of pr ranks, given the examples
+    of every rank in the finest (1 x P) layout."""
+    return sum(sizes[c * pr : (c + 1) * pr])
+
+
+@dataclass
+class ProcessGrid:
+    """Pr x Pc grid over the default process group. Create after init_process_group, on every
+    rank in the same order (it creates process groups)."""
+
+    pr: int
+    pc: int
+    device: str = "cpu"
+    timeout: datetime.timedelta | None = None
+    """collective timeout of the grid's groups (default: the default group's)"""
+    mesh: DeviceMesh = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessGrid needs torch.distributed to be initialised first")
+        check_grid(self.pr, self.pc, dist.get_world_size())
+        self.timeout = self.timeout or group_timeout()
+        self.rank = dist.get_rank()
+        self.r = self.rank % self.pr  # position in the model group (which weight shard)
+        self.c = self.rank // self.pr  # position in the batch group (which examples)
+        self.mesh = self._mesh()
+
+    def _mesh(self) -> DeviceMesh:
+        """init_device_mesh creates its sub-groups with torch's default 30-minute timeout, so a dead
+        rank would hang the others that long; we create them with the job's timeout and build the
+        same mesh from them."""
+        ranks = torch.arange(self.pr * self.pc).reshape(self.pc, self.pr)
+        mine = {}
+        for name, rows in (("model", ranks.tolist()), ("batch", ranks.t().tolist())):
+            for members in rows:  # every rank creates every group, in the same order
+                g = new_group(members, self.timeout, f"hybridpar_{name}")
+                if self.rank in members:
+                    mine[name] = g
+        return DeviceMesh.from_group(
+            [mine["batch"], mine["model"]],
+            self.device,
+            mesh=ranks,
+            mesh_dim_names=("batch", "model"),
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.pr * self.pc
+
+    @property
+    def model_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("model")
+
+    @property
+    def batch_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("batch")
+
+    def rows(self, sizes: list[int]) -> slice:
+        """The examples of this rank's batch group within a step, given every rank's share of the
+        finest layout (`even_split(n, P)`)."""
+        lo = sum(sizes[: self.c * self.pr])
+        return slice(lo, lo + rows_of_group(sizes, self.pr, self.c))
+
+
+class GridSet:
+    """The grids of one plan, keyed by Pc (a layout is its number of batch groups), and the groups
+    that move an activation between two of their layouts; every group with `timeout`, created in
+    the same order on every rank."""
+
+    def __init__(
+        self,
+        pcs: Iterable[int],
+        moves: Iterable[tuple[int, int]] = (),
+        device: str = "cpu",
+        timeout: datetime.timedelta | None = None,
+    ) -> None:
+        self.world = dist.get_world_size()
+        self.timeout = timeout or group_timeout()
+        self.device = device
+        self.grids = {
+            pc: ProcessGrid(self.world // pc, pc, device, self.timeout) for pc in sorted(set(pcs))
+        }
+        self._moves: dict[tuple[int, int], dist.ProcessGroup] = {}
+        for a, b in sorted({(max(a, b), min(a, b)) for a, b in moves if a != b}):
+            self._moves[(a, b)] = self._regroup(a, b)
+        if device == "cpu":
+            self._shared_memory()
+
+    def _shared_memory(self) -> None:
+        """The activations' collectives (all-gathers, dX all-reduces, hand-offs) through host
+        shared memory wherever a group's ranks share a host (comm.small). Setting a group up is
+        collective over it; every rank does its groups in the order they were created, so no two
+        ranks wait for each other in different groups."""
+        from hybridpar.runtime.comm import small
+
+        for g in self.grids.values():
+            small.enable(g.model_group)
+            small.enable(g.batch_group)
+        for _, group in sorted(self._moves.items(), key=lambda kv: kv[0]):
+            small.enable(group)
+
+    def grid(self, pc: int) -> ProcessGrid:
+        return self.grids[pc]
+
+    def _regroup(self, fine: int, coarse: int) -> dist.ProcessGroup:
+        """Ranks {k : k // pr_coarse and k % pr_fine as for this rank}: the m = fine / coarse ranks
+        whose batch groups of the fine layout make up one batch group of the coarse layout."""
+        if fine % coarse:
+            raise ConfigError(
+                f"layouts with {fine} and {coarse} batch groups do not nest: no redistribution "
+                "between them; use grids whose Pc divide one another"
+            )
+        pr_f, pr_c = self.world // fine, self.world // coarse
+        rank, mine = dist.get_rank(), None
+        for c in range(coarse):
+            for r in range(pr_f):
+                members = [c * pr_c + j * pr_f + r for j in range(fine // coarse)]
+                g = new_group(members, self.timeout, "hybridpar_regroup")
+                if rank in members:
+                    mine = g
+        return mine
+
+    def regroup(self, a: int, b: int) -> dist.ProcessGroup:
+        return self._moves[(max(a, b), min(a, b))]
+
+    def twin_group(self, pc: int, tag: str) -> dist.ProcessGroup:
+        """Another group with the members of this rank's batch group of grid `pc`, so that one kind
+        of traffic never queues behind another on one group: "grads" for the gradient reducer's
+        thread (comm.worker), "bn" for batch-norm statistics. Collective: every rank calls it for
+        the same (pc, tag) in the same order; it creates the twin of every batch group of that
+        grid."""
+        g = self.grid(pc)
+        ranks = torch.arange(g.pr * g.pc).reshape(g.pc, g.pr).t().tolist()
+        mine = None
+        for members in ranks:
+            grp = new_group(members, self.timeout, f"hybridpar_{tag}", tag=tag)
+            if dist.get_rank() in members:
+                mine = grp
+        return mine
+
+    def grad_group(self, pc: int) -> dist.ProcessGroup:
+        return self.twin_group(pc, "grads")

@@ -1,0 +1,330 @@
+"""hybridpar's CPU kernels in C (the 8-bit codecs, global batch norm), built on first use with the
+system C compiler and loaded with ctypes.
+
+Why plain C and ctypes, not torch.compile, a torch C++ extension, or numba:
+- torch.compile (the previous path) does not vectorise the table gathers on CPU. It reached about
+  1 GB/s each way, and decoding is a 256-entry lookup and a multiply, bound by memory bandwidth.
+- A torch C++ extension needs torch's headers. One build takes about a minute, once per machine,
+  test run and CI job. This file needs none: one C file and `cc`, under a second.
+- numba would add a large dependency (llvmlite) for two loops.
+
+Each kernel makes one pass over its input per block: the block's absmax (a block of 4096 floats
+stays in L1), then the codes. The arithmetic is the torch path's, operation for operation:
+float32 multiplies, no fused multiply-add (-ffp-contract=off), no fast-math. So the bytes are
+the same, and the tests compare them with `reference_encode`. A block holding NaN or inf is left
+to the torch path, which defines what such a block becomes (the kernel marks it; it is rare).
+ctypes releases the GIL during a call, so a reducer thread encodes while autograd runs.
+
+Global batch norm (hybridpar.runtime.parallel.batchnorm) on CPU float32: per layer a per-rank batch of 8
+holds a few thousand values, so torch's path costs its ~20 small ops (a few microseconds each),
+not its arithmetic. Four kernels replace them: the per-channel moments (in float64, two passes),
+the normalisation with the running-statistics update, the backward's per-channel sums, and dx.
+
+HYBRIDPAR_KERNELS=0 turns the kernels off. A missing or failing compiler falls back to the torch
+path with one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+__all__ = ["available", "bn", "decode", "decode_add", "encode"]
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+/* Encode n floats in blocks of `block`: per block the absmax into scales[b], then per element the
+   nearest level: bucket k = top 17 bits of |x|/absmax; packed[k] holds the midpoint above the
+   bucket's lower level (low 32 bits, float) and the codes of that level and the next, each with
+   its sign mask (codecs._packed): one comparison picks the level. Returns how many blocks hold a
+   non-finite value; their scale is set to NaN and their codes are left for the caller. */
+int64_t hp_encode(const float *x, int64_t n, int64_t block, const uint64_t *packed,
+                  int32_t nbuckets, uint8_t *codes, float *scales) {
+    int64_t bad_blocks = 0;
+    for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
+        int64_t len = n - lo < block ? n - lo : block;
+        const float *xs = x + lo;
+        uint8_t *cs = codes + lo;
+        float m = 0.0f;
+        int bad = 0;
+#pragma omp simd reduction(max : m) reduction(| : bad)
+        for (int64_t j = 0; j < len; j++) {
+            float a = fabsf(xs[j]);
+            bad |= !(a <= 3.4028234663852886e38f); /* NaN or inf */
+            m = a > m ? a : m;
+        }
+        if (bad) {
+            scales[b] = NAN;
+            bad_blocks++;
+            continue;
+        }
+        scales[b] = m;
+        float inv = m > 0.0f ? 1.0f / m : 0.0f;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) {
+            float v = fabsf(xs[j]) * inv;
+            v = v < 1.0f ? v : 1.0f;
+            int32_t bits;
+            memcpy(&bits, &v, 4);
+            int32_t k = bits >> 15;
+            k = k < nbuckets - 1 ? k : nbuckets - 1;
+            uint64_t e = packed[k];
+            uint32_t mb = (uint32_t)e, both = (uint32_t)(e >> 32);
+            float mid;
+            memcpy(&mid, &mb, 4);
+            uint32_t sel = v >= mid ? both >> 16 : both & 0xffffu;
+            cs[j] = (uint8_t)((sel & 0xffu) | (xs[j] < 0.0f ? (sel >> 8) & 0xffu : 0u));
+        }
+    }
+    return bad_blocks;
+}
+
+/* Decode: out = table[code] * scale of the element's block. */
+void hp_decode(const uint8_t *codes, int64_t n, int64_t block, const float *scales,
+               const float *table, float *out) {
+    for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
+        int64_t len = n - lo < block ? n - lo : block;
+        float s = scales[b];
+        const uint8_t *cs = codes + lo;
+        float *os = out + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) os[j] = table[cs[j]] * s;
+    }
+}
+
+/* Decode and accumulate: acc += table[code] * scale (the same float32 product as hp_decode, then
+   one add: bit for bit acc + decode). */
+void hp_decode_add(const uint8_t *codes, int64_t n, int64_t block, const float *scales,
+                   const float *table, float *acc) {
+    for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
+        int64_t len = n - lo < block ? n - lo : block;
+        float s = scales[b];
+        const uint8_t *cs = codes + lo;
+        float *os = acc + lo;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) os[j] += table[cs[j]] * s;
+    }
+}
+
+/* Global batch norm over x of shape (n, c, s), contiguous (s = the spatial size). */
+
+/* This rank's share of the moments, in float64, two passes per channel (mean, then squared
+   deviations): stats[ch] = sum x, stats[c + ch] = sum (x - mean)^2 + m mean^2 (= sum x^2, without
+   the cancellation), stats[2c] = m = n s. */
+void hp_bn_stats(const float *x, int64_t n, int64_t c, int64_t s, double *stats) {
+    double m = (double)(n * s);
+    for (int64_t ch = 0; ch < c; ch++) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            const float *p = x + (i * c + ch) * s;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < s; j++) sum += p[j];
+        }
+        double mean = m > 0.0 ? sum / m : 0.0, sq = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            const float *p = x + (i * c + ch) * s;
+#pragma omp simd reduction(+ : sq)
+            for (int64_t j = 0; j < s; j++) {
+                double d = p[j] - mean;
+                sq += d * d;
+            }
+        }
+        stats[ch] = sum;
+        stats[c + ch] = sq + sum * mean;
+    }
+    stats[2 * c] = m;
+}
+
+/* After the all-reduce (stats global, m = stats[2c] > 1): the mean and invstd saved for the
+   backward, the running statistics updated as torch's BatchNorm does (unbiased variance; skipped
+   when run_mean is NULL), and y = (x - mean) invstd w + b (w, b may be NULL). */
+void hp_bn_forward(const float *x, int64_t n, int64_t c, int64_t s, const double *stats,
+                   double eps, const float *w, const float *b, float *y, float *save_mean,
+                   float *save_invstd, float *run_mean, float *run_var, double factor) {
+    double m = stats[2 * c];
+    for (int64_t ch = 0; ch < c; ch++) {
+        double mean = stats[ch] / m, var = stats[c + ch] / m - mean * mean;
+        var = var > 0.0 ? var : 0.0;
+        double invstd = 1.0 / sqrt(var + eps);
+        save_mean[ch] = (float)mean;
+        save_invstd[ch] = (float)invstd;
+        if (run_mean) {
+            run_mean[ch] = run_mean[ch] * (float)(1.0 - factor) + (float)factor * (float)mean;
+            run_var[ch] = run_var[ch] * (float)(1.0 - factor) +
+                          (float)factor * (float)(var * (m / (m - 1.0)));
+        }
+        float mu = (float)mean, alpha = (float)(invstd * (w ? w[ch] : 1.0f)), beta = b ? b[ch] : 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float *p = x + (i * c + ch) * s;
+            float *q = y + (i * c + ch) * s;
+#pragma omp simd
+            for (int64_t j = 0; j < s; j++) q[j] = (p[j] - mu) * alpha + beta;
+        }
+    }
+}
+
+/* This rank's sums for the backward, in float64: sums[ch] = sum dy, sums[c + ch] = invstd sum dy
+   (x - mean); also as float32 into dbias and dweight (this rank's shares; either may be NULL). */
+void hp_bn_backward_reduce(const float *dy, const float *x, int64_t n, int64_t c, int64_t s,
+                           const float *mean, const float *invstd, double *sums, float *dweight,
+                           float *dbias) {
+    for (int64_t ch = 0; ch < c; ch++) {
+        double sdy = 0.0, sdyx = 0.0;
+        float mu = mean[ch];
+        for (int64_t i = 0; i < n; i++) {
+            const float *g = dy + (i * c + ch) * s, *p = x + (i * c + ch) * s;
+#pragma omp simd reduction(+ : sdy, sdyx)
+            for (int64_t j = 0; j < s; j++) {
+                sdy += g[j];
+                sdyx += (double)g[j] * (double)(p[j] - mu);
+            }
+        }
+        sums[ch] = sdy;
+        sums[c + ch] = sdyx * invstd[ch];
+        if (dbias) dbias[ch] = (float)sdy;
+        if (dweight) dweight[ch] = (float)(sdyx * invstd[ch]);
+    }
+}
+
+/* dx = w invstd (dy - sum dy / m - (x - mean) invstd^2 sum dy (x - mean) / m), from the global
+   sums (sums[c + ch] holds invstd times the second). w may be NULL. */
+void hp_bn_backward(const float *dy, const float *x, int64_t n, int64_t c, int64_t s,
+                    const float *mean, const float *invstd, const float *w, const double *sums,
+                    double m, float *dx) {
+    for (int64_t ch = 0; ch < c; ch++) {
+        double is = invstd[ch];
+        float k = (float)(is * (w ? w[ch] : 1.0f)), a = (float)(sums[ch] / m),
+              bq = (float)(sums[c + ch] / m * is), mu = mean[ch];
+        for (int64_t i = 0; i < n; i++) {
+            const float *g = dy + (i * c + ch) * s, *p = x + (i * c + ch) * s;
+            float *q = dx + (i * c + ch) * s;
+#pragma omp simd
+            for (int64_t j = 0; j < s; j++) q[j] = k * (g[j] - a - (p[j] - mu) * bq);
+        }
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(
+            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
+            "",
+        )
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build() -> ctypes.CDLL:
+    from hybridpar.planning.cluster import cache_dir
+
+    key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_key()).encode()).hexdigest()[:16]
+    folder = cache_dir() / "kernels"
+    lib = folder / f"hybridpar-{key}.so"
+    if not lib.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            src, out = Path(tmp) / "hybridpar.c", Path(tmp) / "hybridpar.so"
+            src.write_text(_SOURCE)
+            cc = os.environ.get("CC", "cc")
+            subprocess.run(
+                [cc, *_FLAGS, str(src), "-o", str(out)],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+            os.replace(out, lib)  # atomic: ranks building at once each leave a whole file
+    dll = ctypes.CDLL(str(lib))
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    dll.hp_encode.argtypes = [p, i64, i64, p, ctypes.c_int32, p, p]
+    dll.hp_encode.restype = i64
+    dll.hp_decode.argtypes = [p, i64, i64, p, p, p]
+    dll.hp_decode.restype = None
+    dll.hp_decode_add.argtypes = [p, i64, i64, p, p, p]
+    dll.hp_decode_add.restype = None
+    f64 = ctypes.c_double
+    dll.hp_bn_stats.argtypes = [p, i64, i64, i64, p]
+    dll.hp_bn_forward.argtypes = [p, i64, i64, i64, p, f64, p, p, p, p, p, p, p, f64]
+    dll.hp_bn_backward_reduce.argtypes = [p, p, i64, i64, i64, p, p, p, p, p]
+    dll.hp_bn_backward.argtypes = [p, p, i64, i64, i64, p, p, p, p, f64, p]
+    for f in (dll.hp_bn_stats, dll.hp_bn_forward, dll.hp_bn_backward_reduce, dll.hp_bn_backward):
+        f.restype = None
+    return dll
+
+
+def _get() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("HYBRIDPAR_KERNELS", "1") != "0":
+                try:
+                    _lib = _build()
+                except (OSError, subprocess.SubprocessError) as exc:
+                    detail = getattr(exc, "stderr", b"") or b""
+                    warnings.warn(
+                        f"hybridpar's C kernels not built ({type(exc).__name__}: "
+                        f"{detail.decode(errors='replace').strip()[:200] or exc}); "
+                        "codecs and global batch norm run on the slower torch path",
+                        stacklevel=3,
+                    )
+            _tried = True
+    return _lib
+
+
+def available() -> bool:
+    return _get() is not None
+
+
+def encode(x, block: int, packed, codes, scales) -> int:
+    """x float32 contiguous CPU (n,), packed int64 (codecs._packed), codes uint8 (n,), scales
+    float32 (ceil(n/block),); returns the number of blocks holding NaN or inf (scale NaN, codes not
+    written)."""
+    lib = _get()
+    assert lib is not None
+    return lib.hp_encode(
+        x.data_ptr(), x.numel(), block, packed.data_ptr(), packed.numel(), codes.data_ptr(),
+        scales.data_ptr(),
+    )  # fmt: skip
+
+
+def decode(codes, block: int, scales, table, out) -> None:
+    lib = _get()
+    assert lib is not None
+    lib.hp_decode(
+        codes.data_ptr(), codes.numel(), block, scales.data_ptr(), table.data_ptr(), out.data_ptr()
+    )
+
+
+def decode_add(codes, block: int, scales, table, acc) -> None:
+    lib = _get()
+    assert lib is not None
+    lib.hp_decode_add(
+        codes.data_ptr(), codes.numel(), block, scales.data_ptr(), table.data_ptr(), acc.data_ptr()
+    )
+
+
+def bn() -> ctypes.CDLL:
+    """The loaded library, for the batch-norm kernels (call `available()` first); their pointer
+    arguments are passed by the caller (hybridpar.runtime.parallel.batchnorm), 0 for NULL."""
+    lib = _get()
+    assert lib is not None
+    return lib

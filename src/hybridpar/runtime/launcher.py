@@ -1,0 +1,350 @@
+"""Run a function on N ranks: spawned local processes, or the ranks torchrun started.
+
+`launch(fn, nprocs, *args, backend=...)` spawns nprocs processes (gloo by default; NCCL with one
+GPU per process for a CUDA run), initialises torch.distributed in each with a collective timeout, runs
+fn(*args) and returns every rank's result in rank order. It watches the ranks: when one dies (a
+signal, a non-zero exit) or raises, the others are stopped and a RankFailure names it; a rank
+that hangs makes the others time out in their next collective, and the still-running one is named
+as the culprit. No orphans: a rank sets PR_SET_PDEATHSIG and checks that its parent is still the
+launcher before it imports anything heavy (the function to run is passed by name, so unpickling
+the job imports no torch), and SIGINT or SIGTERM to the launcher stops every rank and raises
+Interrupted.
+
+Under torchrun (WORLD_SIZE is set) it initialises from the environment and runs fn in-process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import faulthandler
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from queue import Empty
+from typing import Any
+
+from hybridpar.errors import Interrupted
+
+__all__ = ["Interrupted", "RankFailure", "free_port", "launch", "stop_on_signals", "under_torchrun"]
+
+
+class RankFailure(RuntimeError):
+    """A rank died, raised, or hung. The message is one line naming it; `details` holds the
+    failing rank's traceback when there is one."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+def under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float, backend: str | None = None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend = backend or "gloo"  # NCCL when the caller places the ranks on GPUs
+    os.environ["HYBRIDPAR_TIMEOUT_S"] = str(timeout_s)  # sub-groups (ProcessGrid) use it too
+    if backend == "nccl":
+        torch.cuda.set_device(
+            int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
+        )
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _warn_shared_store() -> None:
+    """torchrun's restarts (--max-restarts) and the rendezvous store it shares with the workers do
+    not mix (pytorch/pytorch#135712): a restarted rank can read the previous attempt's addresses
+    and the job fails to connect. Seen here with torch 2.13; the workaround is torch's own switch."""
+    if (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+        and os.environ.get("RANK") == "0"
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    ):
+        print(
+            "hybridpar: warning: torchrun --max-restarts with the shared rendezvous store can fail "
+            "to reconnect after a restart (pytorch#135712); run torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _reference(fn: Callable) -> str:
+    if "<" in fn.__qualname__:
+        raise TypeError(f"launch runs module-level functions; {fn.__qualname__} is not one")
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+def _resolve(ref: str) -> Callable:
+    module, _, name = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    timeout_s: float,
+    backend: str | None,
+    fn: str,
+    args: tuple,
+    queue: mp.Queue,
+    parent: int,
+) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:  # the launcher died before the line above took effect
+        os._exit(1)
+    faulthandler.register(
+        signal.SIGUSR1, all_threads=True
+    )  # `kill -USR1 <pid>` prints where a rank is
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+
+    from hybridpar.runtime.comm import shutdown
+
+    # the ranks share this machine's cores: more threads than cores make OpenMP spin-wait
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        init_distributed(timeout_s, backend)
+        result = _resolve(fn)(*args)
+        try:
+            pickle.dumps(result)
+        except Exception as exc:
+            raise TypeError(
+                f"{fn} returned a {type(result).__name__}, which cannot be sent back "
+                f"to the launcher ({exc})"
+            ) from None
+        queue.put((rank, "ok", result))
+        shutdown()  # nobody tears down the group while another rank still uses it
+        code = 0
+    except BaseException as exc:  # report everything, including KeyboardInterrupt
+        last = (
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        )
+        queue.put((rank, "error", (last, traceback.format_exc())))
+        code = 1
+    _leave(queue, code)
+
+
+def _leave(queue: mp.Queue, code: int) -> None:
+    """End a rank once its report is in the pipe, without the interpreter's teardown. By now
+    shutdown() has ended torch.distributed, but C++ objects that Python still references (gloo's
+    contexts and threads, the store's client) are destroyed during finalisation in no set order,
+    and about one run in a hundred of a test that ends with async gloo collectives aborted there
+    ("terminate called without an active exception", SIGABRT) after returning its result; the
+    launcher then reported the rank as killed. Nothing a rank owns needs that teardown: shared
+    memory segments are unlinked when mapped, files are closed by their owners."""
+    queue.close()
+    queue.join_thread()  # the feeder thread has written the report
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch(
+    fn: Callable,
+    nprocs: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    backend: str | None = None,
+    grace_s: float = 3.0,
+) -> list[Any]:
+    """fn(*args) on nprocs ranks; returns their results in rank order. A spawned rank ends with
+    os._exit once it has reported (see `_leave`): fn's atexit handlers do not run, so fn closes
+    (flushes) what it opens."""
+    if under_torchrun():
+        from hybridpar.runtime.comm import shutdown
+
+        _warn_shared_store()
+        init_distributed(timeout_s, backend)
+        result = fn(*args)
+        shutdown()
+        return [result]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    ref, me = _reference(fn), os.getpid()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, nprocs, port, timeout_s, backend, ref, args, queue, me),
+            daemon=True,
+        )
+        for r in range(nprocs)
+    ]
+    restore = stop_on_signals()
+    _received.clear()
+    _watching.set()
+    try:
+        for p in procs:
+            p.start()
+        return _watch(procs, queue, nprocs, timeout_s, grace_s)
+    finally:
+        _watching.clear()
+        _stop(procs)
+        queue.close()
+        restore()
+
+
+_received: list[int] = []  # signals the handler recorded while ranks were running
+_watching = threading.Event()
+
+
+def stop_on_signals() -> Callable[[], None]:
+    """SIGINT and SIGTERM (Ctrl-C, a scheduler, `timeout`) end the job with one line. Before any
+    rank runs there is nothing to clean up: the handler says so and exits at once (raising from a
+    handler can land inside a C++ callback, e.g. during `import torch`, and abort). While ranks
+    run it only records the signal; the launcher's watch loop raises Interrupted and stops them.
+    Returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, _frame):
+        if _watching.is_set():
+            _received.append(signum)
+            return
+        name = signal.Signals(signum).name
+        os.write(2, f"hybridpar: stopped by {name} before any rank started\n".encode())
+        os._exit(128 + signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    return lambda: [signal.signal(s, h) for s, h in old.items()] and None
+
+
+def _watch(procs: list, queue, nprocs: int, timeout_s: float, grace_s: float) -> list[Any]:
+    results: dict[int, Any] = {}
+    errors: dict[int, tuple[str, str]] = {}
+    backstop = timeout_s * 4 + 600  # collectives time out much sooner
+    deadline = time.monotonic() + backstop
+
+    def drain(wait: float = 0.0) -> None:
+        end = time.monotonic() + wait
+        while True:
+            try:
+                rank, status, payload = queue.get(
+                    timeout=max(0.0, min(0.05, end - time.monotonic()))
+                )
+            except Empty:
+                if time.monotonic() >= end:
+                    return
+                continue
+            (results if status == "ok" else errors)[rank] = payload
+
+    while True:
+        drain(0.05)
+        if _received:
+            raise Interrupted(_received[0])
+        codes = [p.exitcode for p in procs]
+        failed = [r for r, c in enumerate(codes) if (c is not None and c != 0) or r in errors]
+        if failed:
+            break
+        if all(c == 0 for c in codes) or (
+            len(results) == nprocs and all(c is not None for c in codes)
+        ):
+            drain(0.2)
+            missing = [r for r in range(nprocs) if r not in results]
+            if missing:
+                raise RankFailure(f"rank {missing[0]} exited without returning its result")
+            return [results[r] for r in range(nprocs)]
+        if time.monotonic() > deadline:
+            raise RankFailure(
+                f"job exceeded its {backstop:.0f} s backstop; ranks {sorted(set(range(nprocs)) - set(results))} never finished"
+            )
+    # something failed: give the others a moment to report, then name the culprit
+    t_fail = time.monotonic()
+    while time.monotonic() - t_fail < grace_s and any(p.exitcode is None for p in procs):
+        drain(0.1)
+    drain(0.1)
+    raise RankFailure(*_blame(procs, errors))
+
+
+def _blame(procs: list, errors: dict[int, tuple[str, str]]) -> tuple[str, str]:
+    codes = [p.exitcode for p in procs]
+    killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
+    if killed:
+        r = killed[0]
+        return f"rank {r} {_describe(codes[r])}; the job was stopped", ""
+    raised = [
+        r
+        for r in errors
+        if "timed out" not in errors[r][0].lower()
+        and "timeout" not in errors[r][0].lower()
+        and "connection" not in errors[r][0].lower()
+    ]
+    if raised:
+        r = min(raised)
+        return f"rank {r} failed: {errors[r][0]}", errors[r][1]
+    hung = [r for r, c in enumerate(codes) if c is None]
+    if hung and errors:
+        return (
+            f"rank {hung[0]} did not respond (hung?); ranks {sorted(errors)} timed out waiting for it "
+            "in a collective; the job was stopped"
+        ), ""
+    crashed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in errors]
+    if crashed:
+        return (
+            f"rank {crashed[0]} {_describe(codes[crashed[0]])} without a message; the job was stopped",
+            "",
+        )
+    r = min(errors)
+    return f"rank {r} failed: {errors[r][0]}", errors[r][1]
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    t = time.monotonic()
+    for p in procs:
+        p.join(max(0.0, 2.0 - (time.monotonic() - t)))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)

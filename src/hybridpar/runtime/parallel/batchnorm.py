@@ -1,0 +1,453 @@
+"""Global batch normalisation over a process group, on any backend (Liu et al., Algorithms 1-5).
+
+torch's SyncBatchNorm runs only on CUDA tensors; GlobalBatchNorm runs on whatever the group's
+backend carries (gloo on CPU, NCCL on GPU) and weights each rank by its own number of examples m_i,
+so uneven batches, including a rank with none, normalise exactly like one BatchNorm over the
+concatenated global batch.
+
+Forward: one all-reduce of [sum (x), sum (x^2), m] per channel. Backward: one all-reduce of
+[sum dy, sum dy * (x - mean)] (Algorithm 4's phi_i, taken about the global mean, which is the same
+quantity minus psi * mean and better conditioned). The weight and bias gradients returned are this
+rank's share, as in torch's SyncBatchNorm: the gradient synchroniser (hybridpar's or DDP) sums them.
+
+Numerics. var = E[x^2] - E[x]^2 cancels catastrophically in fp32 when |mean| >> std. Each rank
+computes its own mean and variance stably (two passes: the C kernel in float64 on CPU, torch's
+`batch_norm_update_stats` elsewhere), turns them into the sums
+m_i*mu_i and m_i*(var_i + mu_i^2) in float64, and the reduction and the subtraction happen in
+float64. The relative error of the variance is then about 1e-16 * (mean/std)^2 instead of 1e-7 *
+(mean/std)^2: a channel with mean 1e4 and std 1 comes out right to about 1e-8 (a test checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from hybridpar.plan import Term
+from hybridpar.runtime.comm import kernels
+from hybridpar.runtime.comm.collectives import all_reduce, group_size
+from hybridpar.runtime.comm.ledger import Ledger
+
+__all__ = [
+    "AdaptiveGlobalBatchNorm",
+    "BNSwitch",
+    "GlobalBatchNorm",
+    "GlobalBatchNorm1d",
+    "GlobalBatchNorm2d",
+    "LossPlateau",
+    "convert_global_batchnorm",
+]
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _use_kernels(x: torch.Tensor, weight: torch.Tensor | None, running) -> bool:
+    """The C kernels take contiguous float32 CPU tensors (parameters and buffers included)."""
+    f32 = torch.float32
+    return (
+        x.device.type == "cpu"
+        and x.dtype == f32
+        and x.is_contiguous()
+        and (weight is None or weight.dtype == f32)
+        and (running is None or all(r.dtype == f32 and r.is_contiguous() for r in running))
+        and kernels.available()
+    )
+
+
+class _GlobalBatchNormFn(torch.autograd.Function):
+    """Global BN's forward and backward, each around one all-reduce. `running` is (running_mean,
+    running_var) to update with weight `factor`, or None.
+
+    At a per-rank batch of 8 a BN layer holds a few thousand values, so small ops, not arithmetic,
+    set its cost. On CPU float32 four C kernels (hybridpar.runtime.comm.kernels) do the work: the moments,
+    the normalisation with the running-statistics update, the backward's sums, and dx. Elsewhere
+    (CUDA, other dtypes) torch ops do it: forward `batch_norm_update_stats`, the all-reduce, then
+    batch norm in eval mode with the global statistics as its running ones; backward torch's
+    eval-mode batch-norm backward for this rank's sums and, after their all-reduce, dx = w invstd
+    dy + [the eval-mode batch norm of x whose weight and bias carry the global sums]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running, factor, eps, group, ledger, layer):
+        c = x.shape[1]
+        n, s = (x.shape[0], x.numel() // (x.shape[0] * c)) if x.numel() else (0, 0)
+        fast = _use_kernels(x, weight, running)
+        stats = torch.empty(2 * c + 1, dtype=torch.float64, device=x.device)
+        if fast:
+            kernels.bn().hp_bn_stats(x.data_ptr(), n, c, s, stats.data_ptr())
+        else:
+            _stats_torch(x, stats)
+        all_reduce(stats, group, ledger, Term.BN_STATS, {layer: stats.numel()} if layer else None)
+        m = float(stats[2 * c])
+        if m <= 1:
+            raise ValueError(
+                f"GlobalBatchNorm needs more than 1 value per channel over the group, got {int(m)}"
+            )
+        if fast:
+            y, mean, invstd, var = torch.empty_like(x), x.new_empty(c), x.new_empty(c), None
+            rm, rv = running if running is not None else (None, None)
+            kernels.bn().hp_bn_forward(
+                x.data_ptr(), n, c, s, stats.data_ptr(), eps, _ptr(weight), _ptr(bias),
+                y.data_ptr(), mean.data_ptr(), invstd.data_ptr(), _ptr(rm), _ptr(rv), factor,
+            )  # fmt: skip
+        else:
+            y, mean, var, invstd = _forward_torch(x, stats, m, weight, bias, running, factor, eps)
+        ctx.save_for_backward(x, weight, mean, invstd, var)
+        ctx.m, ctx.eps, ctx.fast = m, eps, fast
+        ctx.group, ctx.ledger, ctx.layer = group, ledger, layer
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd, var = ctx.saved_tensors
+        c, need = x.shape[1], ctx.needs_input_grad
+        n, s = (x.shape[0], x.numel() // (x.shape[0] * c)) if x.numel() else (0, 0)
+        fast = ctx.fast
+        if fast:
+            dy = dy.contiguous()
+        sums = torch.empty(2 * c, dtype=torch.float64, device=x.device)
+        # this rank's sum dy and invstd * sum dy * (x - mean): the bias and weight gradients'
+        # shares (the gradient synchroniser sums them, as for torch's SyncBatchNorm)
+        if fast:
+            dweight = x.new_empty(c) if weight is not None and need[1] else None
+            dbias = x.new_empty(c) if weight is not None and need[2] else None
+            kernels.bn().hp_bn_backward_reduce(
+                dy.data_ptr(), x.data_ptr(), n, c, s, mean.data_ptr(), invstd.data_ptr(),
+                sums.data_ptr(), _ptr(dweight), _ptr(dbias),
+            )  # fmt: skip
+        elif not x.numel():  # a rank with no examples (torch's kernel divides by zero)
+            dweight, dbias = torch.zeros_like(mean), torch.zeros_like(mean)
+            sums.zero_()
+        else:
+            _, dweight, dbias = torch.ops.aten.native_batch_norm_backward(
+                dy, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+            )
+            torch.cat([dbias, dweight], out=sums)
+        dx = None
+        if need[0]:
+            layers = {ctx.layer: sums.numel()} if ctx.layer else None
+            all_reduce(sums, ctx.group, ctx.ledger, Term.BN_GRAD, layers)
+            if fast:
+                dx = torch.empty_like(x)
+                kernels.bn().hp_bn_backward(
+                    dy.data_ptr(), x.data_ptr(), n, c, s, mean.data_ptr(), invstd.data_ptr(),
+                    _ptr(weight), sums.data_ptr(), ctx.m, dx.data_ptr(),
+                )  # fmt: skip
+            else:
+                dx = _backward_torch(dy, x, weight, mean, var, invstd, sums, ctx.m, ctx.eps)
+        if weight is None or not need[1]:
+            dweight = None
+        if weight is None or not need[2]:
+            dbias = None
+        return dx, dweight, dbias, None, None, None, None, None, None
+
+
+def _stats_torch(x: torch.Tensor, stats: torch.Tensor) -> None:
+    """hp_bn_stats in torch ops: [sum x, m (var + mean^2), m] in float64 from torch's own stable
+    per-channel statistics (var = E[x^2] - E[x]^2 would cancel in fp32 when |mean| >> std)."""
+    c = x.shape[1]
+    m_local = x.numel() // c if c else 0
+    if m_local:
+        xs = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        mean_l, var_l = torch.batch_norm_update_stats(xs, None, None, 0.0)
+        mean_d = mean_l.double()
+        torch.mul(mean_d, m_local, out=stats[:c])
+        torch.addcmul(var_l.double(), mean_d, mean_d, out=stats[c : 2 * c]).mul_(m_local)
+    else:
+        stats[: 2 * c] = 0.0
+    stats[2 * c] = m_local
+
+
+def _forward_torch(x, stats, m, weight, bias, running, factor, eps):
+    """hp_bn_forward in torch ops; returns y, mean, biased variance, invstd."""
+    c = x.shape[1]
+    mom = stats[: 2 * c].view(2, c) / m  # E[x], E[x^2] in float64
+    var64 = torch.addcmul(mom[1], mom[0], mom[0], value=-1.0).clamp_min_(0.0)
+    # mean, biased variance (for normalising), unbiased variance over the global sample count
+    # (for the running statistics, as for one big batch)
+    mean, var, var_unbiased = torch.stack([mom[0], var64, var64 * (m / (m - 1))]).to(x.dtype)
+    if running is not None:
+        torch._foreach_mul_(list(running), 1 - factor)
+        torch._foreach_add_(list(running), [mean, var_unbiased], alpha=factor)
+    y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+    return y, mean, var, torch.rsqrt(var64 + eps).to(x.dtype)
+
+
+def _backward_torch(dy, x, weight, mean, var, invstd, sums, m, eps):
+    """hp_bn_backward in torch ops."""
+    c = x.shape[1]
+    scale = invstd if weight is None else invstd * weight  # d y / d x-hat, per channel
+    # -(w invstd / m) * [global sum dy, global invstd * sum dy * (x - mean)]
+    coef = (sums.view(2, c) * (-1.0 / m)).to(x.dtype).mul_(scale)
+    dx = F.batch_norm(x, mean, var, coef[1], coef[0], False, 0.0, eps)
+    return dx.addcmul_(dy, scale.view([1, c] + [1] * (x.dim() - 2)))
+
+
+class GlobalBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics are those of the whole batch over `group` (default:
+    the world). Same parameters, buffers and state_dict keys as torch's BatchNorm; eval mode
+    uses the running statistics; a group of one rank (or no torch.distributed) is plain BN."""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        *,
+        group: dist.ProcessGroup | None = None,
+        ledger: Ledger | None = None,
+        layer: str = "",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.group, self.ledger, self.layer = group, ledger, layer
+
+    _dims: tuple[int, ...] | None = None  # accepted input ranks; None: any with a channel dim
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2 or (self._dims is not None and x.dim() not in self._dims):
+            want = " or ".join(f"{d}D" for d in self._dims or (2,))
+            raise ValueError(f"{type(self).__name__} expects {want} input, got {x.dim()}D")
+
+    def _group(self) -> dist.ProcessGroup | None:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def _momentum_factor(self) -> float:
+        """torch BatchNorm's update weight: momentum, or a cumulative average when it is None."""
+        if not (self.training and self.track_running_stats):
+            return 0.0
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        if self.momentum is None:
+            return 1.0 / float(self.num_batches_tracked)
+        return self.momentum
+
+    def use_global(self) -> bool:
+        """Whether this forward normalises over the group (the adaptive variant overrides it)."""
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        group = self._group()
+        batch_stats = self.training or self.running_mean is None
+        if not (batch_stats and self.training and group_size(group) > 1 and self.use_global()):
+            return self._local(x)
+        factor = self._momentum_factor()
+        running = None
+        if self.track_running_stats and self.running_mean is not None:
+            running = (self.running_mean, self.running_var)
+        if torch.is_autocast_enabled(x.device.type):
+            # autocast runs batch norm in float32 (torch's policy for F.batch_norm): the same here
+            x = x.float()
+        with torch.autocast(x.device.type, enabled=False):
+            return _GlobalBatchNormFn.apply(
+                x, self.weight, self.bias, running, factor, self.eps, group, self.ledger, self.layer
+            )
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """torch BatchNorm's forward (what the module would do without the group)."""
+        factor = self._momentum_factor()
+        batch_stats = self.training or self.running_mean is None
+        return F.batch_norm(
+            x,
+            self.running_mean if not self.training or self.track_running_stats else None,
+            self.running_var if not self.training or self.track_running_stats else None,
+            self.weight,
+            self.bias,
+            batch_stats,
+            factor,
+            self.eps,
+        )
+
+
+class GlobalBatchNorm1d(GlobalBatchNorm):
+    _dims = (2, 3)
+
+
+class GlobalBatchNorm2d(GlobalBatchNorm):
+    _dims = (4,)
+
+
+@dataclass
+class LossPlateau:
+    """Convergence rule: converged when the mean training loss over the last `window` steps
+    improved on the window before it by less than `threshold` (relative)."""
+
+    window: int = 50
+    threshold: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not self.threshold >= 0:
+            raise ValueError("LossPlateau needs window >= 1 and threshold >= 0")
+
+    def converged(self, window_means: list[float]) -> bool:
+        if len(window_means) < 2:
+            return False
+        prev, cur = window_means[-2], window_means[-1]
+        return prev <= 0 or (prev - cur) / prev < self.threshold
+
+
+@dataclass
+class BNSwitch:
+    """The adaptive rule of Liu et al. section 4.3, shared by every AdaptiveGlobalBatchNorm of a
+    model. AGBN "degrades into the original BN algorithm (1) under large-batch regime; (2) until
+    the training accuracy converges" (their introduction): the global step is skipped while the
+    model has not converged, and always when the batch BZ is at least `bz_max`. So statistics are
+    local from the start, turn global once the training loss stops improving, and stay global; with
+    BZ >= bz_max they stay local throughout and no switch is ever watched for.
+
+    BZ is the global batch, the batch "for the whole devices" as their section 5 defines it (the
+    per-device batch there is BZ_mini = BZ / n); pass `bz_max` times n for a per-device threshold.
+
+    Call `start(global_batch)` before training and `observe(loss_sum, count)` after every step
+    on every rank. Every `rule.window` steps the ranks all-reduce the window's loss sum and count,
+    so all of them apply the rule to the same global numbers and switch at the same step (DESIGN.md
+    invariant 3)."""
+
+    bz_max: int | None = None
+    rule: LossPlateau | None = field(default_factory=LossPlateau)
+    group: dist.ProcessGroup | None = None
+    ledger: Ledger | None = None
+    device: str = "cpu"  # where the agreed window sums are reduced (cuda under NCCL)
+    mode: str = "local"
+    switched_at: int | None = None
+    reason: str = ""
+    steps: int = 0
+    window_means: list[float] = field(default_factory=list)
+    large_batch: bool = False
+    _acc: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+    @property
+    def use_global(self) -> bool:
+        return self.mode == "global"
+
+    def start(self, global_batch: int) -> None:
+        if self.bz_max is not None and global_batch >= self.bz_max:
+            self.large_batch = True
+            self.reason = f"batch {global_batch} >= bz_max {self.bz_max}: local throughout"
+
+    def observe(self, loss_sum: float, count: float) -> None:
+        self.steps += 1
+        if self.use_global or self.large_batch or self.rule is None:
+            return
+        self._acc = [self._acc[0] + float(loss_sum), self._acc[1] + float(count), self._acc[2] + 1]
+        if self._acc[2] < self.rule.window:
+            return
+        t = torch.tensor(self._acc[:2], dtype=torch.float64, device=self.device)
+        if dist.is_available() and dist.is_initialized():
+            all_reduce(t, self.group or dist.group.WORLD, self.ledger, Term.BN_SWITCH)
+        self._acc = [0.0, 0.0, 0.0]
+        self.window_means.append(float(t[0]) / max(float(t[1]), 1.0))
+        if self.rule.converged(self.window_means):
+            prev, cur = self.window_means[-2:]
+            self._switch(
+                f"training loss converged: window mean {prev:.4g} -> {cur:.4g} "
+                f"(< {self.rule.threshold:g} relative improvement over {self.rule.window} steps)"
+            )
+
+    def state(self) -> dict:
+        """For a checkpoint: the decision so far and this rank's window accumulators."""
+        keys = ("mode", "switched_at", "reason", "steps", "window_means", "large_batch")
+        return {**{k: getattr(self, k) for k in keys}, "acc": list(self._acc)}
+
+    def restore(self, state: dict) -> None:
+        for k in ("mode", "switched_at", "reason", "steps", "window_means"):
+            setattr(self, k, state[k])
+        self.large_batch = bool(state.get("large_batch", False))
+        self._acc = list(state["acc"])
+
+    def _switch(self, reason: str) -> None:
+        self.mode, self.switched_at, self.reason = "global", self.steps, reason
+
+    def record(self) -> dict:
+        """For the training report."""
+        return {
+            "mode": self.mode,
+            "bz_max": self.bz_max,
+            "rule": None
+            if self.rule is None
+            else {"window": self.rule.window, "threshold": self.rule.threshold},
+            "switched_at_step": self.switched_at,
+            "reason": self.reason,
+            "window_losses": self.window_means,
+        }
+
+
+class AdaptiveGlobalBatchNorm(GlobalBatchNorm):
+    """GlobalBatchNorm whose statistics are local until its `switch` turns them global (Liu et
+    al. 4.3: AGBN)."""
+
+    def __init__(self, num_features: int, *args, switch: BNSwitch | None = None, **kwargs) -> None:
+        super().__init__(num_features, *args, **kwargs)
+        self.switch = switch if switch is not None else BNSwitch()
+
+    def use_global(self) -> bool:
+        return self.switch.use_global
+
+
+def convert_global_batchnorm(
+    module: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    ledger: Ledger | None = None,
+    switch: BNSwitch | None = None,
+    layer_of: dict[str, str] | None = None,
+    prefix: str = "",
+) -> nn.Module:
+    """Replace every BatchNorm in `module` (recursively) by a GlobalBatchNorm over `group`, or by an
+    AdaptiveGlobalBatchNorm when a `switch` is given, copying parameters, running statistics and
+    the training flag; like torch's convert_sync_batchnorm, children are replaced in place and the
+    converted module is returned. `layer_of` maps module names (`prefix` is the name of `module`
+    itself) to the layer names the ledger uses."""
+    out = module
+    if isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm):
+        kw = {"group": group, "ledger": ledger, "layer": (layer_of or {}).get(prefix, prefix)}
+        cls = GlobalBatchNorm
+        if switch is not None:
+            cls, kw["switch"] = AdaptiveGlobalBatchNorm, switch
+        p = next(iter(module.parameters()), None)
+        ref = p if p is not None else module.running_mean
+        out = cls(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            device=ref.device if ref is not None else None,
+            dtype=ref.dtype if ref is not None else None,
+            **kw,
+        )
+        out._dims = _DIMS.get(type(module))
+        with torch.no_grad():
+            if module.affine:
+                out.weight.copy_(module.weight)
+                out.bias.copy_(module.bias)
+                out.weight.requires_grad_(module.weight.requires_grad)
+                out.bias.requires_grad_(module.bias.requires_grad)
+            if module.track_running_stats:
+                out.running_mean.copy_(module.running_mean)
+                out.running_var.copy_(module.running_var)
+                out.num_batches_tracked.copy_(module.num_batches_tracked)
+        out.train(module.training)
+    for name, child in module.named_children():
+        full = f"{prefix}.{name}" if prefix else name
+        new = convert_global_batchnorm(
+            child, group, ledger=ledger, switch=switch, layer_of=layer_of, prefix=full
+        )
+        if new is not child:
+            out.add_module(name, new)
+    return out
+
+
+_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}

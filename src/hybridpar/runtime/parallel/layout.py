@@ -1,0 +1,186 @@
+"""Resolve a ParallelPlan against a model: the style of every weighted layer, the layout of every
+segment, where the layout changes, and which segment each module and parameter runs in.
+
+Needs no processes (the model is traced on the meta device), so `hybridpar train` checks a plan
+against the model before it spawns anything, and `parallelize` builds from the same answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan, Style, assign_styles
+from hybridpar.planning.analysis import Trace, trace
+from hybridpar.planning.cost.layers import CostLayer, cost_layers
+
+__all__ = ["Layout", "resolve"]
+
+SPLITTABLE = (nn.Linear, nn.Conv2d)
+
+
+@dataclass
+class Layout:
+    """A plan as it applies to one model."""
+
+    plan: ParallelPlan
+    trace: Trace
+    layers: list[CostLayer]
+    styles: dict[str, Style]  # weighted layer -> style
+    segments: list[Style]  # segment index -> the style of its layers (its layout)
+    entries: dict[int, str]  # segment index -> module whose forward pre-hook starts it ("": input)
+    module_segment: dict[str, int]  # leaf module with parameters or buffers -> its segment
+    param_segment: dict[str, int]  # parameter -> segment where its gradient is computed
+    layer_of: dict[str, str]  # leaf module -> the cost-model layer it belongs to (ledger names)
+
+    def moves(self) -> list[tuple[int, int, int]]:
+        """(segment, Pc before it, Pc of it) wherever the layout changes."""
+        return [
+            (k, self.segments[k - 1].pc, s.pc)
+            for k, s in enumerate(self.segments)
+            if k and s.pc != self.segments[k - 1].pc
+        ]
+
+    def split_layers(self) -> dict[str, Style]:
+        """Weighted layers whose weights are split (model style with Pr > 1)."""
+        return {k: s for k, s in self.styles.items() if not s.is_batch}
+
+
+def resolve(
+    model: nn.Module,
+    plan: ParallelPlan,
+    input_shape: tuple[int, ...] | None = None,
+    world: int | None = None,
+    traced: Trace | None = None,
+) -> Layout:
+    """The plan applied to `model`; a one-line ConfigError for anything that cannot run. `traced`
+    is the model's trace for the input shape when the caller has it already."""
+    if world is not None and world != plan.procs:
+        raise ConfigError(
+            f"the plan is for P={plan.procs} processes but the job has {world}; "
+            f"re-plan with --procs {world} or run {plan.procs} processes"
+        )
+    shape = input_shape or plan.input_shape
+    if not shape:
+        raise ConfigError("the plan has no input_shape: pass input_shape=(C, H, W) to parallelize")
+    tr = traced or trace(model, shape)
+    layers = cost_layers(tr.specs)
+    modules = dict(model.named_modules())
+    names = [x.name for x in layers]
+    styles = assign_styles(plan.styles, list(modules), names, plan.procs)
+    for x in layers:
+        _check_style(x, modules[x.name], styles[x.name], tr.calls.get(x.name, 0), plan.batch)
+    if plan.reducer == "host" and any(not s.is_batch for s in styles.values()):
+        raise ConfigError(
+            "the host reducer runs with batch parallelism only (every layer batch); use "
+            "--preset grid:1xP or ddp, or --reducer process-group"
+        )
+    if plan.reducer == "host" and plan.codec != "none" and "grads" in plan.compress:
+        raise ConfigError("the host reducer sums float32 gradients: compress activations only")
+    segments: dict[int, Style] = {}
+    entries: dict[int, str] = {}
+    for x in layers:
+        seg = x.segment
+        if seg in segments and segments[seg] != styles[x.name]:
+            first = next(y.name for y in layers if y.segment == seg)
+            raise ConfigError(
+                f"{first} and {x.name} run in one segment (no point between them where the layout "
+                f"can change, e.g. a residual block) but the plan gives them {segments[seg]} and "
+                f"{styles[x.name]}; give them one style"
+            )
+        segments.setdefault(seg, styles[x.name])
+        if x.entry is not None:
+            entries[seg] = x.entry
+    order = [segments[k] for k in sorted(segments)]
+    for k in range(1, len(order)):
+        a, b = order[k - 1].pc, order[k].pc
+        if max(a, b) % min(a, b):
+            raise ConfigError(
+                f"no redistribution between {order[k - 1]} and {order[k]} before segment "
+                f"{entries.get(k, k)!r}: their Pc ({a}, {b}) must divide one another"
+            )
+    stateful = {
+        n
+        for n, m in modules.items()
+        if next(m.parameters(False), None) is not None or next(m.buffers(False), None) is not None
+    }
+    used = {n: segs for n, segs in tr.segment_modules().items() if n in stateful}
+    layout = Layout(
+        plan,
+        tr,
+        layers,
+        styles,
+        order,
+        entries,
+        _single_segments("module", used, order),
+        _single_segments("parameter", tr.param_segments, order),
+        {m: x.name for x in layers for m in x.members},
+    )
+    _check_redistributions(layout)
+    return layout
+
+
+def _check_style(x: CostLayer, module: nn.Module, s: Style, calls: int, batch: int) -> None:
+    if s.kind == "domain":
+        raise ConfigError(
+            f"{x.name}: domain parallelism is planned but not executed yet; re-plan without it "
+            "(`hybridpar plan --out` leaves it out)"
+        )
+    if s.pc > batch:
+        raise ConfigError(f"{x.name}: {s} needs at least Pc={s.pc} examples per batch, got {batch}")
+    if s.is_batch:
+        return
+    if not isinstance(module, SPLITTABLE):
+        raise ConfigError(
+            f"{x.name} ({type(module).__name__}) cannot take {s}: only Linear and Conv2d layers "
+            "split over a model group; give it batch"
+        )
+    if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"):
+        raise ConfigError(
+            f"{x.name}: a grouped or non-zero-padded Conv2d cannot take {s}; give it batch"
+        )
+    units = module.out_features if isinstance(module, nn.Linear) else module.out_channels
+    if s.pr > units:
+        what = "output features" if isinstance(module, nn.Linear) else "output channels"
+        raise ConfigError(f"{x.name} has {units} {what}, fewer than Pr={s.pr}; use a smaller Pr")
+    if calls != 1:
+        raise ConfigError(
+            f"{x.name} is called {calls} times per forward; only a layer called once can take {s}"
+        )
+
+
+def _single_segments(what: str, uses: dict[str, set[int]], order: list[Style]) -> dict[str, int]:
+    """Each name's segment; a name used in segments of different layouts is refused (its gradient
+    would be summed over two different groups)."""
+    out = {}
+    for name, segs in uses.items():
+        pcs = {order[k].pc for k in segs}
+        if len(pcs) > 1:
+            raise ConfigError(
+                f"{what} {name} is used in layouts with {sorted(pcs)} batch groups; give the "
+                "layers around it one style"
+            )
+        out[name] = min(segs)
+    return out
+
+
+def _check_redistributions(layout: Layout) -> None:
+    """A plan from the planner lists the redistributions it priced; they must be this model's."""
+    listed = {(r.at, r.layer, r.src.pc, r.dst.pc) for r in layout.plan.redistributions}
+    if not listed:
+        return
+    first = {x.segment: x.name for x in reversed(layout.layers)}
+    found = {(layout.entries.get(k, first[k]), first[k], a, b) for k, a, b in layout.moves()}
+    if listed != found:
+        extra = sorted(listed - found) or sorted(found - listed)
+        raise ConfigError(
+            f"the plan's redistributions do not match this model (e.g. before {extra[0][1]!r}): "
+            "it was made for another model; re-plan for this one"
+        )
+    unknown = sorted({p.layer for p in layout.plan.predicted} - set(layout.styles))
+    if unknown:
+        raise ConfigError(
+            f"the plan predicts layer {unknown[0]!r}, which this model does not have; re-plan"
+        )

@@ -1,0 +1,1 @@
+"""Training runs: data, the epoch loop over a HybridTrainer, reports, the `hybridpar train` job."""

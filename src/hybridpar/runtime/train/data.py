@@ -1,0 +1,246 @@
+"""Datasets and distributed sampling.
+
+| spec                 | what                                                                      |
+| -------------------- | ------------------------------------------------------------------------- |
+| digits               | scikit-learn's bundled 8x8 digits (1797 real images), fixed 80/20 split    |
+| synthetic[:N]        | N random examples of the model's input shape (throughput runs)            |
+| path/to/file.npz     | arrays x and y (and optionally x_test, y_test; else a fixed 80/20 split)  |
+| path/to/folder/      | an image folder: one sub-folder per class                                 |
+
+Sampling: every epoch is one global permutation (seeded by seed + epoch, identical on every rank),
+cut into steps of B examples (the last step may be smaller, so every example is used exactly once
+per epoch whatever P and the grid); a step's B examples split over the P ranks in rank order, the
+first B % P ranks taking one more, so batch group c holds a contiguous block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridpar.errors import ConfigError
+from hybridpar.runtime.comm.collectives import even_split
+
+__all__ = ["Dataset", "epoch_steps", "load_data", "rows_of", "signature", "validate_data_spec"]
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm"}
+
+
+@dataclass
+class Dataset:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    name: str
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    def to(self, device: torch.device | str) -> Dataset:
+        """The examples on `device` (the data sets here are small: one copy, not one per batch)."""
+        move = {k: getattr(self, k).to(device) for k in ("x_train", "y_train", "x_test", "y_test")}
+        return Dataset(**move, num_classes=self.num_classes, name=self.name)
+
+
+def _split(x: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[np.ndarray, ...]:
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = max(1, len(x) // 5)
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+def _dataset(name: str, xtr, ytr, xte, yte) -> Dataset:
+    y_all = np.concatenate([ytr, yte])
+    return Dataset(
+        torch.as_tensor(np.ascontiguousarray(xtr), dtype=torch.float32),
+        torch.as_tensor(ytr, dtype=torch.long),
+        torch.as_tensor(np.ascontiguousarray(xte), dtype=torch.float32),
+        torch.as_tensor(yte, dtype=torch.long),
+        int(y_all.max()) + 1,
+        name,
+    )
+
+
+def validate_data_spec(spec: str) -> None:
+    """Cheap checks before any process is spawned: the file or folder exists and looks right."""
+    if spec == "digits" or spec.split(":")[0] == "synthetic":
+        if spec.startswith("synthetic:") and not spec.split(":", 1)[1].isdigit():
+            raise ConfigError(f"data {spec!r}: write synthetic:N with N a number of examples")
+        return
+    p = Path(spec)
+    if p.suffix == ".npz":
+        if not p.is_file():
+            raise ConfigError(f"data file {spec!r} does not exist")
+        try:
+            with np.load(p) as f:
+                keys = set(f.files)
+        except Exception as exc:
+            raise ConfigError(
+                f"data file {spec!r} is not a readable .npz ({type(exc).__name__})"
+            ) from exc
+        if not {"x", "y"} <= keys:
+            raise ConfigError(
+                f"data file {spec!r} needs arrays named x and y; it has {sorted(keys)}"
+            )
+        return
+    if p.is_dir():
+        classes = [d for d in p.iterdir() if d.is_dir()]
+        if len(classes) < 2:
+            raise ConfigError(f"image folder {spec!r} needs one sub-folder per class (at least 2)")
+        return
+    raise ConfigError(
+        f"unknown data {spec!r}; use digits, synthetic[:N], a .npz file or an image folder"
+    )
+
+
+def signature(
+    spec: str, model_shape: tuple[int, ...], model_classes: int
+) -> tuple[tuple[int, ...], int]:
+    """(per-example input shape, number of classes) of a data set, without loading images: what the
+    model is built for. Synthetic data takes the model's own shape and classes."""
+    validate_data_spec(spec)
+    if spec == "digits":
+        return (1, 8, 8), 10
+    if spec.split(":")[0] == "synthetic":
+        return tuple(model_shape), model_classes
+    p = Path(spec)
+    if p.suffix == ".npz":
+        with np.load(p) as f:
+            return _check_arrays(spec, f)
+    classes = [d for d in p.iterdir() if d.is_dir()]
+    return (3, *model_shape[1:]) if len(model_shape) == 3 else tuple(model_shape), len(classes)
+
+
+def _check_arrays(spec: str, f) -> tuple[tuple[int, ...], int]:
+    """The checks a .npz must pass before any process starts; (input shape, classes)."""
+    pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in f.files else [])
+    if ("x_test" in f.files) != ("y_test" in f.files):
+        raise ConfigError(f"data file {spec!r}: give both x_test and y_test, or neither")
+    ys = []
+    for xk, yk in pairs:
+        x, y = f[xk], f[yk]
+        if x.ndim < 2 or len(x) != len(y) or y.ndim != 1:
+            raise ConfigError(
+                f"data file {spec!r}: {xk} must be (N, ...) and {yk} (N,) with the same N; "
+                f"got {xk} {x.shape} and {yk} {y.shape}"
+            )
+        if not np.issubdtype(y.dtype, np.integer):
+            raise ConfigError(
+                f"data file {spec!r}: {yk} must hold integer class labels, got "
+                f"{y.dtype}; convert it with y.astype(int)"
+            )
+        if y.size and y.min() < 0:
+            raise ConfigError(
+                f"data file {spec!r}: {yk} has negative labels ({y.min()}); number the classes 0..C-1"
+            )
+        if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+            raise ConfigError(
+                f"data file {spec!r}: {xk} must be finite numbers (it holds NaN, infinities or non-numbers)"
+            )
+        ys.append(y)
+    present = np.unique(ys[0])
+    classes = int(max(int(y.max()) for y in ys if y.size)) + 1
+    if len(present) < 2:
+        raise ConfigError(
+            f"data file {spec!r}: y has {len(present)} class; training needs at least 2"
+        )
+    missing = classes - len(present)
+    if missing:
+        raise ConfigError(
+            f"data file {spec!r}: labels run to {classes - 1} but {missing} of the {classes} classes "
+            "have no training example; number the classes 0..C-1 (e.g. np.unique(y, return_inverse=True))"
+        )
+    return tuple(f["x"].shape[1:]), classes
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits (1797 8x8 images, 10 classes), read from the CSV the package ships.
+
+    Importing sklearn.datasets would import joblib, whose loky backend creates named semaphores in
+    /dev/shm in every rank; a rank killed by a signal would leave them behind. Reading the file
+    directly (what load_digits does) avoids that import."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("data 'digits' needs scikit-learn: pip install scikit-learn")
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    with gzip.open(path, "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.float32)
+    x = (table[:, :64] / 16.0).reshape(-1, 1, 8, 8).astype(np.float32)
+    return x, table[:, 64].astype(np.int64)
+
+
+def load_data(
+    spec: str, input_shape: tuple[int, ...] | None = None, num_classes: int = 10, seed: int = 0
+) -> Dataset:
+    validate_data_spec(spec)
+    if spec == "digits":
+        x, y = _digits()
+        return _dataset("digits", *_split(x, y))
+    if spec.split(":")[0] == "synthetic":
+        n = int(spec.split(":")[1]) if ":" in spec else 512
+        shape = input_shape or (1, 8, 8)
+        g = np.random.default_rng(seed)
+        y = g.integers(0, num_classes, n)
+        x = (
+            g.standard_normal((n, *shape)).astype(np.float32)
+            + y.reshape(-1, *[1] * len(shape)) * 0.1
+        )
+        return _dataset(f"synthetic:{n}", *_split(x, y))
+    p = Path(spec)
+    if p.suffix == ".npz":
+        with np.load(p) as f:
+            x, y = f["x"].astype(np.float32), f["y"].astype(np.int64)
+            if len(x) != len(y):
+                raise ConfigError(f"data file {spec!r}: x has {len(x)} rows but y has {len(y)}")
+            if "x_test" in f.files and "y_test" in f.files:
+                return _dataset(
+                    p.name, x, y, f["x_test"].astype(np.float32), f["y_test"].astype(np.int64)
+                )
+        return _dataset(p.name, *_split(x, y))
+    return _image_folder(p, input_shape)
+
+
+def _image_folder(root: Path, input_shape: tuple[int, ...] | None) -> Dataset:
+    from PIL import Image
+
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    c, h, w = input_shape if input_shape and len(input_shape) == 3 else (3, 32, 32)
+    xs, ys = [], []
+    for label, name in enumerate(classes):
+        for f in sorted((root / name).iterdir()):
+            if f.suffix.lower() not in IMAGE_SUFFIXES:
+                continue
+            try:
+                img = Image.open(f).convert("L" if c == 1 else "RGB").resize((w, h))
+            except OSError as exc:
+                raise ConfigError(f"image {str(f)!r} cannot be read: {exc}") from exc
+            a = np.asarray(img, dtype=np.float32) / 255.0
+            xs.append(a[None] if c == 1 else a.transpose(2, 0, 1))
+            ys.append(label)
+    if len(xs) < 2:
+        raise ConfigError(f"image folder {str(root)!r} has fewer than 2 images")
+    return _dataset(root.name, *_split(np.stack(xs), np.array(ys, dtype=np.int64)))
+
+
+def epoch_steps(n: int, batch: int, epoch: int, seed: int) -> list[torch.Tensor]:
+    """The global index batches of one epoch (identical on every rank)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(n, generator=g)
+    return [order[i : i + batch] for i in range(0, n, batch)]
+
+
+def rows_of(n: int, parts: int, index: int) -> slice:
+    """The rows of block `index` when n rows split over `parts` (see even_split)."""
+    sizes = even_split(n, parts)
+    lo = sum(sizes[:index])
+    return slice(lo, lo + sizes[index])

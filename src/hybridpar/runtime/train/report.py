@@ -1,0 +1,131 @@
+"""The training report: the plan that ran, what it predicted and what the ledger measured, per term
+and per (layer, term), as JSON and a PNG of the curves. This is where the two halves meet."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch.distributed as dist
+
+from hybridpar.plan import ParallelPlan, Term
+from hybridpar.runtime.comm.ledger import Ledger
+
+__all__ = ["measured", "predicted", "report", "write_report"]
+
+UNPREDICTED = (Term.METRICS, Term.CODEC_OVERHEAD, Term.BN_SWITCH, Term.PARAM_BROADCAST, Term.STATE)
+
+
+def measured(ledger: Ledger, steps: set[int]) -> dict:
+    """Bytes per rank per iteration over the full-batch `steps`, averaged over the ranks (uneven
+    shards make them differ a little), by term and by (layer, term). Collective: every rank."""
+    n = max(1, len(steps))
+    mine = (ledger.bytes_by_term(steps), ledger.bytes_by_layer_term(steps))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)  # one small object, outside the measured steps
+    by_term: dict[str, float] = {}
+    by_layer: dict[tuple[str, str], float] = {}
+    for terms, layers in every:
+        for k, v in terms.items():
+            by_term[str(k)] = by_term.get(str(k), 0.0) + v / n / len(every)
+        for (layer, term), v in layers.items():
+            key = (layer, str(term))
+            by_layer[key] = by_layer.get(key, 0.0) + v / n / len(every)
+    return {"by_term": by_term, "by_layer": by_layer}
+
+
+def predicted(plan: ParallelPlan, hosts: int = 1) -> tuple[dict, dict]:
+    """The plan's bytes by term and by (layer, term). With the host reducer the gradient sums go
+    through shared memory within a host, and across H hosts one leader per host all-reduces: per
+    rank on average 2(H-1)/H n * H/P instead of 2(P-1)/P n."""
+    by_term, by_layer = plan.predicted_bytes(), plan.predicted_bytes(by_layer=True)
+    if plan.reducer == "host":
+        factor = (hosts - 1) / (plan.procs - 1) if plan.procs > 1 else 0.0
+        by_term = {k: v * factor if k == Term.DW_ALLREDUCE else v for k, v in by_term.items()}
+        by_layer = {k: v * factor if k[1] == Term.DW_ALLREDUCE else v for k, v in by_layer.items()}
+    return by_term, by_layer
+
+
+def report(
+    job,
+    plan: ParallelPlan,
+    data_name: str,
+    epochs: list[dict],
+    times: dict,
+    bytes_measured: dict,
+    hosts: int,
+    bn_switch,
+) -> dict:
+    cfg = job.cfg
+    med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
+    comm = med["wait_s"] + med["blocking_s"]
+    pred_term, pred_layer = predicted(plan, hosts)
+    layers: dict[str, dict[str, dict[str, float]]] = {}
+    tables = (("measured", bytes_measured["by_layer"]), ("predicted", pred_layer))
+    for source, table in tables if plan.engine != "ddp" else ():  # DDP's buckets name no layers
+        for (layer, term), v in table.items():
+            if term not in UNPREDICTED:
+                row = layers.setdefault(layer, {}).setdefault(
+                    term, {"measured": 0.0, "predicted": 0.0}
+                )
+                row[source] = v
+    return {
+        "procs": job.procs,
+        "preset": cfg.preset if cfg.plan is None else None,
+        "plan_file": cfg.plan,
+        "plan": plan.to_dict(),
+        "model": cfg.model,
+        "data": data_name,
+        "config": cfg.to_dict(),
+        "epochs": epochs,
+        "final": {"test_acc": epochs[-1]["test_acc"], "loss": epochs[-1]["loss"]},
+        "iteration": {
+            "time_s": med["time_s"],
+            "compute_s": max(0.0, med["time_s"] - comm),
+            "comm_wait_s": comm,
+            "predicted_s": plan.totals.get("total_s"),
+        },
+        "bytes": {"measured": bytes_measured["by_term"], "predicted": pred_term},
+        "bytes_by_layer": layers,
+        "reducer": plan.reducer,
+        "bn": {"requested": plan.bn, **(bn_switch.record() if bn_switch else {})},
+    }
+
+
+def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
+    from hybridpar.runtime.train.loop import strict
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(strict(report), indent=1, allow_nan=False))
+    png = path.with_suffix(".png")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return path, None
+    ep = report["epochs"]
+    xs = [e["epoch"] for e in ep]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a.plot(xs, [e["loss"] for e in ep], marker="o", ms=3)
+    a.set_xlabel("epoch")
+    a.set_ylabel("training loss")
+    a.set_yscale("log")
+    b.plot(xs, [e["train_acc"] for e in ep], marker="o", ms=3, label="train")
+    b.plot(xs, [e["test_acc"] for e in ep], marker="s", ms=3, label="test")
+    b.set_xlabel("epoch")
+    b.set_ylabel("accuracy")
+    b.legend()
+    plan = report["plan"]
+    fig.suptitle(
+        f"{report.get('model')} on {report.get('data')}: P={report['procs']}, "
+        f"{plan['scenario']} plan ({plan['engine']})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return path, png
