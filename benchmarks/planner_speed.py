@@ -21,7 +21,7 @@ from torch import nn
 
 from hybridpar.planning.analysis import analyze
 from hybridpar.planning.cluster import PRESETS
-from hybridpar.planning.cost.layers import cost_layers
+from hybridpar.planning.layers import cost_layers
 from hybridpar.planning.search import make_plan, plan
 
 

@@ -132,14 +132,18 @@ def assert_same_state(got: dict, want: dict, label: str) -> None:
 
 
 def preset(name: str, which: str, P: int, **choices) -> ParallelPlan:  # noqa: F821
-    """The plan a preset names for one of MAKERS (priced on a fast test network)."""
+    """The plan a preset names for one of MAKERS (priced on a fast test network), with the
+    given choices (codec=..., bn=...: hybridpar.choices.Choices)."""
+    from hybridpar.choices import Choices
     from hybridpar.planning.analysis import analyze
     from hybridpar.planning.cluster import Cluster
-    from hybridpar.planning.cost.layers import cost_layers
+    from hybridpar.planning.layers import cost_layers
     from hybridpar.planning.presets import plan_preset
 
     builder, shape = MAKERS[name]
     with torch.device("meta"):
         layers = cost_layers(analyze(builder(), shape))
     net = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
-    return plan_preset(which, layers, P, B, net, model=name, input_shape=shape, **choices)
+    return plan_preset(
+        which, layers, P, B, net, choices=Choices(**choices), model=name, input_shape=shape
+    )

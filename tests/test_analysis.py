@@ -4,7 +4,7 @@ from torch import nn
 
 from hybridpar.errors import ConfigError
 from hybridpar.planning.analysis import analyze, trace
-from hybridpar.planning.cost.layers import cost_layers
+from hybridpar.planning.layers import cost_layers
 from hybridpar.planning.models import MODELS, build_model, input_shape
 
 

@@ -281,12 +281,12 @@ def _threaded_hook(P_split):
     global BN does during backward); the step twice, for error feedback. The middle bucket belongs
     to another reducer state on the same worker (as two grids' batch groups do), so two pipelines
     share the thread while their collectives are in flight."""
-    from hybridpar.runtime.comm.grid import group_timeout, new_group
+    from hybridpar.runtime.comm.grid import new_group
     from hybridpar.runtime.comm.hooks import ReducerState, compressed_hook, piece_key
     from hybridpar.runtime.comm.worker import CommWorker
 
     P, rank = dist.get_world_size(), dist.get_rank()
-    twin = new_group(list(range(P)), group_timeout(), "test_grads", tag="grads")
+    twin = new_group(list(range(P)), None, "test_grads", tag="grads")
     codec = get_codec("dynamic-tree", 64)
     xs = {3: _data(3001, seed=rank), 4: _data(1500, seed=10 + rank), 5: _data(700, seed=20 + rank)}
     ledger = Ledger()

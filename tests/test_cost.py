@@ -4,11 +4,10 @@ import math
 
 import pytest
 
+from hybridpar.plan import Style
 from hybridpar.planning.cluster import PRESETS, Cluster
 from hybridpar.planning.cost import collectives as cc
-from hybridpar.planning.cost.layers import (
-    CostLayer,
-    Style,
+from hybridpar.planning.cost.terms import (
     eq3_model,
     eq4_batch,
     eq5_volume_ratio,
@@ -18,6 +17,7 @@ from hybridpar.planning.cost.layers import (
     eq9_integrated_domain,
     redistribute,
 )
+from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.search import make_plan
 
 # alpha = 1, beta = 1e-3: a result reads as (number of messages) + (bytes) / 1000
@@ -211,7 +211,7 @@ def test_global_bn_priced_with_the_calibrated_shared_memory_latency():
 
     from hybridpar.errors import ConfigError
     from hybridpar.planning.cluster import PRESETS
-    from hybridpar.planning.cost.layers import t_global_bn
+    from hybridpar.planning.cost.terms import t_global_bn
 
     net = PRESETS["cori-knl"]
     fast = dataclasses.replace(net, small_alpha=20e-6)
@@ -232,13 +232,8 @@ def test_activation_collectives_priced_through_shared_memory_on_one_host():
 
     from hybridpar.errors import ConfigError
     from hybridpar.planning.analysis import analyze
-    from hybridpar.planning.cost.layers import (
-        Wire,
-        cost_layers,
-        t_allgather,
-        t_dw_allreduce,
-        t_dx_allreduce,
-    )
+    from hybridpar.planning.cost.terms import Wire, t_allgather, t_dw_allreduce, t_dx_allreduce
+    from hybridpar.planning.layers import cost_layers
     from hybridpar.planning.models import build_model
 
     net = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e12)

@@ -12,6 +12,7 @@ from dist_helpers import run_ranks
 from nets import MAKERS, B, batches, make, optimizer
 from torch.nn import functional as F
 
+from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style
 from hybridpar.runtime.parallel import parallelize
@@ -45,9 +46,8 @@ def _bf16(name, styles):
     shape = MAKERS[name][1]
     data = batches(shape)
     want = _bf16_steps(make(name), data)
-    plan = ParallelPlan(
-        P, B, {k: Style.parse(v, P) for k, v in styles.items()}, input_shape=shape, amp="bf16"
-    )
+    styles = {k: Style.parse(v, P) for k, v in styles.items()}
+    plan = ParallelPlan(P, B, styles, input_shape=shape, choices=Choices(amp="bf16"))
     got = _bf16_steps(make(name), data, parallelize(make(name), plan))
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, **BF16, msg=lambda m, k=k: f"{name} {k}: {m}")
@@ -66,16 +66,17 @@ def test_bf16_autocast_training_stays_within_the_stated_tolerance(P, name, style
 
 
 def test_cuda_is_refused_where_there_is_no_gpu_for_every_rank():
+    from hybridpar.config import build
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.run import prepare
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    grid = "grid:1x" + str(gpus + 1)
     with pytest.raises(ConfigError, match=f"{gpus + 1} local ranks but {gpus} GPUs"):
-        prepare(
-            TrainConfig(device="cuda", nproc=gpus + 1, preset="grid:1x" + str(gpus + 1), batch=64)
-        )
-    job = prepare(TrainConfig(nproc=2, preset="owt"))  # auto: cpu without a GPU per rank
-    assert job.cfg.device == ("cuda" if gpus >= 2 else "cpu") and job.plan.device == job.cfg.device
+        prepare(build(TrainConfig, device="cuda", nproc=gpus + 1, preset=grid, batch=64))
+    job = prepare(build(TrainConfig, nproc=2, preset="owt"))  # auto: cpu without a GPU per rank
+    device = job.cfg.choices.device
+    assert device == ("cuda" if gpus >= 2 else "cpu") and job.plan.choices.device == device
 
 
 # --- with a GPU: skipped cleanly without one ------------------------------------------------
@@ -135,7 +136,7 @@ def _bn_on_cuda():
     torch.manual_seed(0)
     x = torch.randn(8, 3, 4, 4, device="cuda")
     rank = dist.get_rank()
-    bn = GlobalBatchNorm2d(3, group=dist.group.WORLD).cuda()
+    bn = GlobalBatchNorm2d(3, group=dist.group.WORLD).cuda()  # a plain process group works too
     mine = x[rank * 4 : rank * 4 + 4].clone().requires_grad_(True)
     bn(mine).square().sum().backward()
     ref = torch.nn.BatchNorm2d(3).cuda()

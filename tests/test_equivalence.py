@@ -14,11 +14,13 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from nets import MAKERS, B, assert_same_state, batches, make, train_parallel, train_reference
 
+from hybridpar.choices import Choices
 from hybridpar.planning.analysis import analyze
 from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.cost.layers import cost_layers
-from hybridpar.planning.search import plan
+from hybridpar.planning.layers import cost_layers
+from hybridpar.planning.search import plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import parallelize
 
 # a fast network (1 us, 1 GB/s): the per-layer search mixes grids here (checked below)
@@ -32,17 +34,15 @@ def planner_plans(name: str, P: int, codec: str = "none") -> list:
     with torch.device("meta"):
         model = builder()
     layers = cost_layers(analyze(model, shape))
-    r = plan(
+    r = plan_layers(
         layers,
         P,
         B,
         NET,
+        choices=Choices(codec=codec, bn="global"),
         model=name,
         scenarios=SCENARIOS,
-        domain=False,
-        bn="global",
         input_shape=shape,
-        codec=codec,
     )
     out, seen = [], set()
     for scenario in SCENARIOS:
@@ -81,7 +81,7 @@ def _matrix(name: str, P: int, codec: str = "none") -> list[str]:
     done = []
     for p in planner_plans(name, P, codec):
         ledger = Ledger()
-        hp = parallelize(make(name), p, ledger=ledger, codec_block=16)
+        hp = parallelize(make(name), p, RuntimeOptions(codec_block=16), ledger=ledger)
         got = train_parallel(hp, data)
         measured = _measured(ledger, len(data))
         if rank == 0:

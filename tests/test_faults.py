@@ -30,7 +30,10 @@ def last_checkpoint_loads(tmp_path, step: int) -> None:
     assert (ck / "latest").read_text() == f"step-{step:08d}"
     dcp_to_torch_save(ck / f"step-{step:08d}", tmp_path / "flat.pt")  # every tensor, read back
     state = torch.load(tmp_path / "flat.pt", weights_only=False)
-    assert state["model.0.weight"].shape == (32, 1, 3, 3)
+    # the Stateful parts as their own dicts: model, optim, rank<r>
+    assert state["model"]["0.weight"].shape == (32, 1, 3, 3)
+    assert state["optim"]["0.weight.v"].shape == (32, 1, 3, 3)
+    assert {"rank0", "rank1"} <= set(state) and "rng" in state["rank0"]
 
 
 @pytest.mark.parametrize(

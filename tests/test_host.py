@@ -2,6 +2,7 @@
 hierarchical path on two emulated hosts, a missing rank ends the wait with its name, and nothing
 is left in /dev/shm."""
 
+import datetime
 import os
 import time
 
@@ -9,11 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from nets import assert_same_state, batches, make, preset, train_reference
+from nets import assert_same_state, batches, make, optimizer, preset, train_reference
 
+from hybridpar.runtime.comm.grid import new_group
 from hybridpar.runtime.comm.host import HostReducer
-from hybridpar.runtime.train.config import TrainConfig
-from hybridpar.runtime.train.loop import Trainer
+from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel import HybridTrainer
+
+TWO_SECONDS = datetime.timedelta(seconds=2)
 
 
 def _ours():
@@ -112,14 +116,13 @@ def test_a_staged_all_reduce_sums_what_has_arrived(P):
 
 def _train(kind, hosts, stage_mb):
     rank, P = dist.get_rank(), dist.get_world_size()
-    os.environ["HYBRIDPAR_HOST_STAGE_MB"] = stage_mb
     if hosts > 1:
         os.environ["HYBRIDPAR_HOST"] = f"host{rank * hosts // P}"
     plan = preset("tv-alexnet", kind, P, reducer="host", bn="local")
-    cfg = TrainConfig(lr=0.1, batch=12, bucket_mb=0.0005)
-    t = Trainer(cfg, make("tv-alexnet"), plan, input_shape=(1, 8, 8))
+    options = RuntimeOptions(host_stage_mb=float(stage_mb), bucket_mb=0.0005)
+    t = HybridTrainer(make("tv-alexnet"), plan, optimizer, options=options)
     for x, y in batches():
-        t.step(x, y)
+        t.train_step(x, y)
     assert_same_state(t.full_state_dict(), train_reference(make("tv-alexnet"), batches()), kind)
     return True
 
@@ -142,8 +145,7 @@ def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts, st
 
 
 def _missing():
-    os.environ["HYBRIDPAR_TIMEOUT_S"] = "2"
-    r = HostReducer()
+    r = HostReducer(new_group([0, 1], TWO_SECONDS, "test_missing"))
     r.all_reduce(torch.ones(10))  # the segment is made collectively, at first use
     msg = ""
     if dist.get_rank() == 0:
@@ -168,13 +170,12 @@ def _small(sizes):
     grows), a non-contiguous one, and one over MAX_BYTES back on gloo."""
     from hybridpar.runtime.comm import small
     from hybridpar.runtime.comm.collectives import all_reduce
-    from hybridpar.runtime.comm.grid import group_timeout, new_group
     from hybridpar.runtime.comm.ledger import Ledger
 
     rank, P = dist.get_rank(), dist.get_world_size()
     small.MAX_BYTES = 1 << 18  # so that the last tensor stays on gloo
-    group = new_group(list(range(P)), group_timeout(), "test_small", tag="small-test")
-    r = small.enable(group)
+    group = new_group(list(range(P)), None, "test_small", tag="small-test", shm=True)
+    r = group.shm
     ledger, ok, same = Ledger(), [], []
     for step, (n, dtype) in enumerate(sizes):
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank * 7 + step)).to(dtype)
@@ -215,9 +216,7 @@ def _shm_all_gather():
     """all_gather_uneven through shared memory against the concatenation every rank can build
     itself: along dim 0 and dim 1, uneven pieces with an empty one, float32 and float64, a
     non-contiguous input, pieces that outgrow the first segment; then the same calls on gloo."""
-    from hybridpar.runtime.comm import small
     from hybridpar.runtime.comm.collectives import all_gather_uneven
-    from hybridpar.runtime.comm.grid import group_timeout, new_group
     from hybridpar.runtime.comm.ledger import Ledger
 
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -246,10 +245,10 @@ def _shm_all_gather():
             ok.append(torch.equal(got, want))
         return all(ok), ledger.bytes_by_term()["allgather"]
 
-    shm = new_group(list(range(P)), group_timeout(), "test_gather", tag="gather-test")
-    r = small.enable(shm)
+    shm = new_group(list(range(P)), None, "test_gather", tag="gather-test", shm=True)
+    r = shm.shm
     ok_shm, booked_shm = run(shm)
-    ok_gloo, booked_gloo = run(new_group(list(range(P)), group_timeout(), "t", tag="gloo-test"))
+    ok_gloo, booked_gloo = run(new_group(list(range(P)), None, "t", tag="gloo-test"))
     return ok_shm, ok_gloo, r.calls, booked_shm == booked_gloo, r.capacity
 
 
@@ -263,15 +262,13 @@ def test_all_gather_through_shared_memory(P):
 
 
 def _small_missing():
-    from hybridpar.runtime.comm import small
     from hybridpar.runtime.comm.collectives import all_reduce
 
-    os.environ["HYBRIDPAR_TIMEOUT_S"] = "2"
-    small.enable(dist.group.WORLD)
+    group = new_group([0, 1], TWO_SECONDS, "test_small_missing", shm=True)
     if dist.get_rank() == 1:
         return "skipped"  # rank 1 never joins the all-reduce
     try:
-        all_reduce(torch.ones(3), dist.group.WORLD, None, "metrics")
+        all_reduce(torch.ones(3), group, None, "metrics")
     except RuntimeError as exc:
         return str(exc)
     return "returned"

@@ -32,7 +32,7 @@ def _split_layer(pr, pc, kind):
     y = m(xb)
     (y.square().sum() / 8).backward()
     for p in m.parameters():
-        dist.all_reduce(p.grad, group=grid.batch_group)
+        dist.all_reduce(p.grad, group=grid.batch_group.pg)
     xr = x.clone().requires_grad_(True)
     yr = full(xr)
     (yr.square().sum() / 8).backward()

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
 from hybridpar.plan import (
     FORMAT,
@@ -11,13 +12,16 @@ from hybridpar.plan import (
     Prediction,
     Redistribution,
     Style,
-    Term,
     assign_styles,
 )
+from hybridpar.terms import Term
 
 
 def test_styles_parse_and_print():
     assert Style.parse("batch", 4) == Style.batch(4) and Style.batch(4).label == "batch"
+    # model(1xP) is batch: one style, one spelling, one kind
+    assert Style.model(1, 4) == Style.batch(4) == Style.parse("model(1x4)", 4)
+    assert Style.model(1, 4).kind == "batch" and Style.model(1, 4).label == "batch"
     assert Style.parse("model(2x2)", 4) == Style.model(2, 2)
     assert str(Style.parse(" domain(4x1) ", 4)) == "domain(4x1)"
     for bad, needle in (
@@ -38,9 +42,7 @@ def _plan() -> ParallelPlan:
         model="tv",
         input_shape=(1, 8, 8),
         scenario="per-layer",
-        codec="fp16",
-        compress=("activations",),
-        bn="global",
+        choices=Choices(codec="fp16", compress=("activations",), bn="global"),
         redistributions=[
             Redistribution("classifier.1", "classifier.1", Style.batch(4), Style.model(4, 1), 28)
         ],
@@ -70,7 +72,8 @@ def test_json_round_trip(tmp_path):
         ({"procs": 0}, "positive integer"),
         ({"styles": ["a"]}, "styles must map"),
         ({"styles": {"fc": "model(3x1)"}}, "P=4"),
-        ({"codec": "int3"}, "unknown codec"),
+        ({"codec": "int3"}, "codec must be one of"),
+        ({"compress": ["weights"]}, "compress takes"),
         ({"bn": "sync"}, "bn must be one of"),
         ({"engine": "ddp"}, "batch parallelism only"),
         ({"colour": 1}, "unknown key"),
@@ -130,3 +133,22 @@ def test_entries_that_cover_no_layer_are_errors():
         assign_styles({"classifer.1": Style.batch(4)}, MODULES, LAYERS, 4)
     with pytest.raises(ConfigError, match="has no Linear or Conv2d"):
         assign_styles({"classifier.2": Style.model(4, 1)}, MODULES, LAYERS, 4)
+
+
+def test_choices_have_one_default_and_one_spelling():
+    """The plan's choices are hybridpar.choices.Choices, the same object the configs nest: one
+    default each (global BN), compress normalised from any spelling, JSON as the plan's keys."""
+    c = Choices()
+    assert (c.codec, c.reducer, c.bn, c.amp, c.device) == (
+        "none",
+        "process-group",
+        "global",
+        "none",
+        "auto",
+    )
+    assert Choices(compress="grads, activations").compress == ("activations", "grads")
+    assert Choices(compress=["grads"]).compress == ("grads",)
+    assert ParallelPlan(2, 4).choices == c
+    d = ParallelPlan(2, 4, choices=Choices(codec="linear", compress="grads")).to_dict()
+    assert (d["codec"], d["compress"], d["bn"]) == ("linear", ["grads"], "global")
+    assert ParallelPlan.from_dict(d).choices == Choices(codec="linear", compress=("grads",))

@@ -5,11 +5,13 @@ import math
 import pytest
 from test_cost import conv
 
+from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
+from hybridpar.plan import Style
 from hybridpar.planning.analysis_cache import zoo_cost_layers
 from hybridpar.planning.cluster import PRESETS, Cluster, load_cluster
-from hybridpar.planning.cost.layers import CostLayer, Style
-from hybridpar.planning.search import SCENARIOS, grids, make_plan, plan
+from hybridpar.planning.layers import CostLayer
+from hybridpar.planning.search import SCENARIOS, grids, make_plan, plan_layers
 
 KNL = PRESETS["cori-knl"]
 
@@ -52,7 +54,7 @@ def _layers():
 
 def test_dp_equals_brute_force():
     layers, P, B = _layers(), 4, 8
-    r = plan(layers, P, B, KNL, scenarios=["per-layer"])
+    r = plan_layers(layers, P, B, KNL, scenarios=["per-layer"], domain=True)
     gs = grids(P, B)
     options = [
         [Style.model(*g) for g in gs]
@@ -62,7 +64,7 @@ def test_dp_equals_brute_force():
     from hybridpar.planning.cost.compute import FlopsModel
     from hybridpar.planning.search import _Context
 
-    ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, False)
+    ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, Choices())
     best = min(
         (
             p.comm_s
@@ -83,7 +85,7 @@ def test_fc_grid_beats_batch_and_same_grid_at_scale():
 
 def test_domain_extends_scaling_beyond_batch():
     """Fig. 10: B = 512 on P = 4096 processes; pure batch cannot go there."""
-    r = make_plan("alexnet", 4096, 512, KNL)
+    r = make_plan("alexnet", 4096, 512, KNL, domain=True)
     assert not r.scenario("batch").feasible
     dom = r.scenario("domain")
     assert dom.feasible and any(x.style.kind == "domain" for x in dom.layers)
@@ -205,12 +207,12 @@ def test_dp_respects_segments_and_equals_brute_force():
     from hybridpar.planning.search import _Context
 
     layers, P, B = _segmented(), 4, 8
-    r = plan(layers, P, B, KNL, scenarios=["per-layer"])
+    r = plan_layers(layers, P, B, KNL, scenarios=["per-layer"])
     got = r.scenario("per-layer")
     assert got.layers[1].style == got.layers[2].style
     gs = grids(P, B)
     options = [[Style.model(*g) for g in gs] for _ in layers]
-    ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, False)
+    ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, Choices())
     chains = [c for c in itertools.product(*options) if c[1] == c[2]]
     best = min(p.comm_s for c in chains if (p := ctx.evaluate("x", None, list(c))).feasible)
     assert got.comm_s == pytest.approx(best, rel=1e-12)
@@ -223,21 +225,23 @@ def test_dp_respects_segments_and_equals_brute_force():
 
 def test_global_batch_norm_is_priced_over_each_layouts_batch_group():
     P, B = 4, 16
-    r = make_plan("resnet20", P, B, KNL, scenarios=["batch", "fc-grid"], bn="global", input_size=8)
+    r = make_plan("resnet20", P, B, KNL, scenarios=["batch", "fc-grid"], input_size=8)
     batch = r.scenario("batch")
     channels = [c for x in batch.layers for c, _ in x.layer.norms]
     assert len(channels) == 19
     stats = sum(2 * (P - 1) / P * (2 * c + 1) * 8 for c in channels)
     assert batch.bytes_by_term()["bn_stats"] == pytest.approx(stats)
-    local = make_plan("resnet20", P, B, KNL, scenarios=["batch"], input_size=8).scenario("batch")
+    local = make_plan(
+        "resnet20", P, B, KNL, scenarios=["batch"], input_size=8, choices=Choices(bn="local")
+    ).scenario("batch")
     assert "bn_stats" not in local.bytes_by_term()
 
 
 def test_without_domain_nothing_proposes_it():
     r = make_plan("alexnet", 64, 512, KNL, domain=False)
     assert r.scenario("domain").reason.startswith("domain parallelism is planned but not executed")
-    assert all(x.style.kind == "model" for x in r.scenario("per-layer").layers)
-    with_domain = make_plan("alexnet", 4096, 512, KNL)
+    assert all(x.style.kind in ("batch", "model") for x in r.scenario("per-layer").layers)
+    with_domain = make_plan("alexnet", 4096, 512, KNL, domain=True)
     with pytest.raises(ConfigError, match="not executed yet"):
         with_domain.export(with_domain.scenario("domain"))
 
@@ -273,7 +277,7 @@ def test_presets_are_plans_of_the_planner():
     grid = plan_preset("grid:2x2", layers, 4, 64, KNL)
     assert {s.label for s in grid.styles.values()} == {"batch", "model(2x2)"}
     auto = plan_preset("auto", layers, 4, 64, KNL)
-    best = plan(layers, 4, 64, KNL, scenarios=[s for s in SCENARIOS if s != "domain"], domain=False)
+    best = plan_layers(layers, 4, 64, KNL, scenarios=list(SCENARIOS))
     assert auto.totals["total_s"] == pytest.approx(best.best.total_s)
     for bad, needle in (("grid:3x2", "has 6 ranks"), ("pipeline", "unknown preset")):
         with pytest.raises(ConfigError, match=needle):
@@ -328,7 +332,7 @@ def test_per_layer_is_optimal_under_every_cost_option():
         )
         overlap = data.draw(st.booleans())
         bn = data.draw(st.sampled_from(["local", "global"]))
-        r = plan(layers, P, B, net, overlap=overlap, bn=bn)
+        r = plan_layers(layers, P, B, net, overlap=overlap, choices=Choices(bn=bn), domain=True)
         best = r.scenario("per-layer")
         for name, cands in r.candidates.items():
             for p in cands:

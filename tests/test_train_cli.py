@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from procs import assert_all_gone, shm, wait_for_ranks
 
+from hybridpar.config import build
 from hybridpar.errors import ConfigError
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import prepare
@@ -80,7 +81,7 @@ def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path):
         ({"preset": "grid:2x2", "nproc": 4, "batch": 30}, "does not split evenly"),
         (
             {"preset": "owt", "nproc": 16, "model": "resnet20", "batch": 64},
-            "exceeds its 10 output units",
+            "fc has 10 output features, fewer than Pr=16",
         ),
         ({"data": "/nonexistent/data.npz"}, "does not exist"),
         ({"preset": "pipeline"}, "unknown preset"),
@@ -98,7 +99,7 @@ def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path):
 )
 def test_bad_config_is_caught_before_spawning(changes, needle):
     with pytest.raises(ConfigError, match=needle):
-        prepare(TrainConfig(**{"nproc": 4, "preset": "grid:2x2", **changes}))
+        prepare(build(TrainConfig, **{"nproc": 4, "preset": "grid:2x2", **changes}))
 
 
 def _localhost(cache):

@@ -21,11 +21,13 @@ import importlib.abc
 import importlib.util
 import sys
 
+from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style
 from hybridpar.planning.cluster import PRESETS, Cluster, load_cluster
-from hybridpar.planning.cost.layers import CostLayer, cost_layers
-from hybridpar.planning.search import SCENARIOS, Plan, PlanResult, make_plan, plan
+from hybridpar.planning.layers import CostLayer, cost_layers
+from hybridpar.planning.search import SCENARIOS, Plan, PlanResult, make_plan, plan_for, plan_layers
+from hybridpar.runtime.options import RuntimeOptions
 
 __version__ = "0.1.0"
 
@@ -70,17 +72,18 @@ if not any(isinstance(f, _ShortNames) for f in sys.meta_path):
 
 
 def __getattr__(name: str):
-    """HybridTrainer needs torch: imported on first use, so `hybridpar plan` stays torch-free."""
-    if name == "HybridTrainer":
-        from hybridpar.runtime.parallel.trainer import HybridTrainer
+    """The runtime needs torch: imported on first use, so `hybridpar plan` stays torch-free."""
+    if name in ("HybridTrainer", "parallelize"):
+        from hybridpar.runtime import parallel
 
-        return HybridTrainer
+        return getattr(parallel, name)
     raise AttributeError(f"module 'hybridpar' has no attribute {name!r}")
 
 
 __all__ = [
     "PRESETS",
     "SCENARIOS",
+    "Choices",
     "Cluster",
     "ConfigError",
     "CostLayer",
@@ -88,9 +91,12 @@ __all__ = [
     "ParallelPlan",
     "Plan",
     "PlanResult",
+    "RuntimeOptions",
     "Style",
     "cost_layers",
     "load_cluster",
     "make_plan",
-    "plan",
+    "parallelize",
+    "plan_for",
+    "plan_layers",
 ]

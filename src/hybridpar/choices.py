@@ -1,11 +1,30 @@
-"""Wire formats by name, without torch: what the cost model and the CLI need to know about a codec.
+"""The choices a plan makes besides its styles, in one torch-free dataclass that the plan, the
+planner, `export`, the presets and both command-line configs share, with one default each.
 
-The codecs themselves (hybridpar.runtime.comm.codecs) encode a tensor into a payload of `payload_bytes`
-per element plus, for the 8-bit types, one float32 scale (the absolute maximum) per block.
+| choice     | values                                                         | default             |
+| ---------- | -------------------------------------------------------------- | ------------------- |
+| `codec`    | none, fp16, bf16 and Dettmers' four 8-bit types                | none                |
+| `compress` | the traffic the codec encodes: grads and/or activations        | grads,activations   |
+| `reducer`  | process-group (torch.distributed), host (Sekiyama et al.)      | process-group       |
+| `bn`       | local, global (Liu et al.), adaptive (local, then global)      | global              |
+| `amp`      | none, bf16 autocast (activations travel as bf16)               | none                |
+| `device`   | auto (cuda where every local rank has a GPU), cpu, cuda        | auto                |
+
+`bn` defaults to global because it is the one that keeps DESIGN.md invariant 1: batch norm over
+the global batch normalises exactly as one process does, whatever P and the grid.
+
+The codecs themselves (hybridpar.runtime.comm.codecs) encode a tensor into a payload of
+`payload_bytes` per element plus, for the 8-bit types, one float32 scale (the absolute maximum)
+per block; the names and sizes are here, where the cost model can read them without torch.
 """
 
 from __future__ import annotations
 
+import typing
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+from hybridpar.config import check_fields, meta
 from hybridpar.errors import ConfigError
 
 __all__ = [
@@ -13,15 +32,24 @@ __all__ = [
     "COMPRESSIBLE",
     "DEFAULT_BLOCK",
     "EIGHT_BIT",
+    "Choices",
     "check_codec",
     "parse_compress",
     "payload_bytes",
 ]
 
-EIGHT_BIT = ("dynamic-tree", "linear", "mantissa", "static-tree")
-CODECS = ("none", "fp16", "bf16", *EIGHT_BIT)
+Codec = Literal["none", "fp16", "bf16", "dynamic-tree", "linear", "mantissa", "static-tree"]
+BN = Literal["local", "global", "adaptive"]
+Reducer = Literal["process-group", "host"]
+Amp = Literal["none", "bf16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+CODECS: tuple[str, ...] = typing.get_args(Codec)
+EIGHT_BIT = CODECS[3:]
 DEFAULT_BLOCK = 4096
-COMPRESSIBLE = ("grads", "activations")
+COMPRESSIBLE = ("activations", "grads")
+BN_MODES: tuple[str, ...] = typing.get_args(BN)
+REDUCERS: tuple[str, ...] = typing.get_args(Reducer)
 
 
 def check_codec(name: str) -> str:
@@ -36,10 +64,81 @@ def payload_bytes(name: str) -> int:
     return 4 if name == "none" else 2 if name in ("fp16", "bf16") else 1
 
 
-def parse_compress(text: str) -> frozenset[str]:
-    """'grads,activations' -> the traffic the codec applies to."""
-    parts = frozenset(p.strip() for p in text.split(",") if p.strip())
+def parse_compress(text: str | typing.Iterable[str]) -> tuple[str, ...]:
+    """'grads,activations' (or an iterable of the words) -> the sorted traffic the codec applies
+    to; one spelling everywhere."""
+    words = text.split(",") if isinstance(text, str) else list(text)
+    parts = {str(p).strip() for p in words if str(p).strip()}
     bad = sorted(parts - set(COMPRESSIBLE))
     if bad:
         raise ConfigError(f"--compress takes {' and/or '.join(COMPRESSIBLE)}, got {', '.join(bad)}")
-    return parts
+    return tuple(sorted(parts))
+
+
+@dataclass(frozen=True)
+class Choices:
+    """How bytes travel and how sums are taken, for a whole plan."""
+
+    codec: Codec = meta(
+        "none", "wire encoding of the traffic named by --compress (8-bit types: 1 byte/element)"
+    )
+    compress: tuple[str, ...] = meta(
+        COMPRESSIBLE,
+        "what the codec applies to: grads, activations or both (comma-separated)",
+        parse=parse_compress,
+        show="grads,activations",
+    )
+    reducer: Reducer = meta(
+        "process-group",
+        "gradient sums: torch.distributed all-reduce, or host shared memory (Sekiyama et al.)",
+    )
+    bn: BN = meta(
+        "global",
+        "batch-norm statistics: per rank (local), over the whole batch (global), "
+        "or local until training converges, then global (adaptive, Liu et al. 4.3)",
+    )
+    amp: Amp = meta("none", "mixed precision: bf16 autocast of the forward pass")
+    device: Device = meta(
+        "auto",
+        "where each rank computes: cuda (one GPU per rank, NCCL), cpu (gloo), or auto "
+        "(cuda where there is a GPU for every local rank)",
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compress", parse_compress(self.compress))
+        check_fields(self)
+
+    @property
+    def grads_encoded(self) -> bool:
+        """Whether the gradient reductions carry the codec's payload."""
+        return self.codec != "none" and "grads" in self.compress
+
+    @property
+    def activations_encoded(self) -> bool:
+        """Whether activations (all-gathers, dX, redistributions) carry the codec's payload."""
+        return self.codec != "none" and "activations" in self.compress
+
+    def with_(self, **changes: Any) -> Choices:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """JSON form: `compress` is empty when no codec encodes anything (it means nothing then)."""
+        d = asdict(self)
+        d["compress"] = list(self.compress) if self.codec != "none" else []
+        return d
+
+    @staticmethod
+    def from_dict(d: dict, defaults: Choices | None = None) -> Choices:
+        """The choices named in `d` (a plan's JSON object); the rest from `defaults`. A plan
+        without a codec has no compress list: it then keeps the default."""
+        base = defaults or Choices()
+        given = {f.name: d[f.name] for f in fields(Choices) if f.name in d}
+        if not given.get("compress"):
+            given.pop("compress", None)
+        return replace(base, **given)
+
+    def differences(self, other: Choices) -> dict[str, tuple[Any, Any]]:
+        """The choices that differ, as (mine, other's): by what they mean, so compress counts
+        only where a codec encodes something."""
+        a, b = self.to_dict(), other.to_dict()
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}

@@ -2,41 +2,49 @@
 from its fields (flag, type, choices, default and help), the way torchtitan's JobConfig drives its
 CLI. Enumerations are `Literal` types, checked once by `check_fields` before any work starts.
 
-A field's metadata may carry `help`, `flag` (instead of --field-name), `aliases`, and for a bool
-that defaults to True, `flag` names the switch that turns it off (e.g. --no-progress).
+A field's metadata may carry `help`, `flag` (instead of --field-name), `aliases`, `required`,
+`show` (the default as the help prints it), and for a bool that defaults to True, `flag` names
+the switch that turns it off (e.g. --no-progress). A field whose type is itself such a dataclass
+(`choices: Choices`, `runtime: RuntimeOptions`) is nested: its fields become flags of their own
+(`--codec`, `--bucket-mb`), and `from_namespace` builds it back, so one dataclass (the choices)
+serves several configs without a field copied by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import os
 import types
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
-from hybridpar.choices import CODECS, check_codec, parse_compress
 from hybridpar.errors import ConfigError
 
 __all__ = [
-    "PlanConfig",
     "add_arguments",
+    "build",
     "check_fields",
     "flag_of",
     "from_namespace",
     "meta",
+    "nested",
     "positive",
+    "writable",
 ]
-
-Codec = Literal["none", "fp16", "bf16", "dynamic-tree", "linear", "mantissa", "static-tree"]
-BN = Literal["local", "global", "adaptive"]
-Reducer = Literal["process-group", "host"]
-assert set(typing.get_args(Codec)) == set(CODECS)
 
 
 def meta(default: Any, help: str, **extra: Any) -> Any:
     """A dataclass field with its command-line help."""
     return field(default=default, metadata={"help": help, **extra})
+
+
+def nested(cls: type) -> Any:
+    """A field holding a configuration dataclass (its own fields become flags)."""
+    return field(default_factory=cls)
 
 
 def _unwrap(tp: Any) -> tuple[Any, bool]:
@@ -47,31 +55,53 @@ def _unwrap(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """One option per field of `cls`, with the field's default, type, choices and help."""
+def _is_config(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (), prefix: str = ""
+) -> None:
+    """One option per field of `cls` (and of the configs nested in it), with the field's default,
+    type, choices and help."""
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         if f.name in skip or not f.init:
             continue
         tp, _ = _unwrap(hints[f.name])
+        if _is_config(tp):
+            add_arguments(parser, tp, skip, prefix=f"{prefix}{f.name}.")
+            continue
         names = [flag_of(cls, f.name), *f.metadata.get("aliases", ())]
-        default = f.default if f.default is not MISSING else None
+        default = _default(f)
         # argparse %-formats help texts: a literal "%" ("75 %") must be doubled
-        kw: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "").replace("%", "%%")}
+        kw: dict[str, Any] = {
+            "dest": prefix + f.name,
+            "help": f.metadata.get("help", "").replace("%", "%%"),
+        }
         if f.metadata.get("required"):
             kw["required"] = True
         if tp is bool:
             kw["action"] = "store_false" if default else "store_true"
         elif typing.get_origin(tp) is Literal:
             kw.update(choices=list(typing.get_args(tp)), default=default)
+        elif typing.get_origin(tp) is tuple:  # parsed by the dataclass itself (e.g. compress)
+            kw.update(default=default)
+            kw["help"] += f" (default: {f.metadata.get('show', default)})"
         else:
-            kw.update(type=_parse(tp, f.name), default=default)
+            kw.update(type=_parse(tp), default=default)
             if default is not None:
-                kw["help"] += f" (default: {default})"
+                kw["help"] += f" (default: {f.metadata.get('show', default)})"
         parser.add_argument(*names, **kw)
 
 
-def _parse(tp: Any, name: str):
+def _parse(tp: Any):
     def parse(text: str):
         try:
             v = tp(text)
@@ -86,19 +116,56 @@ def _parse(tp: Any, name: str):
     return parse
 
 
-def from_namespace(cls: type, ns: argparse.Namespace, **extra: Any):
-    """`cls` from parsed arguments: no field copied by hand."""
-    names = {f.name for f in fields(cls) if f.init}
-    return cls(**{k: v for k, v in vars(ns).items() if k in names}, **extra)
+def from_namespace(cls: type, ns: argparse.Namespace, prefix: str = "", **extra: Any):
+    """`cls` from parsed arguments, nested configs included: no field copied by hand."""
+    hints = typing.get_type_hints(cls)
+    values = vars(ns)
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if not f.init or f.name in extra:
+            continue
+        tp, _ = _unwrap(hints[f.name])
+        if _is_config(tp):
+            kwargs[f.name] = from_namespace(tp, ns, prefix=f"{prefix}{f.name}.")
+        elif prefix + f.name in values:
+            kwargs[f.name] = values[prefix + f.name]
+    return cls(**kwargs, **extra)
+
+
+def build(cls: type, **flat: Any):
+    """`cls` from flat keyword arguments named like its flags' fields: the ones of a nested
+    config go to it (`build(TrainConfig, lr=0.1, codec="fp16", seed=3)`), as on the command
+    line. An unknown name is a TypeError, as for any call."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    taken: set[str] = set()
+    for f in fields(cls):
+        tp, _ = _unwrap(hints[f.name])
+        if f.name in flat:
+            kwargs[f.name] = flat[f.name]
+            taken.add(f.name)
+        elif _is_config(tp):
+            mine = {f2.name for f2 in fields(tp)}
+            sub = {k: v for k, v in flat.items() if k in mine}
+            taken |= set(sub)
+            kwargs[f.name] = build(tp, **sub)
+    unknown = sorted(set(flat) - taken)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}")
+    return cls(**kwargs)
 
 
 def check_fields(obj: Any) -> None:
-    """Every Literal field holds one of its values, every number is finite."""
+    """Every Literal field holds one of its values, every number is finite (nested configs
+    too)."""
     hints = typing.get_type_hints(type(obj))
     for f in fields(obj):
         tp, optional = _unwrap(hints[f.name])
         v = getattr(obj, f.name)
         if v is None and optional:
+            continue
+        if _is_config(tp):
+            check_fields(v)
             continue
         flag = flag_of(obj, f.name)
         if typing.get_origin(tp) is Literal and v not in typing.get_args(tp):
@@ -123,62 +190,18 @@ def positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
             )
 
 
-@dataclass
-class PlanConfig:
-    """What `hybridpar plan` and `simulate` plan for (the number of processes is theirs)."""
-
-    model: str = meta(
-        None,
-        "zoo model: alexnet, alexnet-owt, vgg16, resnet20, digits-cnn, digits-wide, mlp",
-        required=True,
-    )
-    batch: int = meta(None, "global mini-batch B", required=True)
-    cluster: str = meta(
-        "cori-knl",
-        "preset (cori-knl, k20-pcie, fdr-infiniband, p100-nvlink), localhost, or a .toml/.json file",
-    )
-    input_size: int | None = meta(None, "image side, e.g. 64 (default: the model's)")
-    compute: str | None = meta(
-        None, "compute table from `hybridpar profile` (default: FLOPs / cluster rate)"
-    )
-    bytes_per_element: float | None = meta(
-        None, "wire bytes per element (default: the cluster's word size)"
-    )
-    codec: Codec = meta(
-        "none", "wire encoding of the traffic named by --compress (8-bit types: 1 byte/element)"
-    )
-    compress: str = meta(
-        "grads,activations",
-        "what the codec applies to: grads, activations or both (comma-separated)",
-    )
-    bn: BN = meta("local", "batch norm: global and adaptive price the statistics all-reduces")
-    memory_limit: float | None = meta(None, "GiB per process (parameters + activations)")
-    overlap: bool = meta(False, "hide the weight all-reduce behind the backward pass (Fig. 8)")
-    reducer: Reducer = meta(
-        "process-group", "how the plan's gradients are summed (recorded in --out's plan)"
-    )
-    amp: Literal["none", "bf16"] = meta("none", "bf16 autocast: activations travel as bf16")
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if not isinstance(self.batch, int) or self.batch < 1:
-            raise ConfigError(f"--batch must be a positive integer, got {self.batch!r}")
-        positive(self, "input_size", "bytes_per_element", "memory_limit")
-        check_codec(self.codec)
-        parse_compress(self.compress)
-
-    def plan_kwargs(self) -> dict:
-        """Keyword arguments of `hybridpar.planning.search.make_plan`."""
-        from hybridpar.planning.cost.compute import load_table
-
-        return dict(
-            input_size=self.input_size,
-            compute=load_table(self.compute) if self.compute else None,
-            elem_bytes=self.bytes_per_element,
-            memory_limit=self.memory_limit * 2**30 if self.memory_limit else None,
-            overlap=self.overlap,
-            codec=self.codec,
-            compress=parse_compress(self.compress),
-            bn=self.bn,
-            amp=self.amp,
-        )
+def writable(flag: str, path: str | Path) -> Path:
+    """A one-line ConfigError unless a file can be written at `path` (its folder is made): the
+    check every command runs on its outputs before any work."""
+    path = Path(path)
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".hybridpar-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {path}: cannot write in {folder} ({exc.strerror}); choose another place"
+        ) from None
+    return path

@@ -15,11 +15,14 @@ run in the layout of the layer they sit next to.
 |                | channels split; the Pc batch groups split the examples (Gholami et al. 1.5D, Eq. 8) |
 | `domain(RxC)`  | the image split by height over Pr, halo exchange (Eq. 9); reserved: not executed yet |
 
+`model(1xP)` is `batch`: the two spellings are one style (its kind is "batch").
+
 Where consecutive layers have different layouts the plan lists a *redistribution* (Gholami Eq. 6
 generalised; Krizhevsky's hand-off scheme (a) is the batch -> model case) at the module whose
-forward pre-hook carries it. The plan also carries the wire and reduction choices (codec, compress,
-reducer, bn) and the cost model's predicted bytes and seconds per (layer, term), so the training
-report can put every measurement next to its prediction.
+forward pre-hook carries it. The plan also carries its `Choices` (codec, compress, reducer, bn, amp,
+device: hybridpar.choices) and the cost model's predicted bytes and seconds per (layer, term), so
+the training report can put every measurement next to its prediction. In JSON the choices are
+keys of the plan object itself.
 """
 
 from __future__ import annotations
@@ -27,72 +30,51 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import dataclass, field, fields, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridpar.choices import CODECS, COMPRESSIBLE
+from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
+from hybridpar.terms import Term
 
 __all__ = [
-    "BN_MODES",
     "ENGINES",
     "FORMAT",
-    "REDUCERS",
+    "KINDS",
     "ParallelPlan",
     "Prediction",
     "Redistribution",
     "Style",
-    "Term",
     "assign_styles",
 ]
 
 FORMAT = "hybridpar-plan/1"
 ENGINES = ("hybridpar", "ddp")
-REDUCERS = ("process-group", "host")
-BN_MODES = ("local", "global", "adaptive")
-
-
-class Term(str, Enum):
-    """The names of the cost model's terms; the ledger books every collective under one of them."""
-
-    ALLGATHER = "allgather"  # forward all-gather of a model-parallel layer's output
-    DX_ALLREDUCE = "dx_allreduce"  # backward all-reduce of dX over the model group
-    DW_ALLREDUCE = "dw_allreduce"  # weight-gradient sum over the ranks that replicate a weight
-    REDISTRIBUTE = "redistribute"  # layout change between layers (Eq. 6, hand-off schemes)
-    HALO_FWD = "halo_fwd"
-    HALO_BWD = "halo_bwd"
-    BN_STATS = "bn_stats"  # global batch norm, forward statistics
-    BN_GRAD = "bn_grad"  # global batch norm, backward sums
-    CODEC_OVERHEAD = "codec_overhead"  # 8-bit scales and padding: measured, not predicted
-    METRICS = "metrics"  # once-per-epoch loss and accuracy sums
-    BN_SWITCH = "bn_switch"  # the adaptive batch norm's agreed decision
-    PARAM_BROADCAST = "param_broadcast"  # parameters sent once at the start
-    STATE = "state"  # gathering shards into a full state dict
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
+KINDS = ("batch", "model", "domain")
 
 _STYLE_RE = re.compile(r"(batch|model|domain)(?:\((\d+)x(\d+)\))?")
 
 
 @dataclass(frozen=True, order=True)
 class Style:
-    """How one layer is split. `batch` is model(1, P)."""
+    """How one layer is split: its kind and the grid Pr x Pc it runs on. `batch` is the 1 x P
+    grid: a model style with Pr = 1 is batch (one style, one spelling)."""
 
-    kind: Literal["model", "domain"]
+    kind: Literal["batch", "model", "domain"]
     pr: int
     pc: int
 
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"style kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.kind == "model" and self.pr == 1:
+            object.__setattr__(self, "kind", "batch")
+
     @staticmethod
     def batch(p: int) -> Style:
-        return Style("model", 1, p)
+        return Style("batch", 1, p)
 
     @staticmethod
     def model(pr: int, pc: int) -> Style:
@@ -104,7 +86,11 @@ class Style:
 
     @property
     def is_batch(self) -> bool:
-        return self.kind == "model" and self.pr == 1
+        return self.kind == "batch"
+
+    @property
+    def procs(self) -> int:
+        return self.pr * self.pc
 
     @property
     def label(self) -> str:
@@ -179,6 +165,9 @@ class Prediction:
     seconds: float
 
 
+_CHOICES = tuple(f.name for f in fields(Choices))
+
+
 @dataclass
 class ParallelPlan:
     procs: int
@@ -194,15 +183,8 @@ class ParallelPlan:
     scenario: str = "custom"
     engine: Literal["hybridpar", "ddp"] = "hybridpar"
     """hybridpar's runtime, or torch DistributedDataParallel (every layer batch: the baseline)"""
-    codec: str = "none"
-    compress: tuple[str, ...] = ()
-    """traffic the codec applies to: grads and/or activations"""
-    reducer: Literal["process-group", "host"] = "process-group"
-    bn: Literal["local", "global", "adaptive"] = "global"
-    device: Literal["cpu", "cuda"] = "cpu"
-    """where the ranks compute (the runtime records what it ran on)"""
-    amp: Literal["none", "bf16"] = "none"
-    """bf16 autocast: activations and their gradients travel as bf16 (2 bytes an element)"""
+    choices: Choices = field(default_factory=Choices)
+    """codec, compress, reducer, bn, amp, device (hybridpar.choices)"""
     redistributions: list[Redistribution] = field(default_factory=list)
     predicted: list[Prediction] = field(default_factory=list)
     cluster: str = ""
@@ -219,25 +201,8 @@ class ParallelPlan:
             raise ConfigError(
                 f"plan: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}"
             )
-        if self.codec not in CODECS:
-            raise ConfigError(
-                f"plan: unknown codec {self.codec!r}; choose one of {', '.join(CODECS)}"
-            )
-        bad = set(self.compress) - set(COMPRESSIBLE)
-        if bad:
-            raise ConfigError(
-                f"plan: compress takes {' and/or '.join(COMPRESSIBLE)}, got {sorted(bad)}"
-            )
-        if self.reducer not in REDUCERS:
-            raise ConfigError(
-                f"plan: reducer must be one of {', '.join(REDUCERS)}, got {self.reducer!r}"
-            )
-        if self.amp not in ("none", "bf16"):
-            raise ConfigError(f"plan: amp must be none or bf16, got {self.amp!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"plan: device must be cpu or cuda, got {self.device!r}")
-        if self.bn not in BN_MODES:
-            raise ConfigError(f"plan: bn must be one of {', '.join(BN_MODES)}, got {self.bn!r}")
+        if not isinstance(self.choices, Choices):
+            raise ConfigError("plan: choices must be a hybridpar.choices.Choices")
         for pattern, s in self.styles.items():
             if not isinstance(s, Style) or s.pr * s.pc != self.procs:
                 raise ConfigError(f"plan entry {pattern!r}: style {s} does not fit P={self.procs}")
@@ -256,7 +221,8 @@ class ParallelPlan:
         return out
 
     def with_choices(self, **changes: Any) -> ParallelPlan:
-        return replace(self, **changes)
+        """The same plan with some choices changed (e.g. device="cuda")."""
+        return replace(self, choices=self.choices.with_(**changes))
 
     # --- JSON ----------------------------------------------------------------------------------
 
@@ -270,12 +236,7 @@ class ParallelPlan:
             "scenario": self.scenario,
             "engine": self.engine,
             "styles": {k: v.label for k, v in self.styles.items()},
-            "codec": self.codec,
-            "compress": list(self.compress),
-            "reducer": self.reducer,
-            "bn": self.bn,
-            "device": self.device,
-            "amp": self.amp,
+            **self.choices.to_dict(),
             "redistributions": [r.to_dict() for r in self.redistributions],
             "cluster": self.cluster,
             "totals": self.totals,
@@ -299,7 +260,7 @@ class ParallelPlan:
                 f"{origin}: not a hybridpar plan (format {d.get('format')!r}, expected {FORMAT!r}); "
                 "write one with `hybridpar plan ... --out FILE`"
             )
-        known = set(ParallelPlan.__dataclass_fields__) | {"format"}
+        known = (set(ParallelPlan.__dataclass_fields__) - {"choices"}) | {"format", *_CHOICES}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"{origin}: unknown key(s) {unknown}; allowed: {sorted(known)}")
@@ -318,19 +279,14 @@ class ParallelPlan:
                 input_shape=_shape(d.get("input_shape"), origin),
                 scenario=str(d.get("scenario", "custom")),
                 engine=d.get("engine", "hybridpar"),
-                codec=d.get("codec", "none"),
-                compress=tuple(d.get("compress", ())),
-                reducer=d.get("reducer", "process-group"),
-                bn=d.get("bn", "global"),
-                device=d.get("device", "cpu"),
-                amp=d.get("amp", "none"),
+                choices=Choices.from_dict(d),
                 redistributions=[_redistribution(r, procs) for r in d.get("redistributions", [])],
                 predicted=[_prediction(p) for p in d.get("predicted", [])],
                 cluster=str(d.get("cluster", "")),
                 totals={str(k): float(v) for k, v in d.get("totals", {}).items()},
             )
         except ConfigError as exc:
-            raise ConfigError(f"{origin}: {exc}") from None
+            raise ConfigError(f"{origin}: {str(exc).replace('--', '')}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ConfigError(f"{origin}: malformed plan ({type(exc).__name__}: {exc})") from None
 
@@ -366,11 +322,12 @@ class ParallelPlan:
         named = dict(self.styles)
         width = max([len(k) for k in [*per, *named]] + [5])
         head = f"{'layer':<{width}}  {'style':<12}" + "".join(f"{t:>14}" for t in terms)
+        c = self.choices
         lines = [
             f"plan {self.scenario} for {self.model or 'a model'}: P={self.procs}, B={self.batch}, "
-            f"engine {self.engine}, bn {self.bn}, codec {self.codec}"
-            + (f" on {'+'.join(self.compress)}" if self.codec != "none" else "")
-            + f", reducer {self.reducer}; predicted KB per rank per iteration"
+            f"engine {self.engine}, bn {c.bn}, codec {c.codec}"
+            + (f" on {'+'.join(c.compress)}" if c.codec != "none" else "")
+            + f", reducer {c.reducer}; predicted KB per rank per iteration"
             + (f" on {self.cluster}" if self.cluster else ""),
             head,
         ]

@@ -107,10 +107,12 @@ class LayerSpec:
     kernel: tuple[int, ...] | None = None
     stride: tuple[int, ...] | None = None
     padding: tuple[int, ...] | None = None
+    dilation: tuple[int, ...] | None = None
     groups: int = 1
-    out_units: int = (
-        0  # output features (linear) or output channels (conv): what a model split splits
-    )
+    padding_mode: str = "zeros"
+    op: str = ""  # linear, conv1d, conv2d, conv3d, conv_transpose, or the kind: what the module is
+    out_units: int = 0  # output features (linear) or output channels (conv): what a split splits
+    calls: int = 1  # how often the module runs in one forward (weights shared between calls)
     segment: int = 0  # the segment (run of layers between clean cuts) this call belongs to
     entry: str | None = None  # set on a segment's first leaf: the module whose pre-hook starts it
     entry_elements: int = 0  # per example, of the activation entering the segment there
@@ -156,6 +158,20 @@ def _flops(
     return 0
 
 
+def _op(module: nn.Module, kind: str) -> str:
+    """What the module is, as far as splitting it goes (a subclass counts as its base)."""
+    for cls, op in (
+        (nn.Conv2d, "conv2d"),
+        (nn.Conv1d, "conv1d"),
+        (nn.Conv3d, "conv3d"),
+        (nn.modules.conv._ConvTransposeNd, "conv_transpose"),
+        (nn.Linear, "linear"),
+    ):
+        if isinstance(module, cls):
+            return op
+    return "linear" if kind == "linear" else kind
+
+
 def _spec(
     name: str, module: nn.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...]
 ) -> LayerSpec:
@@ -173,7 +189,9 @@ def _spec(
             kernel=tuple(module.kernel_size),
             stride=tuple(module.stride),
             padding=tuple(module.padding) if not isinstance(module.padding, str) else None,
+            dilation=tuple(module.dilation),
             groups=module.groups,
+            padding_mode=module.padding_mode,
             out_units=module.out_channels,
         )
     elif kind == "linear":
@@ -193,6 +211,7 @@ def _spec(
         weights=weights,
         biases=biases,
         flops=_flops(module, kind, in_shape, out_shape),
+        op=_op(module, kind),
         **extra,
     )
 
@@ -392,7 +411,9 @@ def _segments(timed: list[tuple[int, LayerSpec]], calls: list[list], rec: _Recor
             entry, elements = (
                 ("", first_input) if seg == 0 else (cuts[seg - 1][1], cuts[seg - 1][2])
             )
-        specs.append(replace(s, segment=seg, entry=entry, entry_elements=elements))
+        specs.append(
+            replace(s, segment=seg, entry=entry, entry_elements=elements, calls=counts[s.name])
+        )
     param_segments = {
         name: {bisect.bisect_right(times, t) for t in ts} for name, ts in rec.param_times.items()
     }

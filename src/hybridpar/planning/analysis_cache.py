@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from hybridpar.planning.cluster import cache_dir
-from hybridpar.planning.cost.layers import CostLayer, cost_layers
+from hybridpar.planning.layers import CostLayer, cost_layers
 
 __all__ = ["zoo_cost_layers"]
 
@@ -23,7 +23,13 @@ _PACKAGE = Path(__file__).parent.parent
 
 def _key(model: str, input_size: int | None) -> str:
     h = hashlib.sha256()
-    for f in ("planning/models.py", "planning/analysis.py", "planning/cost/layers.py", "plan.py"):
+    for f in (
+        "planning/zoo.py",
+        "planning/models.py",
+        "planning/analysis.py",
+        "planning/layers.py",
+        "plan.py",
+    ):
         h.update((_PACKAGE / f).read_bytes())
     return f"{model}-{input_size or 'default'}-{h.hexdigest()[:16]}"
 

@@ -7,18 +7,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Prediction, Redistribution, Term
+from hybridpar.plan import ParallelPlan, Prediction, Redistribution, Style
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm
-from hybridpar.planning.cost.layers import CostLayer, Style
+from hybridpar.planning.layers import CostLayer
+from hybridpar.planning.rules import EXECUTED, NOT_EXECUTED, why_not_choices
+from hybridpar.terms import Term
 
-__all__ = ["NOT_EXECUTABLE", "OVERLAPPABLE", "LayerPlan", "Plan", "PlanResult", "export"]
+__all__ = ["OVERLAPPABLE", "LayerPlan", "Plan", "PlanResult", "best_of", "export"]
 
 OVERLAPPABLE = (
     Term.DW_ALLREDUCE,
 )  # Fig. 8: the weight all-reduce can hide behind back-propagation
-NOT_EXECUTABLE = "domain parallelism is planned but not executed yet"
 
 
 @dataclass
@@ -131,6 +133,13 @@ class Plan:
         }
 
 
+def best_of(plans) -> Plan | None:
+    """The best feasible plan: the least predicted time per iteration, then the least
+    communication (the one rule every caller uses); None when none is feasible."""
+    feasible = [p for p in plans if p.feasible]
+    return min(feasible, key=lambda p: (p.total_s, p.comm_s)) if feasible else None
+
+
 @dataclass
 class PlanResult:
     model: str
@@ -140,19 +149,16 @@ class PlanResult:
     scenarios: list[Plan]  # the best of each scenario, in SCENARIOS order
     candidates: dict[str, list[Plan]]  # every grid tried, per scenario
     elem_bytes: float
-    codec: str | None = None
-    compress: tuple[str, ...] = ()
-    bn: str = "local"
+    choices: Choices = field(default_factory=Choices)
     input_shape: tuple[int, ...] | None = None
-    amp: str = "none"
 
     @property
     def best(self) -> Plan:
-        feasible = [p for p in self.scenarios if p.feasible]
-        if not feasible:
+        chosen = best_of(self.scenarios)
+        if chosen is None:
             reasons = "; ".join(f"{p.scenario}: {p.reason}" for p in self.scenarios)
             raise ConfigError(f"no plan fits P={self.procs}, B={self.batch} ({reasons})")
-        return min(feasible, key=lambda p: (p.total_s, p.comm_s))
+        return chosen
 
     def scenario(self, name: str) -> Plan | None:
         return next((p for p in self.scenarios if p.scenario == name), None)
@@ -174,22 +180,14 @@ class PlanResult:
             "batch": self.batch,
             "cluster": self.cluster.to_dict(),
             "bytes_per_element": self.elem_bytes,
-            "codec": self.codec or "none",
-            "compress": list(self.compress) if self.codec not in (None, "none") else [],
-            "bn": self.bn,
+            **self.choices.to_dict(),
             "scenarios": [p.to_dict() for p in self.scenarios],
             "best": self.best.to_dict(),
             "speedup_vs_batch": self.speedup_vs_batch(),
         }
 
-    def export(
-        self,
-        chosen: Plan | None = None,
-        *,
-        reducer: str = "process-group",
-        engine: str = "hybridpar",
-    ) -> ParallelPlan:
-        """The ParallelPlan of `chosen` (default: the best)."""
+    def export(self, chosen: Plan | None = None, *, engine: str = "hybridpar") -> ParallelPlan:
+        """The ParallelPlan of `chosen` (default: the best), with this result's choices."""
         return export(
             chosen or self.best,
             procs=self.procs,
@@ -197,11 +195,7 @@ class PlanResult:
             model=self.model,
             input_shape=self.input_shape,
             cluster=self.cluster.name,
-            codec=self.codec or "none",
-            compress=self.compress,
-            bn=self.bn,
-            amp=self.amp,
-            reducer=reducer,
+            choices=self.choices,
             engine=engine,
         )
 
@@ -211,22 +205,21 @@ def export(
     *,
     procs: int,
     batch: int,
+    choices: Choices,
     model: str = "",
     input_shape: tuple[int, ...] | None = None,
     cluster: str = "",
-    codec: str = "none",
-    compress: tuple[str, ...] = (),
-    bn: str = "local",
-    amp: str = "none",
-    reducer: str = "process-group",
     engine: str = "hybridpar",
 ) -> ParallelPlan:
     """The ParallelPlan of one evaluated candidate: a style per weighted layer, the redistributions
     where the layout changes, and the predicted bytes and seconds per (layer, term)."""
     if not chosen.feasible:
         raise ConfigError(f"scenario {chosen.scenario} is infeasible: {chosen.reason}")
-    if any(x.style.kind == "domain" and x.style.pr > 1 for x in chosen.layers):
-        raise ConfigError(f"{NOT_EXECUTABLE}; plan with a scenario other than domain")
+    if any(x.style.kind not in EXECUTED and x.style.pr > 1 for x in chosen.layers):
+        raise ConfigError(f"{NOT_EXECUTED}; plan with a scenario other than domain")
+    why = why_not_choices(choices, [x.style for x in chosen.layers])
+    if why:
+        raise ConfigError(why)
     redistributions, prev = [], None
     for x in chosen.layers:
         if prev is not None and x.style.layout != prev.layout:
@@ -241,11 +234,7 @@ def export(
         input_shape=input_shape,
         scenario=chosen.scenario,
         engine=engine,  # type: ignore[arg-type]
-        codec=codec,
-        compress=tuple(compress) if codec != "none" else (),
-        reducer=reducer,  # type: ignore[arg-type]
-        bn=bn,  # type: ignore[arg-type]
-        amp=amp,  # type: ignore[arg-type]
+        choices=choices,
         redistributions=redistributions,
         predicted=[
             Prediction(x.layer.name, str(k), c.bytes, c.seconds)

@@ -16,14 +16,14 @@ of the papers' tables) with real module trees (resnet20: stages of BasicBlocks, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from hybridpar.errors import ConfigError
+from hybridpar.planning.zoo import MODELS, input_shape, zoo_entry
 
-__all__ = ["MODELS", "BasicBlock", "ModelInfo", "ResNet20", "build_model", "input_shape"]
+__all__ = ["BUILDERS", "MODELS", "BasicBlock", "ResNet20", "build_model", "input_shape"]
 
 
 def _conv_out(size: int, kernel: int, stride: int = 1, pad: int = 0) -> int:
@@ -220,30 +220,16 @@ def mlp(input_size: int = 28, num_classes: int = 10, in_channels: int = 1) -> nn
     )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    builder: Callable[..., nn.Module]
-    input_size: int  # default spatial size
-    in_channels: int
-    num_classes: int
-    summary: str
-
-
-MODELS: dict[str, ModelInfo] = {
-    "alexnet": ModelInfo(alexnet, 227, 3, 1000, "AlexNet, one tower, Caffe bvlc_alexnet shapes"),
-    "alexnet-owt": ModelInfo(alexnet_owt, 224, 3, 1000, "Krizhevsky's one-weird-trick net"),
-    "vgg16": ModelInfo(vgg16, 224, 3, 1000, "VGG-16 (configuration D)"),
-    "resnet20": ModelInfo(resnet20, 32, 3, 10, "CIFAR ResNet-20 with batch norm"),
-    "digits-cnn": ModelInfo(digits_cnn, 8, 1, 10, "small CNN for the 8x8 digits"),
-    "digits-wide": ModelInfo(digits_wide, 8, 1, 10, "digits CNN with a 2048-wide FC head"),
-    "mlp": ModelInfo(mlp, 28, 1, 10, "Dettmers' 784-1024-1024-10 MLP"),
+BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "alexnet": alexnet,
+    "alexnet-owt": alexnet_owt,
+    "vgg16": vgg16,
+    "resnet20": resnet20,
+    "digits-cnn": digits_cnn,
+    "digits-wide": digits_wide,
+    "mlp": mlp,
 }
-
-
-def _info(name: str) -> ModelInfo:
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
-    return MODELS[name]
+assert set(BUILDERS) == set(MODELS), "every zoo entry has a builder"
 
 
 def build_model(
@@ -254,18 +240,9 @@ def build_model(
     in_channels: int | None = None,
 ) -> nn.Module:
     """Build a zoo model. Wrap in `with torch.device("meta"):` to get shapes without memory."""
-    info = _info(name)
-    return info.builder(
+    info = zoo_entry(name)
+    return BUILDERS[name](
         input_size=input_size or info.input_size,
         num_classes=num_classes or info.num_classes,
         in_channels=in_channels or info.in_channels,
     )
-
-
-def input_shape(
-    name: str, input_size: int | None = None, in_channels: int | None = None
-) -> tuple[int, ...]:
-    """Per-sample input shape (C, H, W) of a zoo model."""
-    info = _info(name)
-    s = input_size or info.input_size
-    return (in_channels or info.in_channels, s, s)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import re
 
-from hybridpar.choices import COMPRESSIBLE
+from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
 from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.cost.layers import CostLayer
-from hybridpar.planning.search import SCENARIOS, plan
+from hybridpar.planning.layers import CostLayer
+from hybridpar.planning.search import SCENARIOS, plan_layers
 
 __all__ = ["PRESETS", "SEARCHED", "parse_preset", "plan_preset"]
 
@@ -51,31 +51,23 @@ def plan_preset(
     B: int,
     cluster: Cluster,
     *,
+    choices: Choices | None = None,
     model: str = "",
     input_shape: tuple[int, ...] | None = None,
-    codec: str = "none",
-    compress: tuple[str, ...] = (),
-    bn: str = "local",
-    reducer: str = "process-group",
-    amp: str = "none",
 ) -> ParallelPlan:
     """The ParallelPlan a preset names, built by the planner (so presets and plans share one code
-    path); only what the runtime executes is considered (no domain styles)."""
+    path); only what the runtime executes is considered."""
     scenario, grid = parse_preset(preset, P)
-    names = [s for s in SCENARIOS if s != "domain"] if scenario == "all" else [scenario]
-    r = plan(
+    names = list(SCENARIOS) if scenario == "all" else [scenario]
+    r = plan_layers(
         layers,
         P,
         B,
         cluster,
+        choices=choices,
         model=model,
         scenarios=names,
-        codec=codec,
-        compress=frozenset(compress or COMPRESSIBLE),
-        bn=bn,
-        domain=False,
         input_shape=input_shape,
-        amp=amp,
     )
     if grid is None:
         chosen = r.best
@@ -88,4 +80,4 @@ def plan_preset(
             )
     if not chosen.feasible:
         raise ConfigError(f"preset {preset} cannot run: {chosen.reason}")
-    return r.export(chosen, reducer=reducer, engine="ddp" if preset == "ddp" else "hybridpar")
+    return r.export(chosen, engine="ddp" if preset == "ddp" else "hybridpar")

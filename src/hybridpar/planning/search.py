@@ -13,10 +13,13 @@ Scenarios (names are the CLI's and the JSON's):
 | domain    | one grid; each conv layer domain- or model-parallel, FC layers model (Eq. 9, Fig. 10) |
 | per-layer | each layer its own style and grid, paying redistribution between them (DP)        |
 
-Grids: Pr * Pc = P, Pc <= B and Pc divides B (every batch group gets B/Pc examples). A model split
-needs Pr <= the layer's output channels/features (uneven shards are allowed); a domain split needs
-Pr <= the output height. Layers of one segment (no point between them where the runtime can change
-the layout, e.g. the two convolutions of a residual block: hybridpar.planning.analysis) take one style; the
+Grids: Pr * Pc = P, Pc <= B and Pc divides B (every batch group gets B/Pc examples). Whether a
+layer can take a style is `hybridpar.planning.rules.why_not`, the function the runtime asks too:
+a model split needs a Linear or Conv2d called once with Pr <= its output units (uneven shards are
+allowed); a domain split needs Pr <= the output height. Whether the plan's choices can run with
+its styles (the host reducer needs every layer batch) is `rules.why_not_choices`. Layers of one segment (no point between them where the runtime can change
+the layout, e.g. the two convolutions of a residual block: hybridpar.planning.analysis) take one style;
+the
 redistribution into a segment moves the activation at its entry. The per-layer search minimises
 the exposed communication time by dynamic programming over layers (state: the style of the previous
 layer; inside a segment the only transition is to the same style; with overlap a Pareto front per
@@ -30,24 +33,26 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from hybridpar.choices import COMPRESSIBLE, payload_bytes
+from hybridpar.choices import Choices, payload_bytes
 from hybridpar.errors import ConfigError
-from hybridpar.plan import Term
+from hybridpar.plan import Style
 from hybridpar.planning.candidates import (
-    NOT_EXECUTABLE,
     OVERLAPPABLE,
     LayerPlan,
     Plan,
     PlanResult,
+    best_of,
     export,
 )
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel
-from hybridpar.planning.cost.layers import CostLayer, Style, Wire, layer_comms, redistribute
+from hybridpar.planning.cost.terms import Wire, layer_comms, redistribute
+from hybridpar.planning.layers import CostLayer, cost_layers
+from hybridpar.planning.rules import EXECUTED, NOT_EXECUTED, why_not, why_not_choices
+from hybridpar.terms import Term
 
 __all__ = [
-    "NOT_EXECUTABLE",
     "SCENARIOS",
     "LayerPlan",
     "Plan",
@@ -56,16 +61,18 @@ __all__ = [
     "export",
     "grids",
     "make_plan",
-    "plan",
     "plan_for",
+    "plan_layers",
 ]
 
 SCENARIOS = ("batch", "model", "same-grid", "fc-grid", "domain", "per-layer")
 
 
 def grids(P: int, B: int) -> list[tuple[int, int]]:
-    """Every (Pr, Pc) with Pr * Pc = P, Pc <= B and Pc dividing B, Pr ascending."""
-    return [(P // pc, pc) for pc in range(P, 0, -1) if P % pc == 0 and pc <= B and B % pc == 0]
+    """Every (Pr, Pc) with Pr * Pc = P, Pc <= B and Pc dividing B, Pr ascending (the divisors
+    of P found up to sqrt(P): a P of millions is answered at once)."""
+    divisors = {d for k in range(1, math.isqrt(P) + 1) if P % k == 0 for d in (k, P // k)}
+    return [(P // pc, pc) for pc in sorted(divisors, reverse=True) if pc <= B and B % pc == 0]
 
 
 def _shares_segment(layers: list[CostLayer], i: int) -> bool:
@@ -74,7 +81,7 @@ def _shares_segment(layers: list[CostLayer], i: int) -> bool:
 
 
 class _Context:
-    """Caches layer terms and redistributions for one (layers, P, B, cluster, codec, bn)."""
+    """Caches layer terms and redistributions for one (layers, P, B, cluster, choices)."""
 
     def __init__(
         self,
@@ -84,30 +91,24 @@ class _Context:
         net: Cluster,
         compute: ComputeModel,
         e: float | Wire,
-        overlap: bool,
-        bn: str = "local",
+        choices: Choices,
+        overlap: bool = False,
+        executed: bool = True,
     ) -> None:
         self.layers, self.P, self.B, self.net, self.e, self.overlap = layers, P, B, net, e, overlap
-        self.bn = bn
+        self.choices, self.executed = choices, executed
         self.compute = [compute.times(x, B / P) for x in layers]
         self._redist = lru_cache(maxsize=None)(self._redistribute)
         self._own: dict[tuple[int, Style], tuple[float, float]] = {}
 
     def why_not(self, i: int, s: Style) -> str:
-        x = self.layers[i]
         if s.pr * s.pc != self.P or s.pc > self.B or self.B % s.pc:
             return (
                 f"grid {s.pr}x{s.pc} needs Pc={s.pc} to divide B={self.B} (each batch group gets "
                 f"B/Pc examples); change --batch or --procs"
             )
-        if s.kind == "domain":
-            if not x.spatial:
-                return f"{x.name} ({x.kind}) cannot be split by height"
-            if s.pr > min(x.x_shape[1], x.y_shape[1]):
-                return f"{x.name}: Pr={s.pr} exceeds its height {x.y_shape[1]}"
-        elif s.pr > x.out_units:
-            return f"{x.name}: Pr={s.pr} exceeds its {x.out_units} output units; use a smaller Pr"
-        return ""
+        x = self.layers[i]
+        return why_not(x, s, self.B, self.executed) or why_not_choices(self.choices, [s])
 
     def _redistribute(self, a: Style | None, b: Style, d: int) -> Comm | None:
         return redistribute(a, b, d, self.B, self.net, self.e)
@@ -128,7 +129,7 @@ class _Context:
         return 3 * x.params / shard * w + 2 * act * w  # weights, grads, momentum; Y and dY
 
     def terms(self, i: int, s: Style) -> dict[str, Comm]:
-        return layer_comms(self.layers[i], i == 0, s, self.B, self.net, self.e, self.bn)
+        return layer_comms(self.layers[i], i == 0, s, self.B, self.net, self.e, self.choices.bn)
 
     def own(self, i: int, s: Style) -> tuple[float, float, float]:
         """(exposed seconds, hideable seconds, memory bytes) of layer i under s, redistribution left
@@ -261,17 +262,23 @@ def _fits_memory(plan: Plan, limit: float | None) -> Plan:
 
 
 def _best(plans: list[Plan], scenario: str, empty_reason: str) -> Plan:
-    feasible = [p for p in plans if p.feasible]
-    if feasible:
-        return min(feasible, key=lambda p: (p.total_s, p.comm_s))
+    chosen = best_of(plans)
+    if chosen is not None:
+        return chosen
     reason = plans[0].reason if plans else empty_reason
     return Plan(scenario, None, reason=reason)
 
 
+MAX_PROCS = 1 << 24
+"""beyond any machine (16 M ranks): a larger P is a typo, refused at once"""
+
+
 def _check(P: object, B: object, scenarios: tuple[str, ...] | list[str]) -> list[tuple[int, int]]:
-    if not isinstance(P, int) or P < 1:
+    if not isinstance(P, int) or isinstance(P, bool) or P < 1:
         raise ConfigError(f"the number of processes must be a positive integer, got {P!r}")
-    if not isinstance(B, int) or B < 1:
+    if P > MAX_PROCS:
+        raise ConfigError(f"--procs {P} is more than {MAX_PROCS} processes; give a real count")
+    if not isinstance(B, int) or isinstance(B, bool) or B < 1:
         raise ConfigError(f"the global batch must be a positive integer, got {B!r}")
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
@@ -289,11 +296,11 @@ def _candidates(
     name: str,
     all_grids: list[tuple[int, int]],
     memory_limit: float | None,
-    domain: bool,
 ) -> list[Plan]:
     """Every candidate plan of one scenario."""
     P, L = ctx.P, len(ctx.layers)
     conv = [x.kind == "conv" for x in ctx.layers]
+    domain = not ctx.executed or "domain" in EXECUTED
 
     def fixed(grid: tuple[int, int] | None, styles: list[Style]) -> Plan:
         return _fits_memory(ctx.evaluate(name, grid, styles), memory_limit)
@@ -310,7 +317,7 @@ def _candidates(
         ]
     if name == "domain":
         if not domain:
-            return [Plan(name, None, reason=NOT_EXECUTABLE)]
+            return [Plan(name, None, reason=NOT_EXECUTED)]
         return [
             ctx.search(
                 name,
@@ -329,29 +336,29 @@ def _candidates(
     return [ctx.search(name, None, options, memory_limit)]
 
 
-def plan(
+def plan_layers(
     layers: list[CostLayer],
     P: int,
     B: int,
     cluster: Cluster,
     *,
+    choices: Choices | None = None,
     model: str = "model",
     compute: ComputeModel | None = None,
     scenarios: tuple[str, ...] | list[str] = SCENARIOS,
     elem_bytes: float | None = None,
     memory_limit: float | None = None,
     overlap: bool = False,
-    codec: str | None = None,
-    compress: frozenset[str] | set[str] | tuple[str, ...] = COMPRESSIBLE,
-    bn: str = "local",
-    domain: bool = True,
+    domain: bool = False,
     input_shape: tuple[int, ...] | None = None,
-    amp: str = "none",
 ) -> PlanResult:
-    """Evaluate `scenarios` for `layers` on P processes with global batch B. With bn global (or
-    adaptive) the batch norms' all-reduces are priced too; with domain False, domain styles (not
-    executed by the runtime yet) are left out of every search."""
+    """Evaluate `scenarios` for `layers` on P processes with global batch B and the plan-wide
+    `choices` (codec, bn, ...: hybridpar.choices; with bn global or adaptive the batch norms'
+    all-reduces are priced too). Only what the runtime executes is proposed, unless `domain`:
+    then domain styles are priced as well (for the papers' figures; such plans cannot be
+    exported)."""
     all_grids = _check(P, B, scenarios)
+    choices = choices or Choices()
     base = cluster.word_bytes if elem_bytes is None else elem_bytes
     ctx = _Context(
         layers,
@@ -359,26 +366,14 @@ def plan(
         B,
         cluster,
         compute or FlopsModel(cluster.rank_flops(P)),
-        wire(base, codec, compress, amp),
+        wire(base, choices),
+        choices,
         overlap,
-        bn,
+        executed=not domain,
     )
-    candidates = {n: _candidates(ctx, n, all_grids, memory_limit, domain) for n in scenarios}
+    candidates = {n: _candidates(ctx, n, all_grids, memory_limit) for n in scenarios}
     best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in scenarios]
-    return PlanResult(
-        model,
-        P,
-        B,
-        cluster,
-        best,
-        candidates,
-        base,
-        codec,
-        tuple(sorted(compress)),
-        bn,
-        input_shape,
-        amp,
-    )
+    return PlanResult(model, P, B, cluster, best, candidates, base, choices, input_shape)
 
 
 def make_plan(
@@ -390,40 +385,36 @@ def make_plan(
     input_size: int | None = None,
     **kwargs: object,
 ) -> PlanResult:
-    """`plan` for a zoo model by name (analysed on the meta device)."""
+    """`plan_layers` for a zoo model by name (its layers from the analysis cache: no torch)."""
     from hybridpar.planning.analysis_cache import zoo_cost_layers
-    from hybridpar.planning.models import input_shape
+    from hybridpar.planning.zoo import input_shape
 
     layers = zoo_cost_layers(model, input_size)
     shape = input_shape(model, input_size)
-    return plan(layers, P, B, cluster, model=model, input_shape=shape, **kwargs)  # type: ignore[arg-type]
+    return plan_layers(layers, P, B, cluster, model=model, input_shape=shape, **kwargs)  # type: ignore[arg-type]
 
 
 def plan_for(
     module, input_shape: tuple[int, ...], P: int, B: int, cluster: Cluster, **kwargs: object
 ) -> PlanResult:
-    """`plan` for any nn.Module (traced on the meta device; the module is not changed). Domain
-    styles are left out unless domain=True is passed: the runtime does not execute them yet."""
+    """`plan_layers` for any nn.Module (traced on the meta device; the module is not changed).
+    Its `export()` is a plan `parallelize` runs: the same rules decided both."""
     from hybridpar.planning.analysis import analyze
-    from hybridpar.planning.cost.layers import cost_layers
 
-    kwargs.setdefault("domain", False)
     layers = cost_layers(analyze(module, input_shape))
     name = str(kwargs.pop("model", type(module).__name__))
-    return plan(layers, P, B, cluster, model=name, input_shape=tuple(input_shape), **kwargs)  # type: ignore[arg-type]
+    return plan_layers(layers, P, B, cluster, model=name, input_shape=tuple(input_shape), **kwargs)  # type: ignore[arg-type]
 
 
-def wire(
-    elem_bytes: float, codec: str | None, compress=COMPRESSIBLE, amp: str = "none"
-) -> float | Wire:
+def wire(elem_bytes: float, choices: Choices) -> float | Wire:
     """Bytes per element by kind of traffic: `elem_bytes` everywhere; the codec's payload size for
-    the traffic in `compress` (grads and/or activations); bf16 activations (2 bytes) under
-    `amp` bf16 autocast, where no codec encodes them."""
-    acts_amp = 2 if amp == "bf16" else elem_bytes
-    if codec is None or codec == "none":
+    the traffic it encodes (grads and/or activations); bf16 activations (2 bytes) under amp bf16
+    autocast, where no codec encodes them."""
+    acts_amp = 2 if choices.amp == "bf16" else elem_bytes
+    if choices.codec == "none":
         return elem_bytes if acts_amp == elem_bytes else Wire(elem_bytes, acts_amp)
-    b = payload_bytes(codec)
-    g, a = "grads" in compress, "activations" in compress
+    b = payload_bytes(choices.codec)
+    g, a = choices.grads_encoded, choices.activations_encoded
     return Wire(b if g else elem_bytes, b if a else acts_amp, g, a)
 
 
@@ -434,14 +425,12 @@ def evaluate(
     cluster: Cluster,
     styles: list[Style],
     *,
+    choices: Choices | None = None,
     elem_bytes: float | None = None,
     name: str = "custom",
-    codec: str | None = None,
-    compress=COMPRESSIBLE,
-    bn: str = "local",
-    amp: str = "none",
 ) -> Plan:
     """The predicted cost of one given chain of styles (what the runtime is about to execute)."""
-    e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, codec, compress, amp)
-    ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.rank_flops(P)), e, False, bn)
+    choices = choices or Choices()
+    e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices)
+    ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.rank_flops(P)), e, choices)
     return ctx.evaluate(name, None, styles)

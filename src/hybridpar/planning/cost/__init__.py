@@ -1,5 +1,6 @@
 """The alpha-beta cost model: pure arithmetic on dataclasses, no torch.distributed."""
 
+from hybridpar.plan import Style
 from hybridpar.planning.cost.collectives import (
     Comm,
     all_gather,
@@ -9,7 +10,8 @@ from hybridpar.planning.cost.collectives import (
     halo,
 )
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, TableModel, load_table
-from hybridpar.planning.cost.layers import CostLayer, Style, cost_layers, layer_comms, redistribute
+from hybridpar.planning.cost.terms import layer_comms, redistribute
+from hybridpar.planning.layers import CostLayer, cost_layers
 
 __all__ = [
     "Comm",

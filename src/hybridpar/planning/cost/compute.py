@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from hybridpar.errors import ConfigError
-from hybridpar.planning.cost.layers import CostLayer
+from hybridpar.planning.layers import CostLayer
 
 __all__ = ["ComputeModel", "FlopsModel", "TableModel", "load_table"]
 

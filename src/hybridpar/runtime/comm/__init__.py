@@ -5,10 +5,11 @@ import time
 
 import torch.distributed as dist
 
-from hybridpar.runtime.comm.grid import GridSet, ProcessGrid, check_grid
+from hybridpar.runtime.comm.grid import GridSet, ProcessGrid, check_grid, close_groups, new_group
+from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 
-__all__ = ["GridSet", "Ledger", "ProcessGrid", "check_grid", "shutdown"]
+__all__ = ["GridSet", "Group", "Ledger", "ProcessGrid", "check_grid", "new_group", "shutdown"]
 
 _ENDS = 0
 
@@ -23,11 +24,11 @@ def shutdown(timeout_s: float = 60.0) -> None:
     global _ENDS
     if not dist.is_initialized():
         return
-    from hybridpar.runtime.comm import small, worker
+    from hybridpar.runtime.comm import worker
 
     worker.close_all()  # no thread still holds a group when the groups are destroyed
     dist.barrier()
-    small.disable_all()
+    close_groups()
     try:
         store = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):

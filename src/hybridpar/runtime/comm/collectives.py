@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from hybridpar.plan import Term
-from hybridpar.runtime.comm import small as _small
 from hybridpar.runtime.comm.codecs import Codec, Encoded
+from hybridpar.runtime.comm.group import Group, group_size, pg_of
 from hybridpar.runtime.comm.ledger import Entry, Ledger
+from hybridpar.terms import Term
 
 __all__ = [
     "CompressedPipeline",
@@ -50,10 +50,6 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     return [max(0, min(c, n - i * c)) for i in range(parts)]
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
 class Pending:
     """An async collective: wait() blocks, then the ledger entry gets its wall time."""
 
@@ -74,7 +70,7 @@ class Pending:
 
 def all_reduce(
     t: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: Group | dist.ProcessGroup,
     ledger: Ledger | None,
     term: str,
     layers: dict[str, float] | None = None,
@@ -85,13 +81,13 @@ def all_reduce(
     t0 = time.perf_counter()
     if p == 1:
         return Pending(None, None, t0)
-    small = None if async_op else _small.reducer_for(group)
+    small = None if async_op or not isinstance(group, Group) else group.shm
     if small is not None and small.fits(t):  # shared memory: microseconds instead of milliseconds
         small.small_all_reduce(t)
         if ledger:
             ledger.record("all_reduce", p, t.numel() * t.element_size(), 0.0, term, layers)
         return Pending(None, None, t0)
-    work = dist.all_reduce(t, group=group, async_op=async_op)
+    work = dist.all_reduce(t, group=pg_of(group), async_op=async_op)
     entry = (
         ledger.record("all_reduce", p, t.numel() * t.element_size(), 0.0, term, layers)
         if ledger
@@ -107,7 +103,7 @@ def all_gather_uneven(
     t: torch.Tensor,
     sizes: Sequence[int],
     dim: int,
-    group: dist.ProcessGroup,
+    group: Group | dist.ProcessGroup,
     ledger: Ledger | None,
     term: str,
     layer: str | None,
@@ -115,7 +111,7 @@ def all_gather_uneven(
 ) -> torch.Tensor:
     """Concatenate along `dim` the pieces of every rank of `group`; piece i has sizes[i] along dim.
 
-    On one host (a group `comm.small.enable`d) through shared memory; otherwise on
+    On one host (a group built with shared memory: comm.group) through it; otherwise on
     torch.distributed, uneven pieces padded to the largest for the wire. The ledger records the
     bytes of the real (unpadded) result, the quantity the cost model predicts."""
     p = len(sizes)
@@ -126,7 +122,7 @@ def all_gather_uneven(
     t0 = time.perf_counter()
     top = max(sizes)
     t = t.contiguous()
-    small = _small.reducer_for(group)
+    small = group.shm if isinstance(group, Group) else None
     inner = math.prod(
         n for i, n in enumerate(t.shape) if i != dim % t.dim()
     )  # a piece may be empty
@@ -147,7 +143,7 @@ def all_gather_uneven(
 
 
 def _gloo_all_gather(
-    t: torch.Tensor, sizes: Sequence[int], dim: int, group: dist.ProcessGroup, top: int
+    t: torch.Tensor, sizes: Sequence[int], dim: int, group: Group | dist.ProcessGroup, top: int
 ) -> torch.Tensor:
     """all_gather_uneven on torch.distributed: pieces padded to the largest for the wire."""
     if t.shape[dim] < top:
@@ -155,7 +151,7 @@ def _gloo_all_gather(
         pad_shape[dim] = top - t.shape[dim]
         t = torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
     pieces = [torch.empty_like(t) for _ in sizes]
-    dist.all_gather(pieces, t, group=group)
+    dist.all_gather(pieces, t, group=pg_of(group))
     return torch.cat([x.narrow(dim, 0, n) for x, n in zip(pieces, sizes, strict=True)], dim=dim)
 
 
@@ -173,7 +169,7 @@ def _gather_bytes(
     buf = torch.zeros(top, dtype=torch.uint8, device=mine.device)
     buf[: mine.numel()] = mine
     pieces = [torch.empty_like(buf) for _ in lengths]
-    dist.all_gather(pieces, buf, group=group)
+    dist.all_gather(pieces, buf, group=pg_of(group))
     return [x[:n] for x, n in zip(pieces, lengths, strict=True)]
 
 
@@ -225,7 +221,7 @@ def _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec: Cod
 
 def compressed_all_reduce(
     t: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: Group | dist.ProcessGroup,
     codec: Codec,
     ledger: Ledger | None,
     term: str,
@@ -344,20 +340,20 @@ class CompressedPipeline:
 
     def __init__(
         self,
-        group: dist.ProcessGroup,
+        group: Group | dist.ProcessGroup,
         codec: Codec,
         ledger: Ledger | None,
         term: str,
         residuals: dict | None = None,
         buffers: object = None,
     ) -> None:
-        self.group, self.codec, self.ledger, self.term = group, codec, ledger, term
+        self.group, self.codec, self.ledger, self.term = pg_of(group), codec, ledger, term
         self.residuals = residuals
         # whose byte buffers (per thread, `_scratch`): its own unless the caller says otherwise, so
         # two pipelines on one thread (two groups' reducers on one worker) never share buffers
         # that a collective in flight still reads
         self.buffers = buffers if buffers is not None else id(self)
-        self.p, self.me = group_size(group), dist.get_rank(group)
+        self.p, self.me = group_size(group), dist.get_rank(self.group)
         self.live: list[_Piece] = []
         self.count = 0
 

@@ -11,6 +11,12 @@ a step's n examples split over all P ranks in rank order (`even_split(n, P)`), a
 any grid holds the blocks of its model group's ranks c*Pr .. c*Pr + Pr - 1. So when Pc' divides Pc
 the coarser layout's batch group is the union of m = Pc / Pc' finer ones, and moving between the
 two is one all-gather (or a slice) among the m ranks that hold the pieces: `GridSet.regroup`.
+
+Transport. Every group is built by `new_group`, which fixes how its synchronous collectives
+travel (comm.group): the groups that carry activations (model, batch, regroup, the batch norms'
+twins, the job's world group) take host shared memory where all their ranks share a host, unless
+the engine is told not to (RuntimeOptions.shared_memory); the gradient reducer's own groups stay
+on torch.distributed.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.errors import ConfigError
+from hybridpar.runtime.comm.group import Group, group_timeout
+from hybridpar.runtime.comm.small import shared_memory
 
-__all__ = ["GridSet", "ProcessGrid", "check_grid", "group_timeout", "rows_of_group"]
-
-DEFAULT_TIMEOUT_S = 300.0
+__all__ = ["GridSet", "ProcessGrid", "check_grid", "close_groups", "new_group", "rows_of_group"]
 
 
 def check_grid(pr: int, pc: int, world: int, batch: int | None = None) -> None:
@@ -44,34 +50,45 @@ def check_grid(pr: int, pc: int, world: int, batch: int | None = None) -> None:
         )
 
 
-def group_timeout(group: dist.ProcessGroup | None = None) -> datetime.timedelta:
-    """The collective timeout the default group was created with (init_process_group's
-    `timeout`); new groups get the same, so a dead rank ends the job as soon on every group."""
-    group = group or dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
-
-
-_GROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_GROUPS: dict[tuple, tuple[object, Group]] = {}
 
 
 def new_group(
-    members: list[int], timeout: datetime.timedelta, desc: str, tag: str = ""
-) -> dist.ProcessGroup:
-    """dist.new_group, once per (members, timeout) for the life of the default group: a job that
+    members: list[int],
+    timeout: datetime.timedelta | None,
+    desc: str,
+    tag: str = "",
+    shm: bool = False,
+) -> Group:
+    """A group of `members` with the collective `timeout` (the default group's when None) and,
+    with `shm`, host shared memory for its synchronous small collectives where every member
+    shares this host (collective over the members: set up right here, once).
+
+    Built once per (members, timeout, tag, shm) for the life of the default group: a job that
     parallelizes several models (tests, benchmarks) reuses its groups instead of opening new
-    connections each time. Every rank calls it for every group in the same order, as new_group
-    requires, so every rank hits or misses the cache alike. A `tag` gives the same members a
-    second, separate group (the gradient reducer's own, see grad_group)."""
+    connections each time. Every rank calls it for every group in the same order, as
+    dist.new_group requires, so every rank hits or misses the cache alike. A `tag` gives the
+    same members a second, separate group (the gradient reducer's own, see GridSet.grad_group)."""
     world = dist.group.WORLD
-    key = (id(world), tuple(members), timeout, tag)
+    timeout = timeout or group_timeout()
+    key = (id(world), tuple(members), timeout, tag, shm)
     if key not in _GROUPS:  # the value keeps `world` alive, so its id is not reused
-        _GROUPS[key] = (world, dist.new_group(members, timeout=timeout, group_desc=desc))
+        pg = dist.new_group(members, timeout=timeout, group_desc=desc)
+        group = Group(pg, timeout)
+        if shm and dist.get_rank() in members:
+            group.shm = shared_memory(group)
+        _GROUPS[key] = (world, group)
     return _GROUPS[key][1]
+
+
+def close_groups() -> None:
+    """Release the shared memory of every group (comm.shutdown calls it before the process
+    groups are destroyed)."""
+    for _, group in _GROUPS.values():
+        if group.shm is not None:
+            group.shm.close()
+            group.shm = None
+    _GROUPS.clear()
 
 
 def rows_of_group(sizes: list[int], pr: int, c: int) -> int:
@@ -90,6 +107,8 @@ class ProcessGrid:
     device: str = "cpu"
     timeout: datetime.timedelta | None = None
     """collective timeout of the grid's groups (default: the default group's)"""
+    shm: bool = False
+    """the model and batch groups through host shared memory where they share a host"""
     mesh: DeviceMesh = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +119,7 @@ class ProcessGrid:
         self.rank = dist.get_rank()
         self.r = self.rank % self.pr  # position in the model group (which weight shard)
         self.c = self.rank // self.pr  # position in the batch group (which examples)
+        self.groups: dict[str, Group] = {}
         self.mesh = self._mesh()
 
     def _mesh(self) -> DeviceMesh:
@@ -107,14 +127,13 @@ class ProcessGrid:
         rank would hang the others that long; we create them with the job's timeout and build the
         same mesh from them."""
         ranks = torch.arange(self.pr * self.pc).reshape(self.pc, self.pr)
-        mine = {}
         for name, rows in (("model", ranks.tolist()), ("batch", ranks.t().tolist())):
             for members in rows:  # every rank creates every group, in the same order
-                g = new_group(members, self.timeout, f"hybridpar_{name}")
+                g = new_group(members, self.timeout, f"hybridpar_{name}", shm=self.shm)
                 if self.rank in members:
-                    mine[name] = g
+                    self.groups[name] = g
         return DeviceMesh.from_group(
-            [mine["batch"], mine["model"]],
+            [self.groups["batch"].pg, self.groups["model"].pg],
             self.device,
             mesh=ranks,
             mesh_dim_names=("batch", "model"),
@@ -125,12 +144,12 @@ class ProcessGrid:
         return self.pr * self.pc
 
     @property
-    def model_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("model")
+    def model_group(self) -> Group:
+        return self.groups["model"]
 
     @property
-    def batch_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("batch")
+    def batch_group(self) -> Group:
+        return self.groups["batch"]
 
     def rows(self, sizes: list[int]) -> slice:
         """The examples of this rank's batch group within a step, given every rank's share of the
@@ -140,9 +159,10 @@ class ProcessGrid:
 
 
 class GridSet:
-    """The grids of one plan, keyed by Pc (a layout is its number of batch groups), and the groups
-    that move an activation between two of their layouts; every group with `timeout`, created in
-    the same order on every rank."""
+    """The grids of one plan, keyed by Pc (a layout is its number of batch groups), the groups
+    that move an activation between two of their layouts, and the job's world group; every group
+    with `timeout`, created in the same order on every rank. `shm`: the groups that carry
+    activations and small sums go through host shared memory where their ranks share a host."""
 
     def __init__(
         self,
@@ -150,36 +170,26 @@ class GridSet:
         moves: Iterable[tuple[int, int]] = (),
         device: str = "cpu",
         timeout: datetime.timedelta | None = None,
+        shm: bool = True,
     ) -> None:
-        self.world = dist.get_world_size()
+        self.world_size = dist.get_world_size()
         self.timeout = timeout or group_timeout()
         self.device = device
+        self.shm = shm and device == "cpu"
+        everyone = list(range(self.world_size))
+        self.world = new_group(everyone, self.timeout, "hybridpar_world", "world", self.shm)
         self.grids = {
-            pc: ProcessGrid(self.world // pc, pc, device, self.timeout) for pc in sorted(set(pcs))
+            pc: ProcessGrid(self.world_size // pc, pc, device, self.timeout, self.shm)
+            for pc in sorted(set(pcs))
         }
-        self._moves: dict[tuple[int, int], dist.ProcessGroup] = {}
+        self._moves: dict[tuple[int, int], Group] = {}
         for a, b in sorted({(max(a, b), min(a, b)) for a, b in moves if a != b}):
             self._moves[(a, b)] = self._regroup(a, b)
-        if device == "cpu":
-            self._shared_memory()
-
-    def _shared_memory(self) -> None:
-        """The activations' collectives (all-gathers, dX all-reduces, hand-offs) through host
-        shared memory wherever a group's ranks share a host (comm.small). Setting a group up is
-        collective over it; every rank does its groups in the order they were created, so no two
-        ranks wait for each other in different groups."""
-        from hybridpar.runtime.comm import small
-
-        for g in self.grids.values():
-            small.enable(g.model_group)
-            small.enable(g.batch_group)
-        for _, group in sorted(self._moves.items(), key=lambda kv: kv[0]):
-            small.enable(group)
 
     def grid(self, pc: int) -> ProcessGrid:
         return self.grids[pc]
 
-    def _regroup(self, fine: int, coarse: int) -> dist.ProcessGroup:
+    def _regroup(self, fine: int, coarse: int) -> Group:
         """Ranks {k : k // pr_coarse and k % pr_fine as for this rank}: the m = fine / coarse ranks
         whose batch groups of the fine layout make up one batch group of the coarse layout."""
         if fine % coarse:
@@ -187,20 +197,20 @@ class GridSet:
                 f"layouts with {fine} and {coarse} batch groups do not nest: no redistribution "
                 "between them; use grids whose Pc divide one another"
             )
-        pr_f, pr_c = self.world // fine, self.world // coarse
+        pr_f, pr_c = self.world_size // fine, self.world_size // coarse
         rank, mine = dist.get_rank(), None
         for c in range(coarse):
             for r in range(pr_f):
                 members = [c * pr_c + j * pr_f + r for j in range(fine // coarse)]
-                g = new_group(members, self.timeout, "hybridpar_regroup")
+                g = new_group(members, self.timeout, "hybridpar_regroup", shm=self.shm)
                 if rank in members:
                     mine = g
         return mine
 
-    def regroup(self, a: int, b: int) -> dist.ProcessGroup:
+    def regroup(self, a: int, b: int) -> Group:
         return self._moves[(max(a, b), min(a, b))]
 
-    def twin_group(self, pc: int, tag: str) -> dist.ProcessGroup:
+    def twin_group(self, pc: int, tag: str, shm: bool = False) -> Group:
         """Another group with the members of this rank's batch group of grid `pc`, so that one kind
         of traffic never queues behind another on one group: "grads" for the gradient reducer's
         thread (comm.worker), "bn" for batch-norm statistics. Collective: every rank calls it for
@@ -210,10 +220,14 @@ class GridSet:
         ranks = torch.arange(g.pr * g.pc).reshape(g.pc, g.pr).t().tolist()
         mine = None
         for members in ranks:
-            grp = new_group(members, self.timeout, f"hybridpar_{tag}", tag=tag)
+            grp = new_group(
+                members, self.timeout, f"hybridpar_{tag}", tag=tag, shm=shm and self.shm
+            )
             if dist.get_rank() in members:
                 mine = grp
         return mine
 
-    def grad_group(self, pc: int) -> dist.ProcessGroup:
+    def grad_group(self, pc: int) -> Group:
+        """The gradient reducer's own twin of grid `pc`'s batch group (torch.distributed: the
+        reducer's thread runs asynchronous collectives)."""
         return self.twin_group(pc, "grads")

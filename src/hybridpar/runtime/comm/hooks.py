@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from hybridpar.plan import Term
 from hybridpar.runtime.comm.codecs import Codec, get_codec
 from hybridpar.runtime.comm.collectives import (
     CompressedPipeline,
     all_reduce,
     compressed_all_reduce,
-    group_size,
 )
+from hybridpar.runtime.comm.group import Group, group_size
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
+from hybridpar.terms import Term
 
 __all__ = [
     "PIECE_STRIDE",
@@ -39,7 +39,7 @@ class ReducerState:
     """What a hook needs: the group, whether to average (DDP expects the mean; hybridpar's loss is
     already scaled by 1/B, so it sums), the ledger, and for each bucket the layers it carries."""
 
-    group: dist.ProcessGroup | None = None
+    group: Group | dist.ProcessGroup | None = None
     average: bool = True
     ledger: Ledger | None = None
     term: str = Term.DW_ALLREDUCE

@@ -11,16 +11,16 @@ Several hosts (discovered from the host names, not configured): after the intra-
 per host (the leader) all-reduces the host sums over torch.distributed, writes the result back
 into the segment and raises a final flag that the other ranks of its host wait for.
 
-Stages (issue 12, item 4): a bucket is summed in stages of `stage_bytes` (1 MB by default,
-HYBRIDPAR_HOST_STAGE_MB sets it, 0 means one stage), each with its own arrival and done flags. A
+Stages (issue 12, item 4): a bucket is summed in stages of `stage_bytes` (1 MB by default;
+RuntimeOptions.host_stage_mb sets it, 0 means one stage), each with its own arrival and done flags. A
 rank raises a stage's arrival flag as soon as that stage of its slot is written, and the ranks sum
 stage c while stage c + 1 is still being written: the gradient synchroniser packs a bucket
 straight into the slot on the autograd thread (`start`) while the reducer's thread sums. What that
 saves in training is the last bucket's sum after its pack (docs/host-reducer.md, measured). A
 tensor the reducer copies in (DDP's hook) is summed as one stage: staged, it was slower.
 
-Robustness: every wait has the job's collective timeout (HYBRIDPAR_TIMEOUT_S) and names the rank
-that did not arrive. A segment is a file in /dev/shm that is unlinked as soon as every rank of the
+Robustness: every wait has the group's collective timeout (the one it was built with) and names
+the rank that did not arrive. A segment is a file in /dev/shm that is unlinked as soon as every rank of the
 host has mapped it, so nothing is left behind even when a rank is killed.
 
 Ordering relies on the processor keeping stores in order (x86-64's TSO): the data is written
@@ -41,39 +41,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridpar.plan import Term
 from hybridpar.runtime import faults
+from hybridpar.runtime.comm.group import Group, group_timeout, pg_of
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
+from hybridpar.terms import Term
 
 __all__ = ["HostReducer", "HostState", "StagedReduce", "discover"]
 
 _FLAGS = 4  # per rank, parity and stage: arrived, done, final (+1 spare, keeps 32-byte rows)
 ARRIVED, DONE, FINAL = 0, 1, 2
-STAGE_BYTES = 1 << 20  # a bucket's stage when HYBRIDPAR_HOST_STAGE_MB is not set
+STAGE_BYTES = 1 << 20  # a bucket's stage unless the caller says otherwise
 
 
 # How long a wait yields the core (sched_yield) before it sleeps. Timer slack makes a Python sleep
 # last 60 us or more, and ranks in lockstep (global BN's small all-reduces) typically wait tens of
 # microseconds, so waking from a sleep would cost more than the wait itself.
 _YIELD_S = 500e-6
-
-
-def _timeout() -> float:
-    return float(os.environ.get("HYBRIDPAR_TIMEOUT_S", "300"))
-
-
-def _stage_bytes() -> int:
-    text = os.environ.get("HYBRIDPAR_HOST_STAGE_MB")
-    if text is None:
-        return STAGE_BYTES
-    try:
-        mb = float(text)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"HYBRIDPAR_HOST_STAGE_MB={text!r}: give megabytes >= 0 (0: one stage)")
-    return int(mb * 2**20)
 
 
 def sum_in_order(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
@@ -133,25 +117,26 @@ class _Topology:
 
 
 def discover(
-    group: dist.ProcessGroup | None = None, host: str | None = None, make_leaders: bool = True
+    group: Group | dist.ProcessGroup | None = None,
+    host: str | None = None,
+    make_leaders: bool = True,
 ) -> _Topology:
-    """Which ranks of `group` share this host (by host name; `host` overrides it, for tests that
-    emulate several hosts on one machine). Collective: every rank of the group calls it. With
-    several hosts and `make_leaders`, it also creates the group of one rank per host, which every rank
-    of the default group must join (new_group's rule): only for `group` = the whole world."""
-    group = group or dist.group.WORLD
+    """Which ranks of `group` share this host (by host name; `host` or HYBRIDPAR_HOST overrides
+    it, for tests that emulate several hosts on one machine). Collective: every rank of the group
+    calls it. With several hosts and `make_leaders`, it also creates the group of one rank per
+    host (with the group's timeout), which every rank of the default group must join
+    (new_group's rule): only for `group` = the whole world."""
+    pg = pg_of(group)
     me = dist.get_rank()
     name = host or os.environ.get("HYBRIDPAR_HOST") or socket.gethostname()
-    names: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, (name, me), group=group)
+    names: list[object] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(names, (name, me), group=pg)
     hosts = sorted({n for n, _ in names})
     mine = [r for n, r in names if n == name]
     leaders_ranks = [min(r for n, r in names if n == h) for h in hosts]
     leaders = None
     if len(hosts) > 1 and make_leaders:  # every rank creates the group, in the same order
-        import datetime
-
-        leaders = dist.new_group(leaders_ranks, timeout=datetime.timedelta(seconds=_timeout()))
+        leaders = dist.new_group(leaders_ranks, timeout=group_timeout(group))
     return _Topology(mine.index(me), len(mine), mine, me == mine[0], leaders, len(hosts))
 
 
@@ -186,21 +171,22 @@ class HostReducer:
 
     Create it on every rank of the group (collective). `all_reduce(t, key)` sums t in place; `key`
     names the bucket (a segment is made for each key on first use, also collectively).
-    `stage_bytes`: the size of a bucket's stages (module docstring); None reads
-    HYBRIDPAR_HOST_STAGE_MB, 0 sums a bucket in one stage."""
+    `stage_bytes`: the size of a bucket's stages (module docstring; 0 sums a bucket in one stage).
+    Every wait times out after the group's collective timeout."""
 
     def __init__(
         self,
-        group: dist.ProcessGroup | None = None,
+        group: Group | dist.ProcessGroup | None = None,
         ledger: Ledger | None = None,
         host: str | None = None,
         make_leaders: bool = True,
-        stage_bytes: int | None = None,
+        stage_bytes: int = STAGE_BYTES,
     ) -> None:
-        self.group = group or dist.group.WORLD
+        self.group = pg_of(group)
+        self.timeout_s = group_timeout(group).total_seconds()
         self.ledger = ledger
-        self.stage_bytes = _stage_bytes() if stage_bytes is None else stage_bytes
-        self.topo = discover(self.group, host, make_leaders)
+        self.stage_bytes = stage_bytes
+        self.topo = discover(group, host, make_leaders)
         token = [secrets.token_hex(6) if dist.get_rank(self.group) == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=self.group)
         self.token = token[0]
@@ -294,7 +280,7 @@ class HostReducer:
                 return
             now = time.monotonic()
             if not start:
-                start, limit = now, _timeout()
+                start, limit = now, self.timeout_s
             waited = now - start
             if waited < _YIELD_S:
                 # sched_yield: a runnable peer on this core (an oversubscribed machine) gets the

@@ -15,13 +15,13 @@ are hundreds of kilobytes, a few per layer and step, and at 4 ranks on 2 cores g
 4.6 ms of latency on each. Through shared memory an all-gather is one copy in and one
 concatenation out of the peers' slots.
 
-`enable(group)` (collective over the group) sets it up where every rank of the group is on this
-host; `GridSet` does it for the groups its layers and hand-offs use. After that,
-`comm.collectives.all_reduce` and `all_gather_uneven` on that group take this path for
-synchronous CPU calls of up to `MAX_BYTES` per rank; the segment grows (collectively: every rank
-makes the same call, so every rank decides alike) to the largest call seen. Across hosts, for
-CUDA tensors, for async calls, and for larger tensors (the gradient buckets: the host reducer's
-job) it stays on torch.distributed.
+A group gets one when it is built (comm.grid.new_group with shared memory asked for, where every
+rank of the group is on this host: comm.group.Group.shm); `comm.collectives.all_reduce` and
+`all_gather_uneven` on that group then take this path for synchronous CPU calls of up to
+`MAX_BYTES` per rank; the segment grows (collectively: every rank makes the same call, so every
+rank decides alike) to the largest call seen. Across hosts, for CUDA tensors, for async calls,
+and for larger tensors (the gradient buckets: the host reducer's job) it stays on
+torch.distributed.
 
 Why this is safe: a rank writes its slot of parity q at call k only after it has seen every
 rank's flag for call k - 1. So every rank has finished reading call k - 2, which used parity q.
@@ -30,25 +30,24 @@ rank's flag for call k - 1. So every rank has finished reading call k - 2, which
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
 from hybridpar.planning.cluster import SHM_MAX_BYTES
+from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.host import HostReducer, sum_in_order
 
-__all__ = ["SmallReducer", "enable", "reducer_for"]
+__all__ = ["SmallReducer", "shared_memory"]
 
 CAPACITY = 1 << 16  # bytes per rank and call to start with: 8192 float64 (BN of 4096 channels)
 MAX_BYTES = SHM_MAX_BYTES  # per rank and call: larger tensors stay on torch.distributed
-_REDUCERS: dict[int, tuple[dist.ProcessGroup, SmallReducer]] = {}
 
 
 class SmallReducer(HostReducer):
     """All-reduce of small CPU tensors over a group whose ranks share this host."""
 
-    def __init__(self, group: dist.ProcessGroup, capacity: int = CAPACITY) -> None:
+    def __init__(self, group: Group | dist.ProcessGroup, capacity: int = CAPACITY) -> None:
         super().__init__(group, make_leaders=False, stage_bytes=0)
         if self.topo.hosts != 1:
             raise ValueError("SmallReducer needs every rank of its group on this host")
@@ -125,30 +124,12 @@ class SmallReducer(HostReducer):
         return torch.cat(pieces, dim=dim)
 
 
-def enable(group: dist.ProcessGroup | None = None) -> SmallReducer | None:
-    """Route the group's small synchronous CPU all-reduces through shared memory when all its ranks
-    share this host (collective over the group; idempotent). Returns the reducer, or None where
-    it does not apply (one rank, several hosts, HYBRIDPAR_SMALL_SHM=0)."""
-    group = group or dist.group.WORLD
-    if id(group) in _REDUCERS:
-        return _REDUCERS[id(group)][1]
-    if dist.get_world_size(group) == 1 or os.environ.get("HYBRIDPAR_SMALL_SHM", "1") == "0":
+def shared_memory(group: Group | dist.ProcessGroup) -> SmallReducer | None:
+    """A shared-memory reducer for `group` (collective over it), or None where every rank of the
+    group is not on this host, or the group has one rank."""
+    if dist.get_world_size(group.pg if isinstance(group, Group) else group) == 1:
         return None
     try:
-        r = SmallReducer(group)
+        return SmallReducer(group)
     except ValueError:  # several hosts: every rank of the group saw the same host names
         return None
-    _REDUCERS[id(group)] = (group, r)  # the tuple keeps `group` alive, so its id is not reused
-    return r
-
-
-def reducer_for(group: dist.ProcessGroup) -> SmallReducer | None:
-    hit = _REDUCERS.get(id(group))
-    return hit[1] if hit is not None and hit[0] is group else None
-
-
-def disable_all() -> None:
-    """Drop every small reducer (comm.shutdown calls it with the process group's end)."""
-    for _, r in _REDUCERS.values():
-        r.close()
-    _REDUCERS.clear()

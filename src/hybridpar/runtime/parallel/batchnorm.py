@@ -28,10 +28,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hybridpar.plan import Term
 from hybridpar.runtime.comm import kernels
-from hybridpar.runtime.comm.collectives import all_reduce, group_size
+from hybridpar.runtime.comm.collectives import all_reduce
+from hybridpar.runtime.comm.group import Group, group_size
 from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.terms import Term
 
 __all__ = [
     "AdaptiveGlobalBatchNorm",
@@ -202,7 +203,7 @@ class GlobalBatchNorm(_BatchNorm):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
-        group: dist.ProcessGroup | None = None,
+        group: Group | dist.ProcessGroup | None = None,
         ledger: Ledger | None = None,
         layer: str = "",
         device=None,
@@ -218,7 +219,7 @@ class GlobalBatchNorm(_BatchNorm):
             want = " or ".join(f"{d}D" for d in self._dims or (2,))
             raise ValueError(f"{type(self).__name__} expects {want} input, got {x.dim()}D")
 
-    def _group(self) -> dist.ProcessGroup | None:
+    def _group(self) -> Group | dist.ProcessGroup | None:
         if not dist.is_available() or not dist.is_initialized():
             return None
         return self.group if self.group is not None else dist.group.WORLD
@@ -317,7 +318,7 @@ class BNSwitch:
 
     bz_max: int | None = None
     rule: LossPlateau | None = field(default_factory=LossPlateau)
-    group: dist.ProcessGroup | None = None
+    group: Group | dist.ProcessGroup | None = None
     ledger: Ledger | None = None
     device: str = "cpu"  # where the agreed window sums are reduced (cuda under NCCL)
     mode: str = "local"
@@ -398,7 +399,7 @@ class AdaptiveGlobalBatchNorm(GlobalBatchNorm):
 
 def convert_global_batchnorm(
     module: nn.Module,
-    group: dist.ProcessGroup | None = None,
+    group: Group | dist.ProcessGroup | None = None,
     *,
     ledger: Ledger | None = None,
     switch: BNSwitch | None = None,

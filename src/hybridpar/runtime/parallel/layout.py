@@ -2,7 +2,9 @@
 segment, where the layout changes, and which segment each module and parameter runs in.
 
 Needs no processes (the model is traced on the meta device), so `hybridpar train` checks a plan
-against the model before it spawns anything, and `parallelize` builds from the same answer.
+against the model before it spawns anything, and hands the answer to every rank's `parallelize`
+(one trace and one resolve per job). Whether a layer can take its style is
+`hybridpar.planning.rules.why_not`, the function the planner asks too.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ from torch import nn
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style, assign_styles
 from hybridpar.planning.analysis import Trace, trace
-from hybridpar.planning.cost.layers import CostLayer, cost_layers
+from hybridpar.planning.layers import CostLayer, cost_layers
+from hybridpar.planning.rules import why_not, why_not_choices
 
 __all__ = ["Layout", "resolve"]
-
-SPLITTABLE = (nn.Linear, nn.Conv2d)
 
 
 @dataclass
@@ -35,13 +36,17 @@ class Layout:
     param_segment: dict[str, int]  # parameter -> segment where its gradient is computed
     layer_of: dict[str, str]  # leaf module -> the cost-model layer it belongs to (ledger names)
 
-    def moves(self) -> list[tuple[int, int, int]]:
-        """(segment, Pc before it, Pc of it) wherever the layout changes."""
+    def moves(self) -> list[tuple[int, Style, Style]]:
+        """(segment, the style before it, its style) wherever the layout changes."""
         return [
-            (k, self.segments[k - 1].pc, s.pc)
+            (k, self.segments[k - 1], s)
             for k, s in enumerate(self.segments)
-            if k and s.pc != self.segments[k - 1].pc
+            if k and s.layout != self.segments[k - 1].layout
         ]
+
+    def first_layer(self, seg: int) -> str:
+        """The first weighted layer of segment `seg` (the name the ledger books its moves under)."""
+        return next(x.name for x in self.layers if x.segment == seg)
 
     def split_layers(self) -> dict[str, Style]:
         """Weighted layers whose weights are split (model style with Pr > 1)."""
@@ -71,14 +76,12 @@ def resolve(
     names = [x.name for x in layers]
     styles = assign_styles(plan.styles, list(modules), names, plan.procs)
     for x in layers:
-        _check_style(x, modules[x.name], styles[x.name], tr.calls.get(x.name, 0), plan.batch)
-    if plan.reducer == "host" and any(not s.is_batch for s in styles.values()):
-        raise ConfigError(
-            "the host reducer runs with batch parallelism only (every layer batch); use "
-            "--preset grid:1xP or ddp, or --reducer process-group"
-        )
-    if plan.reducer == "host" and plan.codec != "none" and "grads" in plan.compress:
-        raise ConfigError("the host reducer sums float32 gradients: compress activations only")
+        why = why_not(x, styles[x.name], plan.batch)
+        if why:
+            raise ConfigError(why)
+    why = why_not_choices(plan.choices, styles.values())
+    if why:
+        raise ConfigError(why)
     segments: dict[int, Style] = {}
     entries: dict[int, str] = {}
     for x in layers:
@@ -122,35 +125,6 @@ def resolve(
     return layout
 
 
-def _check_style(x: CostLayer, module: nn.Module, s: Style, calls: int, batch: int) -> None:
-    if s.kind == "domain":
-        raise ConfigError(
-            f"{x.name}: domain parallelism is planned but not executed yet; re-plan without it "
-            "(`hybridpar plan --out` leaves it out)"
-        )
-    if s.pc > batch:
-        raise ConfigError(f"{x.name}: {s} needs at least Pc={s.pc} examples per batch, got {batch}")
-    if s.is_batch:
-        return
-    if not isinstance(module, SPLITTABLE):
-        raise ConfigError(
-            f"{x.name} ({type(module).__name__}) cannot take {s}: only Linear and Conv2d layers "
-            "split over a model group; give it batch"
-        )
-    if isinstance(module, nn.Conv2d) and (module.groups != 1 or module.padding_mode != "zeros"):
-        raise ConfigError(
-            f"{x.name}: a grouped or non-zero-padded Conv2d cannot take {s}; give it batch"
-        )
-    units = module.out_features if isinstance(module, nn.Linear) else module.out_channels
-    if s.pr > units:
-        what = "output features" if isinstance(module, nn.Linear) else "output channels"
-        raise ConfigError(f"{x.name} has {units} {what}, fewer than Pr={s.pr}; use a smaller Pr")
-    if calls != 1:
-        raise ConfigError(
-            f"{x.name} is called {calls} times per forward; only a layer called once can take {s}"
-        )
-
-
 def _single_segments(what: str, uses: dict[str, set[int]], order: list[Style]) -> dict[str, int]:
     """Each name's segment; a name used in segments of different layouts is refused (its gradient
     would be summed over two different groups)."""
@@ -171,8 +145,10 @@ def _check_redistributions(layout: Layout) -> None:
     listed = {(r.at, r.layer, r.src.pc, r.dst.pc) for r in layout.plan.redistributions}
     if not listed:
         return
-    first = {x.segment: x.name for x in reversed(layout.layers)}
-    found = {(layout.entries.get(k, first[k]), first[k], a, b) for k, a, b in layout.moves()}
+    found = {
+        (layout.entries.get(k, layout.first_layer(k)), layout.first_layer(k), a.pc, b.pc)
+        for k, a, b in layout.moves()
+    }
     if listed != found:
         extra = sorted(listed - found) or sorted(found - listed)
         raise ConfigError(

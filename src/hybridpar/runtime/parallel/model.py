@@ -23,7 +23,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridpar.errors import ConfigError
-from hybridpar.plan import Term
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
     all_gather_uneven,
@@ -31,10 +30,19 @@ from hybridpar.runtime.comm.collectives import (
     chunk_sizes,
     compressed_all_reduce,
 )
+from hybridpar.runtime.comm.group import Group, group_rank, group_size
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import gather
+from hybridpar.runtime.parallel.styles import ParallelStyle
+from hybridpar.terms import Term
 
-__all__ = ["ModelParallel", "ModelParallelConv2d", "ModelParallelLinear", "copy_to_group"]
+__all__ = [
+    "ModelParallel",
+    "ModelParallelConv2d",
+    "ModelParallelLinear",
+    "ModelStyle",
+    "copy_to_group",
+]
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -58,12 +66,12 @@ class _CopyToGroup(torch.autograd.Function):
 
 def copy_to_group(
     x: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: Group | dist.ProcessGroup,
     ledger: Ledger | None,
     layer: str,
     codec: Codec | None = None,
 ) -> torch.Tensor:
-    if dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _CopyToGroup.apply(x, group, ledger, layer, codec)
 
@@ -75,17 +83,17 @@ class ModelParallel(nn.Module):
     codec: Codec | None = None  # activations and their gradients on the wire (None: float32)
 
     def __init__(
-        self, units: int, group: dist.ProcessGroup, ledger: Ledger | None, name: str
+        self, units: int, group: Group | dist.ProcessGroup, ledger: Ledger | None, name: str
     ) -> None:
         super().__init__()
-        pr = dist.get_world_size(group)
+        pr = group_size(group)
         if pr > units:
             raise ConfigError(
                 f"layer {name} has {units} output units, fewer than Pr={pr}; use a smaller Pr"
             )
         self.group, self.ledger, self.name = group, ledger, name
         self.sizes = chunk_sizes(units, pr)
-        self.r = dist.get_rank(group)
+        self.r = group_rank(group)
         self.start = sum(self.sizes[: self.r])
 
     mesh = None  # the grid's DeviceMesh ("batch", "model"), set by parallelize: for checkpoints
@@ -141,7 +149,7 @@ class ModelParallelLinear(ModelParallel):
     def __init__(
         self,
         linear: nn.Linear,
-        group: dist.ProcessGroup,
+        group: Group | dist.ProcessGroup,
         ledger: Ledger | None = None,
         name: str = "",
     ) -> None:
@@ -168,7 +176,7 @@ class ModelParallelConv2d(ModelParallel):
     def __init__(
         self,
         conv: nn.Conv2d,
-        group: dist.ProcessGroup,
+        group: Group | dist.ProcessGroup,
         ledger: Ledger | None = None,
         name: str = "",
     ) -> None:
@@ -197,3 +205,17 @@ class ModelParallelConv2d(ModelParallel):
             f"{self.in_channels}, {self.out_channels}, shard={self.sizes[self.r]} channels "
             f"from {self.start}, pr={len(self.sizes)}"
         )
+
+
+class ModelStyle(ParallelStyle):
+    """model(Pr x Pc): each weighted layer's output units split over the Pr ranks of a model group
+    (this file's layers); its shard's gradients summed over the Pc ranks of its batch group."""
+
+    kind = "model"
+
+    def shard(self, name: str, module: nn.Module, layer: str) -> nn.Module:
+        cls = ModelParallelLinear if isinstance(module, nn.Linear) else ModelParallelConv2d
+        new = cls(module, self.grid.model_group, self.ctx.ledger, layer)
+        new.codec, new.mesh = self.ctx.activation_codec, self.grid.mesh
+        new.train(module.training)
+        return new

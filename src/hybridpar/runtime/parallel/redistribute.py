@@ -16,24 +16,30 @@ gradient of a slice is all-gathered. Either direction sends one all-gather, the 
 
 Both are no-ops on a group of one rank. Scheme (a) is one round; schemes (b) and (c) (K rounds,
 each overlapped with the FC compute of the previous one) are a later `scheme`.
+
+`move(src, dst, ...)` places the redistribution between two styles' layouts: it looks the pair of
+layout kinds up in `MOVES` ("rep": split over batch groups, replicated in model groups; "dom":
+also split by height), where a style with a layout of its own registers its moves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hybridpar.errors import ConfigError
-from hybridpar.plan import Term
+from hybridpar.plan import Style
 from hybridpar.runtime import faults
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import all_gather_uneven
 from hybridpar.runtime.comm.grid import GridSet, rows_of_group
+from hybridpar.runtime.comm.group import Group, group_rank
 from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.terms import Term
 
-__all__ = ["Redistribute", "StepRows", "gather", "split"]
+__all__ = ["MOVES", "Redistribute", "StepRows", "gather", "move", "split"]
 
 
 class _Gather(torch.autograd.Function):
@@ -42,7 +48,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, sizes, dim, group, ledger, term, layer, codec):
         ctx.dim, ctx.sizes = dim, sizes
-        ctx.rank = dist.get_rank(group)
+        ctx.rank = group_rank(group)
         return all_gather_uneven(x, sizes, dim, group, ledger, term, layer, codec)
 
     @staticmethod
@@ -57,7 +63,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, sizes, dim, group, ledger, term, layer, codec):
         ctx.args = (sizes, dim, group, ledger, term, layer, codec)
-        rank = dist.get_rank(group)
+        rank = group_rank(group)
         return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
     @staticmethod
@@ -69,7 +75,7 @@ def gather(
     x: torch.Tensor,
     sizes: Sequence[int],
     dim: int,
-    group: dist.ProcessGroup,
+    group: Group | dist.ProcessGroup,
     ledger: Ledger | None,
     term: str,
     layer: str | None,
@@ -84,7 +90,7 @@ def split(
     x: torch.Tensor,
     sizes: Sequence[int],
     dim: int,
-    group: dist.ProcessGroup,
+    group: Group | dist.ProcessGroup,
     ledger: Ledger | None,
     term: str,
     layer: str | None,
@@ -124,7 +130,7 @@ class Redistribute:
         self.src, self.dst, self.rows = src, dst, rows
         self.ledger, self.layer, self.codec, self.scheme = ledger, layer, codec, scheme
         fine, coarse = max(src, dst), min(src, dst)
-        world = grids.world
+        world = grids.world_size
         self.pr_fine, self.m = world // fine, fine // coarse
         self.first = (
             dist.get_rank() // (world // coarse)
@@ -145,3 +151,31 @@ class Redistribute:
             x, self.sizes(), 0, self.group, self.ledger, Term.REDISTRIBUTE, self.layer, self.codec
         )
         return (y, *rest)
+
+
+Move = Callable[..., Callable]
+"""(src, dst, grids, rows, ledger, layer, codec) -> the forward pre-hook"""
+
+
+def _replicated(src, dst, grids, rows, ledger, layer, codec) -> Redistribute:
+    return Redistribute(grids, src.pc, dst.pc, rows, ledger, layer, codec)
+
+
+MOVES: dict[tuple[str, str], Move] = {("rep", "rep"): _replicated}
+"""(layout kind before, layout kind after) -> a function building the forward pre-hook"""
+
+
+def move(
+    src: Style,
+    dst: Style,
+    grids: GridSet,
+    rows: StepRows,
+    ledger: Ledger | None,
+    layer: str,
+    codec: Codec | None = None,
+) -> Callable:
+    """The forward pre-hook that moves a segment's input from `src`'s layout to `dst`'s."""
+    kinds = (src.layout[0], dst.layout[0])
+    if kinds not in MOVES:
+        raise ConfigError(f"no redistribution from {src} to {dst} before {layer}; re-plan")
+    return MOVES[kinds](src, dst, grids, rows, ledger, layer, codec)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.runtime.comm.group import Group, group_size
 from hybridpar.runtime.comm.hooks import ReducerState, allreduce_hook
 from hybridpar.runtime.comm.ledger import Ledger
 
@@ -98,7 +99,7 @@ class GradSync:
 
     def __init__(
         self,
-        groups: list[tuple[dist.ProcessGroup, list[tuple[str, nn.Parameter]]]],
+        groups: list[tuple[Group | dist.ProcessGroup, list[tuple[str, nn.Parameter]]]],
         ledger: Ledger | None = None,
         bucket_bytes: int = 4 * 2**20,
         hook: Hook = allreduce_hook,
@@ -113,7 +114,7 @@ class GradSync:
         self._last_grad_t = 0.0
         index = 0
         for group, named in groups:
-            if dist.get_world_size(group) == 1:
+            if group_size(group) == 1:
                 continue
             named = [(n, p) for n, p in named if p.requires_grad]
             chunks: list[list[tuple[str, nn.Parameter]]] = []

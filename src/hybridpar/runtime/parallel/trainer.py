@@ -1,26 +1,55 @@
-"""HybridTrainer: the per-step contract of a hybrid-parallel model in one object.
+"""HybridTrainer: the one training step, for `hybridpar train` and for users' own loops.
 
-A HybridParallel model asks for four things each step, in order: the global batch size
-(`set_batch`), this rank's rows in (`input_rows`) and out (`output_rows`), a loss summed over the
-rows and divided by the global batch (every gradient is then a plain sum over ranks), and the wait
-for the gradient sums (`finish_backward`) before the optimizer step. `HybridTrainer.step(x, y)`
-does exactly that, so none of it can be forgotten or done in the wrong order.
+An engine (HybridParallel or DDPEngine: hybridpar.runtime.parallel.engine) asks for four things
+each step, in order: the global batch size (`set_batch`), this rank's rows in (`input_rows`) and
+out (`output_rows`), a loss summed over the rows and divided by the global batch (every gradient
+is then a plain sum over ranks), and the wait for the gradient sums (`finish_backward`) before the
+optimizer step. `HybridTrainer.step(x, y)` does exactly that, so none of it can be forgotten or
+done in the wrong order; `train_step` is the same step without the loss's all-reduce (the epoch
+loop sums its metrics once per epoch). `save(dir)` and `load(dir)` checkpoint the engine and the
+optimizer through torch.distributed.checkpoint, resharding onto another plan or P.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.plan import ParallelPlan, Term
+from hybridpar.plan import ParallelPlan
+from hybridpar.runtime import faults
 from hybridpar.runtime.comm.collectives import all_gather_uneven, all_reduce
-from hybridpar.runtime.comm.grid import rows_of_group
-from hybridpar.runtime.parallel.api import HybridParallel, parallelize
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel import checkpoint
+from hybridpar.runtime.parallel.api import parallelize
+from hybridpar.runtime.parallel.engine import Engine
+from hybridpar.runtime.parallel.layout import Layout
+from hybridpar.terms import Term
 
-__all__ = ["HybridTrainer"]
+__all__ = ["HybridTrainer", "StepResult"]
+
+BLOCKING_TERMS = (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.REDISTRIBUTE)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One step on this rank: the loss summed over the outputs it counts (model-group replicas
+    count theirs once), how many of them its argmax got right (for class labels), how many it
+    counts, and where the step's time went."""
+
+    loss_sum: float
+    correct: int
+    count: int
+    time_s: float
+    wait_s: float  # waiting for gradient sums after the backward pass
+    blocking_s: float  # inside the forward/backward's synchronous activation collectives
 
 
 class HybridTrainer:
@@ -29,7 +58,8 @@ class HybridTrainer:
     optimizer: a function of the parameters, e.g. `lambda ps: torch.optim.SGD(ps, lr=0.01)`
     (the model's parameters are this rank's shards, known only after parallelize).
     loss: a torch.nn.functional-style loss that takes `reduction="sum"`.
-    The remaining keyword arguments go to `parallelize`."""
+    options: how the runtime runs (hybridpar.runtime.options.RuntimeOptions).
+    layout: the plan already resolved against this model (`hybridpar train` resolves it once)."""
 
     def __init__(
         self,
@@ -37,36 +67,112 @@ class HybridTrainer:
         plan: ParallelPlan,
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
         loss: Callable[..., torch.Tensor] = F.cross_entropy,
-        **kwargs,
+        options: RuntimeOptions | None = None,
+        *,
+        ledger: Ledger | None = None,
+        layout: Layout | None = None,
+        input_shape: tuple[int, ...] | None = None,
     ) -> None:
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "optimizer: pass a function of the parameters, e.g. "
                 "lambda params: torch.optim.SGD(params, lr=0.01)"
             )
-        self.model: HybridParallel = parallelize(model, plan, **kwargs)
+        self.options = options or RuntimeOptions()
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.model: Engine = parallelize(
+            model, plan, self.options, ledger=self.ledger, layout=layout, input_shape=input_shape
+        )
         self.optimizer = optimizer(self.model.parameters())
         self.loss = loss
+        self.resharded = False
+        self.last: StepResult | None = None
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One optimizer step on the global batch (x, y); returns its mean loss (one small
-        all-reduce of the loss sums over the ranks that hold different examples)."""
+    @property
+    def plan(self) -> ParallelPlan:
+        return self.model.plan
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (the engine's one step counter)."""
+        return self.model.step
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def autocast(self):
+        """bf16 autocast of the forward pass and the loss under amp bf16 (weights, gradients and
+        the optimizer stay float32)."""
+        enabled = self.plan.choices.amp == "bf16"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        """One optimizer step on the global batch (x, y), identical on every rank; this rank's
+        share of the metrics, no collective beyond the step's own."""
         n = len(x)
         if len(y) != n:
             raise ValueError(f"x has {n} examples but y has {len(y)}")
-        m = self.model
+        t0, m, step = time.perf_counter(), self.model, self.model.step
+        self.ledger.step = step
+        faults.set_step(step)
+        first_entry = len(self.ledger.entries)
         m.train()
         m.set_batch(n)
-        out = m(x[m.input_rows(n)])
-        loss_sum = self.loss(out, y[m.output_rows(n)], reduction="sum")
+        faults.at("forward")
+        with self.autocast():
+            out = m(x[m.input_rows(n)])
+            target = y[m.output_rows(n)]
+            loss_sum = self.loss(out, target, reduction="sum")
+        value = float(loss_sum.detach())
+        if not math.isfinite(value) and not self.options.allow_nonfinite:
+            raise FloatingPointError(
+                f"the loss is {value} at step {step}: lower --lr or check the data "
+                "(or pass --allow-nonfinite)"
+            )
+        if out.requires_grad:
+            out.register_hook(lambda g: faults.at("backward"))
         self.optimizer.zero_grad(set_to_none=True)
         (loss_sum / n).backward()
-        m.finish_backward()
+        wait = m.finish_backward()
+        faults.at("optimizer")
         self.optimizer.step()
-        total = loss_sum.detach().reshape(1).double()
-        grid = m.output_grid
-        all_reduce(total, grid.batch_group, m.ledger, Term.METRICS)
-        return float(total) / n
+        entries = self.ledger.entries[first_entry:]
+        blocking = sum(e.seconds for e in entries if e.term in BLOCKING_TERMS)
+        counted = (value, _correct(out, target), len(target)) if m.counts_outputs else (0.0, 0, 0)
+        self.last = StepResult(*counted, time.perf_counter() - t0, wait, blocking)
+        if m.bn_switch is not None:
+            m.bn_switch.observe(counted[0], counted[2])
+        return self.last
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One optimizer step on the global batch (x, y); returns its mean loss (one small
+        all-reduce of the loss sums over the ranks)."""
+        r = self.train_step(x, y)
+        total = torch.tensor([r.loss_sum], dtype=torch.float64, device=self.device)
+        all_reduce(total, self.model.world, self.ledger, Term.METRICS)
+        return float(total) / len(x)
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, batch: int) -> tuple[int, int]:
+        """(correct, examples) of this rank's counted outputs over (x, y) in batches of `batch`,
+        in evaluation mode; sum them over the ranks for the accuracy."""
+        m = self.model
+        m.eval()
+        self.ledger.step = -1  # evaluation traffic is not part of any training iteration
+        correct = total = 0
+        for i in range(0, len(x), batch):
+            xb, yb = x[i : i + batch], y[i : i + batch]
+            n = len(xb)
+            m.set_batch(n)
+            with self.autocast():
+                out = m(xb[m.input_rows(n)])
+            if m.counts_outputs:
+                target = yb[m.output_rows(n)]
+                correct += _correct(out, target)
+                total += len(target)
+        return correct, total
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,11 +181,37 @@ class HybridTrainer:
         m.eval()
         n = len(x)
         m.set_batch(n)
-        out = m(x[m.input_rows(n)])
-        grid = m.output_grid
-        sizes = [rows_of_group(m.rows.sizes, grid.pr, c) for c in range(grid.pc)]
-        return all_gather_uneven(out, sizes, 0, grid.batch_group, None, Term.METRICS, None)
+        with self.autocast():
+            out = m(x[m.input_rows(n)])
+        mine = torch.tensor(
+            [len(out) if m.counts_outputs else 0], dtype=torch.int64, device=out.device
+        )
+        sizes = [torch.zeros_like(mine) for _ in range(m.world.size)]
+        torch.distributed.all_gather(sizes, mine, group=m.world.pg)
+        counted = out if m.counts_outputs else out[:0]
+        every = [int(s) for s in sizes]
+        return all_gather_uneven(counted, every, 0, m.world, None, Term.METRICS, None)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state_dict, shards gathered (every rank calls it)."""
         return self.model.full_state_dict()
+
+    def save(self, directory: str | Path, meta: dict | None = None, keep: int = 2) -> Path:
+        """Checkpoint the model and the optimizer into `directory` (collective; atomic): a folder
+        `step-N` per checkpoint, the newest `keep` kept, `latest` pointing at the last."""
+        return checkpoint.save(self.model, self.optimizer, directory, meta, keep)
+
+    def load(self, path: str | Path) -> dict:
+        """Go on from a checkpoint (a folder `save` wrote into, or one `step-N` in it), on this or
+        another plan and P; returns its metadata. On the same plan and P training continues bit
+        for bit (random streams and codec residuals included); elsewhere `resharded` is set."""
+        meta, same = checkpoint.load(self.model, self.optimizer, path)
+        self.resharded = not same
+        return meta
+
+
+def _correct(out: torch.Tensor, target: torch.Tensor) -> int:
+    """How many rows' argmax is their class label (0 where the targets are not class labels)."""
+    if out.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+        return 0
+    return int((out.argmax(1) == target).sum())

@@ -4,15 +4,17 @@ and per (layer, term), as JSON and a PNG of the curves. This is where the two ha
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
 import torch.distributed as dist
 
-from hybridpar.plan import ParallelPlan, Term
+from hybridpar.plan import ParallelPlan
 from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.terms import Term
 
-__all__ = ["measured", "predicted", "report", "write_report"]
+__all__ = ["measured", "predicted", "report", "strict", "write_report"]
 
 UNPREDICTED = (Term.METRICS, Term.CODEC_OVERHEAD, Term.BN_SWITCH, Term.PARAM_BROADCAST, Term.STATE)
 
@@ -40,7 +42,7 @@ def predicted(plan: ParallelPlan, hosts: int = 1) -> tuple[dict, dict]:
     through shared memory within a host, and across H hosts one leader per host all-reduces: per
     rank on average 2(H-1)/H n * H/P instead of 2(P-1)/P n."""
     by_term, by_layer = plan.predicted_bytes(), plan.predicted_bytes(by_layer=True)
-    if plan.reducer == "host":
+    if plan.choices.reducer == "host":
         factor = (hosts - 1) / (plan.procs - 1) if plan.procs > 1 else 0.0
         by_term = {k: v * factor if k == Term.DW_ALLREDUCE else v for k, v in by_term.items()}
         by_layer = {k: v * factor if k[1] == Term.DW_ALLREDUCE else v for k, v in by_layer.items()}
@@ -88,14 +90,23 @@ def report(
         },
         "bytes": {"measured": bytes_measured["by_term"], "predicted": pred_term},
         "bytes_by_layer": layers,
-        "reducer": plan.reducer,
-        "bn": {"requested": plan.bn, **(bn_switch.record() if bn_switch else {})},
+        "reducer": plan.choices.reducer,
+        "bn": {"requested": plan.choices.bn, **(bn_switch.record() if bn_switch else {})},
     }
 
 
-def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
-    from hybridpar.runtime.train.loop import strict
+def strict(x):
+    """NaN and infinities as null: the report and the log are strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: strict(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [strict(v) for v in x]
+    return x
 
+
+def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(strict(report), indent=1, allow_nan=False))

@@ -26,11 +26,10 @@ Conventions (stated once; docs/cost-model.md repeats them with a worked example)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from hybridpar.errors import ConfigError
-from hybridpar.plan import Style, Term
+from hybridpar.plan import Style
 from hybridpar.planning.cluster import SHM_MAX_BYTES, Cluster
 from hybridpar.planning.cost.collectives import (
     Comm,
@@ -40,15 +39,11 @@ from hybridpar.planning.cost.collectives import (
     compressed_all_reduce,
     halo,
 )
-
-if TYPE_CHECKING:
-    from hybridpar.planning.analysis import LayerSpec
+from hybridpar.planning.layers import CostLayer
+from hybridpar.terms import Term
 
 __all__ = [
-    "CostLayer",
-    "Style",
     "Wire",
-    "cost_layers",
     "eq3_model",
     "eq4_batch",
     "eq5_volume_ratio",
@@ -60,101 +55,6 @@ __all__ = [
     "redistribute",
     "t_norms",
 ]
-
-
-@dataclass(frozen=True)
-class CostLayer:
-    """A weighted layer as the equations see it."""
-
-    name: str
-    kind: str  # conv | linear
-    params: int  # |W_i|, weights + biases
-    d_in: int  # d_{i-1}
-    d_out: int  # d_i, before pooling
-    x_shape: tuple[int, ...]  # (C, H, W) or (features,)
-    y_shape: tuple[int, ...]
-    kernel: tuple[int, ...] | None
-    out_units: int  # what model parallelism splits: output channels or features
-    flops: int  # forward FLOPs per sample, this layer and the unweighted ones riding along
-    members: tuple[str, ...] = field(default=())  # leaf layers folded into this one
-    # parameters of the unweighted layers riding along (batch norm): part of `params`, but they act
-    # on the gathered output, so a model-parallel layout replicates them instead of splitting them
-    extra_params: int = 0
-    segment: int | None = None  # layers of one segment share one layout (None: its own)
-    entry: str | None = None  # first layer of a segment: the module where its layout is set
-    entry_elements: int = 0  # per example, of the activation redistributed there
-    input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
-    norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
-
-    @property
-    def spatial(self) -> bool:
-        return self.kind == "conv" and len(self.x_shape) == 3
-
-    @staticmethod
-    def from_dict(d: dict) -> CostLayer:
-        def tup(v):
-            return tuple(tup(x) for x in v) if isinstance(v, list) else v
-
-        return CostLayer(**{k: tup(v) for k, v in d.items()})
-
-
-def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
-    """Fold the leaf layers into the weighted layers of the equations: an unweighted leaf rides
-    along with the weighted layer before it in its segment, or else with the next one."""
-    out: list[CostLayer] = []
-    pending: list[LayerSpec] = []
-    for s in specs:
-        if s.kind in ("conv", "linear") and s.params > 0:
-            first = pending[0] if pending else s
-            layer = CostLayer(
-                name=s.name,
-                kind=s.kind,
-                params=s.params,
-                d_in=s.d_in,
-                d_out=s.d_out,
-                x_shape=s.in_shape,
-                y_shape=s.out_shape,
-                kernel=s.kernel,
-                out_units=s.out_units,
-                flops=s.flops,
-                segment=s.segment,
-                entry=first.entry,
-                entry_elements=first.entry_elements,
-                input_grad=s.input_grad,
-            )
-            for x in pending:
-                layer = _ride(layer, x)
-            out.append(_ride(layer, s, weighted=True))
-            pending = []
-        elif out and out[-1].segment == s.segment and not pending:
-            out[-1] = _ride(out[-1], s)
-        else:
-            pending.append(s)
-    if not out:
-        raise ConfigError("the model has no conv or linear layer with weights: nothing to plan")
-    for s in pending:  # after the last weighted layer
-        out[-1] = _ride(out[-1], s)
-    return out
-
-
-def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
-    """`s` folded into `layer` (members in forward order); the weighted layer itself adds only
-    its name."""
-    if weighted:
-        return CostLayer(**{**layer.__dict__, "members": (*layer.members, s.name)})
-    norms = layer.norms
-    if s.type.startswith("BatchNorm"):
-        norms = (*norms, (s.in_shape[0], s.input_grad))
-    return CostLayer(
-        **{
-            **layer.__dict__,
-            "flops": layer.flops + s.flops,
-            "params": layer.params + s.params,
-            "members": (*layer.members, s.name),
-            "extra_params": layer.extra_params + s.params,
-            "norms": norms,
-        }
-    )
 
 
 # --- the terms ------------------------------------------------------------------------------

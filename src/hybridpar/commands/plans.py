@@ -1,0 +1,146 @@
+"""`hybridpar plan` and `hybridpar simulate`: the planner on the command line. Torch-free: a zoo
+model's layers come from the analysis cache, so planning is arithmetic and answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hybridpar.config import from_namespace, writable
+from hybridpar.errors import ConfigError
+from hybridpar.planning.candidates import PlanResult, best_of
+from hybridpar.planning.cluster import load_cluster
+from hybridpar.planning.config import PlanConfig
+from hybridpar.planning.search import SCENARIOS, make_plan
+from hybridpar.terms import Term
+
+__all__ = ["cmd_plan", "cmd_simulate"]
+
+TERMS = (
+    Term.ALLGATHER,
+    Term.DX_ALLREDUCE,
+    Term.DW_ALLREDUCE,
+    Term.HALO_FWD,
+    Term.HALO_BWD,
+    Term.REDISTRIBUTE,
+)
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:10.3f}"
+
+
+def _print_header(result: PlanResult) -> None:
+    c, ch = result.cluster, result.choices
+    print(
+        f"{result.model} on {c.name} (alpha {c.alpha * 1e6:g} us, {c.bandwidth / 1e9:g} GB/s, "
+        f"{c.rank_flops(result.procs) / 1e12:g} TFLOP/s per rank), P={result.procs}, "
+        f"B={result.batch}, {result.elem_bytes:g} bytes/element"
+        + (f", codec {ch.codec} on {'+'.join(ch.compress)}" if ch.codec != "none" else "")
+    )
+    print()
+
+
+def _print_plan(result: PlanResult, shown: list) -> None:
+    _print_header(result)
+    batch = result.scenario("batch")
+    head = f"{'scenario':<10} {'grid':>9} {'comm ms':>10} {'compute ms':>10} {'total ms':>10}"
+    print(f"{head} {'vs batch':>9}")
+    for p in shown:
+        if not p.feasible:
+            print(f"{p.scenario:<10} {'-':>9}  infeasible: {p.reason}")
+            continue
+        grid = f"{p.grid[0]}x{p.grid[1]}" if p.grid else "per layer"
+        vs = f"{batch.total_s / p.total_s:8.2f}x" if batch is not None and batch.feasible else "-"
+        times = f"{_ms(p.exposed_comm_s)} {_ms(p.compute_s)} {_ms(p.total_s)}"
+        print(f"{p.scenario:<10} {grid:>9} {times} {vs:>9}")
+    best = best_of(shown)
+    if best is None:
+        return
+    print()
+    print(f"best: {best.scenario}" + (f" on {best.grid[0]}x{best.grid[1]}" if best.grid else ""))
+    terms = "".join(f"{t:>13}" for t in TERMS)
+    cols = f"{'layer':<8} {'kind':<6} {'params':>10} {'d_in':>8} {'d_out':>8} {'style':<15}"
+    print(f"{cols} {'comm ms':>9}{terms}")
+    for x in best.layers:
+        cells = "".join(
+            f"{x.terms[t].seconds * 1e3:13.3f}" if t in x.terms else f"{'':13}" for t in TERMS
+        )
+        y = x.layer
+        row = f"{y.name:<8} {y.kind:<6} {y.params:>10} {y.d_in:>8} {y.d_out:>8} {x.style.label:<15}"
+        print(f"{row} {x.comm_s * 1e3:9.3f}{cells}")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    cfg = from_namespace(PlanConfig, args)
+    if args.out:
+        writable("--out", args.out)
+    if args.model_of == "dettmers":
+        from hybridpar.commands.dettmers import plan_dettmers
+
+        return plan_dettmers(cfg, args)
+    if args.dettmers_profile:
+        raise ConfigError("--dettmers-profile needs --model-of dettmers")
+    scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    if args.scenario != "all" and "batch" not in scenarios:
+        scenarios.insert(0, "batch")  # the baseline every speedup refers to
+    cluster = load_cluster(cfg.cluster)
+    # domain styles are priced for the papers' figures, but a plan written out must run
+    kwargs = {**cfg.plan_kwargs(), "domain": not args.out}
+    result = make_plan(cfg.model, args.procs, cfg.batch, cluster, scenarios=scenarios, **kwargs)
+    result.best  # noqa: B018  raises the one-line error when nothing fits
+    shown = [p for p in result.scenarios if args.scenario in ("all", p.scenario)]
+    best = best_of(shown)
+    if best is None:
+        raise ConfigError(f"scenario {args.scenario} is infeasible: {shown[0].reason}")
+    if args.json:
+        data = result.to_dict()
+        data["scenarios"] = [p.to_dict() for p in shown]
+        data["best"] = best.to_dict()
+        data["speedup_vs_batch"] = result.speedup_vs_batch(best)
+        print(json.dumps(data, indent=1))
+    else:
+        _print_plan(result, shown)
+    if args.out:
+        path = result.export(best).save(args.out)
+        where = sys.stderr if args.json else sys.stdout
+        print(f"wrote the {best.scenario} plan to {path}", file=where)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hybridpar.planning.simulate import FIGURES, plot_sweep, run_sweep, write_csv
+
+    cfg = from_namespace(PlanConfig, args)
+    cluster = load_cluster(cfg.cluster)
+    kwargs = {**cfg.plan_kwargs(), "domain": True}  # Fig. 10 prices domain styles
+    out = Path(args.out)
+    writable("--out", out / "simulate.csv")
+    for p in args.procs:  # every P checked before anything is written
+        make_plan(cfg.model, p, cfg.batch, cluster, scenarios=("batch",), **kwargs)
+    t0 = time.perf_counter()
+    results = run_sweep(
+        args.procs,
+        lambda p: make_plan(cfg.model, p, cfg.batch, cluster, **kwargs),
+        progress=not args.quiet,
+    )
+    write_csv(results, out / "simulate.csv")
+    written = [out / "simulate.csv"]
+    if not args.no_plots:
+        for fname, (scenario, title) in FIGURES.items():
+            path = plot_sweep(results, out, scenario, title, fname)
+            if path:
+                written.append(path)
+    cols = f"{'P':>6} {'best':<10} {'grid':>9} {'comm ms':>10} {'total ms':>10}"
+    print(f"{cols} {'vs batch (comm)':>16}")
+    for r in results:
+        b = r.best
+        sp = r.speedup_vs_batch()
+        grid = f"{b.grid[0]}x{b.grid[1]}" if b.grid else "per layer"
+        vs = f"{sp['total']:.2f}x ({sp['comm']:.1f}x)" if sp else "batch infeasible"
+        print(f"{r.procs:>6} {b.scenario:<10} {grid:>9} {_ms(b.comm_s)} {_ms(b.total_s)} {vs:>16}")
+    print(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - t0:.2f} s")
+    return 0

@@ -1,0 +1,106 @@
+"""`hybridpar profile`, `hybridpar codecs` and `hybridpar calibrate`: the measuring commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from hybridpar.config import writable
+from hybridpar.errors import ConfigError
+
+__all__ = ["cmd_calibrate", "cmd_codecs", "cmd_profile"]
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from hybridpar.commands.profile import profile_model, save
+    from hybridpar.planning.cluster import cache_dir
+    from hybridpar.planning.zoo import zoo_entry
+
+    zoo_entry(args.model)  # an unknown name: one line
+    default = cache_dir() / "profiles" / f"{args.model}-{args.input_size or 'default'}.json"
+    path = writable("--out", args.out or default)
+    table = profile_model(
+        args.model, batch=args.batch, input_size=args.input_size, repeats=args.repeats
+    )
+    save(table, path)
+    total_f = sum(v[0] for v in table["per_sample_s"].values())
+    total_b = sum(v[1] for v in table["per_sample_s"].values())
+    print(
+        f"{args.model}: forward {total_f * 1e3:.3f} ms + backward {total_b * 1e3:.3f} ms per sample "
+        f"({table['threads']} threads); table written to {path}"
+    )
+    print(f"use it with: hybridpar plan --model {args.model} --compute {path} ...")
+    return 0
+
+
+def available_bytes() -> int:
+    """Memory this machine can still give (MemAvailable), or physical memory where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _check_codec_sizes(args: argparse.Namespace) -> None:
+    if args.block < 1 or args.size < 1 or args.mlp_steps < 0:
+        raise ConfigError(
+            "--block must be a positive number of elements, --size positive, --mlp-steps >= 0"
+        )
+    # the error table holds three samples and an encoded and a decoded copy of each (about 16
+    # floats per element); the speed test one input, its encoding and its decoding
+    need = max(16 * 4 * args.size, 0 if args.no_speed else 12 * args.speed_size)
+    have = available_bytes()
+    if need > have:
+        raise ConfigError(
+            f"--size {args.size} / --speed-size {args.speed_size} need about {need / 2**30:.1f} "
+            f"GiB, more than the {have / 2**30:.1f} GiB free here; give smaller sizes"
+        )
+
+
+def cmd_codecs(args: argparse.Namespace) -> int:
+    from hybridpar.choices import CODECS
+    from hybridpar.commands.codec_report import datasets, error_table, print_table, throughput
+
+    _check_codec_sizes(args)
+    try:
+        rows = error_table(datasets(args.size, mlp_steps=args.mlp_steps), (None, args.block))
+        speeds = None
+        if not args.no_speed:
+            speeds = {name: throughput(name, args.block, n=args.speed_size) for name in CODECS}
+    except (MemoryError, RuntimeError) as exc:  # the estimate above was not enough
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"--size {args.size}: out of memory ({why}); give a smaller size"
+        ) from None
+    if args.json:
+        out = {"block": args.block, "errors": rows, "throughput_gb_s": speeds}
+        print(json.dumps(out, indent=1))
+    else:
+        print(
+            f"8-bit codecs; scales per tensor (the paper's setting) and per {args.block} elements"
+        )
+        print()
+        print_table(rows, speeds)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from hybridpar.runtime.train.calibration import calibrate
+
+    d = calibrate(nproc=args.nproc, repeats=args.repeats)
+    print(
+        f"localhost: alpha {d['alpha'] * 1e6:.2f} us, bandwidth {1 / d['beta'] / 1e9:.3f} GB/s, "
+        f"{d['flops'] / 1e9:.1f} GFLOP/s per core ({d['cores']} cores); saved to {d['path']}"
+    )
+    if d.get("small_alpha") is not None:
+        print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")
+    if d.get("shm_beta"):
+        print(f"  all-gather through shared memory: {1 / d['shm_beta'] / 1e9:8.2f} GB/s")
+    for n, t in d["measured_s"].items():
+        print(f"  all-reduce {int(n):>10} B on {args.nproc} ranks: {t * 1e3:8.3f} ms")
+    return 0

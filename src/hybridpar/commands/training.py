@@ -1,0 +1,56 @@
+"""`hybridpar train`: the job (hybridpar.runtime.train.run), then its outcome in a few lines."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hybridpar.config import from_namespace
+
+__all__ = ["cmd_train"]
+
+UNSHOWN = ("metrics", "codec_overhead", "bn_switch", "param_broadcast", "state")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from hybridpar.runtime.launcher import RankFailure
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.run import run
+
+    cfg = from_namespace(TrainConfig, args)
+    try:
+        report = run(cfg)
+    except RankFailure as exc:
+        print(f"hybridpar train: error: {exc}", file=sys.stderr)
+        if args.verbose and exc.details:
+            print(exc.details, file=sys.stderr)
+        return 1
+    if report is None:  # a non-zero rank under torchrun
+        return 0
+    _print_report(report)
+    return 0
+
+
+def _print_report(report: dict) -> None:
+    """The outcome; the plan and the epoch lines were printed live by rank 0."""
+    it, b = report["iteration"], report["bytes"]
+    ms = {k: it[k] * 1e3 for k in ("time_s", "compute_s", "comm_wait_s")}
+    print(
+        f"{report['model']} on {report['data']}: P={report['procs']}, "
+        f"{report['preset'] or report['plan_file']}: {report['plan']['scenario']} plan; "
+        f"final test accuracy {report['final']['test_acc']:.4f}; iteration {ms['time_s']:.1f} ms "
+        f"(compute {ms['compute_s']:.1f}, communication wait {ms['comm_wait_s']:.1f})"
+    )
+    bn = report.get("bn", {})
+    if bn.get("requested") == "adaptive":
+        when = bn["switched_at_step"]
+        how = f"global from step {when}: " if when is not None else "local throughout"
+        print(f"batch norm: adaptive, {how}{bn['reason']}")
+    print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
+    for k in sorted(set(b["measured"]) | set(b["predicted"])):
+        if k not in UNSHOWN:
+            print(
+                f"{'':30}{k:<14} {b['measured'].get(k, 0):14.0f} {b['predicted'].get(k, 0):14.0f}"
+            )
+    for w in report.get("written", []):
+        print(f"wrote {w}")

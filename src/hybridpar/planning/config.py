@@ -1,0 +1,52 @@
+"""PlanConfig: what `hybridpar plan` and `simulate` plan for, typed; their options are generated
+from it (the number of processes is theirs: one P for plan, a list for simulate)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridpar.choices import Choices
+from hybridpar.config import check_fields, meta, nested, positive
+from hybridpar.errors import ConfigError
+from hybridpar.planning.zoo import MODELS
+
+__all__ = ["PlanConfig"]
+
+
+@dataclass
+class PlanConfig:
+    model: str = meta(None, f"zoo model: {', '.join(MODELS)}", required=True)
+    batch: int = meta(None, "global mini-batch B", required=True)
+    cluster: str = meta(
+        "cori-knl",
+        "preset (cori-knl, k20-pcie, fdr-infiniband, p100-nvlink), localhost, or a .toml/.json file",
+    )
+    input_size: int | None = meta(None, "image side, e.g. 64 (default: the model's)")
+    compute: str | None = meta(
+        None, "compute table from `hybridpar profile` (default: FLOPs / cluster rate)"
+    )
+    bytes_per_element: float | None = meta(
+        None, "wire bytes per element (default: the cluster's word size)"
+    )
+    memory_limit: float | None = meta(None, "GiB per process (parameters + activations)")
+    overlap: bool = meta(False, "hide the weight all-reduce behind the backward pass (Fig. 8)")
+    choices: Choices = nested(Choices)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ConfigError(f"--batch must be a positive integer, got {self.batch!r}")
+        positive(self, "input_size", "bytes_per_element", "memory_limit")
+
+    def plan_kwargs(self) -> dict:
+        """Keyword arguments of `hybridpar.planning.search.make_plan`."""
+        from hybridpar.planning.cost.compute import load_table
+
+        return dict(
+            input_size=self.input_size,
+            compute=load_table(self.compute) if self.compute else None,
+            elem_bytes=self.bytes_per_element,
+            memory_limit=self.memory_limit * 2**30 if self.memory_limit else None,
+            overlap=self.overlap,
+            choices=self.choices,
+        )

@@ -1,0 +1,131 @@
+"""A model's weighted layers as both halves see them: the planner prices them, the runtime applies
+a style to each. Torch-free: a `CostLayer` is a frozen record, built from the trace of the model
+(hybridpar.planning.analysis) by `cost_layers`, cached on disk for the zoo and carried from the
+parent to the ranks.
+
+Only layers with weights (conv, linear) are layers i = 1..L of Gholami et al.'s equations. Pooling,
+activation, norm and reshape layers ride along with the weighted layer before them, or with the one
+after them when a segment boundary lies in between: a layer rides with the weighted layer whose
+layout it runs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hybridpar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridpar.planning.analysis import LayerSpec
+
+__all__ = ["CostLayer", "cost_layers"]
+
+
+@dataclass(frozen=True)
+class CostLayer:
+    """A weighted layer as the equations see it."""
+
+    name: str
+    kind: str  # conv | linear
+    params: int  # |W_i|, weights + biases
+    d_in: int  # d_{i-1}
+    d_out: int  # d_i, before pooling
+    x_shape: tuple[int, ...]  # (C, H, W) or (features,)
+    y_shape: tuple[int, ...]
+    kernel: tuple[int, ...] | None
+    out_units: int  # what model parallelism splits: output channels or features
+    flops: int  # forward FLOPs per sample, this layer and the unweighted ones riding along
+    members: tuple[str, ...] = field(default=())  # leaf layers folded into this one
+    # parameters of the unweighted layers riding along (batch norm): part of `params`, but they act
+    # on the gathered output, so a model-parallel layout replicates them instead of splitting them
+    extra_params: int = 0
+    segment: int | None = None  # layers of one segment share one layout (None: its own)
+    entry: str | None = None  # first layer of a segment: the module where its layout is set
+    entry_elements: int = 0  # per example, of the activation redistributed there
+    input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
+    norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
+    op: str = ""  # what the weighted module is: linear, conv2d, conv1d, conv3d, conv_transpose
+    groups: int = 1  # a convolution's groups
+    padding_mode: str = "zeros"
+    calls: int = 1  # how often the weighted module runs in one forward
+
+    def __post_init__(self) -> None:
+        if not self.op:  # a layer described by hand: what its kind and input say
+            ops = {1: "conv1d", 2: "conv1d", 3: "conv2d", 4: "conv3d"}
+            op = "linear" if self.kind == "linear" else ops.get(len(self.x_shape), self.kind)
+            object.__setattr__(self, "op", op if self.kind in ("conv", "linear") else self.kind)
+
+    @property
+    def spatial(self) -> bool:
+        return self.kind == "conv" and len(self.x_shape) == 3
+
+    @staticmethod
+    def from_dict(d: dict) -> CostLayer:
+        def tup(v):
+            return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+        return CostLayer(**{k: tup(v) for k, v in d.items()})
+
+
+def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
+    """Fold the leaf layers into the weighted layers of the equations: an unweighted leaf rides
+    along with the weighted layer before it in its segment, or else with the next one."""
+    out: list[CostLayer] = []
+    pending: list[LayerSpec] = []
+    for s in specs:
+        if s.kind in ("conv", "linear") and s.params > 0:
+            first = pending[0] if pending else s
+            layer = CostLayer(
+                name=s.name,
+                kind=s.kind,
+                params=s.params,
+                d_in=s.d_in,
+                d_out=s.d_out,
+                x_shape=s.in_shape,
+                y_shape=s.out_shape,
+                kernel=s.kernel,
+                out_units=s.out_units,
+                flops=s.flops,
+                segment=s.segment,
+                entry=first.entry,
+                entry_elements=first.entry_elements,
+                input_grad=s.input_grad,
+                op=s.op,
+                groups=s.groups,
+                padding_mode=s.padding_mode,
+                calls=s.calls,
+            )
+            for x in pending:
+                layer = _ride(layer, x)
+            out.append(_ride(layer, s, weighted=True))
+            pending = []
+        elif out and out[-1].segment == s.segment and not pending:
+            out[-1] = _ride(out[-1], s)
+        else:
+            pending.append(s)
+    if not out:
+        raise ConfigError("the model has no conv or linear layer with weights: nothing to plan")
+    for s in pending:  # after the last weighted layer
+        out[-1] = _ride(out[-1], s)
+    return out
+
+
+def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
+    """`s` folded into `layer` (members in forward order); the weighted layer itself adds only
+    its name."""
+    if weighted:
+        return CostLayer(**{**layer.__dict__, "members": (*layer.members, s.name)})
+    norms = layer.norms
+    if s.type.startswith("BatchNorm"):
+        norms = (*norms, (s.in_shape[0], s.input_grad))
+    return CostLayer(
+        **{
+            **layer.__dict__,
+            "flops": layer.flops + s.flops,
+            "params": layer.params + s.params,
+            "members": (*layer.members, s.name),
+            "extra_params": layer.extra_params + s.params,
+            "norms": norms,
+        }
+    )

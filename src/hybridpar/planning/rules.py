@@ -1,0 +1,97 @@
+"""Whether a layer can take a style, and whether a plan's choices can run with its styles: the one
+decision the planner and the runtime both call (plan = run). Torch-free: it reads the layer's
+description (hybridpar.planning.layers.CostLayer), never the module, so `hybridpar plan` asks the
+same question `parallelize` asks and gets the same answer, in the same words.
+
+Each style kind states what it needs of a layer:
+
+| kind     | needs                                                                          |
+| -------- | ------------------------------------------------------------------------------ |
+| `batch`  | Pc <= B (every batch group gets an example); any layer                          |
+| `model`  | a Linear or a Conv2d (zero padding, not grouped), called once per forward, with |
+|          | at least Pr output units                                                        |
+| `domain` | a 2-d convolution whose output has at least Pr rows; not executed yet           |
+
+A new style adds its rule here, its runtime in hybridpar/runtime/parallel/ and its cost terms in
+hybridpar/planning/cost/ (docs/runtime.md, "How to add a style").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from hybridpar.choices import Choices
+from hybridpar.plan import Style
+from hybridpar.planning.layers import CostLayer
+
+__all__ = ["EXECUTED", "RULES", "why_not", "why_not_choices"]
+
+NOT_EXECUTED = "domain parallelism is planned but not executed yet"
+
+
+def _batch(layer: CostLayer, s: Style) -> str:
+    return ""
+
+
+def _model(layer: CostLayer, s: Style) -> str:
+    if layer.op not in ("linear", "conv2d"):
+        return (
+            f"{layer.name} ({layer.op or layer.kind}) cannot take {s}: only Linear and Conv2d "
+            "layers split over a model group; give it batch"
+        )
+    if layer.op == "conv2d" and (layer.groups != 1 or layer.padding_mode != "zeros"):
+        return f"{layer.name}: a grouped or non-zero-padded Conv2d cannot take {s}; give it batch"
+    if s.pr > layer.out_units:
+        what = "output features" if layer.op == "linear" else "output channels"
+        return f"{layer.name} has {layer.out_units} {what}, fewer than Pr={s.pr}; use a smaller Pr"
+    if layer.calls != 1:
+        return (
+            f"{layer.name} is called {layer.calls} times per forward; only a layer called once "
+            f"can take {s}"
+        )
+    return ""
+
+
+def _domain(layer: CostLayer, s: Style) -> str:
+    if not layer.spatial:
+        return f"{layer.name} ({layer.kind}) cannot be split by height: give it batch or model"
+    if s.pr > min(layer.x_shape[1], layer.y_shape[1]):
+        return f"{layer.name}: Pr={s.pr} exceeds its height {layer.y_shape[1]}; use a smaller Pr"
+    return ""
+
+
+RULES: dict[str, Callable[[CostLayer, Style], str]] = {
+    "batch": _batch,
+    "model": _model,
+    "domain": _domain,
+}
+"""style kind -> what it needs of a layer ("" when it can take the style)"""
+
+EXECUTED = frozenset({"batch", "model"})
+"""the kinds the runtime executes; the planner prices the others for the papers' figures only"""
+
+
+def why_not(layer: CostLayer, s: Style, batch: int, executed: bool = True) -> str:
+    """Why `layer` cannot take style `s` in a global batch of `batch` examples; "" when it can.
+    `executed`: also refuse what the runtime does not execute (every plan meant to be run)."""
+    if s.pc > batch:
+        return f"{layer.name}: {s} needs at least Pc={s.pc} examples per batch, got {batch}"
+    if executed and s.kind not in EXECUTED and s.pr > 1:
+        return f"{layer.name}: {NOT_EXECUTED}; give it batch or model"
+    return RULES[s.kind](layer, s)
+
+
+def why_not_choices(choices: Choices, styles: Iterable[Style]) -> str:
+    """Why a plan with these styles cannot run with these choices; "" when it can."""
+    if choices.reducer == "host":
+        if choices.grads_encoded:
+            return (
+                "the host reducer sums float32 gradients: compress activations only "
+                "(--compress activations) or --codec none"
+            )
+        if any(not s.is_batch for s in styles):
+            return (
+                "the host reducer runs with batch parallelism only (every layer batch); use "
+                "--preset grid:1xP or ddp, or --reducer process-group"
+            )
+    return ""

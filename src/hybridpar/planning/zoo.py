@@ -1,0 +1,46 @@
+"""The model zoo by name, torch-free: each model's default input and classes, so that planning a zoo
+model (`hybridpar plan --model alexnet`) reads its shapes without importing torch. The builders
+are in hybridpar.planning.models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridpar.errors import ConfigError
+
+__all__ = ["MODELS", "ModelInfo", "input_shape", "zoo_entry"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    input_size: int  # default spatial size
+    in_channels: int
+    num_classes: int
+    summary: str
+
+
+MODELS: dict[str, ModelInfo] = {
+    "alexnet": ModelInfo(227, 3, 1000, "AlexNet, one tower, Caffe bvlc_alexnet shapes"),
+    "alexnet-owt": ModelInfo(224, 3, 1000, "Krizhevsky's one-weird-trick net"),
+    "vgg16": ModelInfo(224, 3, 1000, "VGG-16 (configuration D)"),
+    "resnet20": ModelInfo(32, 3, 10, "CIFAR ResNet-20 with batch norm"),
+    "digits-cnn": ModelInfo(8, 1, 10, "small CNN for the 8x8 digits"),
+    "digits-wide": ModelInfo(8, 1, 10, "digits CNN with a 2048-wide FC head"),
+    "mlp": ModelInfo(28, 1, 10, "Dettmers' 784-1024-1024-10 MLP"),
+}
+
+
+def zoo_entry(name: str) -> ModelInfo:
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def input_shape(
+    name: str, input_size: int | None = None, in_channels: int | None = None
+) -> tuple[int, ...]:
+    """Per-sample input shape (C, H, W) of a zoo model."""
+    info = zoo_entry(name)
+    s = input_size or info.input_size
+    return (in_channels or info.in_channels, s, s)

@@ -1,0 +1,72 @@
+"""RuntimeOptions: how the runtime executes a plan, as opposed to what the plan says.
+
+The plan (hybridpar.plan) and its choices (hybridpar.choices) decide what runs and what it costs;
+these knobs change neither the result (beyond the codec's block size and error feedback, which
+shape 8-bit rounding) nor the bytes, only how the work is scheduled. One typed dataclass, torch-
+free, that `parallelize`, `HybridTrainer` and `hybridpar train` (its flags are generated from it)
+all take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hybridpar.config import check_fields, meta, positive
+from hybridpar.errors import ConfigError
+
+__all__ = ["RuntimeOptions"]
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    seed: int = meta(0, "seed of the model, the data order and dropout")
+    timeout_s: float | None = meta(
+        300.0,
+        "collective timeout in seconds: a dead or hung rank ends the job within it "
+        "(parallelize's groups: the default group's when None)",
+        flag="--timeout",
+    )
+    bucket_mb: float = meta(4.0, "gradient bucket size in MB")
+    codec_block: int = meta(4096, "elements per 8-bit scale (0: one per tensor, as in the paper)")
+    error_feedback: bool = meta(False, "add what gradient compression lost back at the next step")
+    host_stage_mb: float = meta(
+        1.0, "the host reducer sums a bucket in stages of this many MB as it is packed (0: one)"
+    )
+    shared_memory: bool = meta(
+        True,
+        "activations' and small collectives through host shared memory where a group's ranks "
+        "share a host",
+        flag="--no-shared-memory",
+    )
+    allow_nonfinite: bool = meta(False, "go on when the loss is NaN or infinite")
+    bn_max_batch: int | None = meta(
+        None, "adaptive BN: local BN throughout when the global batch is at least this"
+    )
+    bn_window: int = meta(50, "adaptive BN: steps per loss window")
+    bn_threshold: float = meta(
+        0.01, "adaptive BN: turn global when a window's loss improves by less than this (relative)"
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        positive(self, "timeout_s", "bucket_mb", "bn_window", "bn_max_batch")
+        positive(self, "codec_block", "host_stage_mb", "bn_threshold", allow_zero=True)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"--seed must be an integer, got {self.seed!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    @property
+    def stage_bytes(self) -> int:
+        return int(self.host_stage_mb * 2**20)
+
+    @property
+    def block(self) -> int | None:
+        """The codec's block size (None: one scale per tensor)."""
+        return self.codec_block or None
+
+    def with_(self, **changes: Any) -> RuntimeOptions:
+        return replace(self, **changes)

@@ -1,0 +1,99 @@
+"""DDPEngine: a plan with engine `ddp` runs under torch's DistributedDataParallel, the baseline,
+with hybridpar's reducers as its communication hooks (the same factory as HybridParallel's:
+reducers.py), so its buckets are logged and can be 8-bit or summed in host memory.
+
+The hooks sum, they do not average (`average=False`), so DDP keeps hybridpar's per-step contract:
+the loss is summed over this rank's examples and divided by the global batch, and every gradient
+is the global batch's. Every layer is batch-parallel; batch norms are global over all ranks unless
+the plan says local.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan
+from hybridpar.runtime.comm.collectives import even_split
+from hybridpar.runtime.comm.grid import new_group
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
+from hybridpar.runtime.parallel.engine import Engine
+from hybridpar.runtime.parallel.layout import Layout
+from hybridpar.runtime.parallel.reducers import make_reducer
+
+__all__ = ["DDPEngine"]
+
+
+class DDPEngine(Engine):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ParallelPlan,
+        layout: Layout,
+        options: RuntimeOptions,
+        device: str,
+        ledger: Ledger | None = None,
+    ) -> None:
+        super().__init__()
+        if plan.engine != "ddp":
+            raise ConfigError("DDPEngine runs plans with engine ddp")
+        self.plan, self.layout, self.options, self.ledger = plan, layout, options, ledger
+        self.P, self.rank = dist.get_world_size(), dist.get_rank()
+        self.rows: list[int] | None = None
+        timeout = datetime.timedelta(seconds=options.timeout_s) if options.timeout_s else None
+        everyone = list(range(self.P))
+        shm = options.shared_memory and device == "cpu"
+        self.world = new_group(everyone, timeout, "hybridpar_world", "world", shm)
+        self.bn_switch = None
+        if plan.choices.bn == "adaptive":
+            rule = LossPlateau(options.bn_window, options.bn_threshold)
+            self.bn_switch = BNSwitch(options.bn_max_batch, rule, self.world, ledger, device)
+            self.bn_switch.start(plan.batch)
+        if plan.choices.bn != "local":
+            model = convert_global_batchnorm(
+                model, self.world, ledger=ledger, switch=self.bn_switch, layer_of=layout.layer_of
+            )
+        self.ddp = nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=options.bucket_mb, **{_sync_buffers(): plan.choices.bn == "local"}
+        )
+        self.module = model
+        self.reducer = make_reducer(plan.choices, options)
+        group = self.world
+        if self.reducer.own_groups:  # on its own thread and group, overlapping backward
+            group = new_group(everyone, timeout, "hybridpar_grads", tag="grads")
+        self.reducer_state = self.reducer.state(group=group, average=False, ledger=ledger)
+        self.ddp.register_comm_hook(self.reducer_state, self.reducer.hook)
+
+    def set_batch(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"set_batch takes the global batch size, a positive int; got {n!r}")
+        self.rows = even_split(n, self.P)
+
+    def input_rows(self, n: int) -> slice:
+        sizes = even_split(n, self.P)
+        lo = sum(sizes[: self.rank])
+        return slice(lo, lo + sizes[self.rank])
+
+    output_rows = input_rows
+
+    def forward(self, x, *args, **kwargs):
+        if self.rows is None:
+            raise RuntimeError("call set_batch(n) with the global batch size before each forward")
+        return self.ddp(x, *args, **kwargs)
+
+    def reducer_states(self) -> dict[int, object]:
+        return {-1: self.reducer_state}
+
+
+def _sync_buffers() -> str:
+    """DDP's keyword for sending rank 0's buffers before each forward (renamed in torch 2.13).
+    Global statistics keep the running buffers equal on every rank; local BN keeps DDP's
+    default of sending them."""
+    params = inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"

@@ -1,0 +1,112 @@
+"""The engine contract: what runs a plan on this rank, for either `plan.engine`.
+
+Two engines run a ParallelPlan: `HybridParallel` (hybridpar's runtime, any mix of styles) and
+`DDPEngine` (torch DistributedDataParallel with hybridpar's reducers: the baseline, every layer
+batch). `parallelize(model, plan)` returns the one the plan names; both keep the same per-step
+contract, so one step (`HybridTrainer`) serves both, the command line and user code alike:
+
+    engine.set_batch(n)                   the step's global batch size, known to every rank
+    out = engine(x[engine.input_rows(n)]) this rank's examples in
+    loss = loss_fn(out, y[engine.output_rows(n)], reduction="sum") / n
+    loss.backward(); engine.finish_backward()    every gradient is then the global batch's
+    optimizer.step()
+
+The loss is summed over this rank's output rows and divided by the *global* batch, so every
+gradient is a plain sum over the ranks that hold a parameter (hybridpar's reducers sum, they do
+not average; DDPEngine registers them so).
+
+For checkpoints (torch.distributed.checkpoint) an engine shows its state with split layers'
+shards as DTensor views (`distributed_state_dict`), and gathers the original model's state dict
+(`full_state_dict`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridpar.plan import ParallelPlan
+from hybridpar.runtime.comm.group import Group
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel.batchnorm import BNSwitch
+
+__all__ = ["Engine"]
+
+
+class Engine(nn.Module):
+    """A model running a plan on this rank; the user's model is `.module` (changed in place)."""
+
+    plan: ParallelPlan
+    options: RuntimeOptions
+    ledger: Ledger | None
+    bn_switch: BNSwitch | None = None
+    world: Group  # every rank, for metrics and agreed decisions
+
+    # --- the per-step contract -----------------------------------------------------------------
+
+    def set_batch(self, n: int) -> None:
+        """The number of examples in the coming step's global batch (known to every rank)."""
+        raise NotImplementedError
+
+    def input_rows(self, n: int) -> slice:
+        """The examples of a global batch of n that this rank feeds in."""
+        raise NotImplementedError
+
+    def output_rows(self, n: int) -> slice:
+        """The examples its outputs belong to."""
+        raise NotImplementedError
+
+    @property
+    def counts_outputs(self) -> bool:
+        """Whether this rank's outputs count in the metrics (replicas hold the same outputs: one
+        of them counts)."""
+        return True
+
+    @property
+    def metrics_group(self) -> Group:
+        """The ranks whose counted outputs make up the global batch."""
+        return self.world
+
+    def finish_backward(self) -> float:
+        """Wait for the gradient sums (and count the step); returns the exposed wait in seconds."""
+        self.step += 1
+        return 0.0
+
+    @property
+    def exposed_s(self) -> float:
+        """The last step's communication after its last gradient was produced."""
+        return 0.0
+
+    step: int = 0
+    """backward passes finished (optimizer steps): the run's one step counter, which dropout
+    streams, the ledger and checkpoints read"""
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def distributed(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like parameter `name` (the parameter, an optimizer buffer) as
+        torch.distributed.checkpoint should see it (a replicated one: itself)."""
+        return t
+
+    def distributed_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict (original keys), split layers' shards as DTensor views."""
+        return {k: self.distributed(k, v) for k, v in self.module.state_dict().items()}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The original model's state_dict (collective: call on every rank)."""
+        return {k: v.clone() for k, v in self.module.state_dict().items()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the original model's state_dict (each rank keeps what it holds of it)."""
+        self.module.load_state_dict(state)
+
+    def reducer_states(self) -> dict[int, object]:
+        """Gradient bucket index -> the reducer state that holds its error-feedback residuals."""
+        return {}
+
+    def named_parameters_for_state(self) -> dict[str, nn.Parameter]:
+        """The parameters by their original names (the optimizer's state is keyed by them)."""
+        return dict(self.module.named_parameters())

@@ -1,0 +1,131 @@
+"""Where a training job's plan comes from: a fixed preset or a plan file (decided in the parent,
+before any rank starts), or a searched preset (`auto`, the scenarios), which rank 0 decides in
+the job, after a collective calibration of `localhost` if there is none yet, and broadcasts
+(DESIGN.md invariant 3). Every path goes through the planner, on the layers the parent traced."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan, assign_styles
+from hybridpar.planning.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
+from hybridpar.planning.layers import CostLayer
+from hybridpar.planning.presets import plan_preset
+from hybridpar.planning.search import evaluate, export
+from hybridpar.runtime.train.calibration import calibrate_in_job
+from hybridpar.runtime.train.config import TrainConfig
+from hybridpar.runtime.train.job import Job
+
+__all__ = ["agreed_plan", "checked_file_plan", "preset_plan", "pricing_cluster"]
+
+
+def pricing_cluster(spec: str, required: bool) -> Cluster:
+    """The cluster presets are planned and priced on. An uncalibrated `localhost` prices bytes
+    only (seconds ~0) for a fixed preset, and is calibrated in the job for a searched one."""
+    if spec == "localhost" and not localhost_path().exists() and not required:
+        return BYTES_ONLY
+    return load_cluster(spec)
+
+
+def preset_plan(
+    cfg: TrainConfig, P: int, layers: list[CostLayer], shape: tuple[int, ...], cluster: Cluster
+) -> ParallelPlan:
+    return plan_preset(
+        cfg.preset,
+        layers,
+        P,
+        cfg.batch,
+        cluster,
+        choices=cfg.choices,
+        model=cfg.model,
+        input_shape=shape,
+    )
+
+
+def checked_file_plan(
+    plan: ParallelPlan,
+    cfg: TrainConfig,
+    modules: list[str],
+    layers: list[CostLayer],
+    shape: tuple[int, ...],
+) -> ParallelPlan:
+    """A plan file must be for this model and data. A hand-written one (no predictions) becomes
+    the exact plan it means: one style per layer, priced on --cluster."""
+    if plan.input_shape and tuple(plan.input_shape) != tuple(shape):
+        raise ConfigError(
+            f"the plan was made for input {tuple(plan.input_shape)} but the data gives "
+            f"{tuple(shape)}; re-plan with the data's --input-size"
+        )
+    names = [x.name for x in layers]
+    styles = assign_styles(plan.styles, modules, names, plan.procs)
+    cluster = pricing_cluster(cfg.cluster, required=False)
+    chosen = [styles[n] for n in names]
+    priced = evaluate(layers, plan.procs, plan.batch, cluster, chosen, choices=plan.choices)
+    if not priced.feasible:
+        raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")
+    fresh = export(
+        priced,
+        procs=plan.procs,
+        batch=plan.batch,
+        choices=plan.choices,
+        model=cfg.model,
+        input_shape=tuple(shape),
+        engine=plan.engine,
+        cluster=cluster.name,
+    )
+    if not plan.predicted:
+        return replace(fresh, scenario=plan.scenario)
+    if _bytes(plan) != _bytes(fresh):
+        raise ConfigError(
+            "the plan's predicted bytes do not match this model (different widths or classes?): "
+            "it was made for another model; re-plan for this one"
+        )
+    return plan
+
+
+def _bytes(plan: ParallelPlan) -> dict:
+    return {k: round(v, 3) for k, v in plan.predicted_bytes(by_layer=True).items()}
+
+
+def _broadcast(value: object) -> object:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agreed_plan(job: Job) -> ParallelPlan:
+    """The plan every rank runs. A searched preset is decided by rank 0 alone (after a collective
+    calibration of `localhost` if there is none yet) and broadcast (DESIGN.md invariant 3)."""
+    if job.plan is not None:
+        return job.plan
+    cfg, rank = job.cfg, dist.get_rank()
+    # one process has nothing to calibrate (no all-reduce to time) and one plan: it is priced on
+    # whatever `localhost` holds, bytes only when it was never calibrated
+    searched = job.procs > 1
+    missing = (
+        searched and cfg.cluster == "localhost" and not (rank == 0 and localhost_path().exists())
+    )
+    if _broadcast(missing):
+        if rank == 0:
+            print(
+                f"calibrating this machine for --preset {cfg.preset} (once; "
+                "`hybridpar calibrate` redoes it) ...",
+                flush=True,
+            )
+        calibrate_in_job(device=cfg.choices.device)
+    answer: object = None
+    if rank == 0:
+        try:
+            cluster = pricing_cluster(cfg.cluster, searched)
+            plan = preset_plan(cfg, job.procs, job.layers, job.input_shape, cluster)
+            answer = ("plan", plan.to_json())
+        except ConfigError as exc:
+            answer = ("error", str(exc))
+    kind, text = _broadcast(answer)
+    if kind == "error":
+        raise ConfigError(text)
+    return ParallelPlan.from_dict(json.loads(text))
