@@ -162,10 +162,11 @@ def wire_bytes(P: int, mb: int, block: int) -> None:
 def training(P: int, steps: int, repeat: int) -> None:
     """8-bit gradients against fp32 in training on loopback: alexnet-owt 64 px, batch 32, pure
     batch plan, the compressed reducer on its thread. The two run in turn, `repeat` rounds."""
+    from hybridpar.config import build
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.run import run
 
-    base = TrainConfig(
+    base = build(TrainConfig,
         model="alexnet-owt", data="synthetic:512", input_size=64, epochs=1, batch=32,
         max_steps=steps, nproc=P, preset="batch", cluster="cori-knl", progress=False,
         quiet=True, lr=0.01,

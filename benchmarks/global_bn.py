@@ -11,13 +11,15 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 
+from hybridpar.config import build
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import run
 
-BASE = TrainConfig(model="resnet20", data="digits", progress=False, lr=0.02, schedule="cosine")
+BASE = build(
+    TrainConfig, model="resnet20", data="digits", progress=False, lr=0.02, schedule="cosine"
+)
 
 
 def one(cfg: TrainConfig) -> dict:
@@ -42,15 +44,11 @@ def cost(procs: list[int], steps: int, repeat: int) -> None:
         f"{'P':>2} {'bn':<9} {'ms/iter':>8} {'range':>13} {'vs local':>9} {'BN KB/iter':>11}  note"
     )
     for P in procs:
-        base = dataclasses.replace(
-            BASE, nproc=P, batch=8 * P, epochs=1, max_steps=steps, preset=f"grid:1x{P}"
-        )
+        base = BASE.with_(nproc=P, batch=8 * P, epochs=1, max_steps=steps, preset=f"grid:1x{P}")
         runs: dict[str, list[dict]] = {"local": [], "global": [], "adaptive": []}
         for _ in range(repeat):
             for bn, got in runs.items():
-                cfg = dataclasses.replace(
-                    base, bn=bn, bn_window=max(1, steps // 3), bn_threshold=0.5
-                )
+                cfg = base.with_(bn=bn, bn_window=max(1, steps // 3), bn_threshold=0.5)
                 got.append(one(cfg))
         med = {bn: statistics.median(r["time"] for r in got) for bn, got in runs.items()}
         for bn, got in runs.items():
@@ -74,10 +72,8 @@ def accuracy(seeds: list[int], epochs: int) -> None:
     )
     gains = []
     for seed in seeds:
-        base = dataclasses.replace(
-            BASE, nproc=4, batch=8, epochs=epochs, seed=seed, preset="grid:1x4"
-        )
-        lo, gl = (one(dataclasses.replace(base, bn=bn)) for bn in ("local", "global"))
+        base = BASE.with_(nproc=4, batch=8, epochs=epochs, seed=seed, preset="grid:1x4")
+        lo, gl = (one(base.with_(bn=bn)) for bn in ("local", "global"))
         gains.append(gl["test"] - lo["test"])
         print(
             f"{seed:>4} {lo['test']:11.4f} {gl['test']:12.4f} {lo['train']:12.4f} {gl['train']:13.4f}"
@@ -90,9 +86,9 @@ def accuracy(seeds: list[int], epochs: int) -> None:
 
 def large_batch(epochs: int) -> None:
     print(f"\n3. resnet20 on digits, 4 ranks x per-rank batch 32 (global 128), {epochs} epochs")
-    base = dataclasses.replace(BASE, nproc=4, batch=128, epochs=epochs, preset="grid:1x4", lr=0.05)
-    gl = one(dataclasses.replace(base, bn="global"))
-    ad = one(dataclasses.replace(base, bn="adaptive", bn_max_batch=64))  # BZ 128 >= 64: local
+    base = BASE.with_(nproc=4, batch=128, epochs=epochs, preset="grid:1x4", lr=0.05)
+    gl = one(base.with_(bn="global"))
+    ad = one(base.with_(bn="adaptive", bn_max_batch=64))  # BZ 128 >= 64: local
     print(f"{'bn':<9} {'test':>7} {'ms/iter':>8} {'BN KB/iter':>11}  decision")
     for name, r in (("global", gl), ("adaptive", ad)):
         decision = r["bn"].get("reason") or "-"

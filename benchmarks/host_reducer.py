@@ -10,13 +10,12 @@
    reducer on a worker thread while backward goes on): the communication still exposed after the
    backward pass (from the last gradient produced to all gradients summed), per iteration, against
    the time of one all-reduce of all the gradients after backward; goal: at most 20 %; with one
-   stage per bucket and with 1 MB stages (HYBRIDPAR_HOST_STAGE_MB), interleaved.
+   stage per bucket and with 1 MB stages (RuntimeOptions.host_stage_mb), interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -75,37 +74,39 @@ def _speed(sizes_mb: list[int], repeats: int) -> dict:
 
 
 def _overlap(steps: int, input_size: int, batch: int, stage_mb: str) -> dict:
+    from hybridpar.choices import Choices
     from hybridpar.planning.cluster import BYTES_ONLY
     from hybridpar.planning.models import build_model
     from hybridpar.planning.search import plan_for
     from hybridpar.runtime.comm.host import HostReducer
-    from hybridpar.runtime.train.config import TrainConfig
-    from hybridpar.runtime.train.loop import Trainer
+    from hybridpar.runtime.options import RuntimeOptions
+    from hybridpar.runtime.parallel import HybridTrainer
+    from hybridpar.runtime.train.optim import KrizhevskySGD
 
-    os.environ["HYBRIDPAR_HOST_STAGE_MB"] = stage_mb
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_model("alexnet-owt", input_size=input_size, num_classes=10, in_channels=3)
     shape = (3, input_size, input_size)
     P = dist.get_world_size()
-    r = plan_for(model, shape, P, batch, BYTES_ONLY, scenarios=["batch"])
-    plan = r.export(r.scenario("batch"), reducer="host")
-    cfg = TrainConfig(model="alexnet-owt", batch=batch, lr=0.001)
-    t = Trainer(cfg, model, plan, input_shape=shape)
+    choices = Choices(reducer="host", bn="local")
+    r = plan_for(model, shape, P, batch, BYTES_ONLY, scenarios=["batch"], choices=choices)
+    plan = r.export(r.scenario("batch"))
+    options = RuntimeOptions(host_stage_mb=float(stage_mb))
+    t = HybridTrainer(model, plan, lambda ps: KrizhevskySGD(ps, lr=0.001), options=options)
     g = torch.Generator().manual_seed(1)
     exposed, step_s, marks = [], [], []
     for i in range(steps):
         x = torch.randn(batch, 3, input_size, input_size, generator=g)
         y = torch.randint(0, 10, (batch,), generator=g)
         t0 = time.perf_counter()
-        t.step(x, y)
+        t.train_step(x, y)
         if i:  # the first step makes the shared-memory segments
-            sync = t.hybrid.sync
+            sync = t.model.sync
             exposed.append(sync.exposed_s)
             # perf_counter is CLOCK_MONOTONIC, shared by the processes of this machine
             marks.append((sync._last_grad_t, sync._last_grad_t + sync.exposed_s))
             step_s.append(time.perf_counter() - t0)
-    grads = torch.cat([p.grad.reshape(-1) for p in t.net.parameters()])
+    grads = torch.cat([p.grad.reshape(-1) for p in t.model.parameters()])
     r = HostReducer()
     after = {"host": [], "gloo": [], "zero-copy": []}
     for _ in range(5):

@@ -6,7 +6,7 @@ Runs, in one invocation, for each P:
   (benchmarks/plain_ddp.py), sharing only the model and the data; every ratio is against it;
 - torch DDP inside hybridpar's trainer (its buckets all-reduced through a logged comm hook);
 - hybridpar with the planner's choice on this machine (`auto`, cluster localhost), the same plan
-  with every collective on gloo (`auto, gloo only`: HYBRIDPAR_SMALL_SHM=0 turns off the
+  with every collective on gloo (`auto, gloo only`: --no-shared-memory turns off the
   shared-memory path of the activations' all-gathers and all-reduces, comm.small), its per-layer
   and same-grid plans, and Krizhevsky's layout (`owt`: FC pure model, P x 1).
 Prints the grids each plan uses, bytes per iteration per rank (from the ledger; for plain DDP the
@@ -18,40 +18,31 @@ multi-tensor) against torch.optim.SGD's on the same parameters, one thread.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 from plain_ddp import run_local
 
+from hybridpar.config import build
 from hybridpar.planning.models import build_model
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.optim import KrizhevskySGD
 from hybridpar.runtime.train.run import run
 
 COMM_TERMS = ("dw_allreduce", "allgather", "dx_allreduce", "redistribute")
-CONTENDERS = (  # (name, preset, environment)
+CONTENDERS = (  # (name, preset, runtime options)
     ("DDP in trainer", "ddp", {}),
     ("hybridpar auto", "auto", {}),
-    ("auto, gloo only", "auto", {"HYBRIDPAR_SMALL_SHM": "0"}),
+    ("auto, gloo only", "auto", {"shared_memory": False}),
     ("per-layer", "per-layer", {}),
     ("same-grid", "same-grid", {}),
     ("owt", "owt", {}),
 )
 
 
-def one(cfg: TrainConfig, env: dict[str, str]) -> dict:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the ranks inherit it
-    try:
-        r = run(cfg)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def one(cfg: TrainConfig) -> dict:
+    r = run(cfg)
     styles = r["plan"]["styles"].values()
     return {
         "grids": "+".join(
@@ -72,7 +63,8 @@ def main() -> None:
     ap.add_argument("--input-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
-    base = TrainConfig(
+    base = build(
+        TrainConfig,
         model="alexnet-owt",
         data="synthetic:512",
         input_size=args.input_size,
@@ -96,7 +88,10 @@ def main() -> None:
             }
         }
         results.update(
-            {name: one(base.with_(nproc=P, preset=preset), env) for name, preset, env in CONTENDERS}
+            {
+                name: one(base.with_(nproc=P, preset=preset, **opts))
+                for name, preset, opts in CONTENDERS
+            }
         )
         rows += [(P, name, r, results["plain DDP"]) for name, r in results.items()]
     print(

@@ -28,6 +28,7 @@ __all__ = [
     "add_arguments",
     "build",
     "check_fields",
+    "evolve",
     "flag_of",
     "from_namespace",
     "meta",
@@ -153,6 +154,28 @@ def build(cls: type, **flat: Any):
     if unknown:
         raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}")
     return cls(**kwargs)
+
+
+def evolve(obj: Any, **flat: Any):
+    """A copy of `obj` with fields changed by their flat names, as `build` takes them: a nested
+    config's field is changed inside it (`evolve(cfg, codec="fp16", lr=0.1)`)."""
+    hints = typing.get_type_hints(type(obj))
+    top: dict[str, Any] = {}
+    taken: set[str] = set()
+    for f in fields(obj):
+        tp, _ = _unwrap(hints[f.name])
+        if f.name in flat:
+            top[f.name] = flat[f.name]
+            taken.add(f.name)
+        elif _is_config(tp):
+            mine = {k: v for k, v in flat.items() if k in {g.name for g in fields(tp)}}
+            if mine:
+                top[f.name] = evolve(getattr(obj, f.name), **mine)
+                taken |= set(mine)
+    unknown = sorted(set(flat) - taken)
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field {unknown[0]!r}")
+    return dataclasses.replace(obj, **top)
 
 
 def check_fields(obj: Any) -> None:

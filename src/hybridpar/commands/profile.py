@@ -16,6 +16,30 @@ from pathlib import Path
 __all__ = ["profile_model"]
 
 
+def _timers(model) -> tuple[dict[str, list[float]], dict[str, list[float]], list]:
+    """Hooks timing every leaf's forward and backward: (forward s, backward s, the handles)."""
+    leaves = {m: n for n, m in model.named_modules() if next(m.children(), None) is None and n}
+    fwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
+    bwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
+    starts: dict[tuple[str, str], float] = {}
+
+    def start(n: str, what: str):
+        return lambda *_: starts.__setitem__((n, what), time.perf_counter())
+
+    def stop(n: str, what: str, into: dict[str, list[float]]):
+        return lambda *_: into[n].append(time.perf_counter() - starts[(n, what)])
+
+    handles = []
+    for m, n in leaves.items():
+        handles += [
+            m.register_forward_pre_hook(start(n, "f")),
+            m.register_forward_hook(stop(n, "f", fwd)),
+            m.register_full_backward_pre_hook(start(n, "b")),
+            m.register_full_backward_hook(stop(n, "b", bwd)),
+        ]
+    return fwd, bwd, handles
+
+
 def profile_model(
     model_name: str,
     batch: int = 16,
@@ -34,26 +58,7 @@ def profile_model(
     for m in model.modules():  # full backward hooks refuse in-place activations
         if hasattr(m, "inplace"):
             m.inplace = False
-    leaves = {m: n for n, m in model.named_modules() if next(m.children(), None) is None and n}
-    fwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
-    bwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
-    starts: dict[tuple[str, str], float] = {}
-    handles = []
-    for m, n in leaves.items():
-        handles += [
-            m.register_forward_pre_hook(
-                lambda _m, _a, n=n: starts.__setitem__((n, "f"), time.perf_counter())
-            ),
-            m.register_forward_hook(
-                lambda _m, _a, _o, n=n: fwd[n].append(time.perf_counter() - starts[(n, "f")])
-            ),
-            m.register_full_backward_pre_hook(
-                lambda _m, _g, n=n: starts.__setitem__((n, "b"), time.perf_counter())
-            ),
-            m.register_full_backward_hook(
-                lambda _m, _gi, _go, n=n: bwd[n].append(time.perf_counter() - starts[(n, "b")])
-            ),
-        ]
+    fwd, bwd, handles = _timers(model)
     x = torch.randn(batch, *input_shape(model_name, input_size), requires_grad=True)
     try:
         for it in tqdm(range(warmup + repeats), desc=f"profile {model_name}", disable=not progress):
@@ -67,7 +72,7 @@ def profile_model(
             h.remove()
     per_sample = {
         n: [statistics.median(fwd[n]) / batch, statistics.median(bwd[n]) / batch if bwd[n] else 0.0]
-        for n in leaves.values()
+        for n in fwd
         if fwd[n]
     }
     return {

@@ -296,6 +296,58 @@ def _tensors(tree: object) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+class _Calls:
+    """Module hooks that record, around the recorder's dataflow, every module call (its name,
+    enter and exit time, the key of its first tensor argument and that argument's elements per
+    example) and every leaf's spec."""
+
+    def __init__(self, model: nn.Module, rec: _Recorder) -> None:
+        self.model, self.rec = model, rec
+        self.names = {m: n for n, m in model.named_modules()}
+        leaves = {m for m in model.modules() if next(m.children(), None) is None and m is not model}
+        self.leaves = leaves or {model}
+        self.specs: list[tuple[int, LayerSpec]] = []  # (time, spec)
+        self.calls: list[list] = []  # [name, enter time, exit time, first argument's key, elements]
+        self.stack: list[int] = []
+
+    def _leaf(self, module: nn.Module) -> bool:
+        return module in self.leaves and module is not self.model
+
+    def pre(self, module: nn.Module, args: tuple) -> None:
+        rec, ins = self.rec, _tensors(args)
+        if module is self.model:
+            rec.on = True
+            rec.produce(ins, -1, False)
+        first = ins[0] if ins else None
+        key = rec.key(first) if first is not None else None
+        elements = math.prod(first.shape[1:]) if first is not None else 0
+        self.calls.append([self.names[module], rec.t, None, key, elements])
+        self.stack.append(len(self.calls) - 1)
+        if self._leaf(module):
+            t = rec.t
+            rec.t += 1
+            grad = rec.use(ins, t)
+            own = rec.use(list(module.parameters(recurse=False)), t)
+            module._hybridpar_call = (t, grad, own)
+            rec.in_leaf += 1
+
+    def post(self, module: nn.Module, args: tuple, output: object) -> None:
+        rec = self.rec
+        self.calls[self.stack.pop()][2] = rec.t
+        outs = _tensors(output)
+        if self._leaf(module):
+            rec.in_leaf -= 1
+            t, grad, own = module.__dict__.pop("_hybridpar_call")
+            rec.produce(outs, t, grad or own)
+            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+                shapes = (tuple(args[0].shape[1:]), tuple(output.shape[1:]))
+                spec = _spec(self.names[module], module, *shapes)
+                self.specs.append((t, replace(spec, input_grad=grad)))
+        if module is self.model:
+            rec.use(outs, math.inf)
+            rec.on = False
+
+
 def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     """Run `model` once on meta tensors for one input of `input_shape` (per sample, no batch dim)
     and return its leaf calls, segments and parameter uses. A 100-million-parameter model costs
@@ -306,59 +358,10 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
             f"input shape {input_shape} must be positive sizes per sample, e.g. 3,224,224"
         )
     rec = _Recorder()
-    names = {m: n for n, m in model.named_modules()}
-    leaves = {m for m in model.modules() if next(m.children(), None) is None and m is not model}
-    if not leaves:
-        leaves = {model}
-    specs: list[tuple[int, LayerSpec]] = []  # (time, spec)
-    calls: list[
-        list
-    ] = []  # [name, enter time, exit time, key of the first tensor argument, elements]
-    stack: list[int] = []
-
-    def pre(module: nn.Module, args: tuple) -> None:
-        ins = _tensors(args)
-        if module is model:
-            rec.on = True
-            rec.produce(ins, -1, False)
-        first = ins[0] if ins else None
-        calls.append(
-            [
-                names[module],
-                rec.t,
-                None,
-                rec.key(first) if first is not None else None,
-                math.prod(first.shape[1:]) if first is not None else 0,
-            ]
-        )
-        stack.append(len(calls) - 1)
-        if module in leaves and module is not model:
-            t = rec.t
-            rec.t += 1
-            grad = rec.use(ins, t)
-            own = rec.use(list(module.parameters(recurse=False)), t)
-            module._hybridpar_call = (t, grad, own)
-            rec.in_leaf += 1
-
-    def post(module: nn.Module, args: tuple, output: object) -> None:
-        calls[stack.pop()][2] = rec.t
-        outs = _tensors(output)
-        if module in leaves and module is not model:
-            rec.in_leaf -= 1
-            t, grad, own = module.__dict__.pop("_hybridpar_call")
-            rec.produce(outs, t, grad or own)
-            if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-                spec = _spec(
-                    names[module], module, tuple(args[0].shape[1:]), tuple(output.shape[1:])
-                )
-                specs.append((t, replace(spec, input_grad=grad)))
-        if module is model:
-            rec.use(outs, math.inf)
-            rec.on = False
-
+    hooks = _Calls(model, rec)
     handles = []
     for m in model.modules():
-        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        handles += [m.register_forward_pre_hook(hooks.pre), m.register_forward_hook(hooks.post)]
     try:
         x = torch.empty((2, *input_shape), device="meta")
         state = {}
@@ -376,7 +379,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    return _segments(specs, calls, rec)
+    return _segments(hooks.specs, hooks.calls, rec)
 
 
 def _clean(call: list, rec: _Recorder, counts: dict[str, int]) -> bool:

@@ -259,23 +259,28 @@ class Codec:
         if self.name == "none":
             return Encoded(self.name, flat, None, x.shape)
         if self.name in ("fp16", "bf16"):
-            dt = torch.float16 if self.name == "fp16" else torch.bfloat16
-            if (
-                out is not None
-                and out.payload.dtype == dt
-                and out.payload.shape == flat.shape
-                and out.payload.device == flat.device
-            ):
-                out.payload.copy_(flat)
-                return Encoded(self.name, out.payload, None, x.shape)
-            return Encoded(self.name, flat.to(dt), None, x.shape)
-        t = _tables_for(self.name, flat.device)
+            return self._encode_half(flat, x.shape, out)
         n = flat.numel()
         if n == 0:
-            return Encoded(
-                self.name, flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0), x.shape
-            )
-        block = n if self.block is None else self.block
+            empty = flat.new_empty(0, dtype=torch.uint8)
+            return Encoded(self.name, empty, flat.new_empty(0), x.shape)
+        codes, scales = self._buffers(flat, out)
+        self._encode_8bit(flat, codes, scales)
+        return Encoded(self.name, codes, scales, x.shape)
+
+    def _encode_half(self, flat: torch.Tensor, shape, out: Encoded | None) -> Encoded:
+        dt = torch.float16 if self.name == "fp16" else torch.bfloat16
+        p = out.payload if out is not None else None
+        if p is not None and p.dtype == dt and p.shape == flat.shape and p.device == flat.device:
+            p.copy_(flat)
+            return Encoded(self.name, p, None, shape)
+        return Encoded(self.name, flat.to(dt), None, shape)
+
+    def _buffers(
+        self, flat: torch.Tensor, out: Encoded | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and scales to encode `flat` into: `out`'s where they fit, else new ones."""
+        n = flat.numel()
         reuse = (
             out is not None
             and out.scales is not None
@@ -286,12 +291,16 @@ class Codec:
             and out.scales.numel() == self.blocks(n)
             and out.scales.is_contiguous()
         )
-        codes = out.payload if reuse else torch.empty(n, dtype=torch.uint8, device=flat.device)
-        scales = (
-            out.scales
-            if reuse
-            else torch.empty(self.blocks(n), dtype=torch.float32, device=flat.device)
-        )
+        if reuse:
+            return out.payload, out.scales
+        codes = torch.empty(n, dtype=torch.uint8, device=flat.device)
+        return codes, torch.empty(self.blocks(n), dtype=torch.float32, device=flat.device)
+
+    def _encode_8bit(self, flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """The 8-bit codes and per-block scales of flat (the C kernel on CPU, torch elsewhere)."""
+        t = _tables_for(self.name, flat.device)
+        n = flat.numel()
+        block = n if self.block is None else self.block
         if flat.device.type == "cpu" and n >= _KERNEL_MIN and kernels.available():
             flat = flat.contiguous()
             if kernels.encode(flat, block, t.packed, codes, scales):
@@ -300,7 +309,7 @@ class Codec:
                     c, sc = _encode_blocks(flat[lo : lo + block].view(1, -1), t.lut, t.mid, t.canon)
                     codes[lo : lo + block] = c.view(-1)
                     scales[b] = sc.view(-1)[0]
-            return Encoded(self.name, codes, scales, x.shape)
+            return
         full = (n // block) * block if block else 0
         enc = _fast(_encode_blocks, n)
         if full:
@@ -311,7 +320,6 @@ class Codec:
             c, s = _encode_blocks(flat[full:].view(1, -1), t.lut, t.mid, t.canon)
             codes[full:] = c.view(-1)
             scales[-1] = s.view(-1)[0]
-        return Encoded(self.name, codes, scales, x.shape)
 
     def decode(self, e: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: a contiguous float32 tensor of e's size to decode into (returned reshaped)."""

@@ -128,6 +128,14 @@ def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.T
     if state.worker is None:
         compressed_all_reduce(buf, group, codec, state.ledger, state.term, layers, residuals, index)
         return _done(buf.div_(p) if state.average else buf)
+    return _queued(state, bucket, group, codec, residuals)
+
+
+def _queued(state: ReducerState, bucket, group, codec: Codec, residuals) -> torch.futures.Future:
+    """compressed_hook with a worker: the bucket's pieces queued on the worker's thread, pushed
+    through the state's pipeline; the future completes once the last piece is summed."""
+    buf, p = bucket.buffer(), group_size(group)
+    index, layers = bucket.index(), state.bucket_layers.get(bucket.index())
     if state.buckets_per_step:  # the same count on every rank: the step's last launch flushes
         state.launched = (state.launched + 1) % state.buckets_per_step
         last = state.launched == 0

@@ -73,8 +73,35 @@ def resolve(
     tr = traced or trace(model, shape)
     layers = cost_layers(tr.specs)
     modules = dict(model.named_modules())
-    names = [x.name for x in layers]
-    styles = assign_styles(plan.styles, list(modules), names, plan.procs)
+    styles = _checked_styles(plan, list(modules), layers)
+    order, entries = _segments(layers, styles)
+    stateful = {
+        n
+        for n, m in modules.items()
+        if next(m.parameters(False), None) is not None or next(m.buffers(False), None) is not None
+    }
+    used = {n: segs for n, segs in tr.segment_modules().items() if n in stateful}
+    layout = Layout(
+        plan,
+        tr,
+        layers,
+        styles,
+        order,
+        entries,
+        _single_segments("module", used, order),
+        _single_segments("parameter", tr.param_segments, order),
+        {m: x.name for x in layers for m in x.members},
+    )
+    _check_redistributions(layout)
+    return layout
+
+
+def _checked_styles(
+    plan: ParallelPlan, modules: list[str], layers: list[CostLayer]
+) -> dict[str, Style]:
+    """Every weighted layer's style, each checked by its kind's rule (the planner's own), and the
+    plan's choices checked against them."""
+    styles = assign_styles(plan.styles, modules, [x.name for x in layers], plan.procs)
     for x in layers:
         why = why_not(x, styles[x.name], plan.batch)
         if why:
@@ -82,6 +109,13 @@ def resolve(
     why = why_not_choices(plan.choices, styles.values())
     if why:
         raise ConfigError(why)
+    return styles
+
+
+def _segments(
+    layers: list[CostLayer], styles: dict[str, Style]
+) -> tuple[list[Style], dict[int, str]]:
+    """Each segment's style (its layers must share one) in order, and the module entering it."""
     segments: dict[int, Style] = {}
     entries: dict[int, str] = {}
     for x in layers:
@@ -104,25 +138,7 @@ def resolve(
                 f"no redistribution between {order[k - 1]} and {order[k]} before segment "
                 f"{entries.get(k, k)!r}: their Pc ({a}, {b}) must divide one another"
             )
-    stateful = {
-        n
-        for n, m in modules.items()
-        if next(m.parameters(False), None) is not None or next(m.buffers(False), None) is not None
-    }
-    used = {n: segs for n, segs in tr.segment_modules().items() if n in stateful}
-    layout = Layout(
-        plan,
-        tr,
-        layers,
-        styles,
-        order,
-        entries,
-        _single_segments("module", used, order),
-        _single_segments("parameter", tr.param_segments, order),
-        {m: x.name for x in layers for m in x.members},
-    )
-    _check_redistributions(layout)
-    return layout
+    return order, entries
 
 
 def _single_segments(what: str, uses: dict[str, set[int]], order: list[Style]) -> dict[str, int]:

@@ -1,14 +1,13 @@
 """Styles that apply themselves: the runtime half of each style kind, the shape of torch's
 `ParallelStyle`.
 
-The plan's `Style` (hybridpar.plan) is a torch-free description: a kind and a grid. The runtime
-looks up its kind here and gets a `ParallelStyle`, which knows the few things every consumer of a
-style asks:
+The plan's `Style` (hybridpar.plan) is a torch-free description: a kind and a grid. Whether a
+layer can take it is the kind's torch-free rule (hybridpar.planning.rules.why_not), which the
+planner and `resolve` both call. The runtime looks the kind up (kinds.py) and gets a
+`ParallelStyle`, which knows the rest of what every consumer of a style asks:
 
 | method / property | answers                                                                    |
 | ----------------- | -------------------------------------------------------------------------- |
-| `check`           | can this layer take the style? (hybridpar.planning.rules.why_not: the      |
-|                   | planner's question too)                                                    |
 | `shard`           | this rank's module for a layer of the style (the layer itself: replicated)  |
 | `grad_group`      | the ranks whose gradients of a parameter of the style are summed           |
 | `bn_group`        | the ranks whose examples a batch norm in the style's layout normalises over |
@@ -30,10 +29,7 @@ from typing import ClassVar
 from torch import nn
 
 from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
 from hybridpar.plan import Style
-from hybridpar.planning.layers import CostLayer
-from hybridpar.planning.rules import why_not
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.grid import GridSet, ProcessGrid
 from hybridpar.runtime.comm.group import Group
@@ -69,13 +65,6 @@ class ParallelStyle:
 
     def __init__(self, spec: Style, ctx: BuildContext) -> None:
         self.spec, self.ctx = spec, ctx
-
-    @staticmethod
-    def check(layer: CostLayer, spec: Style, batch: int) -> None:
-        """A one-line ConfigError when `layer` cannot take `spec` (the planner's rule)."""
-        why = why_not(layer, spec, batch)
-        if why:
-            raise ConfigError(why)
 
     @property
     def grid(self) -> ProcessGrid:

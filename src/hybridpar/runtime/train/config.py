@@ -5,11 +5,11 @@ too, nested: hybridpar.choices.Choices and hybridpar.runtime.options.RuntimeOpti
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 from hybridpar.choices import Choices
-from hybridpar.config import check_fields, meta, nested, positive
+from hybridpar.config import check_fields, evolve, meta, nested, positive
 from hybridpar.errors import ConfigError
 from hybridpar.planning.presets import SEARCHED, parse_preset
 from hybridpar.planning.rules import why_not_choices
@@ -110,7 +110,8 @@ class TrainConfig:
         return self.plan is None and self.preset in SEARCHED
 
     def with_(self, **changes) -> TrainConfig:
-        return replace(self, **changes)
+        """A copy with fields changed by their flag names (a choice or a runtime option too)."""
+        return evolve(self, **changes)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,0 +1,155 @@
+"""How HybridParallel applies a resolved plan to a model on this rank, step by step: the grids,
+each segment's style sharding its layers, the redistributions at segment entries, global batch
+norm over each style's statistics group, and the gradient synchroniser over each style's
+gradient group. Every step that makes process groups runs in the same order on every rank."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from hybridpar.plan import ParallelPlan, Style
+from hybridpar.runtime.comm.codecs import get_codec
+from hybridpar.runtime.comm.grid import GridSet
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
+from hybridpar.runtime.parallel.kinds import runtime_style
+from hybridpar.runtime.parallel.layout import Layout
+from hybridpar.runtime.parallel.redistribute import move
+from hybridpar.runtime.parallel.reducers import Reducer
+from hybridpar.runtime.parallel.styles import BuildContext, ParallelStyle
+from hybridpar.runtime.parallel.sync import GradSync
+from hybridpar.terms import Term
+
+__all__ = [
+    "broadcast_parameters",
+    "context",
+    "global_batchnorm",
+    "grad_sync",
+    "redistributions",
+    "shard",
+    "switch",
+]
+
+
+def context(
+    plan: ParallelPlan, layout: Layout, options: RuntimeOptions, ledger: Ledger | None, device: str
+) -> BuildContext:
+    """The grids of every segment's style (one per distinct Pc), with the groups that move
+    activations between them and the job's timeout, and the plan's codec."""
+    pcs = [s.pc for s in layout.segments] + [plan.procs]
+    moves = [(a.pc, b.pc) for _, a, b in layout.moves()]
+    timeout = datetime.timedelta(seconds=options.timeout_s) if options.timeout_s else None
+    grids = GridSet(pcs, moves, device, timeout, shm=options.shared_memory)
+    codec = get_codec(plan.choices.codec, options.block) if plan.choices.codec != "none" else None
+    return BuildContext(grids, plan.choices, options, ledger, codec=codec)
+
+
+def _set(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def shard(model: nn.Module, layout: Layout, styles: list[ParallelStyle]) -> None:
+    """Every weighted layer becomes its style's module for this rank (a split layer its shard)."""
+    for x in layout.layers:
+        old = model.get_submodule(x.name)
+        new = styles[x.segment].shard(x.name, old, layout.layer_of[x.name])
+        if new is not old:
+            _set(model, x.name, new)
+
+
+def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list:
+    """A forward pre-hook at each segment entry where the layout changes; returns the handles."""
+    hooks = []
+    for k, src, dst in layout.moves():
+        layer = layout.first_layer(k)
+        codec = ctx.activation_codec
+        hook = move(src, dst, ctx.grids, ctx.rows, ctx.ledger, layer, codec)
+        hooks.append(model.get_submodule(layout.entries[k]).register_forward_pre_hook(hook))
+    return hooks
+
+
+def switch(plan: ParallelPlan, ctx: BuildContext) -> BNSwitch:
+    """The adaptive batch norm's switch (Liu et al. 4.3), deciding over the job's world group."""
+    o = ctx.options
+    rule = LossPlateau(o.bn_window, o.bn_threshold)
+    s = BNSwitch(o.bn_max_batch, rule, group=ctx.grids.world, ledger=ctx.ledger)
+    s.device = ctx.grids.device
+    s.start(plan.batch)  # BZ: the global batch (Liu et al. section 5)
+    return s
+
+
+def global_batchnorm(
+    model: nn.Module,
+    layout: Layout,
+    styles: list[ParallelStyle],
+    ledger: Ledger | None,
+    bn_switch: BNSwitch | None,
+) -> None:
+    """Every batch norm over its segment style's statistics group, the groups made in segment
+    order on every rank."""
+    norms = [
+        (name, m, layout.module_segment[name])
+        for name, m in model.named_modules()
+        if isinstance(m, _BatchNorm) and name in layout.module_segment
+    ]
+    groups: dict[Style, object] = {}
+    for seg in sorted({seg for _, _, seg in norms}):
+        if layout.segments[seg] not in groups:  # collective: same groups, same order, everywhere
+            groups[layout.segments[seg]] = styles[seg].bn_group()
+    for name, m, seg in norms:
+        group = groups[layout.segments[seg]]
+        new = convert_global_batchnorm(
+            m, group, ledger=ledger, switch=bn_switch, layer_of=layout.layer_of, prefix=name
+        )
+        _set(model, name, new)
+
+
+def grad_sync(
+    model: nn.Module,
+    layout: Layout,
+    styles: list[ParallelStyle],
+    reducer: Reducer,
+    ctx: BuildContext,
+) -> GradSync:
+    """Each parameter's gradient summed over the grad group of the style it is used in (a
+    parameter no forward uses is replicated everywhere, like a batch layer's)."""
+    unused = runtime_style(Style.batch(ctx.grids.world_size), ctx)
+    by_key: dict[tuple, tuple[ParallelStyle, list]] = {}
+    for name, p in model.named_parameters():
+        seg = layout.param_segment.get(name)
+        style = styles[seg] if seg is not None else unused
+        module = name.rpartition(".")[0]
+        named = (layout.layer_of.get(module, module), p)
+        by_key.setdefault(style.grad_key, (style, []))[1].append(named)
+    pairs = []
+    for _, (style, named) in sorted(by_key.items()):
+        group = style.grad_group
+        if reducer.own_groups:  # the reducer's thread: groups nobody else uses
+            group = ctx.grids.grad_group(style.spec.pc)
+        pairs.append((group, named))
+    return GradSync(pairs, ctx.ledger, ctx.options.bucket_bytes, reducer.hook, reducer.state)
+
+
+@torch.no_grad()
+def broadcast_parameters(model: nn.Module, ledger: Ledger | None) -> None:
+    """Rank 0's parameters and buffers to every rank, logged outside any training step."""
+    step, ledger_step = (ledger.step, -1) if ledger else (0, 0)
+    if ledger is not None:
+        ledger.step = ledger_step
+    P = dist.get_world_size()
+    for t in list(model.parameters()) + list(model.buffers()):
+        t0 = time.perf_counter()
+        dist.broadcast(t.data, src=0)
+        if ledger is not None:
+            size, took = t.numel() * t.element_size(), time.perf_counter() - t0
+            ledger.record("broadcast", P, size, took, Term.PARAM_BROADCAST)
+    if ledger is not None:
+        ledger.step = step
