@@ -70,7 +70,7 @@ def test_the_cli_steps_through_hybrid_trainer(tmp_path):
     )
     job = prepare(cfg)
     assert job.layout is not None and job.layout.plan is job.plan  # resolved once, in the parent
-    for calls in run_ranks(_cli_steps, 2, job):
+    for calls in run_ranks(_cli_steps, 2, job, timeout_s=180):
         assert calls == [32] * 6
 
 
@@ -128,12 +128,12 @@ def test_hybrid_trainer_checkpoints_reshard_onto_another_grid_and_p(tmp_path):
     parameters as the uninterrupted run (rtol 1e-5); loaded on the same grid: bit for bit. Both
     match single-process SGD (momentum resumed as well)."""
     folder = str(tmp_path / "ck")
-    whole = run_ranks(_first_half, 4, folder)[0]
+    whole = run_ranks(_first_half, 4, folder, timeout_s=180)[0]
     assert (tmp_path / "ck" / "latest").read_text() == "step-00000002"
-    other, resharded = run_ranks(_second_half, 3, folder, PLAN_3)[0]
+    other, resharded = run_ranks(_second_half, 3, folder, PLAN_3, timeout_s=180)[0]
     assert resharded
     assert_same_state(other, whole, "2x2 -> 3x1")
-    same, resharded = run_ranks(_second_half, 4, folder, PLAN_4)[0]
+    same, resharded = run_ranks(_second_half, 4, folder, PLAN_4, timeout_s=180)[0]
     assert not resharded
     assert all(torch.equal(same[k], v) for k, v in whole.items())
     assert_same_state(whole, train_reference(make("tv-alexnet"), batches(steps=4)), "oracle")

@@ -133,49 +133,38 @@ def from_namespace(cls: type, ns: argparse.Namespace, prefix: str = "", **extra:
     return cls(**kwargs, **extra)
 
 
+def _route(cls: type, flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Flat keyword arguments named like the flags' fields, split into `cls`'s own fields and
+    those of each config nested in it; an unknown name is a TypeError, as for any call."""
+    hints = typing.get_type_hints(cls)
+    own = {k: v for k, v in flat.items() if k in {f.name for f in fields(cls)}}
+    inner: dict[str, dict[str, Any]] = {}
+    for f in fields(cls):
+        tp, _ = _unwrap(hints[f.name])
+        if _is_config(tp) and f.name not in own:
+            inner[f.name] = {k: v for k, v in flat.items() if k in {g.name for g in fields(tp)}}
+    unknown = sorted(set(flat) - set(own) - {k for d in inner.values() for k in d})
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}")
+    return own, inner
+
+
 def build(cls: type, **flat: Any):
     """`cls` from flat keyword arguments named like its flags' fields: the ones of a nested
     config go to it (`build(TrainConfig, lr=0.1, codec="fp16", seed=3)`), as on the command
-    line. An unknown name is a TypeError, as for any call."""
+    line."""
+    own, inner = _route(cls, flat)
     hints = typing.get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    taken: set[str] = set()
-    for f in fields(cls):
-        tp, _ = _unwrap(hints[f.name])
-        if f.name in flat:
-            kwargs[f.name] = flat[f.name]
-            taken.add(f.name)
-        elif _is_config(tp):
-            mine = {f2.name for f2 in fields(tp)}
-            sub = {k: v for k, v in flat.items() if k in mine}
-            taken |= set(sub)
-            kwargs[f.name] = build(tp, **sub)
-    unknown = sorted(set(flat) - taken)
-    if unknown:
-        raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}")
-    return cls(**kwargs)
+    nested_ = {k: build(_unwrap(hints[k])[0], **v) for k, v in inner.items()}
+    return cls(**own, **nested_)
 
 
 def evolve(obj: Any, **flat: Any):
     """A copy of `obj` with fields changed by their flat names, as `build` takes them: a nested
     config's field is changed inside it (`evolve(cfg, codec="fp16", lr=0.1)`)."""
-    hints = typing.get_type_hints(type(obj))
-    top: dict[str, Any] = {}
-    taken: set[str] = set()
-    for f in fields(obj):
-        tp, _ = _unwrap(hints[f.name])
-        if f.name in flat:
-            top[f.name] = flat[f.name]
-            taken.add(f.name)
-        elif _is_config(tp):
-            mine = {k: v for k, v in flat.items() if k in {g.name for g in fields(tp)}}
-            if mine:
-                top[f.name] = evolve(getattr(obj, f.name), **mine)
-                taken |= set(mine)
-    unknown = sorted(set(flat) - taken)
-    if unknown:
-        raise TypeError(f"{type(obj).__name__} has no field {unknown[0]!r}")
-    return dataclasses.replace(obj, **top)
+    own, inner = _route(type(obj), flat)
+    nested_ = {k: evolve(getattr(obj, k), **v) for k, v in inner.items() if v}
+    return dataclasses.replace(obj, **own, **nested_)
 
 
 def check_fields(obj: Any) -> None:

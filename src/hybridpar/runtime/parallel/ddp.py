@@ -16,34 +16,21 @@ import inspect
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import new_group
-from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
 from hybridpar.runtime.parallel.engine import Engine
-from hybridpar.runtime.parallel.layout import Layout
 from hybridpar.runtime.parallel.reducers import make_reducer
 
 __all__ = ["DDPEngine"]
 
 
 class DDPEngine(Engine):
-    def __init__(
-        self,
-        model: nn.Module,
-        plan: ParallelPlan,
-        layout: Layout,
-        options: RuntimeOptions,
-        device: str,
-        ledger: Ledger | None = None,
-    ) -> None:
-        super().__init__()
-        if plan.engine != "ddp":
-            raise ConfigError("DDPEngine runs plans with engine ddp")
-        self.plan, self.layout, self.options, self.ledger = plan, layout, options, ledger
+    kind = "ddp"
+
+    def build(self, model: nn.Module) -> None:
+        plan, options, ledger = self.plan, self.options, self.ledger
+        layout, device = self.layout, self.device
         self.P, self.rank = dist.get_world_size(), dist.get_rank()
         self.rows: list[int] | None = None
         timeout = datetime.timedelta(seconds=options.timeout_s) if options.timeout_s else None
@@ -70,10 +57,8 @@ class DDPEngine(Engine):
         self.reducer_state = self.reducer.state(group=group, average=False, ledger=ledger)
         self.ddp.register_comm_hook(self.reducer_state, self.reducer.hook)
 
-    def set_batch(self, n: int) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"set_batch takes the global batch size, a positive int; got {n!r}")
-        self.rows = even_split(n, self.P)
+    def split(self, sizes: list[int]) -> None:
+        self.rows = sizes
 
     def input_rows(self, n: int) -> slice:
         sizes = even_split(n, self.P)

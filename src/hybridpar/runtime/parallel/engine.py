@@ -25,28 +25,59 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
+from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.batchnorm import BNSwitch
+from hybridpar.runtime.parallel.layout import Layout
 
 __all__ = ["Engine"]
 
 
 class Engine(nn.Module):
-    """A model running a plan on this rank; the user's model is `.module` (changed in place)."""
+    """A model running a plan on this rank; the user's model is `.module` (changed in place).
+    `layout`: the plan resolved against the model; `device`: where its parameters are."""
 
-    plan: ParallelPlan
-    options: RuntimeOptions
-    ledger: Ledger | None
+    kind: str = ""  # the plan.engine this class runs
     bn_switch: BNSwitch | None = None
     world: Group  # every rank, for metrics and agreed decisions
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ParallelPlan,
+        layout: Layout,
+        options: RuntimeOptions,
+        device: str,
+        ledger: Ledger | None = None,
+    ) -> None:
+        super().__init__()
+        if plan.engine != self.kind:
+            raise ConfigError(
+                f"{type(self).__name__} runs plans with engine {self.kind}; "
+                f"this one's is {plan.engine} (parallelize picks the engine)"
+            )
+        self.plan, self.layout, self.options, self.ledger = plan, layout, options, ledger
+        self.device = device
+        self.build(model)
+
+    def build(self, model: nn.Module) -> None:
+        """Apply the plan to `model` on this rank (collective: it makes the process groups)."""
+        raise NotImplementedError
 
     # --- the per-step contract -----------------------------------------------------------------
 
     def set_batch(self, n: int) -> None:
         """The number of examples in the coming step's global batch (known to every rank)."""
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"set_batch takes the global batch size, a positive int; got {n!r}")
+        self.split(even_split(n, self.plan.procs))
+
+    def split(self, sizes: list[int]) -> None:
+        """The coming step's examples per rank in the finest layout (`even_split(n, P)`)."""
         raise NotImplementedError
 
     def input_rows(self, n: int) -> slice:

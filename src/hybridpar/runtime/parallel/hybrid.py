@@ -21,17 +21,12 @@ import weakref
 import torch
 from torch import nn
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import ProcessGrid
-from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import apply
 from hybridpar.runtime.parallel.dropout import SameRandom
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.kinds import runtime_style
-from hybridpar.runtime.parallel.layout import Layout
 from hybridpar.runtime.parallel.model import ModelParallel
 from hybridpar.runtime.parallel.reducers import make_reducer
 
@@ -43,19 +38,11 @@ class HybridParallel(Engine):
     model as `.module`; the per-step contract is Engine's. `layout`: the plan resolved against
     this model (hybridpar.runtime.parallel.layout.resolve; `parallelize` resolves it)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        plan: ParallelPlan,
-        layout: Layout,
-        options: RuntimeOptions,
-        device: str,
-        ledger: Ledger | None = None,
-    ) -> None:
-        super().__init__()
-        if plan.engine != "hybridpar":
-            raise ConfigError("a plan with engine ddp runs under torch DDP, not HybridParallel")
-        self.plan, self.layout, self.options, self.ledger = plan, layout, options, ledger
+    kind = "hybridpar"
+
+    def build(self, model: nn.Module) -> None:
+        plan, options, ledger = self.plan, self.options, self.ledger
+        layout, device = self.layout, self.device
         self.module = model
         self.ctx = apply.context(plan, layout, options, ledger, device)
         self.world = self.ctx.grids.world
@@ -87,10 +74,8 @@ class HybridParallel(Engine):
     def output_grid(self) -> ProcessGrid:
         return self.styles[-1].grid
 
-    def set_batch(self, n: int) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"set_batch takes the global batch size, a positive int; got {n!r}")
-        self.ctx.rows.sizes = even_split(n, self.plan.procs)
+    def split(self, sizes: list[int]) -> None:
+        self.ctx.rows.sizes = sizes
 
     def input_rows(self, n: int) -> slice:
         return self.input_grid.rows(even_split(n, self.plan.procs))
