@@ -276,3 +276,26 @@ def test_a_result_that_cannot_be_sent_back_is_named():
         from hybridpar.runtime.launcher import launch
 
         launch(_unpicklable, 2, backend="gloo", timeout_s=30)
+
+
+def _tensors():
+    return {"w": torch.arange(1000, dtype=torch.float32) * dist.get_rank()}  # fits the pipe
+
+
+def test_a_result_with_tensors_arrives_after_its_rank_is_gone(monkeypatch):
+    """A rank's result travels by value: read only once every rank has exited (what a loaded
+    machine can do), its tensors still arrive. torch's multiprocessing pickler would have sent
+    their storage as a file descriptor to fetch from the rank later ('Connection reset by
+    peer')."""
+    from hybridpar.runtime import launcher
+
+    watch = launcher._watch
+
+    def late(procs, *args):
+        for p in procs:
+            p.join(60)
+        return watch(procs, *args)
+
+    monkeypatch.setattr(launcher, "_watch", late)
+    got = launcher.launch(_tensors, 2, backend="gloo", timeout_s=30)
+    assert [float(r["w"][-1]) for r in got] == [0.0, 999.0]

@@ -145,13 +145,15 @@ def _child(
         init_distributed(timeout_s, backend)
         result = _resolve(fn)(*args)
         try:
-            pickle.dumps(result)
+            # by value: torch's multiprocessing pickler would send a tensor's storage as a file
+            # descriptor the launcher fetches from this process later, which is gone by then
+            blob = pickle.dumps(result)
         except Exception as exc:
             raise TypeError(
                 f"{fn} returned a {type(result).__name__}, which cannot be sent back "
                 f"to the launcher ({exc})"
             ) from None
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", blob))
         shutdown()  # nobody tears down the group while another rank still uses it
         code = 0
     except BaseException as exc:  # report everything, including KeyboardInterrupt
@@ -293,7 +295,7 @@ def _watch(procs: list, queue, nprocs: int, timeout_s: float, grace_s: float) ->
             missing = [r for r in range(nprocs) if r not in results]
             if missing:
                 raise RankFailure(f"rank {missing[0]} exited without returning its result")
-            return [results[r] for r in range(nprocs)]
+            return [pickle.loads(results[r]) for r in range(nprocs)]
         if time.monotonic() > deadline:
             raise RankFailure(
                 f"job exceeded its {backstop:.0f} s backstop; ranks {sorted(set(range(nprocs)) - set(results))} never finished"
