@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, assign_styles
+from hybridpar.plan import ParallelPlan, Style
 from hybridpar.planning.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
 from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.presets import plan_preset
@@ -49,21 +49,20 @@ def preset_plan(
 def checked_file_plan(
     plan: ParallelPlan,
     cfg: TrainConfig,
-    modules: list[str],
+    styles: dict[str, Style],
     layers: list[CostLayer],
     shape: tuple[int, ...],
 ) -> ParallelPlan:
-    """A plan file must be for this model and data. A hand-written one (no predictions) becomes
-    the exact plan it means: one style per layer, priced on --cluster."""
+    """A plan file must be for this model and data (`styles`: its style of every layer, as
+    `resolve` found them). A hand-written one (no predictions) becomes the exact plan it means:
+    one style per layer, priced on --cluster."""
     if plan.input_shape and tuple(plan.input_shape) != tuple(shape):
         raise ConfigError(
             f"the plan was made for input {tuple(plan.input_shape)} but the data gives "
             f"{tuple(shape)}; re-plan with the data's --input-size"
         )
-    names = [x.name for x in layers]
-    styles = assign_styles(plan.styles, modules, names, plan.procs)
     cluster = pricing_cluster(cfg.cluster, required=False)
-    chosen = [styles[n] for n in names]
+    chosen = [styles[x.name] for x in layers]
     priced = evaluate(layers, plan.procs, plan.batch, cluster, chosen, choices=plan.choices)
     if not priced.feasible:
         raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")

@@ -12,6 +12,7 @@ rank 0 may decide or write the calibration.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -56,17 +57,17 @@ def prepare(cfg: TrainConfig) -> Job:
     traced = trace(model, shape)  # also the check that the model runs on the data's shape
     layers = cost_layers(traced.specs)
     cfg = cfg.with_(choices=cfg.choices.with_(device=_device(cfg, P)))
+    device = cfg.choices.device
+    layout = None
     if loaded is not None:  # names, styles, layouts: every check before spawning
-        modules = [n for n, _ in model.named_modules()]
-        plan = checked_file_plan(loaded, cfg, modules, layers, shape)
-    elif cfg.searched:  # rank 0 plans in the job; the cluster it will read is checked now
-        pricing_cluster(cfg.cluster, required=False)
-        plan = None
-    else:
+        layout = resolve(model, loaded.with_choices(device=device), shape, P, traced)
+        plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
+        layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
+    elif not cfg.searched:
         plan = preset_plan(cfg, P, layers, shape, pricing_cluster(cfg.cluster, required=False))
-    if plan is not None:
-        plan = plan.with_choices(device=cfg.choices.device)
-    layout = resolve(model, plan, shape, P, traced) if plan is not None else None
+        layout = resolve(model, plan.with_choices(device=device), shape, P, traced)
+    else:  # rank 0 plans in the job; the cluster it will read is checked now
+        pricing_cluster(cfg.cluster, required=False)
     if resume is not None:
         _check_resume(resume, cfg, shape)
     return Job(cfg, P, shape, classes, traced, layers, layout, resume)
