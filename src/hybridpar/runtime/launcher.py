@@ -61,7 +61,6 @@ def init_distributed(timeout_s: float, backend: str | None = None) -> None:
     import torch.distributed as dist
 
     backend = backend or "gloo"  # NCCL when the caller places the ranks on GPUs
-    os.environ["HYBRIDPAR_TIMEOUT_S"] = str(timeout_s)  # sub-groups (ProcessGrid) use it too
     if backend == "nccl":
         torch.cuda.set_device(
             int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
