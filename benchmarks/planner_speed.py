@@ -80,7 +80,7 @@ def main() -> None:
     seen = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True)
     torch_line = seen.stdout.strip().splitlines()[-1]
     t = time.perf_counter()
-    make_plan("alexnet", 512, 2048, knl, domain=True)
+    make_plan("alexnet", 512, 2048, knl)
     rows.append(("  of which planning, in-process (all 6 scenarios)", time.perf_counter() - t, 1.0))
 
     procs = ",".join(str(2**k) for k in range(3, 13))
@@ -106,7 +106,7 @@ def main() -> None:
     layers = cost_layers(analyze(model, shape))
     assert len(layers) == 100, len(layers)
     t = time.perf_counter()
-    r = plan_layers(layers, 4096, 8192, knl, scenarios=["per-layer"], domain=True)
+    r = plan_layers(layers, 4096, 8192, knl, scenarios=["per-layer"])
     dp = time.perf_counter() - t
     rows.append((f"per-layer search, {len(layers)} layers, P=4096 (DP)", dp, 5.0))
 

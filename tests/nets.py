@@ -147,3 +147,51 @@ def preset(name: str, which: str, P: int, **choices) -> ParallelPlan:  # noqa: F
     return plan_preset(
         which, layers, P, B, net, choices=Choices(**choices), model=name, input_shape=shape
     )
+
+
+class Residual(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the block's input, ReLU: one segment (the shortcut keeps the
+    input alive), as resnet's BasicBlock."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + x)
+
+
+class DomainStack(nn.Module):
+    """Every window the domain style handles, each weighted conv its own segment: a batch stem (so
+    the domain layers' input gradients flow on), 5x5 pad 2, AlexNet's 11x11 stride 4 pad 2, 3x3
+    dilation 2, a 1x1 (no halo at all), 3x3 with a 3x3 stride-2 max pool, 3x3 with a 5x5 average
+    pool that counts only the image, a residual block with batch norm, then a head (1x1 conv,
+    flatten, Linear). Heights 53 -> 12 -> 5: uneven bands on 2, 3 and 4 ranks; at Pr = 4 the
+    5-row stage has one-row bands that the 5x5 pool's halo crosses (multi-hop)."""
+
+    SHAPE = (2, 53, 15)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(2, 3, 3, padding=1)
+        self.wide = nn.Sequential(nn.Conv2d(3, 4, 5, padding=2), nn.ReLU())
+        self.alex = nn.Sequential(nn.Conv2d(4, 4, 11, stride=4, padding=2), nn.ReLU())
+        self.dilated = nn.Sequential(nn.Conv2d(4, 4, 3, padding=2, dilation=2), nn.ReLU())
+        self.point = nn.Conv2d(4, 4, 1)
+        self.pooled = nn.Sequential(nn.Conv2d(4, 3, 3, padding=1), nn.MaxPool2d(3, 2))
+        self.avg = nn.Sequential(
+            nn.Conv2d(3, 3, 3, padding=1), nn.AvgPool2d(5, 1, 2, count_include_pad=False)
+        )
+        self.block = Residual(3)
+        self.head = nn.Conv2d(3, 2, 1)
+        self.fc = nn.Linear(2 * 5, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dilated(self.alex(self.wide(self.stem(x))))
+        x = self.block(self.avg(self.pooled(self.point(x))))
+        return self.fc(torch.flatten(self.head(x), 1))
+
+
+DOMAIN_LAYERS = ("wide.0", "alex.0", "dilated.0", "point", "pooled.0", "avg.0", "block")

@@ -25,7 +25,7 @@ from hybridpar.runtime.parallel import parallelize
 
 # a fast network (1 us, 1 GB/s): the per-layer search mixes grids here (checked below)
 NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
-SCENARIOS = ["batch", "model", "same-grid", "fc-grid", "per-layer"]
+SCENARIOS = ["batch", "model", "same-grid", "fc-grid", "domain", "per-layer"]
 
 
 def planner_plans(name: str, P: int, codec: str = "none") -> list:

@@ -54,7 +54,7 @@ def _layers():
 
 def test_dp_equals_brute_force():
     layers, P, B = _layers(), 4, 8
-    r = plan_layers(layers, P, B, KNL, scenarios=["per-layer"], domain=True)
+    r = plan_layers(layers, P, B, KNL, scenarios=["per-layer"])
     gs = grids(P, B)
     options = [
         [Style.model(*g) for g in gs]
@@ -85,10 +85,14 @@ def test_fc_grid_beats_batch_and_same_grid_at_scale():
 
 def test_domain_extends_scaling_beyond_batch():
     """Fig. 10: B = 512 on P = 4096 processes; pure batch cannot go there."""
-    r = make_plan("alexnet", 4096, 512, KNL, domain=True)
-    assert not r.scenario("batch").feasible
-    dom = r.scenario("domain")
-    assert dom.feasible and any(x.style.kind == "domain" for x in dom.layers)
+    r = make_plan("alexnet", 4096, 512, KNL)
+    assert not r.scenario("batch").feasible and r.scenario("domain").feasible
+    # the first convolution takes domain where its bands stay at least one row deep (its pooled
+    # output has 27 rows: Pr = 8 and 16, not 32)
+    with_domain = {
+        p.grid for p in r.candidates["domain"] if p.feasible and p.layers[0].style.kind == "domain"
+    }
+    assert with_domain == {(8, 512), (16, 256)}
     assert r.speedup_vs_batch() is None
 
 
@@ -237,13 +241,19 @@ def test_global_batch_norm_is_priced_over_each_layouts_batch_group():
     assert "bn_stats" not in local.bytes_by_term()
 
 
-def test_without_domain_nothing_proposes_it():
-    r = make_plan("alexnet", 64, 512, KNL, domain=False)
-    assert r.scenario("domain").reason.startswith("domain parallelism is planned but not executed")
-    assert all(x.style.kind in ("batch", "model") for x in r.scenario("per-layer").layers)
-    with_domain = make_plan("alexnet", 4096, 512, KNL, domain=True)
-    with pytest.raises(ConfigError, match="not executed yet"):
-        with_domain.export(with_domain.scenario("domain"))
+def test_domain_plans_are_exported_and_priced_as_the_runtime_sends():
+    """Domain styles are executed: the planner proposes them and a domain plan exports, with halo
+    terms on its domain layers (zero for a layer with 1-row windows) and the hand-off out of the
+    domain layout before the classifier."""
+    r = make_plan("alexnet", 4096, 512, KNL)
+    dom = next(p for p in r.candidates["domain"] if p.grid == (16, 256))
+    p = r.export(dom)
+    kinds = {s.kind for s in p.styles.values()}
+    assert "domain" in kinds
+    halo = {x.layer for x in p.predicted if x.term == "halo_fwd" and x.bytes}
+    split = {k for k, s in p.styles.items() if s.kind == "domain"}
+    assert halo and halo <= split
+    assert any(x.src.kind == "domain" for x in p.redistributions)
 
 
 def test_export_lists_styles_redistributions_and_predictions():
@@ -332,7 +342,7 @@ def test_per_layer_is_optimal_under_every_cost_option():
         )
         overlap = data.draw(st.booleans())
         bn = data.draw(st.sampled_from(["local", "global"]))
-        r = plan_layers(layers, P, B, net, overlap=overlap, choices=Choices(bn=bn), domain=True)
+        r = plan_layers(layers, P, B, net, overlap=overlap, choices=Choices(bn=bn))
         best = r.scenario("per-layer")
         for name, cands in r.candidates.items():
             for p in cands:

@@ -141,6 +141,36 @@ def test_plan_file_round_trip_measures_what_it_predicts(tmp_path):
             assert v["measured"] == pytest.approx(v["predicted"], rel=1e-9), (layer, term)
 
 
+def test_a_domain_plan_round_trips_measuring_its_halos(tmp_path):
+    """`hybridpar plan --scenario domain --out`, then `hybridpar train --plan`: resnet20 with its
+    stem and first stage split by height (Pr > 1 domain styles), halo and redistribution bytes
+    measured per (layer, term) equal to the plan's prediction (invariant 2)."""
+    env = _localhost(tmp_path / "cache")
+    plan_file, report, net = tmp_path / "p.json", tmp_path / "r.json", tmp_path / "net.toml"
+    net.write_text('name = "slow-net"\nalpha = 1e-6\nbeta = 1e-8\nflops = 1e11\n')  # bytes cost
+    planning = f"--model resnet20 --input-size 8 --procs 4 --batch 8 --cluster {net}"
+    r = subprocess.run(
+        [sys.executable, "-m", "hybridpar", "plan", *planning.split(), "--scenario", "domain"]
+        + ["--out", str(plan_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(plan_file.read_text())
+    assert any(v.startswith("domain(") for v in plan["styles"].values()), plan["styles"]
+    training = f"--plan {plan_file} --data synthetic:64 --epochs 1 --max-steps 3 --report {report}"
+    r = subprocess.run(CMD + training.split(), capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(report.read_text())["bytes_by_layer"]
+    halos = {layer for layer, terms in rows.items() if "halo_fwd" in terms}
+    assert halos, rows
+    for layer, terms in rows.items():
+        for term, v in terms.items():
+            assert v["measured"] == pytest.approx(v["predicted"], rel=1e-9), (layer, term)
+
+
 @pytest.fixture(scope="module")
 def good_plan(tmp_path_factory):
     """A plan `hybridpar plan --out` wrote for digits-cnn on 2 ranks (each case edits a copy)."""

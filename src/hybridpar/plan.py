@@ -13,7 +13,8 @@ run in the layout of the layer they sit next to.
 | `batch`        | whole layer on every rank, B/P examples each (the grid 1 x P)                        |
 | `model(RxC)`   | Linear: output features split over the Pr ranks of a model group; Conv2d: output   |
 |                | channels split; the Pc batch groups split the examples (Gholami et al. 1.5D, Eq. 8) |
-| `domain(RxC)`  | the image split by height over Pr, halo exchange (Eq. 9); reserved: not executed yet |
+| `domain(RxC)`  | Conv2d: the image split by height over Pr, halo rows exchanged (Eqs. 7, 9); the    |
+|                | pools, norms and element-wise layers of its segment run on the bands too          |
 
 `model(1xP)` is `batch`: the two spellings are one style (its kind is "batch").
 

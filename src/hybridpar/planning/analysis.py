@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.errors import ConfigError
+from hybridpar.planning.rows import function_blocker, module_blocker
 
 __all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
 
@@ -113,6 +114,8 @@ class LayerSpec:
     op: str = ""  # linear, conv1d, conv2d, conv3d, conv_transpose, or the kind: what the module is
     out_units: int = 0  # output features (linear) or output channels (conv): what a split splits
     calls: int = 1  # how often the module runs in one forward (weights shared between calls)
+    blocker: str = ""  # why the module cannot run on a band of rows ("": it can; planning.rows)
+    blockers: tuple[str, ...] = ()  # every such reason in this call's segment, functions included
     segment: int = 0  # the segment (run of layers between clean cuts) this call belongs to
     entry: str | None = None  # set on a segment's first leaf: the module whose pre-hook starts it
     entry_elements: int = 0  # per example, of the activation entering the segment there
@@ -172,6 +175,13 @@ def _op(module: nn.Module, kind: str) -> str:
     return "linear" if kind == "linear" else kind
 
 
+def _conv_padding(module: nn.Module) -> tuple[int, ...] | None:
+    """A convolution's padding per side; None for padding='same' (it may differ per side)."""
+    if isinstance(module.padding, str):
+        return (0,) * len(module.kernel_size) if module.padding == "valid" else None
+    return tuple(module.padding)
+
+
 def _spec(
     name: str, module: nn.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...]
 ) -> LayerSpec:
@@ -188,7 +198,7 @@ def _spec(
         extra = dict(
             kernel=tuple(module.kernel_size),
             stride=tuple(module.stride),
-            padding=tuple(module.padding) if not isinstance(module.padding, str) else None,
+            padding=_conv_padding(module),
             dilation=tuple(module.dilation),
             groups=module.groups,
             padding_mode=module.padding_mode,
@@ -201,6 +211,7 @@ def _spec(
             kernel=_pair(module.kernel_size),
             stride=_pair(module.stride or module.kernel_size),
             padding=_pair(getattr(module, "padding", 0)),
+            dilation=_pair(getattr(module, "dilation", 1)),
         )
     return LayerSpec(
         name=name,
@@ -212,6 +223,7 @@ def _spec(
         biases=biases,
         flops=_flops(module, kind, in_shape, out_shape),
         op=_op(module, kind),
+        blocker=module_blocker(module),
         **extra,
     )
 
@@ -251,6 +263,7 @@ class _Recorder(TorchFunctionMode):
         self.keep: list[torch.Tensor] = []  # holds every tensor so ids are never reused
         self.params: dict[int, str] = {}  # id of a parameter tensor -> its name
         self.param_times: dict[str, list[int]] = {}
+        self.blocked: list[tuple[int, str]] = []  # (time, why) of functions that mix rows
 
     def key(self, x: torch.Tensor) -> tuple[int, int]:
         return id(x), self.version.get(id(x), 0)
@@ -289,6 +302,9 @@ class _Recorder(TorchFunctionMode):
                 t = self.t
                 self.t += 1
                 self.produce(outs, t, self.use(_tensors((args, kwargs)), t))
+                why = function_blocker(func, args, kwargs)
+                if why:
+                    self.blocked.append((t, why))
         return out
 
 
@@ -363,7 +379,9 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     for m in model.modules():
         handles += [m.register_forward_pre_hook(hooks.pre), m.register_forward_hook(hooks.post)]
     try:
-        x = torch.empty((2, *input_shape), device="meta")
+        floats = (p.dtype for p in model.parameters() if p.is_floating_point())
+        dtype = next(floats, torch.get_default_dtype())  # a float64 model reads float64
+        x = torch.empty((2, *input_shape), device="meta", dtype=dtype)
         state = {}
         for k, v in [*model.named_parameters(), *model.named_buffers()]:
             state[k] = torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
@@ -406,6 +424,7 @@ def _segments(timed: list[tuple[int, LayerSpec]], calls: list[list], rec: _Recor
     specs: list[LayerSpec] = []
     opened: set[int] = set()
     first_input = calls[0][4] if calls else 0
+    blockers = _blockers(timed, rec, times)
     for t, s in timed:
         seg = bisect.bisect_right(times, t)
         entry, elements = None, 0
@@ -415,12 +434,35 @@ def _segments(timed: list[tuple[int, LayerSpec]], calls: list[list], rec: _Recor
                 ("", first_input) if seg == 0 else (cuts[seg - 1][1], cuts[seg - 1][2])
             )
         specs.append(
-            replace(s, segment=seg, entry=entry, entry_elements=elements, calls=counts[s.name])
+            replace(
+                s,
+                segment=seg,
+                entry=entry,
+                entry_elements=elements,
+                calls=counts[s.name],
+                blockers=blockers.get(seg, ()),
+            )
         )
     param_segments = {
         name: {bisect.bisect_right(times, t) for t in ts} for name, ts in rec.param_times.items()
     }
     return Trace(specs, counts, param_segments)
+
+
+def _blockers(
+    timed: list[tuple[int, LayerSpec]], rec: _Recorder, times: list[int]
+) -> dict[int, tuple[str, ...]]:
+    """Per segment, what in it does not run on a band of rows (leaf modules and functions, in
+    forward order); the last segment also hands the model's output out whole."""
+    found: dict[int, list[tuple[int, str]]] = {}
+    for t, s in timed:
+        if s.blocker:
+            found.setdefault(bisect.bisect_right(times, t), []).append((t, s.blocker))
+    for t, why in rec.blocked:
+        found.setdefault(bisect.bisect_right(times, t), []).append((t, why))
+    last = bisect.bisect_right(times, timed[-1][0]) if timed else 0
+    found.setdefault(last, []).append((1 << 62, "the model's output"))
+    return {seg: tuple(dict.fromkeys(w for _, w in sorted(v))) for seg, v in found.items()}
 
 
 def analyze(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> list[LayerSpec]:

@@ -13,7 +13,7 @@ from hybridpar.plan import ParallelPlan, Prediction, Redistribution, Style
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm
 from hybridpar.planning.layers import CostLayer
-from hybridpar.planning.rules import EXECUTED, NOT_EXECUTED, why_not_choices
+from hybridpar.planning.rules import EXECUTED, why_not_choices
 from hybridpar.terms import Term
 
 __all__ = ["OVERLAPPABLE", "LayerPlan", "Plan", "PlanResult", "best_of", "export"]
@@ -215,8 +215,9 @@ def export(
     where the layout changes, and the predicted bytes and seconds per (layer, term)."""
     if not chosen.feasible:
         raise ConfigError(f"scenario {chosen.scenario} is infeasible: {chosen.reason}")
-    if any(x.style.kind not in EXECUTED and x.style.pr > 1 for x in chosen.layers):
-        raise ConfigError(f"{NOT_EXECUTED}; plan with a scenario other than domain")
+    unrun = sorted({x.style.kind for x in chosen.layers} - EXECUTED)
+    if unrun:
+        raise ConfigError(f"style {unrun[0]} is not executed by the runtime; re-plan without it")
     why = why_not_choices(choices, [x.style for x in chosen.layers])
     if why:
         raise ConfigError(why)

@@ -49,6 +49,13 @@ class CostLayer:
     groups: int = 1  # a convolution's groups
     padding_mode: str = "zeros"
     calls: int = 1  # how often the weighted module runs in one forward
+    # what in this layer's segment does not run on a band of rows (planning.rows): the domain
+    # style needs it empty
+    blockers: tuple[str, ...] = ()
+    # the sliding windows along the height in this layer (the convolution and pooling riding
+    # along), in forward order: (module, kernel, stride, padding, dilation, H in, H out, C in,
+    # W in); the domain style's halos (planning.halo) follow from them
+    windows: tuple[tuple, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.op:  # a layer described by hand: what its kind and input say
@@ -95,6 +102,7 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
                 groups=s.groups,
                 padding_mode=s.padding_mode,
                 calls=s.calls,
+                blockers=s.blockers,
             )
             for x in pending:
                 layer = _ride(layer, x)
@@ -111,11 +119,21 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
     return out
 
 
+def _window(s: LayerSpec) -> tuple[tuple, ...]:
+    """The height window of a 2-d convolution or pooling leaf, as CostLayer.windows holds it."""
+    if s.kernel is None or len(s.kernel) != 2 or len(s.in_shape) != 3 or s.padding is None:
+        return ()
+    c, h, w = s.in_shape
+    d = s.dilation[0] if s.dilation else 1
+    return ((s.name, s.kernel[0], s.stride[0], s.padding[0], d, h, s.out_shape[1], c, w),)
+
+
 def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
-    """`s` folded into `layer` (members in forward order); the weighted layer itself adds only
-    its name."""
+    """`s` folded into `layer` (members in forward order); the weighted layer itself adds its
+    name (and its height window)."""
     if weighted:
-        return CostLayer(**{**layer.__dict__, "members": (*layer.members, s.name)})
+        members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
+        return CostLayer(**{**layer.__dict__, "members": members, "windows": windows})
     norms = layer.norms
     if s.type.startswith("BatchNorm"):
         norms = (*norms, (s.in_shape[0], s.input_grad))
@@ -127,5 +145,6 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "members": (*layer.members, s.name),
             "extra_params": layer.extra_params + s.params,
             "norms": norms,
+            "windows": (*layer.windows, *_window(s)),
         }
     )

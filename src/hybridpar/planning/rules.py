@@ -10,7 +10,8 @@ Each style kind states what it needs of a layer:
 | `batch`  | Pc <= B (every batch group gets an example); any layer                          |
 | `model`  | a Linear or a Conv2d (zero padding, not grouped), called once per forward, with |
 |          | at least Pr output units                                                        |
-| `domain` | a 2-d convolution whose output has at least Pr rows; not executed yet           |
+| `domain` | a 2-d convolution, and a segment of operations that keep rows apart (rows.py), |
+|          | each activation in it at least Pr rows high                                     |
 
 A new style adds its rule here, its runtime in hybridpar/runtime/parallel/ and its cost terms in
 hybridpar/planning/cost/ (docs/runtime.md, "How to add a style").
@@ -25,8 +26,6 @@ from hybridpar.plan import Style
 from hybridpar.planning.layers import CostLayer
 
 __all__ = ["EXECUTED", "RULES", "why_not", "why_not_choices"]
-
-NOT_EXECUTED = "domain parallelism is planned but not executed yet"
 
 
 def _batch(layer: CostLayer, s: Style) -> str:
@@ -53,10 +52,23 @@ def _model(layer: CostLayer, s: Style) -> str:
 
 
 def _domain(layer: CostLayer, s: Style) -> str:
-    if not layer.spatial:
-        return f"{layer.name} ({layer.kind}) cannot be split by height: give it batch or model"
-    if s.pr > min(layer.x_shape[1], layer.y_shape[1]):
-        return f"{layer.name}: Pr={s.pr} exceeds its height {layer.y_shape[1]}; use a smaller Pr"
+    if layer.op != "conv2d" or not layer.spatial:
+        return (
+            f"{layer.name} ({layer.op or layer.kind}) cannot be split by height: only 2-d "
+            "convolutions take domain; give it batch or model"
+        )
+    if layer.blockers:
+        return (
+            f"{layer.name} cannot take {s}: {layer.blockers[0]} in its segment needs whole "
+            "images; give it batch or model"
+        )
+    heights = [layer.x_shape[1], layer.y_shape[1]]
+    heights += [h for w in layer.windows for h in (w[5], w[6])]
+    if s.pr > min(heights):
+        return (
+            f"{layer.name}: {s} splits {min(heights)} rows over Pr={s.pr} ranks; the largest Pr "
+            f"that works is {min(heights)}"
+        )
     return ""
 
 
@@ -67,22 +79,27 @@ RULES: dict[str, Callable[[CostLayer, Style], str]] = {
 }
 """style kind -> what it needs of a layer ("" when it can take the style)"""
 
-EXECUTED = frozenset({"batch", "model"})
-"""the kinds the runtime executes; the planner prices the others for the papers' figures only"""
+EXECUTED = frozenset({"batch", "model", "domain"})
+"""the kinds the runtime executes (runtime/parallel/kinds.py lists their classes)"""
 
 
-def why_not(layer: CostLayer, s: Style, batch: int, executed: bool = True) -> str:
-    """Why `layer` cannot take style `s` in a global batch of `batch` examples; "" when it can.
-    `executed`: also refuse what the runtime does not execute (every plan meant to be run)."""
+def why_not(layer: CostLayer, s: Style, batch: int) -> str:
+    """Why `layer` cannot take style `s` in a global batch of `batch` examples; "" when it can."""
     if s.pc > batch:
         return f"{layer.name}: {s} needs at least Pc={s.pc} examples per batch, got {batch}"
-    if executed and s.kind not in EXECUTED and s.pr > 1:
-        return f"{layer.name}: {NOT_EXECUTED}; give it batch or model"
+    if s.kind not in EXECUTED:
+        return f"{layer.name}: style {s.kind} is not executed by the runtime; give it batch"
     return RULES[s.kind](layer, s)
 
 
 def why_not_choices(choices: Choices, styles: Iterable[Style]) -> str:
     """Why a plan with these styles cannot run with these choices; "" when it can."""
+    styles = list(styles)
+    if choices.activations_encoded and any(s.layout[0] == "dom" for s in styles):
+        return (
+            "the domain style's halo rows and row moves travel unencoded: compress grads only "
+            "(--compress grads) or give the convolutions batch or model"
+        )
     if choices.reducer == "host":
         if choices.grads_encoded:
             return (

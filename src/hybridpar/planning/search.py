@@ -49,7 +49,7 @@ from hybridpar.planning.cost.collectives import Comm
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel
 from hybridpar.planning.cost.terms import Wire, layer_comms, redistribute
 from hybridpar.planning.layers import CostLayer, cost_layers
-from hybridpar.planning.rules import EXECUTED, NOT_EXECUTED, why_not, why_not_choices
+from hybridpar.planning.rules import why_not, why_not_choices
 from hybridpar.terms import Term
 
 __all__ = [
@@ -93,10 +93,9 @@ class _Context:
         e: float | Wire,
         choices: Choices,
         overlap: bool = False,
-        executed: bool = True,
     ) -> None:
         self.layers, self.P, self.B, self.net, self.e, self.overlap = layers, P, B, net, e, overlap
-        self.choices, self.executed = choices, executed
+        self.choices = choices
         self.compute = [compute.times(x, B / P) for x in layers]
         self._redist = lru_cache(maxsize=None)(self._redistribute)
         self._own: dict[tuple[int, Style], tuple[float, float]] = {}
@@ -108,7 +107,7 @@ class _Context:
                 f"B/Pc examples); change --batch or --procs"
             )
         x = self.layers[i]
-        return why_not(x, s, self.B, self.executed) or why_not_choices(self.choices, [s])
+        return why_not(x, s, self.B) or why_not_choices(self.choices, [s])
 
     def _redistribute(self, a: Style | None, b: Style, d: int) -> Comm | None:
         return redistribute(a, b, d, self.B, self.net, self.e)
@@ -300,7 +299,6 @@ def _candidates(
     """Every candidate plan of one scenario."""
     P, L = ctx.P, len(ctx.layers)
     conv = [x.kind == "conv" for x in ctx.layers]
-    domain = not ctx.executed or "domain" in EXECUTED
 
     def fixed(grid: tuple[int, int] | None, styles: list[Style]) -> Plan:
         return _fits_memory(ctx.evaluate(name, grid, styles), memory_limit)
@@ -316,8 +314,6 @@ def _candidates(
             fixed(g, [Style.batch(P) if c else Style.model(*g) for c in conv]) for g in all_grids
         ]
     if name == "domain":
-        if not domain:
-            return [Plan(name, None, reason=NOT_EXECUTED)]
         return [
             ctx.search(
                 name,
@@ -330,7 +326,7 @@ def _candidates(
         ]
     options = [
         [Style.model(*g) for g in all_grids]
-        + ([Style.domain(*g) for g in all_grids if g[0] > 1] if c and domain else [])
+        + ([Style.domain(*g) for g in all_grids if g[0] > 1] if c else [])
         for c in conv
     ]
     return [ctx.search(name, None, options, memory_limit)]
@@ -349,14 +345,12 @@ def plan_layers(
     elem_bytes: float | None = None,
     memory_limit: float | None = None,
     overlap: bool = False,
-    domain: bool = False,
     input_shape: tuple[int, ...] | None = None,
 ) -> PlanResult:
     """Evaluate `scenarios` for `layers` on P processes with global batch B and the plan-wide
     `choices` (codec, bn, ...: hybridpar.choices; with bn global or adaptive the batch norms'
-    all-reduces are priced too). Only what the runtime executes is proposed, unless `domain`:
-    then domain styles are priced as well (for the papers' figures; such plans cannot be
-    exported)."""
+    all-reduces are priced too). Whether a layer can take a style is planning.rules.why_not, the
+    runtime's own rule: every candidate is a plan `parallelize` runs."""
     all_grids = _check(P, B, scenarios)
     choices = choices or Choices()
     base = cluster.word_bytes if elem_bytes is None else elem_bytes
@@ -369,7 +363,6 @@ def plan_layers(
         wire(base, choices),
         choices,
         overlap,
-        executed=not domain,
     )
     candidates = {n: _candidates(ctx, n, all_grids, memory_limit) for n in scenarios}
     best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in scenarios]
@@ -415,7 +408,7 @@ def wire(elem_bytes: float, choices: Choices) -> float | Wire:
         return elem_bytes if acts_amp == elem_bytes else Wire(elem_bytes, acts_amp)
     b = payload_bytes(choices.codec)
     g, a = choices.grads_encoded, choices.activations_encoded
-    return Wire(b if g else elem_bytes, b if a else acts_amp, g, a)
+    return Wire(b if g else elem_bytes, b if a else acts_amp, g, a, raw_acts=acts_amp)
 
 
 def evaluate(

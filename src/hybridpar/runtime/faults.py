@@ -1,7 +1,7 @@
 """Fault injection for the fault-matrix tests (tests/test_faults.py), the way torchelastic's own
 tests inject failures: HYBRIDPAR_FAULT="<where>:rank=<r>:step=<s>[:restart=<k>]" makes rank r kill
 itself with SIGKILL when it reaches <where> during step s (on torchrun restart attempt k, default
-0). Points: forward, backward, handoff, optimizer, checkpoint, host. Unset, `at` costs a lookup.
+0). Points: forward, backward, handoff, halo, optimizer, checkpoint, host. Unset, `at` costs a lookup.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import signal
 
 __all__ = ["POINTS", "at", "set_step"]
 
-POINTS = ("forward", "backward", "handoff", "optimizer", "checkpoint", "host")
+POINTS = ("forward", "backward", "handoff", "halo", "optimizer", "checkpoint", "host")
 _step = 0
 
 

@@ -39,6 +39,7 @@ from hybridpar.planning.cost.collectives import (
     compressed_all_reduce,
     halo,
 )
+from hybridpar.planning.halo import Window
 from hybridpar.planning.layers import CostLayer
 from hybridpar.terms import Term
 
@@ -53,6 +54,7 @@ __all__ = [
     "eq9_integrated_domain",
     "layer_comms",
     "redistribute",
+    "t_halo",
     "t_norms",
 ]
 
@@ -72,10 +74,16 @@ class Wire:
     acts: float
     grads_compressed: bool = False
     acts_compressed: bool = False
+    raw_acts: float = 0.0
+    """activations as tensors hold them (the halos travel so, never encoded); 0: `acts`"""
 
     @staticmethod
     def of(e: float | Wire) -> Wire:
         return e if isinstance(e, Wire) else Wire(e, e)
+
+    @property
+    def halo(self) -> float:
+        return self.raw_acts or self.acts
 
 
 def _reduce(n: float, p: int, net: Cluster, compressed: bool, pipelined: bool = False) -> Comm:
@@ -154,6 +162,40 @@ def t_norms(layer: CostLayer, s: Style, net: Cluster) -> dict[str, Comm]:
     return out
 
 
+def t_halo(
+    layer: CostLayer,
+    pr: int,
+    pc: int,
+    B: int,
+    net: Cluster,
+    e: float | Wire,
+    backward: bool = False,
+    first: bool = False,
+) -> Comm:
+    """The halo rows the domain style exchanges for `layer`, as the runtime sends them: for every
+    height window of the layer (its convolution and the poolings riding along: CostLayer.windows),
+    the rows each rank receives from the others (planning.halo.Window.plan), x (B/Pc examples) x
+    channels x width x bytes. Bytes: per rank, averaged over the Pr ranks (the first and last
+    band have one neighbour; stride and dilation change the rows; a thin band is crossed). Time:
+    the busiest rank's messages and bytes. Backward the same rows carry gradients back, except
+    into the input of a first layer (`first`: nothing is back-propagated there)."""
+    if pr <= 1:
+        return Comm.zero("halo", pr)
+    elem = Wire.of(e).halo
+    names = [w[0] for w in layer.windows]
+    no_grad = names.index(layer.name) + 1 if first and layer.name in names else 0
+    total = seconds = 0.0
+    for i, (_, k, stride, pad, dil, h_in, _, c, w) in enumerate(layer.windows):
+        if backward and i < no_grad:
+            continue
+        win = Window(k, stride, pad, dil, h_in)
+        row = B / pc * c * w * elem
+        sent, msgs = win.rows_sent(pr), win.messages(pr)
+        total += sum(sent) / pr * row
+        seconds += max(net.alpha * m + net.beta * n * row for m, n in zip(msgs, sent, strict=True))
+    return Comm("halo", pr, total, seconds)
+
+
 def _halo_rows(layer: CostLayer, axis: int) -> int:
     if not layer.spatial or layer.kernel is None:
         raise ConfigError(
@@ -163,7 +205,8 @@ def _halo_rows(layer: CostLayer, axis: int) -> int:
 
 
 def t_halo_fwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
-    """alpha + beta*(B/Pc)*X_W*X_C*floor(k_h/2): the input rows a neighbour needs."""
+    """Eq. 9 as printed: alpha + beta*(B/Pc)*X_W*X_C*floor(k_h/2), the input rows a neighbour
+    needs (for the paper's figures; `t_halo` is what the runtime sends)."""
     if pr <= 1:
         return Comm.zero("halo")
     c, _, w = layer.x_shape
@@ -171,7 +214,8 @@ def t_halo_fwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: floa
 
 
 def t_halo_bwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
-    """alpha + beta*(B/Pc)*Y_W*Y_C*floor(k_w/2): the output-gradient rows, backward."""
+    """Eq. 9 as printed: alpha + beta*(B/Pc)*Y_W*Y_C*floor(k_w/2), the output-gradient rows,
+    backward (for the paper's figures; `t_halo` is what the runtime sends)."""
     if pr <= 1:
         return Comm.zero("halo")
     c, _, w = layer.y_shape
@@ -194,8 +238,8 @@ def layer_comms(
     first = first or not layer.input_grad
     if s.kind == "domain":
         terms = {
-            Term.HALO_FWD: t_halo_fwd(layer, s.pr, s.pc, B, net, e),
-            Term.HALO_BWD: t_halo_bwd(layer, s.pr, s.pc, B, net, e),
+            Term.HALO_FWD: t_halo(layer, s.pr, s.pc, B, net, e),
+            Term.HALO_BWD: t_halo(layer, s.pr, s.pc, B, net, e, backward=True, first=first),
             Term.DW_ALLREDUCE: t_dw_allreduce(layer, p, 1, net, e),
         }
     else:

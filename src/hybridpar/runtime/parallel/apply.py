@@ -19,9 +19,9 @@ from hybridpar.runtime.comm.grid import GridSet
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
-from hybridpar.runtime.parallel.kinds import runtime_style
+from hybridpar.runtime.parallel.kinds import move, runtime_style
 from hybridpar.runtime.parallel.layout import Layout
-from hybridpar.runtime.parallel.redistribute import move
+from hybridpar.runtime.parallel.redistribute import Move
 from hybridpar.runtime.parallel.reducers import Reducer
 from hybridpar.runtime.parallel.styles import BuildContext, ParallelStyle
 from hybridpar.runtime.parallel.sync import GradSync
@@ -57,21 +57,33 @@ def _set(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def shard(model: nn.Module, layout: Layout, styles: list[ParallelStyle]) -> None:
-    """Every weighted layer becomes its style's module for this rank (a split layer its shard)."""
+    """Every module of every layer becomes its style's module for this rank (a split layer its
+    shard, a domain convolution or pooling its band's)."""
+    done: set[str] = set()
     for x in layout.layers:
-        old = model.get_submodule(x.name)
-        new = styles[x.segment].shard(x.name, old, layout.layer_of[x.name])
-        if new is not old:
-            _set(model, x.name, new)
+        for name in x.members:
+            if name in done:  # a module called twice (shared weights) is one module
+                continue
+            done.add(name)
+            old = model.get_submodule(name)
+            new = styles[x.segment].shard(name, old, x)
+            if new is not old:
+                _set(model, name, new)
 
 
 def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list:
-    """A forward pre-hook at each segment entry where the layout changes; returns the handles."""
+    """A forward pre-hook at each segment entry where the layout changes, and at the model's
+    input when the first segment's layout is not the input's (the input comes in whole, split
+    by examples over the first style's batch groups); returns the handles."""
+    first = layout.segments[0]
+    moves = list(layout.moves())
+    if first.layout != Style.model(first.pr, first.pc).layout:
+        moves.insert(0, (0, Style.model(first.pr, first.pc), first))
     hooks = []
-    for k, src, dst in layout.moves():
-        layer = layout.first_layer(k)
-        codec = ctx.activation_codec
-        hook = move(src, dst, ctx.grids, ctx.rows, ctx.ledger, layer, codec)
+    for k, src, dst in moves:
+        m = Move(ctx.grids, ctx.rows, ctx.ledger, layout.first_layer(k), ctx.activation_codec)
+        m.height = layout.height_before(k)
+        hook = move(src, dst, m)
         hooks.append(model.get_submodule(layout.entries[k]).register_forward_pre_hook(hook))
     return hooks
 

@@ -3,15 +3,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hybridpar.errors import ConfigError
 from hybridpar.plan import Style
+from hybridpar.runtime.parallel import domain, redistribute
 from hybridpar.runtime.parallel.batch import BatchStyle
+from hybridpar.runtime.parallel.domain import DomainStyle
 from hybridpar.runtime.parallel.model import ModelStyle
+from hybridpar.runtime.parallel.redistribute import Move
 from hybridpar.runtime.parallel.styles import BuildContext, ParallelStyle
 
-__all__ = ["STYLES", "runtime_style"]
+__all__ = ["MOVES", "STYLES", "move", "runtime_style"]
 
-STYLES: dict[str, type[ParallelStyle]] = {cls.kind: cls for cls in (BatchStyle, ModelStyle)}
+STYLES: dict[str, type[ParallelStyle]] = {
+    cls.kind: cls for cls in (BatchStyle, ModelStyle, DomainStyle)
+}
+MOVES = {**redistribute.MOVES, **domain.MOVES}
+"""(layout kind before, layout kind after) -> the builder of the forward pre-hook moving it"""
+
+
+def move(src: Style, dst: Style, m: Move) -> Callable:
+    """The forward pre-hook that moves a segment's input from `src`'s layout to `dst`'s."""
+    kinds = (src.layout[0], dst.layout[0])
+    if kinds not in MOVES:
+        raise ConfigError(f"no redistribution from {src} to {dst} before {m.layer}; re-plan")
+    return MOVES[kinds](src, dst, m)
 
 
 def runtime_style(spec: Style, ctx: BuildContext) -> ParallelStyle:

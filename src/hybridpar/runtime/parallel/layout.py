@@ -44,6 +44,12 @@ class Layout:
             if k and s.layout != self.segments[k - 1].layout
         ]
 
+    def height_before(self, seg: int) -> int | None:
+        """The height of the activation entering segment `seg`, where the segment before it
+        leaves it split by height (the last window of its last layer); else None."""
+        prev = [x for x in self.layers if x.segment == seg - 1 and x.windows]
+        return prev[-1].windows[-1][6] if prev else None
+
     def first_layer(self, seg: int) -> str:
         """The first weighted layer of segment `seg` (the name the ledger books its moves under)."""
         return next(x.name for x in self.layers if x.segment == seg)

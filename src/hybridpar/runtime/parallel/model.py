@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridpar.errors import ConfigError
+from hybridpar.planning.layers import CostLayer
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
     all_gather_uneven,
@@ -213,9 +214,11 @@ class ModelStyle(ParallelStyle):
 
     kind = "model"
 
-    def shard(self, name: str, module: nn.Module, layer: str) -> nn.Module:
+    def shard(self, name: str, module: nn.Module, layer: CostLayer) -> nn.Module:
+        if name != layer.name:  # a layer riding along acts on the gathered output: whole
+            return module
         cls = ModelParallelLinear if isinstance(module, nn.Linear) else ModelParallelConv2d
-        new = cls(module, self.grid.model_group, self.ctx.ledger, layer)
+        new = cls(module, self.grid.model_group, self.ctx.ledger, layer.name)
         new.codec, new.mesh = self.ctx.activation_codec, self.grid.mesh
         new.train(module.training)
         return new

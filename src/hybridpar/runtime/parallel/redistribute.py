@@ -17,14 +17,16 @@ gradient of a slice is all-gathered. Either direction sends one all-gather, the 
 Both are no-ops on a group of one rank. Scheme (a) is one round; schemes (b) and (c) (K rounds,
 each overlapped with the FC compute of the previous one) are a later `scheme`.
 
-`move(src, dst, ...)` places the redistribution between two styles' layouts: it looks the pair of
-layout kinds up in `MOVES` ("rep": split over batch groups, replicated in model groups; "dom":
-also split by height), where a style with a layout of its own registers its moves.
+The redistribution between two styles' layouts is looked up by the pair of their layout kinds
+("rep": split over batch groups, replicated in model groups; "dom": also split by height): this
+file's `MOVES` holds rep -> rep, and a style with a layout of its own holds its moves next to it
+(runtime/parallel/domain.py); runtime/parallel/kinds.py gathers them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,7 +41,7 @@ from hybridpar.runtime.comm.group import Group, group_rank
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.terms import Term
 
-__all__ = ["MOVES", "Redistribute", "StepRows", "gather", "move", "split"]
+__all__ = ["MOVES", "Chain", "Move", "Redistribute", "StepRows", "gather", "replicated", "split"]
 
 
 class _Gather(torch.autograd.Function):
@@ -153,29 +155,41 @@ class Redistribute:
         return (y, *rest)
 
 
-Move = Callable[..., Callable]
-"""(src, dst, grids, rows, ledger, layer, codec) -> the forward pre-hook"""
+@dataclass
+class Move:
+    """What a redistribution between two layouts needs: the grids, the step's rows, the ledger,
+    the layer it books under, the activations' codec, and the height of the activation moved
+    where it leaves a layout split by height (its bands are not all on one rank)."""
+
+    grids: GridSet
+    rows: StepRows
+    ledger: Ledger | None
+    layer: str
+    codec: Codec | None = None
+    height: int | None = None
 
 
-def _replicated(src, dst, grids, rows, ledger, layer, codec) -> Redistribute:
-    return Redistribute(grids, src.pc, dst.pc, rows, ledger, layer, codec)
+class Chain:
+    """Forward pre-hooks applied one after the other (a move through an intermediate layout)."""
+
+    def __init__(self, *hooks: Callable) -> None:
+        self.hooks = hooks
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
+        for hook in self.hooks:
+            args = hook(module, args)
+        return args
 
 
-MOVES: dict[tuple[str, str], Move] = {("rep", "rep"): _replicated}
-"""(layout kind before, layout kind after) -> a function building the forward pre-hook"""
+def replicated(src: Style, dst: Style, m: Move) -> Callable:
+    """Between two layouts split by examples only: one all-gather or slice (Redistribute)."""
+    if src.pc == dst.pc:
+        return lambda module, args: args
+    return Redistribute(m.grids, src.pc, dst.pc, m.rows, m.ledger, m.layer, m.codec)
 
 
-def move(
-    src: Style,
-    dst: Style,
-    grids: GridSet,
-    rows: StepRows,
-    ledger: Ledger | None,
-    layer: str,
-    codec: Codec | None = None,
-) -> Callable:
-    """The forward pre-hook that moves a segment's input from `src`'s layout to `dst`'s."""
-    kinds = (src.layout[0], dst.layout[0])
-    if kinds not in MOVES:
-        raise ConfigError(f"no redistribution from {src} to {dst} before {layer}; re-plan")
-    return MOVES[kinds](src, dst, grids, rows, ledger, layer, codec)
+MOVES: dict[tuple[str, str], Callable[[Style, Style, Move], Callable]] = {
+    ("rep", "rep"): replicated
+}
+"""(layout kind before, layout kind after) -> the forward pre-hook's builder; a style with a
+layout of its own adds its moves (runtime/parallel/kinds.py gathers them)"""

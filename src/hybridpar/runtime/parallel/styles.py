@@ -30,6 +30,7 @@ from torch import nn
 
 from hybridpar.choices import Choices
 from hybridpar.plan import Style
+from hybridpar.planning.layers import CostLayer
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.grid import GridSet, ProcessGrid
 from hybridpar.runtime.comm.group import Group
@@ -70,8 +71,9 @@ class ParallelStyle:
     def grid(self) -> ProcessGrid:
         return self.ctx.grids.grid(self.spec.pc)
 
-    def shard(self, name: str, module: nn.Module, layer: str) -> nn.Module:
-        """This rank's module for the weighted layer `name` (ledger name `layer`)."""
+    def shard(self, name: str, module: nn.Module, layer: CostLayer) -> nn.Module:
+        """This rank's module for `name`, a member of `layer` (the weighted layer or one riding
+        along with it: CostLayer.members); the module itself where the style leaves it whole."""
         return module
 
     @property

@@ -1,0 +1,169 @@
+"""Which operations keep an image's rows apart, so that they run on a band of rows as they run on
+the whole image: the condition for a segment to take the domain style, where each rank of a model
+group holds a band of rows (Gholami et al. section 2.4). The trace (hybridpar.planning.analysis)
+asks for every leaf module and every torch function a model's `forward` calls, and records, per
+segment, what is not row-local; `planning.rules` refuses the domain style for such a segment and
+names the operation.
+
+| row-local                                    | how the domain style runs it                        |
+| -------------------------------------------- | --------------------------------------------------- |
+| Conv2d (zero padding), MaxPool2d, AvgPool2d  | on the band and the halo rows its window needs       |
+| BatchNorm2d                                  | statistics over every rank (rows and examples)       |
+| LocalResponseNorm, element-wise activations, | unchanged                                            |
+| Dropout, Identity; element-wise functions,   |                                                      |
+| cat / chunk / split along batch or channels  |                                                      |
+
+Everything else mixes rows or sees the whole image (flatten, view, adaptive pooling, mean over
+the image, interpolation, Softmax over space, GroupNorm, Dropout2d's per-channel masks, a
+pooling with ceil_mode) and ends a domain segment's claim.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["function_blocker", "module_blocker"]
+
+_HALO_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
+_UNCHANGED = (
+    nn.BatchNorm2d,
+    nn.LocalResponseNorm,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Hardtanh,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Mish,
+    nn.Dropout,
+    nn.Identity,
+)
+
+_ELEMENTWISE = {
+    "abs",
+    "add",
+    "add_",
+    "addcmul",
+    "clamp",
+    "clamp_",
+    "clamp_min",
+    "clone",
+    "contiguous",
+    "detach",
+    "div",
+    "div_",
+    "double",
+    "dropout",
+    "elu",
+    "exp",
+    "float",
+    "gelu",
+    "half",
+    "hardsigmoid",
+    "hardswish",
+    "hardtanh",
+    "leaky_relu",
+    "log",
+    "maximum",
+    "minimum",
+    "mish",
+    "mul",
+    "mul_",
+    "neg",
+    "pow",
+    "relu",
+    "relu6",
+    "relu_",
+    "requires_grad_",
+    "rsqrt",
+    "sigmoid",
+    "sigmoid_",
+    "silu",
+    "softplus",
+    "sqrt",
+    "square",
+    "sub",
+    "sub_",
+    "tanh",
+    "tanh_",
+    "to",
+    "true_divide",
+    "type_as",
+    "where",
+    "__add__",
+    "__iadd__",
+    "__imul__",
+    "__isub__",
+    "__itruediv__",
+    "__mul__",
+    "__neg__",
+    "__radd__",
+    "__rmul__",
+    "__rsub__",
+    "__rtruediv__",
+    "__sub__",
+    "__truediv__",
+}
+_ALONG_DIM = {"cat", "concat", "concatenate", "stack", "chunk", "split", "narrow", "unbind"}
+
+
+def module_blocker(module: nn.Module) -> str:
+    """ "" when `module` runs on a band of rows (with halo rows where its window needs them), else
+    why not, in a few words naming it."""
+    name = type(module).__name__
+    if isinstance(module, nn.Conv2d):
+        if isinstance(module.padding, str) and module.padding != "valid":
+            return f"{name} with padding='{module.padding}'"
+        if module.padding_mode != "zeros":
+            return f"{name} with padding_mode='{module.padding_mode}'"
+        return ""
+    if isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
+        if module.ceil_mode or getattr(module, "return_indices", False):
+            return f"{name} with ceil_mode or return_indices"
+        return ""
+    if isinstance(module, nn.Softmax | nn.LogSoftmax):
+        return "" if module.dim in (1, -3) else f"{name} over dim {module.dim}"
+    if isinstance(module, _UNCHANGED):
+        return ""
+    return f"{name} mixes rows"
+
+
+def _dim(args: tuple, kwargs: dict, position: int) -> int | None:
+    d = kwargs.get("dim", args[position] if len(args) > position else 0)
+    return d if isinstance(d, int) else None
+
+
+def _ndim(args: tuple) -> int:
+    first = args[0] if args else None
+    if isinstance(first, list | tuple) and first:
+        first = first[0]
+    return getattr(first, "ndim", 4)
+
+
+def function_blocker(func: object, args: tuple, kwargs: dict | None) -> str:
+    """ "" when the torch function `func` called with (args, kwargs) keeps rows apart."""
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", str(func))
+    if name in _ELEMENTWISE:
+        return ""
+    if name in _ALONG_DIM:
+        d = _dim(args, kwargs, 2 if name in ("chunk", "split") else 1)
+        if d is not None and d % _ndim(args) in (0, 1):
+            return ""
+        return f"{name} along dim {d}"
+    if name == "__getitem__" and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if all(i == slice(None) for i in index[2:]) and Ellipsis not in index:
+            return ""
+        return "indexing of rows or columns"
+    if name == "pad" and len(args) > 1:
+        pad = tuple(args[1])  # (left, right, top, bottom, front, back): last dimension first
+        if len(pad) < 4 or pad[2:4] == (0, 0):
+            return ""  # the width or the channels only
+        return "pad of the rows"
+    return f"{name} mixes rows"

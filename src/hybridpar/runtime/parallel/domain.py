@@ -1,0 +1,451 @@
+"""The domain style (Gholami et al. section 2.4, Eqs. 7 and 9): a segment's activations split by
+height over the Pr ranks of a model group, the Pc batch groups splitting the examples.
+
+Each rank holds a band of rows of every example of its batch group (`even_split(H, Pr)`, the
+first H mod Pr ranks one row more: planning.halo.bands). A 2-d convolution or pooling computes
+the output rows it owns from its band and the halo rows its window reads from other bands
+(planning.halo.Window.plan: stride, dilation and padding included; several bands away when a
+band is thinner than the halo). Forward, the halo rows are posted as non-blocking point-to-point
+sends and receives, the interior output rows (those its own band alone determines) are computed
+while they travel, then the border rows. Backward, the gradients of the halo rows go back to
+their owners and are added to their rows. Batch norm takes its statistics over every rank (rows
+and examples); element-wise layers run on the band as they are. Parameters are whole on every
+rank: their gradients are summed over all P ranks.
+
+| function        | forward                                       | backward                        | term      |
+| --------------- | --------------------------------------------- | ------------------------------- | --------- |
+| _Post           | post the sends and receives of halo rows       | receive the gradients of the    | halo_fwd  |
+|                 | (non-blocking); the band passes through        | rows sent, add them to the band |           |
+| _Wait           | wait for the halo rows                         | send their gradients back       | halo_bwd  |
+| _BatchToRows    | all-to-all: my examples' bands to their owners | the inverse all-to-all          | redistribute |
+| split / gather  | (rows, dim 2) keep my band / all-gather bands  | all-gather / keep (redistribute.py) | redistribute |
+
+Moves into and out of the domain layout (`MOVES`): from the layout with the same batch groups a
+band is kept (its gradient all-gathered backward), from pure batch one all-to-all each way within
+the model group, from any other layout through the replicated layout of the domain grid, and
+back the same ways; the cost model (planning.cost.terms.redistribute) prices exactly these.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from hybridpar.plan import Style
+from hybridpar.planning.halo import Window, bands
+from hybridpar.planning.layers import CostLayer
+from hybridpar.runtime import faults
+from hybridpar.runtime.comm.group import Group
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.parallel.redistribute import Chain, Move, gather, replicated, split
+from hybridpar.runtime.parallel.styles import ParallelStyle
+from hybridpar.terms import Term
+
+__all__ = ["MOVES", "DomainConv2d", "DomainPool2d", "DomainStyle", "Exchange"]
+
+
+class Exchange:
+    """The halo rows of one window on this rank: what it receives from whom and sends to whom,
+    over the model group (`ranks`: the group's global ranks, in band order)."""
+
+    def __init__(self, window: Window, group: Group, ledger: Ledger | None, layer: str) -> None:
+        self.window, self.group, self.ledger, self.layer = window, group, ledger, layer
+        pr, me = group.size, group.rank
+        self.me, self.pr = me, pr
+        self.ranks = [dist.get_global_rank(group.pg, j) for j in range(pr)]
+        self.band = bands(window.h_in, pr)[me]
+        self.out = bands(window.h_out, pr)[me]
+        plan = window.plan(pr)
+        self.receives = plan[me]  # {rank: [lo, hi) of image rows}
+        self.sends = {q: plan[q][me] for q in range(pr) if me in plan[q]}
+        self.needed = any(plan)  # no rank reads another's rows (1x1, aligned pools): nothing moves
+        self.hidden: list[tuple[float, float]] = []  # per forward: (halo seconds, exposed seconds)
+
+    def _shape(self, like: torch.Tensor, rows: tuple[int, int]) -> tuple[int, ...]:
+        return (like.shape[0], like.shape[1], rows[1] - rows[0], like.shape[3])
+
+    def post(self, x: torch.Tensor, call: dict) -> None:
+        """Start sending the rows others read and receiving the ones this rank reads."""
+        lo = self.band[0]
+        call["t0"] = time.perf_counter()
+        works, bufs, sent = [], {}, 0
+        for q, (a, b) in self.sends.items():
+            piece = x[:, :, a - lo : b - lo].contiguous()
+            sent += piece.numel() * piece.element_size()
+            works.append(dist.isend(piece, self.ranks[q], group=self.group.pg))
+        for q, rows in self.receives.items():
+            bufs[q] = x.new_empty(self._shape(x, rows))
+            works.append(dist.irecv(bufs[q], self.ranks[q], group=self.group.pg))
+        call["works"], call["bufs"] = works, bufs
+        if self.ledger is not None:
+            layers = {self.layer: 1.0}
+            call["entry"] = self.ledger.record("halo", self.pr, sent, 0.0, Term.HALO_FWD, layers)
+
+    def send_back(self, grads: dict[int, torch.Tensor], call: dict) -> None:
+        """Backward: the gradients of the rows received go back to their owners."""
+        faults.at("halo")
+        call["t1"] = time.perf_counter()
+        works, sent = [], 0
+        for q, g in grads.items():
+            g = g.contiguous()
+            sent += g.numel() * g.element_size()
+            works.append(dist.isend(g, self.ranks[q], group=self.group.pg))
+        call["back"], call["back_bytes"] = works, sent
+
+    def take_back(self, g: torch.Tensor, call: dict) -> torch.Tensor:
+        """Backward: the gradients other ranks computed for the rows this rank sent them come in
+        and are added to its band's; once every send back of this call has gone."""
+        t0 = call.get("t1", time.perf_counter())
+        inbound = {q: g.new_empty(self._shape(g, rows)) for q, rows in self.sends.items()}
+        works = [dist.irecv(t, self.ranks[q], group=self.group.pg) for q, t in inbound.items()]
+        for w in [*call.get("back", []), *works]:
+            w.wait()
+        lo = self.band[0]
+        if inbound:
+            g = g.clone()
+            for q, (a, b) in self.sends.items():
+                g[:, :, a - lo : b - lo] += inbound[q]
+        if self.ledger is not None:
+            took, sent = time.perf_counter() - t0, call.get("back_bytes", 0)
+            self.ledger.record("halo", self.pr, sent, took, Term.HALO_BWD, {self.layer: 1.0})
+        return g
+
+
+class _Post(torch.autograd.Function):
+    """Forward: start sending this band's rows that other ranks read and receiving the rows it
+    reads from them (non-blocking); the band passes through. Backward: the gradients other ranks
+    computed for the rows it sent come in and are added to its band's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, exchange, call):
+        exchange.post(x.detach(), call)
+        ctx.exchange, ctx.call = exchange, call
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.exchange.take_back(g.contiguous(), ctx.call), None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Forward: wait for the rows posted by _Post; they come back as the rows above and below
+    this rank's band. Backward: their gradients go back to their owners (non-blocking; _Post's
+    backward, which runs after this one, waits for them)."""
+
+    @staticmethod
+    def forward(ctx, x, exchange, call):
+        for w in call["works"]:
+            w.wait()
+        ctx.exchange, ctx.call = exchange, call
+        bufs = call["bufs"]
+        below = [bufs[q] for q in sorted(bufs) if q < exchange.me]
+        above = [bufs[q] for q in sorted(bufs) if q > exchange.me]
+        empty = x.new_empty((x.shape[0], x.shape[1], 0, x.shape[3]))
+        top = torch.cat(below, dim=2) if below else empty
+        bottom = torch.cat(above, dim=2) if above else empty.clone()
+        return top, bottom
+
+    @staticmethod
+    def backward(ctx, g_top, g_bottom):
+        ex: Exchange = ctx.exchange
+        grads, at = {}, {"top": 0, "bottom": 0}
+        for q in sorted(ex.receives):
+            a, b = ex.receives[q]
+            side, g = ("top", g_top) if q < ex.me else ("bottom", g_bottom)
+            grads[q] = g[:, :, at[side] : at[side] + b - a]
+            at[side] += b - a
+        ex.send_back(grads, ctx.call)
+        return None, None, None
+
+
+class _Windowed(nn.Module):
+    """A 2-d convolution or pooling on a band of rows: `compute(rows)` turns padded input rows
+    (no padding left to add along the height) into output rows."""
+
+    fill = 0.0  # what the rows outside the image hold (the height padding)
+
+    def setup(self, window: Window, group: Group, ledger: Ledger | None, layer: str) -> None:
+        self.exchange = Exchange(window, group, ledger, layer)
+        w, (a, b) = window, self.exchange.band
+        # the output rows whose window reads only this band (and padding): computed while the
+        # halo rows travel
+        inside = [
+            o
+            for o in range(*self.exchange.out)
+            if max(w.reads(o, o + 1)[0], 0) >= a and min(w.reads(o, o + 1)[1], w.h_in) <= b
+        ]
+        self.interior = (inside[0], inside[-1] + 1) if inside else (0, 0)
+
+    def compute(self, rows: torch.Tensor, lo: int) -> torch.Tensor:
+        """The output rows of the padded input rows `rows`, the first of which is image row
+        `lo` (negative: padding above the image)."""
+        raise NotImplementedError
+
+    def _rows(self, parts: list[tuple[int, torch.Tensor]], lo: int, hi: int, like) -> torch.Tensor:
+        """Padded input rows [lo, hi) from the pieces (first image row, rows) and the fill."""
+        h = self.exchange.window.h_in
+        n, c, w = like.shape[0], like.shape[1], like.shape[3]
+        out = []
+        if lo < 0:
+            out.append(like.new_full((n, c, -lo, w), self.fill))
+        for first, t in parts:
+            a, b = max(lo, first), min(hi, first + t.shape[2])
+            if a < b:
+                out.append(t[:, :, a - first : b - first])
+        if hi > h:
+            out.append(like.new_full((n, c, hi - h, w), self.fill))
+        return torch.cat(out, dim=2) if len(out) > 1 else out[0]
+
+    def _out(self, parts: list, a: int, b: int, like: torch.Tensor) -> torch.Tensor:
+        """Output rows [a, b) from the input pieces."""
+        lo, hi = self.exchange.window.reads(a, b)
+        return self.compute(self._rows(parts, lo, hi, like), lo)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ex, call = self.exchange, {}
+        (o0, o1), (i0, i1) = ex.out, self.interior
+        if not ex.needed:
+            return self._out([(ex.band[0], x)], o0, o1, x)
+        x = _Post.apply(x, ex, call)
+        own = [(ex.band[0], x)]
+        mid = self._out(own, i0, i1, x) if i0 < i1 else None  # while the halo rows travel
+        t_mid = time.perf_counter()
+        top, bottom = _Wait.apply(x, ex, call)
+        t_end = time.perf_counter()
+        ex.hidden.append((t_end - call["t0"], t_end - t_mid))
+        if "entry" in call:
+            call["entry"].seconds = t_end - call["t0"]
+        parts = [(ex.band[0] - top.shape[2], top), *own, (ex.band[1], bottom)]
+        if mid is None:
+            return self._out(parts, o0, o1, x)
+        pieces = [mid]
+        if o0 < i0:
+            pieces.insert(0, self._out(parts, o0, i0, x))
+        if i1 < o1:
+            pieces.append(self._out(parts, i1, o1, x))
+        return torch.cat(pieces, dim=2) if len(pieces) > 1 else mid
+
+
+class DomainConv2d(_Windowed):
+    """A Conv2d on this rank's band of rows: the same parameters (whole on every rank), the
+    height padding replaced by the halo and zero rows outside the image."""
+
+    hybridpar_kind = "conv"
+
+    def __init__(self, conv: nn.Conv2d, window: Window, group, ledger, layer: str) -> None:
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias
+        self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
+        self.width_padding = (0, conv.padding[1])
+        self.setup(window, group, ledger, layer)
+
+    def compute(self, rows: torch.Tensor, lo: int) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        return F.conv2d(rows, w, b, self.stride, self.width_padding, self.dilation, self.groups)
+
+
+class DomainPool2d(_Windowed):
+    """A MaxPool2d or AvgPool2d on this rank's band of rows (-inf or zero rows outside the image;
+    an average without padding counts only the image's elements, as AvgPool2d does)."""
+
+    def __init__(self, pool: nn.Module, window: Window, group, ledger, layer: str) -> None:
+        super().__init__()
+        pair = nn.modules.utils._pair
+        self.pool = pool
+        self.kernel, self.stride = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size)
+        self.width_padding = (0, pair(pool.padding)[1])
+        self.is_max = isinstance(pool, nn.MaxPool2d)
+        self.fill = float("-inf") if self.is_max else 0.0
+        self.setup(window, group, ledger, layer)
+
+    def compute(self, rows: torch.Tensor, lo: int) -> torch.Tensor:
+        p, k, st, pad = self.pool, self.kernel, self.stride, self.width_padding
+        if self.is_max:
+            return F.max_pool2d(rows, k, st, pad, p.dilation)
+        mean = F.avg_pool2d(rows, k, st, pad, False, True)  # over the whole window, padding in
+        if p.divisor_override:
+            return mean * (k[0] * k[1]) / p.divisor_override
+        if p.count_include_pad:
+            return mean
+        # AvgPool2d divides by the image's elements only: the window's share of them, from a mask
+        # of ones on the image's rows (and zeros on the padding rows and columns)
+        h = self.exchange.window.h_in
+        index = torch.arange(lo, lo + rows.shape[2], device=rows.device)
+        mask = ((index >= 0) & (index < h)).to(rows.dtype).view(1, 1, -1, 1)
+        mask = mask.expand(1, 1, rows.shape[2], rows.shape[3])
+        return mean / F.avg_pool2d(mask, k, st, pad, False, True)
+
+
+class _BatchToRows(torch.autograd.Function):
+    """Forward: all-to-all within the model group, this rank's examples' bands to the bands'
+    owners (from pure batch to the domain layout). Backward: the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, heights, counts, ledger, layer):
+        ctx.args = (group, heights, counts, ledger, layer)
+        return _to_rows(x, group, heights, counts, ledger, layer)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _to_examples(g.contiguous(), *ctx.args), None, None, None, None, None
+
+
+class _RowsToBatch(torch.autograd.Function):
+    """Forward: all-to-all within the model group, each example's bands to the rank holding the
+    example in pure batch. Backward: the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, heights, counts, ledger, layer):
+        ctx.args = (group, heights, counts, ledger, layer)
+        return _to_examples(x, group, heights, counts, ledger, layer)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _to_rows(g.contiguous(), *ctx.args), None, None, None, None, None
+
+
+def _all_to_all(pieces: list[torch.Tensor], shapes: list, group: Group, ledger, layer) -> list:
+    """Uneven all-to-all of tensors (flattened on the wire); booked as one all-to-all of this
+    rank's whole buffer under the redistribution term."""
+    t0 = time.perf_counter()
+    send = torch.cat([p.reshape(-1) for p in pieces])
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    recv = send.new_empty(sum(sizes))
+    dist.all_to_all_single(recv, send, sizes, [p.numel() for p in pieces], group=group.pg)
+    if ledger is not None:
+        nbytes = send.numel() * send.element_size()
+        took = time.perf_counter() - t0
+        ledger.record("all_to_all", group.size, nbytes, took, Term.REDISTRIBUTE, {layer: 1.0})
+    out, off = [], 0
+    for s, n in zip(shapes, sizes, strict=True):
+        out.append(recv[off : off + n].view(s))
+        off += n
+    return out
+
+
+def _to_rows(x, group: Group, heights, counts, ledger, layer) -> torch.Tensor:
+    me, edges = group.rank, bands(sum(heights), len(heights))
+    pieces = [x[:, :, a:b] for a, b in edges]
+    shapes = [(counts[q], x.shape[1], heights[me], x.shape[3]) for q in range(len(heights))]
+    return torch.cat(_all_to_all(pieces, shapes, group, ledger, layer), dim=0)
+
+
+def _to_examples(x, group: Group, heights, counts, ledger, layer) -> torch.Tensor:
+    me = group.rank
+    pieces = list(torch.split(x, counts, dim=0))
+    shapes = [(counts[me], x.shape[1], h, x.shape[3]) for h in heights]
+    return torch.cat(_all_to_all(pieces, shapes, group, ledger, layer), dim=2)
+
+
+class _Rows:
+    """Forward pre-hook between the domain layout and the replicated layout of the same grid:
+    keep this rank's band (`into`; backward: all-gather the bands' gradients) or all-gather
+    the bands (out of it; backward: keep this rank's band's)."""
+
+    def __init__(self, style: Style, m: Move, into: bool) -> None:
+        self.group = m.grids.grid(style.pc).model_group
+        self.pr, self.m, self.into = style.pr, m, into
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        faults.at("handoff")
+        x, *rest = args
+        h = x.shape[2] if self.into else self.m.height
+        sizes = [b - a for a, b in bands(h, self.pr)]
+        move = split if self.into else gather
+        m = self.m
+        y = move(x, sizes, 2, self.group, m.ledger, Term.REDISTRIBUTE, m.layer, m.codec)
+        return (y, *rest)
+
+
+class _Transpose:
+    """Forward pre-hook between pure batch (Pc = P) and the domain layout: one all-to-all within
+    the model group (examples -> bands, or back)."""
+
+    def __init__(self, style: Style, m: Move, into: bool) -> None:
+        grid = m.grids.grid(style.pc)
+        self.group, self.grid, self.pr, self.m, self.into = (
+            grid.model_group,
+            grid,
+            style.pr,
+            m,
+            into,
+        )
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        faults.at("handoff")
+        x, *rest = args
+        finest = self.m.rows.sizes
+        first = self.grid.c * self.pr
+        counts = list(finest[first : first + self.pr])  # examples of each rank in pure batch
+        h = x.shape[2] if self.into else self.m.height
+        heights = [b - a for a, b in bands(h, self.pr)]
+        fn = _BatchToRows if self.into else _RowsToBatch
+        y = fn.apply(x, self.group, heights, counts, self.m.ledger, self.m.layer)
+        return (y, *rest)
+
+
+def into_domain(src: Style, dst: Style, m: Move):
+    """Into the domain layout: from its own grid's layout keep a band; from pure batch one
+    all-to-all; otherwise through its own grid's replicated layout."""
+    if src.layout[0] == "dom":
+        out = out_of_domain(src, Style.model(src.pr, src.pc), m)
+        return Chain(out, into_domain(Style.model(src.pr, src.pc), dst, m))
+    if src.pc == dst.pc:
+        return _Rows(dst, m, into=True)
+    if src.pc == dst.procs:
+        return _Transpose(dst, m, into=True)
+    return Chain(replicated(src, Style.model(dst.pr, dst.pc), m), _Rows(dst, m, into=True))
+
+
+def out_of_domain(src: Style, dst: Style, m: Move):
+    """Out of the domain layout, the same ways back."""
+    if dst.pc == src.pc:
+        return _Rows(src, m, into=False)
+    if dst.pc == src.procs:
+        return _Transpose(src, m, into=False)
+    return Chain(_Rows(src, m, into=False), replicated(Style.model(src.pr, src.pc), dst, m))
+
+
+MOVES = {("rep", "dom"): into_domain, ("dom", "rep"): out_of_domain, ("dom", "dom"): into_domain}
+
+
+class DomainStyle(ParallelStyle):
+    """domain(Pr x Pc): a segment's convolutions and poolings on bands of rows with halos, its
+    other layers on the bands as they are; parameters whole on every rank."""
+
+    kind = "domain"
+
+    def shard(self, name: str, module: nn.Module, layer: CostLayer) -> nn.Module:
+        windows = {w[0]: w for w in layer.windows}
+        if name not in windows:
+            return module
+        _, k, s, p, d, h_in, _, _, _ = windows[name]
+        window = Window(k, s, p, d, h_in)
+        group, ledger = self.grid.model_group, self.ctx.ledger
+        if isinstance(module, nn.Conv2d):
+            new: nn.Module = DomainConv2d(module, window, group, ledger, layer.name)
+        else:
+            new = DomainPool2d(module, window, group, ledger, layer.name)
+        new.train(module.training)
+        return new
+
+    @property
+    def grad_group(self) -> Group:
+        """Every rank holds the whole parameters: their gradients are summed over all P."""
+        return self.ctx.grids.grid(self.ctx.grids.world_size).batch_group
+
+    @property
+    def grad_key(self) -> tuple:
+        return ("batch", self.ctx.grids.world_size)
+
+    def bn_group(self) -> Group:
+        """Every rank holds other rows or other examples: statistics over all P."""
+        return self.ctx.grids.twin_group(self.ctx.grids.world_size, "bn", shm=True)
+
+    @property
+    def replicated(self) -> bool:
+        return False

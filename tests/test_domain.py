@@ -1,0 +1,193 @@
+"""Domain parallelism (Gholami et al. section 2.4; issue 22): height-split convolutions and
+poolings with halo exchange train exactly as one process does, and move exactly the bytes the
+cost model predicts.
+
+The oracle in float64 (batch norm on tiny batches amplifies rounding; rtol 1e-7 there), 4 steps
+with momentum and weight decay, on tests/nets.py's DomainStack: 3x3, 5x5, 11x11 stride 4,
+3x3 dilation 2, 1x1, max and average pooling riding along, a residual block with global batch
+norm; on 2, 3 and 4 ranks, Pr = 2, 3, 4 and 2 x 2, uneven bands, one-row bands that a 5x5 halo
+crosses; with moves into and out of the domain layout from the replicated layout of the same grid,
+from pure batch (all-to-all) and between two domain grids. The zoo's resnet20 and the
+torchvision-style AlexNet run under the planner's domain plans in tests/test_equivalence.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_ranks
+from nets import CLASSES, DOMAIN_LAYERS, DomainStack, optimizer
+
+from hybridpar.plan import ParallelPlan, Style
+from hybridpar.planning.analysis import analyze
+from hybridpar.planning.cluster import Cluster
+from hybridpar.planning.halo import Window, bands
+from hybridpar.planning.layers import cost_layers
+from hybridpar.planning.search import evaluate, export
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.parallel import parallelize
+
+B, STEPS = 12, 4
+NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    x = [torch.randn(B, *DomainStack.SHAPE, generator=g, dtype=torch.float64) for _ in range(STEPS)]
+    y = [torch.randint(0, CLASSES, (B,), generator=g) for _ in range(STEPS)]
+    return list(zip(x, y, strict=True))
+
+
+def _model() -> DomainStack:
+    torch.manual_seed(0)
+    return DomainStack().double()
+
+
+def priced(styles: dict[str, Style], P: int) -> ParallelPlan:
+    """The plan of these styles with the cost model's predictions (as `hybridpar train` prices a
+    hand-written plan file)."""
+    with torch.device("meta"):
+        layers = cost_layers(analyze(DomainStack().double(), DomainStack.SHAPE))
+    from hybridpar.plan import assign_styles
+
+    names = [x.name for x in layers]
+    modules = [n for n, _ in DomainStack().named_modules()]
+    chosen = assign_styles(styles, modules, names, P)
+    plan = evaluate(layers, P, B, NET, [chosen[n] for n in names], elem_bytes=8)  # float64
+    assert plan.feasible, plan.reason
+    from hybridpar.choices import Choices
+
+    return export(
+        plan, procs=P, batch=B, choices=Choices(), input_shape=DomainStack.SHAPE, model="stack"
+    )
+
+
+def _reference():
+    m = _model()
+    opt = optimizer(m.parameters())
+    for x, y in _data():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    return m.state_dict()
+
+
+def _plans(P: int) -> dict[str, dict[str, Style]]:
+    """name -> styles: every listed layer domain on the 1-column grid; on 2 x 2; mixed with model
+    splits of the same grid; two domain grids in a row."""
+
+    def dom(pr, pc):
+        return {k: Style.domain(pr, pc) for k in DOMAIN_LAYERS}
+
+    plans = {f"domain({P}x1)": dom(P, 1)}
+    if P == 2:
+        plans["domain + model(2x1)"] = {**dom(2, 1), "point": Style.model(2, 1),
+                                        "avg.0": Style.model(2, 1), "fc": Style.model(2, 1)}  # fmt: skip
+    if P == 4:
+        plans["domain(2x2)"] = dom(2, 2)
+        plans["domain(2x2) -> domain(4x1) -> model(2x2)"] = {
+            **dom(2, 2), "alex.0": Style.domain(4, 1), "dilated.0": Style.domain(4, 1),
+            "pooled.0": Style.model(2, 2), "head": Style.model(2, 2),
+        }  # fmt: skip
+    return plans
+
+
+def _measured(ledger: Ledger) -> dict:
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ledger.bytes_by_layer_term())
+    total: dict = {}
+    for d in every:
+        for (layer, term), v in d.items():
+            if term != "metrics":
+                total[(layer, term)] = total.get((layer, term), 0.0) + v / STEPS / len(every)
+    return total
+
+
+def _train(P: int) -> list[str]:
+    want = _reference()
+    done = []
+    for label, styles in _plans(P).items():
+        plan = priced(styles, P)
+        ledger = Ledger()
+        hp = parallelize(_model(), plan, ledger=ledger)
+        opt = optimizer(hp.parameters())
+        for x, y in _data():
+            hp.set_batch(B)
+            out = hp(x[hp.input_rows(B)])
+            loss = torch.nn.functional.cross_entropy(out, y[hp.output_rows(B)], reduction="sum") / B
+            opt.zero_grad()
+            loss.backward()
+            hp.finish_backward()
+            opt.step()
+        got = hp.full_state_dict()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
+        measured, predicted = _measured(ledger), plan.predicted_bytes(by_layer=True)
+        assert set(measured) == set(predicted), f"{label}: {set(measured) ^ set(predicted)}"
+        for k, v in predicted.items():
+            assert measured[k] == pytest.approx(v, rel=1e-12), f"{label}: {k}"
+        assert not any(layer == "point" and "halo" in term for layer, term in measured), label
+        done.append(label)
+    return done
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_domain_plans_train_as_one_process_and_book_the_predicted_bytes(P):
+    """Parameters after 4 steps equal one process's (float64, rtol 1e-7), and the ledger's
+    bytes per (layer, term), halos and redistributions included, equal the prediction exactly;
+    the 1x1 layer books no halo."""
+    done = run_ranks(_train, P, P, timeout_s=240)[0]
+    assert len(done) == len(_plans(P)), done
+
+
+def _input_gradient(P: int):
+    """The input's gradient through a domain first layer (its bands' gradients all-gathered back
+    into whole images) and the outputs, against one process."""
+    x, y = _data()[0]
+    ref = _model()
+    xr = x.clone().requires_grad_(True)
+    out_r = ref(xr)
+    torch.nn.functional.cross_entropy(out_r, y, reduction="sum").backward()
+    styles = {"stem": Style.domain(P, 1), **{k: Style.domain(P, 1) for k in DOMAIN_LAYERS}}
+    hp = parallelize(_model(), priced(styles, P))
+    hp.set_batch(B)
+    rows = hp.input_rows(B)
+    xs = x[rows].clone().requires_grad_(True)
+    out = hp(xs)
+    torch.nn.functional.cross_entropy(out, y[hp.output_rows(B)], reduction="sum").backward()
+    hp.finish_backward()
+    torch.testing.assert_close(out, out_r[hp.output_rows(B)], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(xs.grad, xr.grad[rows], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_input_gradients_through_a_domain_first_layer(P):
+    run_ranks(_input_gradient, P, P)
+
+
+def test_halo_rows_follow_stride_dilation_and_bands():
+    """The rows each band reads from the others (planning.halo): a middle band has two
+    neighbours and the end bands one; stride and dilation change the rows, not floor(k/2); a
+    band thinner than the halo is crossed; a 1x1 window moves nothing."""
+    assert bands(13, 4) == [(0, 4), (4, 7), (7, 10), (10, 13)]
+    w = Window(3, 1, 1, 1, 12)  # 3x3 pad 1 over 3 bands of 4 rows
+    assert w.plan(3) == [{1: (4, 5)}, {0: (3, 4), 2: (8, 9)}, {1: (7, 8)}]
+    assert w.rows_sent(3) == [1, 2, 1] and w.messages(3) == [1, 2, 1]
+    dil = Window(3, 1, 2, 2, 12)  # dilation 2: two rows each side
+    assert dil.rows_sent(3) == [2, 4, 2]
+    alex = Window(11, 4, 2, 1, 53)  # output bands [0,3) [3,6) [6,9) [9,12) over 4 ranks
+    assert alex.h_out == 12 and alex.plan(4)[1] == {0: (10, 14), 2: (27, 29)}
+    thin = Window(5, 1, 2, 1, 5)  # 5 rows over 4 ranks: [2, 1, 1, 1]; row 3 reads rows 1..4
+    assert thin.plan(4)[2] == {0: (1, 2), 1: (2, 3), 3: (4, 5)}
+    assert Window(1, 1, 0, 1, 12).rows_sent(4) == [0, 0, 0, 0]
+
+
+def test_the_domain_rule_refuses_with_the_reason():
+    """What cannot take domain says why, in one line: a Linear, a segment that flattens, more
+    ranks than rows (naming the largest Pr that works)."""
+    from hybridpar.planning.rules import why_not
+
+    with torch.device("meta"):
+        layers = {x.name: x for x in cost_layers(analyze(DomainStack(), DomainStack.SHAPE))}
+    assert "cannot be split by height" in why_not(layers["fc"], Style.domain(2, 1), B)
+    assert "flatten mixes rows" in why_not(layers["head"], Style.domain(2, 1), B)
+    assert "largest Pr that works is 5" in why_not(layers["block.conv1"], Style.domain(6, 1), B)
+    assert why_not(layers["alex.0"], Style.domain(4, 1), B) == ""
