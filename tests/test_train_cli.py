@@ -78,7 +78,7 @@ def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path):
     "changes, needle",
     [
         ({"preset": "grid:3x2", "nproc": 4}, "has 6 ranks"),
-        ({"preset": "grid:2x2", "nproc": 4, "batch": 30}, "does not split evenly"),
+        ({"preset": "grid:2x2", "nproc": 4, "batch": 30}, "needs Pc=4 to divide B=30"),
         (
             {"preset": "owt", "nproc": 16, "model": "resnet20", "batch": 64},
             "fc has 10 output features, fewer than Pr=16",

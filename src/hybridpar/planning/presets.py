@@ -14,8 +14,19 @@ from hybridpar.planning.search import SCENARIOS, plan_layers
 
 __all__ = ["PRESETS", "SEARCHED", "parse_preset", "plan_preset"]
 
-PRESETS = ("auto", "ddp", "owt", "grid:RxC", "batch", "model", "same-grid", "fc-grid", "per-layer")
-SEARCHED = ("auto", "same-grid", "fc-grid", "per-layer")  # the planner chooses on a cluster
+PRESETS = (
+    "auto",
+    "ddp",
+    "owt",
+    "grid:RxC",
+    "batch",
+    "model",
+    "same-grid",
+    "fc-grid",
+    "domain",
+    "per-layer",
+)
+SEARCHED = ("auto", "same-grid", "fc-grid", "domain", "per-layer")  # chosen on a cluster
 
 
 def parse_preset(

@@ -31,7 +31,7 @@ class TrainConfig:
         "auto",
         "a named plan: auto (the planner's best on --cluster), ddp (torch DDP), "
         "owt (FC layers pure model), grid:RxC (conv batch, FC on an R x C grid), or a "
-        "planner scenario: batch, model, same-grid, fc-grid, per-layer",
+        "planner scenario: batch, model, same-grid, fc-grid, domain, per-layer",
         aliases=["--strategy"],
     )
     plan: str | None = meta(
@@ -43,7 +43,11 @@ class TrainConfig:
         "(localhost is calibrated on first use)",
     )
     epochs: int = meta(20, "passes over the training data")
-    batch: int | None = meta(None, "global mini-batch B (default: the plan's, else 64)")
+    batch: int | None = meta(
+        None,
+        "global mini-batch B (default: the plan's, else 64); every batch group's share must be "
+        "whole, and B may be below the number of processes where the plan splits images",
+    )
     lr: float = meta(0.05, "learning rate")
     momentum: float = meta(0.9, "momentum")
     weight_decay: float = meta(5e-4, "weight decay")

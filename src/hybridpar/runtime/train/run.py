@@ -21,6 +21,7 @@ from hybridpar.config import writable
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
 from hybridpar.planning.analysis import trace
+from hybridpar.planning.cluster import BYTES_ONLY
 from hybridpar.planning.layers import cost_layers
 from hybridpar.planning.models import build_model
 from hybridpar.planning.zoo import MODELS, input_shape
@@ -47,10 +48,6 @@ def prepare(cfg: TrainConfig) -> Job:
     P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
     if cfg.model not in MODELS:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of: {', '.join(MODELS)}")
-    if cfg.batch % P:
-        raise ConfigError(
-            f"global batch {cfg.batch} does not split evenly over {P} ranks; use a multiple of {P}"
-        )
     info = MODELS[cfg.model]
     shape, classes = signature(cfg.data, input_shape(cfg.model, cfg.input_size), info.num_classes)
     model = meta_model(cfg.model, shape, classes)
@@ -66,8 +63,9 @@ def prepare(cfg: TrainConfig) -> Job:
     elif not cfg.searched:
         plan = preset_plan(cfg, P, layers, shape, pricing_cluster(cfg.cluster, required=False))
         layout = resolve(model, plan.with_choices(device=device), shape, P, traced)
-    else:  # rank 0 plans in the job; the cluster it will read is checked now
+    else:  # rank 0 plans in the job; the cluster and that a plan fits are checked now
         pricing_cluster(cfg.cluster, required=False)
+        preset_plan(cfg, P, layers, shape, BYTES_ONLY)
     if resume is not None:
         _check_resume(resume, cfg, shape)
     return Job(cfg, P, shape, classes, traced, layers, layout, resume)
