@@ -23,6 +23,7 @@ from hybridpar.planning.halo import Window, bands
 from hybridpar.planning.layers import cost_layers
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import parallelize
 
 B, STEPS = 12, 4
@@ -101,13 +102,14 @@ def _measured(ledger: Ledger) -> dict:
     return total
 
 
-def _train(P: int) -> list[str]:
+def _train(P: int, shm: bool = True) -> list[str]:
     want = _reference()
     done = []
+    options = RuntimeOptions(shared_memory=shm)
     for label, styles in _plans(P).items():
         plan = priced(styles, P)
         ledger = Ledger()
-        hp = parallelize(_model(), plan, ledger=ledger)
+        hp = parallelize(_model(), plan, options, ledger=ledger)
         opt = optimizer(hp.parameters())
         for x, y in _data():
             hp.set_batch(B)
@@ -129,12 +131,13 @@ def _train(P: int) -> list[str]:
     return done
 
 
-@pytest.mark.parametrize("P", [2, 3, 4])
-def test_domain_plans_train_as_one_process_and_book_the_predicted_bytes(P):
+@pytest.mark.parametrize("P,shm", [(2, True), (3, True), (4, True), (3, False)])
+def test_domain_plans_train_as_one_process_and_book_the_predicted_bytes(P, shm):
     """Parameters after 4 steps equal one process's (float64, rtol 1e-7), and the ledger's
     bytes per (layer, term), halos and redistributions included, equal the prediction exactly;
-    the 1x1 layer books no halo."""
-    done = run_ranks(_train, P, P, timeout_s=240)[0]
+    the 1x1 layer books no halo. Halo rows through host shared memory, and (shm False) as
+    point-to-point messages, as across hosts."""
+    done = run_ranks(_train, P, P, shm, timeout_s=240)[0]
     assert len(done) == len(_plans(P)), done
 
 

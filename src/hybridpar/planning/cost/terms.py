@@ -191,8 +191,15 @@ def t_halo(
         win = Window(k, stride, pad, dil, h_in)
         row = B / pc * c * w * elem
         sent, msgs = win.rows_sent(pr), win.messages(pr)
+        if not any(sent):
+            continue
         total += sum(sent) / pr * row
-        seconds += max(net.alpha * m + net.beta * n * row for m, n in zip(msgs, sent, strict=True))
+        most = max(sent) * row
+        if net.small_alpha is not None and net.shm_beta is not None and most <= SHM_MAX_BYTES:
+            seconds += net.small_alpha + net.shm_beta * most  # through shared memory (one host)
+        else:
+            pairs = zip(msgs, sent, strict=True)
+            seconds += max(net.alpha * m + net.beta * n * row for m, n in pairs)
     return Comm("halo", pr, total, seconds)
 
 

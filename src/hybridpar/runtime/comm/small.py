@@ -97,6 +97,31 @@ class SmallReducer(HostReducer):
         self.calls += 1
         return slots
 
+    def begin(self, pieces: list[torch.Tensor], need: int) -> tuple[int, int]:
+        """The split-phase form of a call: write `pieces` one after the other into this rank's
+        slot and raise its flag, without waiting; `finish` waits for every rank's. Every rank of
+        the group calls both, with the same `need` (the largest rank's bytes), and nothing else
+        on the group in between (a halo exchange computes its interior rows there)."""
+        self._room(need)
+        seg = self.segments["small"]
+        step = self.steps["small"] = self.steps["small"] + 1
+        parity, me = step % 2, self.topo.local_rank
+        slot, off = self._bytes[parity][me], 0
+        for t in pieces:
+            n = t.numel() * t.element_size()
+            slot[off : off + n].view(t.dtype).view(t.shape).copy_(t)
+            off += n
+        seg.flags[parity, me, 0] = step
+        return step, parity
+
+    def finish(self, posted: tuple[int, int], what: str) -> list[torch.Tensor]:
+        """Wait for every rank's `begin`; their slots as bytes (valid until this rank's call after
+        next)."""
+        step, parity = posted
+        self._wait(self.segments["small"], parity, 0, step, self._everyone, what, "small")
+        self.calls += 1
+        return self._bytes[parity]
+
     def small_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` in place over the group. Every rank adds the slots in rank order, so every rank
         gets the same bits."""

@@ -50,7 +50,15 @@ __all__ = ["MOVES", "DomainConv2d", "DomainPool2d", "DomainStyle", "Exchange"]
 
 class Exchange:
     """The halo rows of one window on this rank: what it receives from whom and sends to whom,
-    over the model group (`ranks`: the group's global ranks, in band order)."""
+    over the model group (`ranks`: the group's global ranks, in band order).
+
+    On one host (the group built with shared memory, comm.small) the rows travel through the
+    group's shared segment: forward, each rank writes the rows others read into its slot and
+    raises its flag (`begin`), computes its interior rows, then waits for the others' flags and
+    copies out what it reads (`finish`); backward, one exchange of the gradients in `_Post`'s
+    backward, which every rank runs. Elsewhere (several hosts, CUDA, more than the segment's
+    limit) they travel as point-to-point `isend`/`irecv` on torch.distributed. Either way the
+    ledger books the bytes each rank sends to the others, what the cost model prices."""
 
     def __init__(self, window: Window, group: Group, ledger: Ledger | None, layer: str) -> None:
         self.window, self.group, self.ledger, self.layer = window, group, ledger, layer
@@ -59,8 +67,8 @@ class Exchange:
         self.ranks = [dist.get_global_rank(group.pg, j) for j in range(pr)]
         self.band = bands(window.h_in, pr)[me]
         self.out = bands(window.h_out, pr)[me]
-        plan = window.plan(pr)
-        self.receives = plan[me]  # {rank: [lo, hi) of image rows}
+        self.plan = plan = window.plan(pr)  # every rank's receives: {rank: [lo, hi)}
+        self.receives = plan[me]
         self.sends = {q: plan[q][me] for q in range(pr) if me in plan[q]}
         self.needed = any(plan)  # no rank reads another's rows (1x1, aligned pools): nothing moves
         self.hidden: list[tuple[float, float]] = []  # per forward: (halo seconds, exposed seconds)
@@ -68,43 +76,97 @@ class Exchange:
     def _shape(self, like: torch.Tensor, rows: tuple[int, int]) -> tuple[int, ...]:
         return (like.shape[0], like.shape[1], rows[1] - rows[0], like.shape[3])
 
+    def _row_bytes(self, like: torch.Tensor) -> int:
+        return like.shape[0] * like.shape[1] * like.shape[3] * like.element_size()
+
+    def _shm(self, like: torch.Tensor, rows: int):
+        """The group's shared-memory reducer when this call can take it (`rows`: the most rows
+        any rank writes), else None."""
+        shm = self.group.shm
+        if shm is None or not shm.fits(like, rows * self._row_bytes(like)):
+            return None
+        return shm
+
+    def _sends_of(self, r: int) -> list[tuple[int, tuple[int, int]]]:
+        return [(q, self.plan[q][r]) for q in range(self.pr) if r in self.plan[q]]
+
+    def _offset(self, pieces: list[tuple[int, tuple[int, int]]], until: int) -> int:
+        """Rows before the piece for rank `until` among (rank, rows) pieces in rank order."""
+        return sum(b - a for q, (a, b) in pieces if q < until)
+
     def post(self, x: torch.Tensor, call: dict) -> None:
         """Start sending the rows others read and receiving the ones this rank reads."""
         lo = self.band[0]
         call["t0"] = time.perf_counter()
-        works, bufs, sent = [], {}, 0
-        for q, (a, b) in self.sends.items():
-            piece = x[:, :, a - lo : b - lo].contiguous()
-            sent += piece.numel() * piece.element_size()
-            works.append(dist.isend(piece, self.ranks[q], group=self.group.pg))
-        for q, rows in self.receives.items():
-            bufs[q] = x.new_empty(self._shape(x, rows))
-            works.append(dist.irecv(bufs[q], self.ranks[q], group=self.group.pg))
-        call["works"], call["bufs"] = works, bufs
+        pieces = [x[:, :, a - lo : b - lo] for _, (a, b) in sorted(self.sends.items())]
+        sent = sum(t.numel() * t.element_size() for t in pieces)
+        most = max(sum(b - a for _, (a, b) in self._sends_of(r)) for r in range(self.pr))
+        shm = self._shm(x, most)
+        if shm is not None:
+            call["shm"] = (shm, shm.begin(pieces, most * self._row_bytes(x)), x)
+        else:
+            works, bufs = [], {}
+            for (q, _), piece in zip(sorted(self.sends.items()), pieces, strict=True):
+                works.append(dist.isend(piece.contiguous(), self.ranks[q], group=self.group.pg))
+            for q, rows in self.receives.items():
+                bufs[q] = x.new_empty(self._shape(x, rows))
+                works.append(dist.irecv(bufs[q], self.ranks[q], group=self.group.pg))
+            call["works"], call["bufs"] = works, bufs
         if self.ledger is not None:
             layers = {self.layer: 1.0}
             call["entry"] = self.ledger.record("halo", self.pr, sent, 0.0, Term.HALO_FWD, layers)
 
+    def arrived(self, call: dict) -> dict[int, torch.Tensor]:
+        """Wait for the rows this rank reads: {rank: rows}."""
+        if "shm" not in call:
+            for w in call["works"]:
+                w.wait()
+            return call["bufs"]
+        shm, posted, x = call["shm"]
+        slots = shm.finish(posted, "send the halo rows of")
+        row, out = self._row_bytes(x), {}
+        for q, rows in self.receives.items():
+            off = self._offset(self._sends_of(q), self.me) * row
+            n = (rows[1] - rows[0]) * row
+            out[q] = slots[q][off : off + n].view(x.dtype).view(self._shape(x, rows)).clone()
+        return out
+
     def send_back(self, grads: dict[int, torch.Tensor], call: dict) -> None:
-        """Backward: the gradients of the rows received go back to their owners."""
+        """Backward: the gradients of the rows received go back to their owners (through shared
+        memory they wait for `take_back`, which every rank runs)."""
         faults.at("halo")
         call["t1"] = time.perf_counter()
-        works, sent = [], 0
-        for q, g in grads.items():
-            g = g.contiguous()
-            sent += g.numel() * g.element_size()
-            works.append(dist.isend(g, self.ranks[q], group=self.group.pg))
-        call["back"], call["back_bytes"] = works, sent
+        call["grads"] = grads
+        call["back_bytes"] = sum(g.numel() * g.element_size() for g in grads.values())
+        if "shm" not in call:
+            ranks = self.ranks
+            call["back"] = [
+                dist.isend(g.contiguous(), ranks[q], group=self.group.pg) for q, g in grads.items()
+            ]
 
     def take_back(self, g: torch.Tensor, call: dict) -> torch.Tensor:
         """Backward: the gradients other ranks computed for the rows this rank sent them come in
         and are added to its band's; once every send back of this call has gone."""
         t0 = call.get("t1", time.perf_counter())
-        inbound = {q: g.new_empty(self._shape(g, rows)) for q, rows in self.sends.items()}
-        works = [dist.irecv(t, self.ranks[q], group=self.group.pg) for q, t in inbound.items()]
-        for w in [*call.get("back", []), *works]:
-            w.wait()
-        lo = self.band[0]
+        lo, inbound = self.band[0], {}
+        if "shm" in call:
+            shm = call["shm"][0]
+            grads = call.get("grads", {})
+            pieces = [grads[q] for q in sorted(grads)]
+            most = max(sum(b - a for a, b in self.plan[r].values()) for r in range(self.pr))
+            row = self._row_bytes(g)
+            slots = shm.finish(shm.begin(pieces, most * row), "send halo gradients of")
+            for q, rows in self.sends.items():
+                off = self._offset(sorted(self.plan[q].items()), self.me) * row
+                n = (rows[1] - rows[0]) * row
+                inbound[q] = slots[q][off : off + n].view(g.dtype).view(self._shape(g, rows))
+        else:
+            works = []
+            for q, rows in self.sends.items():
+                inbound[q] = g.new_empty(self._shape(g, rows))
+                works.append(dist.irecv(inbound[q], self.ranks[q], group=self.group.pg))
+            for w in [*call.get("back", []), *works]:
+                w.wait()
         if inbound:
             g = g.clone()
             for q, (a, b) in self.sends.items():
@@ -133,15 +195,13 @@ class _Post(torch.autograd.Function):
 
 class _Wait(torch.autograd.Function):
     """Forward: wait for the rows posted by _Post; they come back as the rows above and below
-    this rank's band. Backward: their gradients go back to their owners (non-blocking; _Post's
-    backward, which runs after this one, waits for them)."""
+    this rank's band. Backward: their gradients go back to their owners (_Post's backward, which
+    runs after this one on every rank, completes the exchange)."""
 
     @staticmethod
     def forward(ctx, x, exchange, call):
-        for w in call["works"]:
-            w.wait()
+        bufs = exchange.arrived(call)
         ctx.exchange, ctx.call = exchange, call
-        bufs = call["bufs"]
         below = [bufs[q] for q in sorted(bufs) if q < exchange.me]
         above = [bufs[q] for q in sorted(bufs) if q > exchange.me]
         empty = x.new_empty((x.shape[0], x.shape[1], 0, x.shape[3]))
