@@ -194,3 +194,33 @@ def test_the_domain_rule_refuses_with_the_reason():
     assert "flatten mixes rows" in why_not(layers["head"], Style.domain(2, 1), B)
     assert "largest Pr that works is 5" in why_not(layers["block.conv1"], Style.domain(6, 1), B)
     assert why_not(layers["alex.0"], Style.domain(4, 1), B) == ""
+
+
+def _half(folder: str, styles: dict, resume: bool):
+    """HybridTrainer on `styles`: 2 steps then a checkpoint then 2 more (or, resuming, load and
+    the last 2); the full weights at the end."""
+    from hybridpar.runtime.parallel import HybridTrainer
+
+    P = dist.get_world_size()
+    t = HybridTrainer(_model(), priced(styles, P), optimizer)
+    data = _data()
+    if resume:
+        t.load(folder)
+    else:
+        for x, y in data[:2]:
+            t.train_step(x, y)
+        t.save(folder)
+    for x, y in data[2:]:
+        t.train_step(x, y)
+    return t.full_state_dict()
+
+
+def test_a_domain_checkpoint_resumes_onto_another_grid_and_p(tmp_path):
+    """Domain layers hold whole parameters: a checkpoint of domain(2x2) on 4 ranks resumes as
+    domain(3x1) on 3 ranks and ends where the uninterrupted run ends (float64)."""
+    on4 = {k: Style.domain(2, 2) for k in DOMAIN_LAYERS}
+    on3 = {k: Style.domain(3, 1) for k in DOMAIN_LAYERS}
+    whole = run_ranks(_half, 4, str(tmp_path), on4, False, timeout_s=180)[0]
+    resumed = run_ranks(_half, 3, str(tmp_path), on3, True, timeout_s=180)[0]
+    for k, v in whole.items():
+        torch.testing.assert_close(resumed[k], v, rtol=1e-7, atol=1e-10, msg=k)
