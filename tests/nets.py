@@ -195,3 +195,282 @@ class DomainStack(nn.Module):
 
 
 DOMAIN_LAYERS = ("wide.0", "alex.0", "dilated.0", "point", "pooled.0", "avg.0", "block")
+
+
+# --- model families written the way torchvision writes them (sub-modules, functional ops inside
+# forward), small: 3 x 8 x 8 inputs, channel counts no Pr in {2, 3, 4} always divides. Their random
+# layers (Dropout, stochastic depth) take p as an argument: 0 where a test compares with one
+# process drawing torch's own masks, > 0 where the counter-based dropout draws them.
+
+
+def _conv_bn(cin: int, cout: int, k: int = 3, stride: int = 1, groups: int = 1, act=nn.ReLU6):
+    """Conv2d-BN-activation, torchvision's Conv2dNormActivation."""
+    layers = [
+        nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(cout),
+    ]
+    if act is not None:
+        layers.append(act(inplace=True))
+    return nn.Sequential(*layers)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand, 3x3 depthwise, 1x1 project, the input added when the
+    shape is kept."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        self.use_res = stride == 1 and cin == cout
+        layers = [_conv_bn(cin, hidden, 1)] if expand != 1 else []
+        layers += [
+            _conv_bn(hidden, hidden, 3, stride, groups=hidden),
+            nn.Conv2d(hidden, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        ]
+        self.conv = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(x) if self.use_res else self.conv(x)
+
+
+class MobileNetV2ish(nn.Module):
+    def __init__(self, num_classes: int = CLASSES, p: float = 0.0) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            _conv_bn(3, 6, stride=1),
+            InvertedResidual(6, 5, 1, 1),
+            InvertedResidual(5, 7, 2, 3),
+            InvertedResidual(7, 7, 1, 3),
+            _conv_bn(7, 10, 1),
+        )
+        self.classifier = nn.Sequential(nn.Dropout(p), nn.Linear(10, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        x = F.adaptive_avg_pool2d(x, (1, 1))
+        return self.classifier(torch.flatten(x, 1))
+
+
+def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
+    n, c, h, w = x.size()
+    x = x.view(n, groups, c // groups, h, w)
+    x = torch.transpose(x, 1, 2).contiguous()
+    return x.view(n, -1, h, w)
+
+
+class ShuffleUnit(nn.Module):
+    """ShuffleNetV2's unit: stride 1 splits the channels in two and transforms one half; stride 2
+    transforms both copies; the halves are concatenated and shuffled."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        half = cout // 2
+        if stride > 1:
+            self.branch1 = nn.Sequential(
+                nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False),
+                nn.BatchNorm2d(cin),
+                nn.Conv2d(cin, half, 1, bias=False),
+                nn.BatchNorm2d(half),
+                nn.ReLU(inplace=True),
+            )
+        else:
+            self.branch1 = nn.Sequential()
+        into = cin if stride > 1 else half
+        self.branch2 = nn.Sequential(
+            nn.Conv2d(into, half, 1, bias=False),
+            nn.BatchNorm2d(half),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(half, half, 3, stride, 1, groups=half, bias=False),
+            nn.BatchNorm2d(half),
+            nn.Conv2d(half, half, 1, bias=False),
+            nn.BatchNorm2d(half),
+            nn.ReLU(inplace=True),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.stride == 1:
+            x1, x2 = x.chunk(2, dim=1)
+            out = torch.cat((x1, self.branch2(x2)), dim=1)
+        else:
+            out = torch.cat((self.branch1(x), self.branch2(x)), dim=1)
+        return channel_shuffle(out, 2)
+
+
+class ShuffleNetV2ish(nn.Module):
+    def __init__(self, num_classes: int = CLASSES, p: float = 0.0) -> None:
+        super().__init__()
+        self.conv1 = nn.Sequential(
+            nn.Conv2d(3, 6, 3, 1, 1, bias=False), nn.BatchNorm2d(6), nn.ReLU(inplace=True)
+        )
+        self.stage2 = nn.Sequential(ShuffleUnit(6, 10, 2), ShuffleUnit(10, 10, 1))
+        self.conv5 = nn.Sequential(
+            nn.Conv2d(10, 14, 1, bias=False), nn.BatchNorm2d(14), nn.ReLU(inplace=True)
+        )
+        self.fc = nn.Linear(14, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv5(self.stage2(self.conv1(x)))
+        return self.fc(x.mean([2, 3]))
+
+
+class StochasticDepth(nn.Module):
+    """torchvision.ops.StochasticDepth, mode "row": each example's branch kept with probability
+    1 - p (scaled by 1 / (1 - p)) in training."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = x.new_empty([x.shape[0]] + [1] * (x.dim() - 1)).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class SqueezeExcitation(nn.Module):
+    """x * sigmoid(fc2(silu(fc1(avgpool(x))))), the fcs as 1x1 convolutions (torchvision)."""
+
+    def __init__(self, c: int, squeeze: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(c, squeeze, 1), nn.Conv2d(squeeze, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = F.adaptive_avg_pool2d(x, 1)
+        return x * torch.sigmoid(self.fc2(F.silu(self.fc1(s))))
+
+
+class MBConv(nn.Module):
+    """EfficientNet's block: 1x1 expand, depthwise, squeeze-and-excitation, 1x1 project, the input
+    added through stochastic depth when the shape is kept."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int, sd: float) -> None:
+        super().__init__()
+        hidden = cin * expand
+        self.use_res = stride == 1 and cin == cout
+        self.block = nn.Sequential(
+            _conv_bn(cin, hidden, 1, act=nn.SiLU),
+            _conv_bn(hidden, hidden, 3, stride, groups=hidden, act=nn.SiLU),
+            SqueezeExcitation(hidden, max(4, cin // 2)),
+            _conv_bn(hidden, cout, 1, act=None),
+        )
+        self.stochastic_depth = StochasticDepth(sd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        return x + self.stochastic_depth(out) if self.use_res else out
+
+
+class EfficientNetish(nn.Module):
+    def __init__(self, num_classes: int = CLASSES, p: float = 0.0, sd: float = 0.0) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            _conv_bn(3, 6, act=nn.SiLU),
+            MBConv(6, 5, 1, 2, sd),
+            MBConv(5, 5, 1, 3, sd),
+            MBConv(5, 7, 2, 3, sd),
+            _conv_bn(7, 11, 1, act=nn.SiLU),
+        )
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(nn.Dropout(p, inplace=True), nn.Linear(11, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.avgpool(self.features(x))
+        return self.classifier(torch.flatten(x, 1))
+
+
+class InceptionBlock(nn.Module):
+    """Four branches (1x1; 1x1-3x3; 1x1-5x5; 3x3 max pool-1x1) joined by torch.cat."""
+
+    def __init__(self, cin: int, c1: int, c3: int, c5: int, cp: int) -> None:
+        super().__init__()
+        self.branch1 = _conv_bn(cin, c1, 1, act=nn.ReLU)
+        self.branch2 = nn.Sequential(_conv_bn(cin, 5, 1, act=nn.ReLU), _conv_bn(5, c3, 3))
+        self.branch3 = nn.Sequential(_conv_bn(cin, 4, 1, act=nn.ReLU), _conv_bn(4, c5, 5))
+        self.branch4 = nn.Sequential(
+            nn.MaxPool2d(3, 1, 1, ceil_mode=True), _conv_bn(cin, cp, 1, act=nn.ReLU)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [self.branch1(x), self.branch2(x), self.branch3(x), self.branch4(x)]
+        return torch.cat(outs, 1)
+
+
+class Inceptionish(nn.Module):
+    def __init__(self, num_classes: int = CLASSES, p: float = 0.0) -> None:
+        super().__init__()
+        self.stem = _conv_bn(3, 6, act=nn.ReLU)
+        self.a = InceptionBlock(6, 5, 7, 4, 5)
+        self.pool = nn.MaxPool2d(2)
+        self.b = InceptionBlock(21, 4, 5, 7, 4)
+        self.dropout = nn.Dropout(p)
+        self.fc = nn.Linear(20, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.b(self.pool(self.a(self.stem(x))))
+        x = F.adaptive_avg_pool2d(x, (1, 1))
+        return self.fc(self.dropout(torch.flatten(x, 1)))
+
+
+class DenseLayer(nn.Module):
+    """BN-ReLU-1x1-BN-ReLU-3x3 on the concatenation of every earlier feature map."""
+
+    def __init__(self, cin: int, growth: int) -> None:
+        super().__init__()
+        self.norm1, self.relu1 = nn.BatchNorm2d(cin), nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(cin, 2 * growth, 1, bias=False)
+        self.norm2, self.relu2 = nn.BatchNorm2d(2 * growth), nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(2 * growth, growth, 3, padding=1, bias=False)
+
+    def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        x = torch.cat(inputs, 1)
+        return self.conv2(self.relu2(self.norm2(self.conv1(self.relu1(self.norm1(x))))))
+
+
+class DenseBlock(nn.ModuleDict):
+    def __init__(self, layers: int, cin: int, growth: int) -> None:
+        super().__init__()
+        for i in range(layers):
+            self.add_module(f"denselayer{i + 1}", DenseLayer(cin + i * growth, growth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.values():
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+class DenseNetish(nn.Module):
+    def __init__(self, num_classes: int = CLASSES, p: float = 0.0) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1, bias=False),
+            nn.BatchNorm2d(6),
+            nn.ReLU(inplace=True),
+            DenseBlock(3, 6, 4),
+            nn.BatchNorm2d(18),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(18, 7, 1, bias=False),
+            nn.AvgPool2d(2),
+            DenseBlock(2, 7, 5),
+            nn.BatchNorm2d(17),
+        )
+        self.classifier = nn.Linear(17, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.features(x), inplace=True)
+        x = torch.flatten(F.adaptive_avg_pool2d(x, (1, 1)), 1)
+        return self.classifier(x)
+
+
+FAMILIES = {
+    "mobilenetv2": MobileNetV2ish,
+    "shufflenetv2": ShuffleNetV2ish,
+    "efficientnet": EfficientNetish,
+    "inception": Inceptionish,
+    "densenet": DenseNetish,
+}
+for _name, _cls in FAMILIES.items():
+    MAKERS[_name] = (_cls, (3, 8, 8))

@@ -14,6 +14,7 @@ class Term(str, Enum):
 
     ALLGATHER = "allgather"  # forward all-gather of a model-parallel layer's output
     DX_ALLREDUCE = "dx_allreduce"  # backward all-reduce of dX over the model group
+    DX_ALLGATHER = "dx_allgather"  # backward all-gather of a grouped conv's dX slices
     DW_ALLREDUCE = "dw_allreduce"  # weight-gradient sum over the ranks that replicate a weight
     REDISTRIBUTE = "redistribute"  # layout change between layers (Eq. 6, hand-off schemes)
     HALO_FWD = "halo_fwd"

@@ -22,6 +22,7 @@ __all__ = ["cmd_plan", "cmd_simulate"]
 TERMS = (
     Term.ALLGATHER,
     Term.DX_ALLREDUCE,
+    Term.DX_ALLGATHER,
     Term.DW_ALLREDUCE,
     Term.HALO_FWD,
     Term.HALO_BWD,

@@ -8,10 +8,10 @@ Each style kind states what it needs of a layer:
 | kind     | needs                                                                          |
 | -------- | ------------------------------------------------------------------------------ |
 | `batch`  | Pc <= B (every batch group gets an example); any layer                          |
-| `model`  | a Linear or a Conv2d (zero padding, not grouped), called once per forward, with |
-|          | at least Pr output units                                                        |
-| `domain` | a 2-d convolution, and a segment of operations that keep rows apart (rows.py), |
-|          | each activation in it at least Pr rows high                                     |
+| `model`  | a Linear or a Conv2d (any padding mode), called once per forward, with at least |
+|          | Pr output units; a grouped Conv2d's split must keep every group whole           |
+| `domain` | a 2-d convolution with zero padding, and a segment of operations that keep rows |
+|          | apart (rows.py), each activation in it at least Pr rows high                    |
 
 A new style adds its rule here, its runtime in hybridpar/runtime/parallel/ and its cost terms in
 hybridpar/planning/cost/ (docs/runtime.md, "How to add a style").
@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from hybridpar.choices import Choices
 from hybridpar.plan import Style
 from hybridpar.planning.layers import CostLayer
+from hybridpar.splits import chunk_sizes, group_split, whole_group_prs
 
 __all__ = ["EXECUTED", "RULES", "why_not", "why_not_choices"]
 
@@ -38,11 +39,17 @@ def _model(layer: CostLayer, s: Style) -> str:
             f"{layer.name} ({layer.op or layer.kind}) cannot take {s}: only Linear and Conv2d "
             "layers split over a model group; give it batch"
         )
-    if layer.op == "conv2d" and (layer.groups != 1 or layer.padding_mode != "zeros"):
-        return f"{layer.name}: a grouped or non-zero-padded Conv2d cannot take {s}; give it batch"
     if s.pr > layer.out_units:
         what = "output features" if layer.op == "linear" else "output channels"
         return f"{layer.name} has {layer.out_units} {what}, fewer than Pr={s.pr}; use a smaller Pr"
+    if layer.op == "conv2d" and not group_split(layer.out_units, layer.groups, s.pr):
+        per = layer.out_units // layer.groups
+        ok = whole_group_prs(layer.out_units, layer.groups, s.pr) or [1]
+        return (
+            f"{layer.name}: {s} would cut one of its {layer.groups} groups of {per} output "
+            f"channels (torch.chunk splits {layer.out_units} as "
+            f"{chunk_sizes(layer.out_units, s.pr)}); use Pr in {ok} or give it batch"
+        )
     if layer.calls != 1:
         return (
             f"{layer.name} is called {layer.calls} times per forward; only a layer called once "
@@ -56,6 +63,11 @@ def _domain(layer: CostLayer, s: Style) -> str:
         return (
             f"{layer.name} ({layer.op or layer.kind}) cannot be split by height: only 2-d "
             "convolutions take domain; give it batch or model"
+        )
+    if layer.padding_mode != "zeros":
+        return (
+            f"{layer.name} pads with {layer.padding_mode!r}: only zero-padded convolutions are "
+            "split by height; give it batch or model"
         )
     if layer.blockers:
         return (

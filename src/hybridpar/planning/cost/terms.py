@@ -119,6 +119,17 @@ def t_dx_allreduce(
     return _on_host(_reduce(n, pr, net, w.acts_compressed), net, w.acts_compressed, n)
 
 
+def t_dx_allgather(
+    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire
+) -> Comm:
+    """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}: a grouped convolution's backward. Each
+    rank of the model group reads only the input channels of its own groups, so its dX is nonzero
+    there alone: the slices are all-gathered, half the bytes of the all-reduce a dense layer needs."""
+    w = Wire.of(e)
+    n = B / pc * layer.d_in * w.acts
+    return _on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
+
+
 def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float | Wire) -> Comm:
     """2*(alpha*ceil(log p) + beta*(p-1)/p*|W_i|/shard): all-reduce of the weight gradient over
     the p ranks that hold the same 1/shard of W (riding-along batch-norm parameters are whole on
@@ -250,11 +261,14 @@ def layer_comms(
             Term.DW_ALLREDUCE: t_dw_allreduce(layer, p, 1, net, e),
         }
     else:
+        grouped = layer.groups > 1 and s.pr > 1
+        dx = Term.DX_ALLGATHER if grouped else Term.DX_ALLREDUCE
+        t_dx = t_dx_allgather if grouped else t_dx_allreduce
         terms = {
             Term.ALLGATHER: t_allgather(layer, s.pr, s.pc, B, net, e),
-            Term.DX_ALLREDUCE: Comm.zero("all_reduce", s.pr)
+            dx: Comm.zero("all_gather" if grouped else "all_reduce", s.pr)
             if first
-            else t_dx_allreduce(layer, s.pr, s.pc, B, net, e),
+            else t_dx(layer, s.pr, s.pc, B, net, e),
             Term.DW_ALLREDUCE: t_dw_allreduce(layer, s.pc, s.pr, net, e),
         }
     if bn != "local":

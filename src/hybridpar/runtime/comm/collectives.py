@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hybridpar.runtime.comm.codecs import Codec, Encoded
 from hybridpar.runtime.comm.group import Group, group_size, pg_of
 from hybridpar.runtime.comm.ledger import Entry, Ledger
+from hybridpar.splits import chunk_sizes, even_split
 from hybridpar.terms import Term
 
 __all__ = [
@@ -34,20 +35,6 @@ __all__ = [
     "even_split",
     "group_size",
 ]
-
-
-def even_split(n: int, parts: int) -> list[int]:
-    """Split n into `parts` sizes differing by at most one, the larger ones first: how examples
-    split over ranks and how a layer's output features split over a model group."""
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
-
-
-def chunk_sizes(n: int, parts: int) -> list[int]:
-    """torch.chunk's split of n into `parts` (ceil(n / parts) each, the rest to the last, possibly
-    none): how a split layer's output units lie on its model group. It is DTensor's Shard layout,
-    so checkpoints (torch.distributed.checkpoint) can re-split them onto another grid."""
-    c = -(-n // parts)
-    return [max(0, min(c, n - i * c)) for i in range(parts)]
 
 
 class Pending:

@@ -9,9 +9,15 @@ Backward: dX_partial = f'(dY_local, W_shard), all-reduced over the model group (
 of the layer); dW_shard is local and is summed over the batch group by the gradient synchroniser,
 like any replicated weight.
 
+A grouped convolution (depthwise included) splits in whole groups: each rank reads only the input
+channels of its groups, a slice of the replicated X (no communication), and its dX is nonzero on
+that slice alone, so backward all-gathers the slices instead of all-reducing whole tensors. Padding
+modes other than zeros pad the whole input first, as nn.Conv2d does: every rank holds all of it.
+
 | function       | forward                      | backward                           | term          |
 | -------------- | ---------------------------- | ---------------------------------- | ------------- |
 | copy_to_group  | identity                     | all-reduce dX over the model group | dx_allreduce  |
+| split (dim 1)  | keep the channels of my groups | all-gather the dX slices         | dx_allgather  |
 | gather (dim)   | all-gather Y's unit shards   | keep this rank's shard of dY       | allgather     |
 """
 
@@ -33,8 +39,9 @@ from hybridpar.runtime.comm.collectives import (
 )
 from hybridpar.runtime.comm.group import Group, group_rank, group_size
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.parallel.redistribute import gather
+from hybridpar.runtime.parallel.redistribute import gather, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
+from hybridpar.splits import group_split, whole_group_prs
 from hybridpar.terms import Term
 
 __all__ = [
@@ -135,9 +142,12 @@ class ModelParallel(nn.Module):
 
     unit_dim = -1  # where the output units lie in Y
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input this rank computes on; its backward completes dX over the model group."""
+        return copy_to_group(x, self.group, self.ledger, self.name, self.codec)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_group(x, self.group, self.ledger, self.name, self.codec)
-        y = self.compute(x)
+        y = self.compute(self.enter(x))
         dim = self.unit_dim % y.dim()
         return gather(
             y, self.sizes, dim, self.group, self.ledger, Term.ALLGATHER, self.name, self.codec
@@ -169,7 +179,8 @@ class ModelParallelLinear(ModelParallel):
 
 
 class ModelParallelConv2d(ModelParallel):
-    """Output channels split over the model group; every rank sees all input channels."""
+    """Output channels split over the model group; every rank sees all input channels, or, for a
+    grouped convolution, those of its own groups."""
 
     hybridpar_kind = "conv"
     unit_dim = 1
@@ -181,30 +192,55 @@ class ModelParallelConv2d(ModelParallel):
         ledger: Ledger | None = None,
         name: str = "",
     ) -> None:
-        if conv.groups != 1 or conv.padding_mode != "zeros":
+        pr = group_size(group)
+        if conv.out_channels >= pr and not group_split(conv.out_channels, conv.groups, pr):
+            ok = whole_group_prs(conv.out_channels, conv.groups, pr) or [1]
             raise ConfigError(
-                f"layer {name}: a grouped or non-zero-padded Conv2d cannot be split; give it batch"
+                f"layer {name}: Pr={pr} would cut one of its {conv.groups} groups; use Pr in "
+                f"{ok} or give it batch"
             )
         super().__init__(conv.out_channels, group, ledger, name or "conv")
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
-        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.stride, self.dilation = conv.stride, conv.dilation
+        self.padding_mode = conv.padding_mode
+        if conv.padding_mode == "zeros":
+            self.padding, self.pads = conv.padding, None
+        else:  # as nn.Conv2d: pad the whole input in that mode, then convolve without padding
+            self.padding, self.pads = 0, conv._reversed_padding_repeated_twice
+        self.conv_groups = conv.groups
+        per_out, per_in = conv.out_channels // conv.groups, conv.in_channels // conv.groups
+        self.my_groups = self.sizes[self.r] // per_out if conv.groups > 1 else 1
+        self.in_sizes = [s // per_out * per_in for s in self.sizes] if conv.groups > 1 else None
         self._take(conv)
 
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_sizes is None:
+            return super().enter(x)
+        return split(
+            x, self.in_sizes, 1, self.group, self.ledger, Term.DX_ALLGATHER, self.name, self.codec
+        )
+
     def compute(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
+        w, b, groups = self.weight, self.bias, self.my_groups
+        if self.pads is not None:
+            x = F.pad(x, self.pads, mode=self.padding_mode)
         if not w.shape[0]:
             # an empty shard (torch.chunk gives 5 channels over 4 ranks as 2, 2, 1, 0): conv2d
-            # refuses no channels, so compute one zero channel and drop it; the output stays in
-            # the graph, so this rank still takes part in the dX all-reduce
+            # refuses no channels, so compute one zero channel (on zero input channels where a
+            # grouped layer's slice is empty) and drop it; the output stays in the graph, so this
+            # rank still takes part in the dX all-reduce or all-gather
             w = torch.cat([w, w.new_zeros(1, *w.shape[1:])])
             b = None if b is None else torch.cat([b, b.new_zeros(1)])
+            if x.shape[1] < w.shape[1]:
+                fill = x.new_zeros(x.shape[0], w.shape[1] - x.shape[1], *x.shape[2:])
+                x = torch.cat([x, fill], 1)
             return F.conv2d(x, w, b, self.stride, self.padding, self.dilation)[:, :0]
-        return F.conv2d(x, w, b, self.stride, self.padding, self.dilation)
+        return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, groups)
 
     def extra_repr(self) -> str:
         return (
-            f"{self.in_channels}, {self.out_channels}, shard={self.sizes[self.r]} channels "
-            f"from {self.start}, pr={len(self.sizes)}"
+            f"{self.in_channels}, {self.out_channels}, groups={self.conv_groups}, "
+            f"shard={self.sizes[self.r]} channels from {self.start}, pr={len(self.sizes)}"
         )
 
 

@@ -35,7 +35,7 @@ from hybridpar.terms import Term
 
 __all__ = ["HybridTrainer", "StepResult"]
 
-BLOCKING_TERMS = (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.REDISTRIBUTE)
+BLOCKING_TERMS = (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.DX_ALLGATHER, Term.REDISTRIBUTE)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,36 @@
+"""How a count splits over ranks (torch-free, read by the planner's rules and by the runtime): the
+examples of a batch, the output units of a split layer, the groups of a grouped convolution."""
+
+from __future__ import annotations
+
+__all__ = ["chunk_sizes", "even_split", "group_split", "whole_group_prs"]
+
+
+def even_split(n: int, parts: int) -> list[int]:
+    """Split n into `parts` sizes differing by at most one, the larger ones first: how examples
+    split over ranks and how a layer's output features split over a model group."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """torch.chunk's split of n into `parts` (ceil(n / parts) each, the rest to the last, possibly
+    none): how a split layer's output units lie on its model group. It is DTensor's Shard layout,
+    so checkpoints (torch.distributed.checkpoint) can re-split them onto another grid."""
+    c = -(-n // parts)
+    return [max(0, min(c, n - i * c)) for i in range(parts)]
+
+
+def group_split(units: int, groups: int, parts: int) -> list[int] | None:
+    """The output units of a layer with `groups` groups over `parts` ranks, torch.chunk's split
+    when it gives every rank whole groups (always for a depthwise convolution); None when it would
+    cut a group (a rank would need input channels of a group it computes only part of)."""
+    sizes = chunk_sizes(units, parts)
+    if groups == 1:
+        return sizes
+    per = units // groups
+    return sizes if all(s % per == 0 for s in sizes) else None
+
+
+def whole_group_prs(units: int, groups: int, upto: int) -> list[int]:
+    """The Pr in 2..upto whose split keeps every group whole."""
+    return [p for p in range(2, upto + 1) if p <= units and group_split(units, groups, p)]
