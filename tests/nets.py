@@ -17,7 +17,8 @@ class TVAlexNet(nn.Module):
     """Written like torchvision's AlexNet, small: `features`, `avgpool` and `classifier`
     sub-modules, in-place ReLUs, dropout modules, `torch.flatten` inside `forward`. Conv channels
     (5, 7) and FC widths (13, 7) that no Pr in {2, 3, 4} divides. Dropout has p = 0 here so that
-    training is comparable with one process; tests/test_dropout.py covers p > 0."""
+    training is comparable with one process drawing torch's masks; tests/test_dropout.py
+    trains with p > 0 against one process drawing counter-based masks."""
 
     def __init__(self, num_classes: int = CLASSES, in_channels: int = 1, p: float = 0.0) -> None:
         super().__init__()

@@ -41,6 +41,7 @@ _UNCHANGED = (
     nn.Hardsigmoid,
     nn.Mish,
     nn.Dropout,
+    nn.Dropout2d,
     nn.Identity,
 )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,10 +16,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hybridpar.plan import ParallelPlan, Style
 from hybridpar.runtime.comm.codecs import get_codec
+from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
+from hybridpar.runtime.parallel.dropout import Where, replace_dropouts
 from hybridpar.runtime.parallel.kinds import move, runtime_style
 from hybridpar.runtime.parallel.layout import Layout
 from hybridpar.runtime.parallel.redistribute import Move
@@ -86,6 +89,35 @@ def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list
         hook = move(src, dst, m)
         hooks.append(model.get_submodule(layout.entries[k]).register_forward_pre_hook(hook))
     return hooks
+
+
+def dropouts(
+    model: nn.Module,
+    layout: Layout,
+    styles: list[ParallelStyle],
+    ctx: BuildContext,
+    seed: int,
+    step: Callable[[], int],
+) -> list[str]:
+    """Counter-based dropout (runtime/parallel/dropout.py) in place of every nn.Dropout and
+    nn.Dropout2d: each told which global examples (and, split by height, which rows) its rank's
+    activation holds, so its masks are the slices of the ones one process draws."""
+    specs = {s.name: s for s in layout.trace.specs}
+
+    def where_of(name: str) -> Where:
+        spec = specs.get(name)
+        style = styles[spec.segment if spec is not None else 0]
+        grid = style.grid
+
+        def first_example() -> int:
+            return grid.rows(ctx.rows.sizes).start
+
+        if spec is None or style.spec.layout[0] != "dom" or len(spec.in_shape) < 2:
+            return Where(step, first_example)
+        bands = even_split(spec.in_shape[1], grid.pr)
+        return Where(step, first_example, sum(bands[: grid.r]), tuple(spec.in_shape))
+
+    return replace_dropouts(model, seed, where_of)
 
 
 def switch(plan: ParallelPlan, ctx: BuildContext) -> BNSwitch:

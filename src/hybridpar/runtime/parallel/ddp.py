@@ -19,6 +19,7 @@ from torch import nn
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import new_group
 from hybridpar.runtime.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
+from hybridpar.runtime.parallel.dropout import Where, replace_dropouts
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.reducers import make_reducer
 
@@ -46,6 +47,10 @@ class DDPEngine(Engine):
             model = convert_global_batchnorm(
                 model, self.world, ledger=ledger, switch=self.bn_switch, layer_of=layout.layer_of
             )
+        # counter-based dropout: this rank's masks are its examples' slice of one process's
+        replace_dropouts(
+            model, options.seed, lambda name: Where(lambda: self.step, self._first_example)
+        )
         self.ddp = nn.parallel.DistributedDataParallel(
             model, bucket_cap_mb=options.bucket_mb, **{_sync_buffers(): plan.choices.bn == "local"}
         )
@@ -59,6 +64,9 @@ class DDPEngine(Engine):
 
     def split(self, sizes: list[int]) -> None:
         self.rows = sizes
+
+    def _first_example(self) -> int:
+        return sum(self.rows[: self.rank]) if self.rows else 0
 
     def input_rows(self, n: int) -> slice:
         sizes = even_split(n, self.P)

@@ -50,6 +50,7 @@ class HybridParallel(Engine):
         self.styles = [runtime_style(s, self.ctx) for s in layout.segments]
         apply.shard(model, layout, self.styles)
         self._hooks = apply.redistributions(model, layout, self.ctx)
+        apply.dropouts(model, layout, self.styles, self.ctx, options.seed, lambda: self.step)
         self.random: SameRandom | None = None
         if any(s.replicated for s in self.styles):
             self.random = SameRandom(options.seed, [s.random_key for s in self.styles])
