@@ -166,3 +166,24 @@ def test_other_padding_modes_cannot_take_domain(pad):
     with torch.device("meta"):
         layers = {x.name: x for x in cost_layers(analyze(model, SHAPE))}
     assert f"pads with '{pad}'" in why_not(layers["blocks.0.f.0"], Style.domain(2, 1), B)
+
+
+def test_train_with_the_host_reducer_plans_batch_under_auto():
+    """`hybridpar train --reducer host` as a user types it (preset auto): the planner proposes
+    only what the host reducer runs (every layer batch), on a cluster where it would otherwise
+    split the FC layers, and the runtime accepts it."""
+    from nets import zoo
+
+    from hybridpar.planning.analysis import trace
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.plans import preset_plan, pricing_cluster
+
+    shape = (1, 8, 8)
+    model = zoo("digits-wide", 8)()
+    layers = cost_layers(trace(model, shape).specs)
+    slow = pricing_cluster("fdr-infiniband", required=False)
+    for reducer, split in (("process-group", True), ("host", False)):
+        cfg = TrainConfig(nproc=4, batch=64).with_(reducer=reducer).validate()
+        plan = preset_plan(cfg, 4, layers, shape, slow)
+        assert any(not s.is_batch for s in plan.styles.values()) == split, (reducer, plan.styles)
+        resolve(model, plan, shape, 4)

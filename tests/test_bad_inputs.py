@@ -81,6 +81,20 @@ def SIM(t):
 
 
 CASES = [
+    ("user model not importable", lambda t: [*TRAIN, "--model", "no_such_pkg.nets:small"], "cannot import no_such_pkg.nets"),
+    ("user model attribute missing", lambda t: [*TRAIN, "--model", "user_models:nope"], "has no attribute 'nope'"),
+    ("user model not a function", lambda t: [*TRAIN, "--model", "user_models:NOT_A_FUNCTION"], "not a function"),
+    ("user model not a module", lambda t: [*TRAIN, "--model", "user_models:returns_a_tensor"], "not a torch.nn.Module"),
+    ("user model needs arguments", lambda t: [*TRAIN, "--model", "user_models:needs_arguments"], "calling it failed"),
+    ("user model, input shape not the data's", lambda t: [*TRAIN, "--model", "user_models:small", "--input-shape", "3,8,8"], "the data's examples are 1,8,8"),
+    ("user model, wrong input shape", lambda t: [*TRAIN, "--model", "user_models:small", "--data", "synthetic:32", "--input-shape", "3,9,9"], "cannot run Small on input shape (3, 9, 9)"),
+    ("user model, synthetic data without a shape", lambda t: [*TRAIN, "--model", "user_models:small", "--data", "synthetic:32"], "needs --input-shape"),
+    ("input shape garbage", lambda t: [*TRAIN, "--model", "user_models:small", "--input-shape", "3,x"], "--input-shape must be positive sizes"),
+    ("input shape with a zoo model", lambda t: [*TRAIN, "--input-shape", "1,8,8"], "zoo models take --input-size"),
+    ("plan: user model without a shape", lambda t: ["plan", "--model", "user_models:small", "--procs", "2", "--batch", "8"], "needs --input-shape"),
+    ("plan: user model not importable", lambda t: ["plan", "--model", "nope:small", "--procs", "2", "--batch", "8", "--input-shape", "1,8,8"], "cannot import nope"),
+    ("plan: user model, wrong shape", lambda t: ["plan", "--model", "user_models:small", "--procs", "2", "--batch", "8", "--input-shape", "2,8,8"], "cannot run Small"),
+    ("plan: user model with dettmers", lambda t: ["plan", "--model", "user_models:small", "--procs", "2", "--batch", "8", "--input-shape", "1,8,8", "--model-of", "dettmers"], "prices a zoo model"),
     # (name, argv builder (tmp_path -> argv), the message's telling part)
     ("grid of another P", lambda t: [*TRAIN, "--preset", "grid:3x2", "--nproc", "4"], "has 6 ranks"),
     ("unknown preset", lambda t: [*TRAIN, "--preset", "pipeline"], "unknown preset"),

@@ -12,6 +12,7 @@ from hybridpar.planning.analysis_cache import zoo_cost_layers
 from hybridpar.planning.cluster import load_cluster
 from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.cost import dettmers as dm
+from hybridpar.planning.zoo import is_factory
 
 __all__ = ["plan_dettmers"]
 
@@ -26,6 +27,8 @@ def _profile(cfg: PlanConfig, args: argparse.Namespace):
         return prof
     if cfg.batch % args.procs:
         raise ConfigError(f"--batch {cfg.batch} must be a multiple of --procs {args.procs}")
+    if is_factory(cfg.model):
+        raise ConfigError("--model-of dettmers prices a zoo model; drop --model-of for your own")
     layers = zoo_cost_layers(cfg.model, cfg.input_size)
     cluster = load_cluster(cfg.cluster)
     return dm.profile_from_layers(layers, cluster, args.procs, cfg.batch // args.procs)

@@ -8,20 +8,28 @@ from dataclasses import dataclass
 from hybridpar.choices import Choices
 from hybridpar.config import check_fields, meta, nested, positive
 from hybridpar.errors import ConfigError
-from hybridpar.planning.zoo import MODELS
+from hybridpar.planning.zoo import MODELS, parse_input_shape
 
 __all__ = ["PlanConfig"]
 
 
 @dataclass
 class PlanConfig:
-    model: str = meta(None, f"zoo model: {', '.join(MODELS)}", required=True)
+    model: str = meta(
+        None,
+        f"zoo model ({', '.join(MODELS)}) or your own: package.module:factory, a function "
+        "returning an nn.Module (with --input-shape)",
+        required=True,
+    )
     batch: int = meta(None, "global mini-batch B", required=True)
     cluster: str = meta(
         "cori-knl",
         "preset (cori-knl, k20-pcie, fdr-infiniband, p100-nvlink), localhost, or a .toml/.json file",
     )
     input_size: int | None = meta(None, "image side, e.g. 64 (default: the model's)")
+    input_shape: str | None = meta(
+        None, "one example's shape C,H,W for --model package.module:factory, e.g. 3,32,32"
+    )
     compute: str | None = meta(
         None, "compute table from `hybridpar profile` (default: FLOPs / cluster rate)"
     )
@@ -37,6 +45,8 @@ class PlanConfig:
         if not isinstance(self.batch, int) or self.batch < 1:
             raise ConfigError(f"--batch must be a positive integer, got {self.batch!r}")
         positive(self, "input_size", "bytes_per_element", "memory_limit")
+        if self.input_shape is not None:
+            parse_input_shape(self.input_shape)
 
     def plan_kwargs(self) -> dict:
         """Keyword arguments of `hybridpar.planning.search.make_plan`."""
@@ -44,6 +54,7 @@ class PlanConfig:
 
         return dict(
             input_size=self.input_size,
+            input_shape=parse_input_shape(self.input_shape) if self.input_shape else None,
             compute=load_table(self.compute) if self.compute else None,
             elem_bytes=self.bytes_per_element,
             memory_limit=self.memory_limit * 2**30 if self.memory_limit else None,

@@ -21,9 +21,18 @@ import torch
 from torch import nn
 
 from hybridpar.errors import ConfigError
-from hybridpar.planning.zoo import MODELS, input_shape, zoo_entry
+from hybridpar.planning.zoo import MODELS, input_shape, is_factory, zoo_entry
 
-__all__ = ["BUILDERS", "MODELS", "BasicBlock", "ResNet20", "build_model", "input_shape"]
+__all__ = [
+    "BUILDERS",
+    "MODELS",
+    "BasicBlock",
+    "ResNet20",
+    "build_any",
+    "build_model",
+    "build_user_model",
+    "input_shape",
+]
 
 
 def _conv_out(size: int, kernel: int, stride: int = 1, pad: int = 0) -> int:
@@ -245,4 +254,73 @@ def build_model(
         input_size=input_size or info.input_size,
         num_classes=num_classes or info.num_classes,
         in_channels=in_channels or info.in_channels,
+    )
+
+
+def user_factory(spec: str) -> Callable[..., nn.Module]:
+    """The function `package.module:factory` names (the working directory importable, as torchrun
+    and uvicorn make it); a one-line ConfigError for what cannot be imported or called."""
+    import importlib
+    import os
+    import sys
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"--model {spec!r}: write package.module:factory, e.g. mynets:small_cnn")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # spawned ranks inherit sys.path
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module: any error ends in one line
+        raise ConfigError(
+            f"--model {spec!r}: cannot import {module_name} ({type(e).__name__}: {e}); "
+            "run from the folder that holds it or put it on PYTHONPATH"
+        ) from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ConfigError(f"--model {spec!r}: {module_name} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"--model {spec!r}: {attr} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def build_user_model(spec: str, num_classes: int | None = None) -> nn.Module:
+    """Call the user's factory (with num_classes= when it takes that argument and the data gives
+    the classes); the result must be an nn.Module."""
+    import inspect
+
+    fn = user_factory(spec)
+    kwargs = {}
+    if num_classes is not None:
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "num_classes" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kwargs["num_classes"] = num_classes
+    try:
+        model = fn(**kwargs)
+    except Exception as e:
+        raise ConfigError(
+            f"--model {spec!r}: calling it failed ({type(e).__name__}: {e}); it must build the "
+            "model without arguments (or with num_classes=)"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"--model {spec!r} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
+
+
+def build_any(name: str, shape: tuple[int, ...], num_classes: int | None) -> nn.Module:
+    """A zoo model for one example's `shape` and the classes, or the user's factory's model."""
+    if is_factory(name):
+        return build_user_model(name, num_classes)
+    return build_model(
+        name,
+        input_size=shape[-1] if len(shape) == 3 else None,
+        num_classes=num_classes,
+        in_channels=shape[0],
     )

@@ -71,8 +71,8 @@ def _domain(layer: CostLayer, s: Style) -> str:
         )
     if layer.blockers:
         return (
-            f"{layer.name} cannot take {s}: {layer.blockers[0]} in its segment needs whole "
-            "images; give it batch or model"
+            f"{layer.name} cannot take {s}: its segment needs whole images "
+            f"({layer.blockers[0]}); give it batch or model"
         )
     heights = [layer.x_shape[1], layer.y_shape[1]]
     heights += [h for w in layer.windows for h in (w[5], w[6])]

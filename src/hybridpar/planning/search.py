@@ -376,14 +376,36 @@ def make_plan(
     cluster: Cluster,
     *,
     input_size: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
     **kwargs: object,
 ) -> PlanResult:
-    """`plan_layers` for a zoo model by name (its layers from the analysis cache: no torch)."""
-    from hybridpar.planning.analysis_cache import zoo_cost_layers
-    from hybridpar.planning.zoo import input_shape
+    """`plan_layers` for a zoo model by name (its layers from the analysis cache: no torch), or
+    for the model a user's factory `package.module:function` builds, traced for `input_shape`."""
+    from hybridpar.planning.zoo import input_shape as zoo_shape
+    from hybridpar.planning.zoo import is_factory, zoo_entry
 
-    layers = zoo_cost_layers(model, input_size)
-    shape = input_shape(model, input_size)
+    if is_factory(model):
+        if input_shape is None:
+            raise ConfigError(f"--model {model} needs --input-shape C,H,W (one example's shape)")
+        import torch
+
+        from hybridpar.planning.analysis import analyze
+        from hybridpar.planning.models import build_user_model
+
+        with torch.device("meta"):
+            module = build_user_model(model)
+        layers = cost_layers(analyze(module, input_shape))
+        shape = tuple(input_shape)
+    else:
+        from hybridpar.planning.analysis_cache import zoo_cost_layers
+
+        zoo_entry(model)  # an unknown name is named before anything else
+        if input_shape is not None:
+            raise ConfigError(
+                "--input-shape is for --model package.module:factory; zoo models take --input-size"
+            )
+        layers = zoo_cost_layers(model, input_size)
+        shape = zoo_shape(model, input_size)
     return plan_layers(layers, P, B, cluster, model=model, input_shape=shape, **kwargs)  # type: ignore[arg-type]
 
 

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 
 from hybridpar.errors import ConfigError
 
-__all__ = ["MODELS", "ModelInfo", "input_shape", "zoo_entry"]
+__all__ = [
+    "MODELS",
+    "ModelInfo",
+    "file_label",
+    "input_shape",
+    "is_factory",
+    "parse_input_shape",
+    "zoo_entry",
+]
 
 
 @dataclass(frozen=True)
@@ -44,3 +52,27 @@ def input_shape(
     info = zoo_entry(name)
     s = input_size or info.input_size
     return (in_channels or info.in_channels, s, s)
+
+
+def is_factory(name: str) -> bool:
+    """Whether `--model` names a user's factory, package.module:function, not a zoo model."""
+    return ":" in name
+
+
+def parse_input_shape(text: str | tuple | list, flag: str = "--input-shape") -> tuple[int, ...]:
+    """'3,32,32' (or a sequence) -> (3, 32, 32): one example's shape, positive sizes."""
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        shape = tuple(int(str(p).strip()) for p in parts)
+    except ValueError:
+        shape = ()
+    if not shape or any(s <= 0 for s in shape):
+        raise ConfigError(
+            f"{flag} must be positive sizes per example such as 3,32,32; got {text!r}"
+        )
+    return shape
+
+
+def file_label(name: str) -> str:
+    """A model name fit for a file name (a factory's `pkg.mod:fn` -> `pkg.mod.fn`)."""
+    return name.replace(":", ".").replace("/", "_")

@@ -13,6 +13,7 @@ from hybridpar.config import check_fields, evolve, meta, nested, positive
 from hybridpar.errors import ConfigError
 from hybridpar.planning.presets import SEARCHED, parse_preset
 from hybridpar.planning.rules import why_not_choices
+from hybridpar.planning.zoo import parse_input_shape
 from hybridpar.runtime.options import RuntimeOptions
 
 __all__ = ["DEFAULT_MODEL", "TrainConfig"]
@@ -22,7 +23,11 @@ DEFAULT_MODEL = "digits-wide"
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str | None = meta(None, f"zoo model (default: the plan's, else {DEFAULT_MODEL})")
+    model: str | None = meta(
+        None,
+        f"zoo model or your own, package.module:factory (a function returning an nn.Module; "
+        f"num_classes= passed when it takes it) (default: the plan's, else {DEFAULT_MODEL})",
+    )
     data: str = meta("digits", "digits | synthetic[:N] | file.npz | image folder")
     nproc: int | None = meta(
         None, "local processes (default: the plan's, else 4; torchrun decides when it starts us)"
@@ -64,6 +69,11 @@ class TrainConfig:
         "(lr x sqrt(k), weight decay keeping k steps' decay)",
     )
     input_size: int | None = meta(None, "image side, e.g. 64 (default: the data's or the model's)")
+    input_shape: str | None = meta(
+        None,
+        "one example's shape C,H,W for --model package.module:factory (default: the data's; "
+        "needed with synthetic data)",
+    )
     report: str | None = meta(
         None, "JSON report path (a PNG of the curves and a JSON-lines log go next to it)"
     )
@@ -98,6 +108,8 @@ class TrainConfig:
             raise ConfigError(f"--scale-rule {self.scale_rule} scales from --base-batch: give one")
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ConfigError("--resume auto resumes from --checkpoint-dir: give one")
+        if self.input_shape is not None:
+            parse_input_shape(self.input_shape)
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         why = why_not_choices(self.choices, [])  # what no plan could run with

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.plan import ParallelPlan
-from hybridpar.planning.models import build_model
+from hybridpar.planning.models import build_any
 from hybridpar.runtime.comm.collectives import all_reduce
 from hybridpar.runtime.parallel.checkpoint import save_weights
 from hybridpar.runtime.parallel.layout import Layout, resolve
@@ -181,12 +181,7 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
     device = "cpu"
     if cfg.choices.device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    model = build_model(
-        cfg.model,
-        input_size=shape[-1] if len(shape) == 3 else None,
-        num_classes=job.num_classes,
-        in_channels=shape[0],
-    ).to(device)
+    model = build_any(cfg.model, shape, job.num_classes).to(device)
     k = plan.batch / cfg.base_batch if cfg.base_batch else 1.0
     lr, wd = scale_hparams(cfg.lr, cfg.weight_decay, k, cfg.scale_rule)
     layout = job.layout if job.plan is plan else None

@@ -23,8 +23,8 @@ from hybridpar.plan import ParallelPlan
 from hybridpar.planning.analysis import trace
 from hybridpar.planning.cluster import BYTES_ONLY
 from hybridpar.planning.layers import cost_layers
-from hybridpar.planning.models import build_model
-from hybridpar.planning.zoo import MODELS, input_shape
+from hybridpar.planning.models import build_any
+from hybridpar.planning.zoo import file_label, input_shape, is_factory, parse_input_shape, zoo_entry
 from hybridpar.runtime.comm.group import DEFAULT_TIMEOUT_S
 from hybridpar.runtime.launcher import launch, under_torchrun
 from hybridpar.runtime.parallel.checkpoint import latest, read_meta
@@ -46,12 +46,11 @@ def prepare(cfg: TrainConfig) -> Job:
     resume = _resume(cfg)
     cfg = _outputs(cfg)
     P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
-    if cfg.model not in MODELS:
-        raise ConfigError(f"unknown model {cfg.model!r}; choose one of: {', '.join(MODELS)}")
-    info = MODELS[cfg.model]
-    shape, classes = signature(cfg.data, input_shape(cfg.model, cfg.input_size), info.num_classes)
+    shape, classes = _signature(cfg)
     model = meta_model(cfg.model, shape, classes)
     traced = trace(model, shape)  # also the check that the model runs on the data's shape
+    if classes is None:  # a user's model on synthetic data: as many classes as it outputs
+        classes = traced.specs[-1].out_shape[-1]
     layers = cost_layers(traced.specs)
     cfg = cfg.with_(choices=cfg.choices.with_(device=_device(cfg, P)))
     device = cfg.choices.device
@@ -69,6 +68,30 @@ def prepare(cfg: TrainConfig) -> Job:
     if resume is not None:
         _check_resume(resume, cfg, shape)
     return Job(cfg, P, shape, classes, traced, layers, layout, resume)
+
+
+def _signature(cfg: TrainConfig) -> tuple[tuple[int, ...], int | None]:
+    """(one example's shape, classes) of the data the model trains on; for a user's model the
+    shape is --input-shape where the data does not fix it (and must agree where it does), and
+    the classes None on synthetic data (then the model's outputs decide)."""
+    if not is_factory(cfg.model):
+        if cfg.input_shape is not None:
+            raise ConfigError(
+                "--input-shape is for --model package.module:factory; zoo models take --input-size"
+            )
+        info = zoo_entry(cfg.model)
+        return signature(cfg.data, input_shape(cfg.model, cfg.input_size), info.num_classes)
+    given = parse_input_shape(cfg.input_shape) if cfg.input_shape else None
+    synthetic = cfg.data.split(":")[0] == "synthetic"
+    if synthetic and given is None:
+        raise ConfigError(f"--model {cfg.model} on synthetic data needs --input-shape C,H,W")
+    shape, classes = signature(cfg.data, given or (), None)  # type: ignore[arg-type]
+    if given is not None and tuple(shape) != given:
+        shown = ",".join(map(str, shape))
+        raise ConfigError(
+            f"--input-shape {cfg.input_shape} but the data's examples are {shown}; drop it"
+        )
+    return tuple(shape), classes
 
 
 def _device(cfg: TrainConfig, P: int) -> str:
@@ -131,7 +154,7 @@ def _outputs(cfg: TrainConfig) -> TrainConfig:
     """Where the weights go, and a check that every output can be written, before any work."""
     save = cfg.save or str(
         Path(cfg.checkpoint_dir or "runs")
-        / ("final.pt" if cfg.checkpoint_dir else f"{cfg.model}.pt")
+        / ("final.pt" if cfg.checkpoint_dir else f"{file_label(cfg.model)}.pt")
     )
     for flag, target in (
         ("--save", save),
@@ -166,21 +189,26 @@ def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
     size = cfg.input_size or (
         plan.input_shape[-1] if plan.input_shape and len(plan.input_shape) == 3 else None
     )
+    shape = cfg.input_shape
+    if is_factory(model) and shape is None and plan.input_shape:
+        shape = ",".join(map(str, plan.input_shape))
+        size = None
     device = cfg.choices.device if cfg.choices.device != "auto" else plan.choices.device
     return cfg.with_(
         model=model,
         nproc=plan.procs,
         batch=plan.batch,
         input_size=size,
+        input_shape=shape,
         choices=plan.choices.with_(device=device),
     )
 
 
-def meta_model(name: str, shape: tuple[int, ...], classes: int) -> torch.nn.Module:
-    """The zoo model for the data's shape and classes, on the meta device (no memory)."""
-    size = shape[-1] if len(shape) == 3 else None
+def meta_model(name: str, shape: tuple[int, ...], classes: int | None) -> torch.nn.Module:
+    """The zoo model for the data's shape and classes, or the user's factory's, on the meta
+    device (no memory)."""
     with torch.device("meta"):
-        return build_model(name, input_size=size, num_classes=classes, in_channels=shape[0])
+        return build_any(name, shape, classes)
 
 
 def run(cfg: TrainConfig) -> dict | None:
