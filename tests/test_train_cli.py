@@ -417,7 +417,8 @@ def test_a_users_own_model_plans_and_trains_from_the_command_line(tmp_path):
     then `hybridpar train --plan`: a model nobody here wrote (tests/user_models.py: a depthwise
     convolution with reflect padding, dropout) split over 2 ranks, its depthwise layer's dX
     all-gathered, every (layer, term) measured equal to the prediction, trained on the digits."""
-    env = {**_localhost(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).parent)}
+    env = _localhost(tmp_path / "cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     plan_file, report = tmp_path / "p.json", tmp_path / "r.json"
     planning = "--model user_models:small --input-shape 1,8,8 --procs 2 --batch 32"
     r = subprocess.run(
