@@ -51,6 +51,40 @@ PAPER_EXAMPLES: list[tuple[float, str, float]] = [
 ]
 
 
+def _uniform_levels(steps_of: dict[int, int]) -> list[float]:
+    """The tree types as hybridpar built them before issue 26: decade e split into steps_of[e]
+    equal steps of [0.1, 1] x 10^-e, levels at the step ends, plus 0."""
+    return [0.0] + [
+        10.0**-e * (0.1 + 0.9 * (k + 1) / n) for e, n in steps_of.items() for k in range(n)
+    ]
+
+
+UNIFORM = {
+    # 6 - e tree bits after e zeros and a flag, e = 0..6: 127 levels
+    "dynamic-tree": lambda: _uniform_levels({e: 2 ** (6 - e) for e in range(7)}),
+    # 3-bit exponent, 4 tree bits; the code of E = 7, k = 0 held 0
+    "static-tree": lambda: (
+        _uniform_levels({e: 16 for e in range(8)})[:113]
+        + _uniform_levels({e: 16 for e in range(8)})[114:]
+    ),
+}
+"""Kept for one reason: `hybridpar codecs` prints their Table 2 errors next to the new tables',
+the evidence for the change (docs/fidelity.md)."""
+
+
+def uniform_error(x: torch.Tensor, name: str) -> float:
+    """Mean relative error (%) of the old uniform table `name` on x, one scale per tensor,
+    round to nearest."""
+    levels = torch.tensor(sorted(set(UNIFORM[name]())), dtype=torch.float64)
+    a = x.double().abs()
+    v = a / a.max()
+    i = torch.searchsorted(levels, v).clamp(1, len(levels) - 1)
+    lo, hi = levels[i - 1], levels[i]
+    q = torch.where(v - lo < hi - v, lo, hi) * a.max()
+    nz = a > 0
+    return float(((q - a).abs()[nz] / a[nz]).mean() * 100)
+
+
 def upsampled_digits(size: int = 28):
     """scikit-learn's digits, bilinearly upsampled from 8x8 to size x size and flattened:
     (x_train, y_train) standardised as the training data is."""
@@ -182,10 +216,24 @@ def print_table(rows: list[dict], speeds: dict[str, tuple[float, float]] | None)
     for data in dict.fromkeys(r["data"] for r in rows):
         ranks = [" < ".join(c for _, c in sorted(order[(data, k)])) for k in keys]
         print(f"  {data:<17} {' | '.join(ranks)}")
-    print("\nsection 3.1's worked examples (one scale per tensor, absmax 1):")
+    print(
+        "\nsection 3.1's worked examples (one scale per tensor, absmax 1), to the paper's digits:"
+    )
     for v, name, paper in PAPER_EXAMPLES:
         ours = float(get_codec(name, None).roundtrip(torch.tensor([v, 1.0]))[0])
-        print(f"  {name:<13} {v:<10g} -> ours {ours:<10.6g} paper {paper:g}")
+        digits = len(f"{paper:.10f}".rstrip("0").split(".")[1])
+        same = "equal" if round(ours, digits) == paper else "differs"
+        print(f"  {name:<13} {v:<10g} -> ours {ours:<12.8g} paper {paper:<9.{digits}f} {same}")
+    normal = next((r for r in rows if r["data"] == "normal(0, 1)" and "tensor" in r), None)
+    if normal is not None:
+        x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+        print("\nTable 2, normal(0, 1), per tensor, mean relative error %: Dettmers' split (ours")
+        print("now), the uniform split at step ends (ours before issue 26), the paper")
+        for name in UNIFORM:
+            now = next(r for r in rows if r["data"] == "normal(0, 1)" and r["codec"] == name)
+            old = uniform_error(x, name)
+            paper = PAPER_TABLE2["normal (paper row 1)"][name]
+            print(f"  {name:<13} {now['tensor']['mean_rel_pct']:8.3f} {old:8.3f} {paper:>8}")
     if speeds:
         print()
         print(

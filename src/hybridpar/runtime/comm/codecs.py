@@ -4,9 +4,10 @@
 | ------------ | ---- | ----------------------------------------------------------------------------- |
 | none         | 32   | the float32 itself                                                            |
 | fp16, bf16   | 16   | a cast                                                                        |
-| dynamic-tree | 8    | sign, e zeros (the decimal exponent, 0..6), a 1 flag bit, then 6-e bits of a  |
-|              |      | linear bisection of the decade [0.1, 1] * 10^-e                               |
-| static-tree  | 8    | sign, 3-bit decimal exponent E, 4-bit bisection of [0.1, 1] * 10^-E           |
+| dynamic-tree | 8    | sign and Dettmers' table: decades e = 0..5, each split at 0.45 x 10^-e, each   |
+|              |      | half in 2^(5-e) steps, levels at the step midpoints (6 - e bits after e zeros |
+|              |      | and a flag), plus 0 and 1.0: 126 + 2 magnitudes                               |
+| static-tree  | 8    | sign, 3-bit decimal exponent E, 4 bits: the half of the same split, 8 steps   |
 | mantissa     | 8    | sign, 3-bit decimal exponent E, 4-bit integer mantissa M: M * 10^-(E+1)       |
 | linear       | 8    | sign and round(127 * |x| / absmax)                                            |
 
@@ -14,9 +15,9 @@ Every 8-bit type is normalised by the absolute maximum, per tensor (as in the pa
 of `block` elements (default 4096, the improvement bitsandbytes made popular): the payload is one
 byte per element plus one float32 scale per block. The paper gives the mantissa and static-tree
 types fixed exponent offsets instead; normalising all four the same way makes them comparable and
-removes the offset as a tuning knob. Each bisection places its levels at the upper ends of its
-2^f equal steps, so the largest magnitude of a block (1.0 after normalising) is represented
-exactly and a scale survives a round trip.
+removes the offset as a tuning knob. The tree types place their levels at the midpoints of their
+steps, as Dettmers' table does, and keep a code for 1.0, so the largest magnitude of a block (1.0
+after normalising) is represented exactly and a scale survives a round trip.
 
 Properties (tests check each): zeros decode to exact zeros; encoding a decoded tensor again gives
 the same bytes; a block holding NaN or +-inf decodes to non-finite values across the block (the
@@ -66,21 +67,30 @@ _COMPILE_MIN = 1 << 16  # smaller tensors are encoded eagerly: compiling would n
 _KERNEL_MIN = 1024  # below this the C kernels' call overhead is not worth it either
 
 
+def _split_decade(e: int, steps: int) -> list[float]:
+    """Dettmers' bisection of the decade [0.1, 1] x 10^-e, as his implementation builds it
+    (clusterNet's source/8bit_floats.hdf5, searched by kCompression_8bit): split at 0.45, each
+    half cut into `steps` equal steps, each level the midpoint of its step."""
+    lo, split, hi = 0.1 * 10.0**-e, 0.45 * 10.0**-e, 10.0**-e
+    return [lo + (k + 0.5) * (split - lo) / steps for k in range(steps)] + [
+        split + (k + 0.5) * (hi - split) / steps for k in range(steps)
+    ]
+
+
 def _dynamic_tree() -> list[float]:
-    """magnitude code m (0..127) -> value: m = 2^(6-e) + k, value 10^-e (0.1 + 0.9 (k+1) / 2^(6-e))."""
-    out = [0.0] * 128
-    for e in range(7):
-        f = 2 ** (6 - e)
-        for k in range(f):
-            out[f + k] = 10.0**-e * (0.1 + 0.9 * (k + 1) / f)
-    return out  # m = 0: all seven exponent bits zero and no flag: the value 0
+    """Dettmers' table: decades e = 0..5, 2^(5-e) steps in each half (a magnitude with e leading
+    zeros keeps 6 - e bits: one for the half, 5 - e for the step), 126 levels, plus 0 and 1.0;
+    the code is the level's index in ascending order, as in his implementation."""
+    levels = [v for e in range(6) for v in _split_decade(e, 2 ** (5 - e))]
+    return sorted([0.0, 1.0, *levels])
 
 
 def _static_tree() -> list[float]:
-    """m = E << 4 | k, value 10^-E (0.1 + 0.9 (k+1) / 16); the smallest code (E=7, k=0) is 0."""
-    out = [10.0 ** -(m >> 4) * (0.1 + 0.9 * ((m & 15) + 1) / 16) for m in range(128)]
-    out[7 << 4] = 0.0
-    return out
+    """3-bit exponent E = 0..7 and 4 tree bits (the half, then 8 steps), Dettmers' split of each
+    decade: 128 levels, of which the two smallest (about 1.2e-8 and 1.6e-8 of the absmax) give way
+    to 0 and 1.0."""
+    levels = sorted(v for e in range(8) for v in _split_decade(e, 8))
+    return [0.0, *levels[2:], 1.0]
 
 
 def _mantissa() -> list[float]:
