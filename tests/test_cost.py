@@ -289,3 +289,36 @@ def test_pipelined_compressed_reduction_saves_the_all_gather_latency():
     assert one.bytes == two.bytes == cc.all_reduce(n, p, net).bytes
     assert two.seconds - one.seconds == pytest.approx(net.alpha * math.ceil(math.log2(p)))
     assert one.seconds == pytest.approx((p - 1) * net.alpha + net.beta * one.bytes)
+
+
+def test_gholami_p512_speedups_as_docs_fidelity_reports_them():
+    """AlexNet, P = 512, B = 2048 on cori-knl, speed-ups over pure batch (docs/fidelity.md,
+    Gholami rows): Fig. 6d's same grid (paper 16x32, 2.1x total, 5.0x communication), Fig. 7d's
+    fc-grid (2.5x, 9.7x), Fig. 8's perfect overlap (2.0x)."""
+    from hybridpar.planning.search import make_plan
+
+    c = PRESETS["cori-knl"]
+
+    def speedups(overlap):
+        r = make_plan(
+            "alexnet", 512, 2048, c, scenarios=("batch", "same-grid", "fc-grid"), overlap=overlap
+        )
+        b = r.candidates["batch"][0]
+        out = {}
+        for sc in ("same-grid", "fc-grid"):
+            for p in r.candidates[sc]:
+                out[(sc, p.grid)] = (b.total_s / p.total_s, b.comm_s / p.comm_s)
+            best = min(r.candidates[sc], key=lambda p: p.total_s)
+            out[(sc, "best")] = (best.grid, *out[(sc, best.grid)])
+        return out
+
+    s = speedups(False)
+    assert s[("same-grid", "best")][0] == (4, 128)
+    assert s[("same-grid", "best")][1] == pytest.approx(2.09, abs=0.01)  # paper 2.1x total
+    assert s[("same-grid", (16, 32))] == pytest.approx((1.43, 1.58), abs=0.01)
+    assert s[("fc-grid", (16, 32))] == pytest.approx((3.34, 6.85), abs=0.01)  # paper 2.5x, 9.7x
+    assert s[("fc-grid", "best")][0] == (32, 16)
+    assert s[("fc-grid", "best")][1:] == pytest.approx((3.36, 6.94), abs=0.01)
+    o = speedups(True)
+    assert o[("same-grid", "best")][1] == pytest.approx(2.45, abs=0.01)  # paper 2.0x (Fig. 8)
+    assert o[("fc-grid", "best")][1] == pytest.approx(4.38, abs=0.01)

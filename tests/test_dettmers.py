@@ -30,15 +30,23 @@ def test_eight_bit_pays_less_penalty_and_the_convnet2_check():
     assert check == pytest.approx(3.66, rel=0.015)
 
 
+# Table 7 cells where the paper's 2-3 printed digits leave more room than 0.32 %: 12288 with
+# Dettmers' kernels, 32-bit (printed 1.3, marked "(?)"), and 8-bit (printed 9.7)
+TABLE_7_WIDER = {(12288, 0): 0.017, (12288, 1): 0.006}
+
+
 @pytest.mark.parametrize("sub_batch", sorted(dm.PAPER_96GPU))
-def test_96_gpu_table_7_within_5_percent(sub_batch):
+def test_96_gpu_table_7_within_the_stated_tolerance(sub_batch):
+    """docs/fidelity.md: every cell within 0.32 %, the two cells above within 1.7 and 0.6 %."""
     c = dm.APPENDIX_A_96GPU
     ours = [
         dm.cluster_speedup(c, total, sub_batch, bits)["speedup"]
         for total in (dm.APPENDIX_A_4GPU.total, dm.CONVNET2_TOTAL)
         for bits in (32, 8)
     ]
-    assert ours == pytest.approx(list(dm.PAPER_96GPU[sub_batch]), rel=0.05)
+    for i, (o, paper) in enumerate(zip(ours, dm.PAPER_96GPU[sub_batch], strict=True)):
+        rel = TABLE_7_WIDER.get((sub_batch, i), 0.0032)
+        assert o == pytest.approx(paper, rel=rel), (sub_batch, i, o, paper)
 
 
 def test_table_6_full_pass_and_total():

@@ -17,7 +17,10 @@ def test_section_5_worked_example():
     eps2, omega2 = scale_hparams(0.01, 0.0005, 8, "sqrt")
     assert eps2 == pytest.approx(math.sqrt(8) * 0.01, rel=1e-15)
     assert round(omega2, 10) == 0.0014141888
-    assert round(math.sqrt(8) * 0.0005, 10) == 0.0014142136
+    # the eps -> 0 approximation sqrt(k) omega is the limit of our rule as eps shrinks
+    # (the paper prints 10 decimals: within 1e-10 at eps = 1e-5, 2.5e-8 away at eps = 0.01)
+    assert scale_hparams(1e-5, 0.0005, 8, "sqrt")[1] == pytest.approx(0.0014142136, abs=1e-10)
+    assert scale_hparams(0.01, 0.0005, 8, "sqrt")[1] != pytest.approx(0.0014142136, abs=1e-8)
     # the total decay of one big step equals k small ones: (1 - eps omega)^k = 1 - eps' omega'
     assert pytest.approx(1 - eps2 * omega2, rel=1e-15) == (1 - 0.01 * 0.0005) ** 8
     # what he used in practice: lr x k, omega unchanged
