@@ -251,3 +251,29 @@ def test_adaptive_stays_local_throughout_for_a_large_global_batch():
     # one example fewer per rank: BZ = 6 < 8, so the rule is watched and the switch comes
     for rec, per_step, _ in run_ranks(_adaptive, 2, 2, 0.05, 8, 3):
         assert rec["mode"] == "global" and per_step == [0] * 6 + [1] * 2
+
+
+def test_the_convergence_signal_is_the_training_accuracy_by_default():
+    """Liu et al. watch the training accuracy ("until the training accuracy converges"); the
+    loss is a choice (RuntimeOptions.bn_signal, --bn-signal). One process, windows of 2 steps:
+    accuracy 0.2, 0.5, 0.8, 0.8, ... turns global after the fourth window, while the loss of the
+    same steps keeps falling by 20 % a window, so the loss rule never switches."""
+    from hybridpar.runtime.options import RuntimeOptions
+    from hybridpar.runtime.parallel.batchnorm import Plateau
+
+    assert RuntimeOptions().bn_signal == "accuracy" and Plateau().signal == "accuracy"
+    by_signal = {}
+    for signal in ("accuracy", "loss"):
+        switch = BNSwitch(rule=Plateau(2, 0.05, signal))
+        switch.start(10)
+        for step in range(12):
+            acc = min(0.2 + 0.3 * (step // 2), 0.8)
+            switch.observe(loss_sum=10 * 0.8 ** (step // 2), count=10, correct=10 * acc)
+        by_signal[signal] = switch.record()
+    acc, loss = by_signal["accuracy"], by_signal["loss"]
+    assert acc["mode"] == "global" and acc["switched_at_step"] == 8, acc
+    assert acc["window_means"][:4] == pytest.approx([0.2, 0.5, 0.8, 0.8])
+    assert "training accuracy converged" in acc["reason"]
+    assert loss["mode"] == "local" and loss["rule"]["signal"] == "loss", loss
+    with pytest.raises(ValueError, match="signal"):
+        Plateau(2, 0.05, "gradnorm")

@@ -10,7 +10,7 @@ all take.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from hybridpar.config import check_fields, meta, positive
 from hybridpar.errors import ConfigError
@@ -43,9 +43,14 @@ class RuntimeOptions:
     bn_max_batch: int | None = meta(
         None, "adaptive BN: local BN throughout when the global batch is at least this"
     )
-    bn_window: int = meta(50, "adaptive BN: steps per loss window")
+    bn_window: int = meta(50, "adaptive BN: steps per window of the convergence signal")
     bn_threshold: float = meta(
-        0.01, "adaptive BN: turn global when a window's loss improves by less than this (relative)"
+        0.01,
+        "adaptive BN: turn global when a window's signal improves by less than this (relative)",
+    )
+    bn_signal: Literal["accuracy", "loss"] = meta(
+        "accuracy",
+        "adaptive BN: what must converge, training accuracy (Liu et al. 4.3) or training loss",
     )
 
     def __post_init__(self) -> None:

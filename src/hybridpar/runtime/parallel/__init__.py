@@ -10,6 +10,7 @@ from hybridpar.runtime.parallel.batchnorm import (
     GlobalBatchNorm1d,
     GlobalBatchNorm2d,
     LossPlateau,
+    Plateau,
     convert_global_batchnorm,
 )
 from hybridpar.runtime.parallel.ddp import DDPEngine
@@ -38,6 +39,7 @@ __all__ = [
     "ModelParallelConv2d",
     "ModelParallelLinear",
     "ParallelStyle",
+    "Plateau",
     "Redistribute",
     "StepResult",
     "convert_global_batchnorm",

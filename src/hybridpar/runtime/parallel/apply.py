@@ -20,7 +20,7 @@ from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
-from hybridpar.runtime.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
+from hybridpar.runtime.parallel.batchnorm import BNSwitch, Plateau, convert_global_batchnorm
 from hybridpar.runtime.parallel.dropout import Where, replace_dropouts
 from hybridpar.runtime.parallel.kinds import move, runtime_style
 from hybridpar.runtime.parallel.layout import Layout
@@ -123,7 +123,7 @@ def dropouts(
 def switch(plan: ParallelPlan, ctx: BuildContext) -> BNSwitch:
     """The adaptive batch norm's switch (Liu et al. 4.3), deciding over the job's world group."""
     o = ctx.options
-    rule = LossPlateau(o.bn_window, o.bn_threshold)
+    rule = Plateau(o.bn_window, o.bn_threshold, o.bn_signal)
     s = BNSwitch(o.bn_max_batch, rule, group=ctx.grids.world, ledger=ctx.ledger)
     s.device = ctx.grids.device
     s.start(plan.batch)  # BZ: the global batch (Liu et al. section 5)

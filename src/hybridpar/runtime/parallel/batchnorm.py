@@ -41,6 +41,7 @@ __all__ = [
     "GlobalBatchNorm1d",
     "GlobalBatchNorm2d",
     "LossPlateau",
+    "Plateau",
     "convert_global_batchnorm",
 ]
 
@@ -281,22 +282,39 @@ class GlobalBatchNorm2d(GlobalBatchNorm):
 
 
 @dataclass
-class LossPlateau:
-    """Convergence rule: converged when the mean training loss over the last `window` steps
-    improved on the window before it by less than `threshold` (relative)."""
+class Plateau:
+    """Convergence rule: converged when the training `signal` averaged over the last `window`
+    steps improved on the window before it by less than `threshold` (relative): the training
+    accuracy rising (Liu et al.: "until the training accuracy converges", sections 1 and 4.3), or
+    the training loss falling."""
 
     window: int = 50
     threshold: float = 0.01
+    signal: str = "accuracy"
 
     def __post_init__(self) -> None:
         if self.window < 1 or not self.threshold >= 0:
-            raise ValueError("LossPlateau needs window >= 1 and threshold >= 0")
+            raise ValueError("Plateau needs window >= 1 and threshold >= 0")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"Plateau signal must be one of {SIGNALS}, got {self.signal!r}")
 
     def converged(self, window_means: list[float]) -> bool:
         if len(window_means) < 2:
             return False
         prev, cur = window_means[-2], window_means[-1]
-        return prev <= 0 or (prev - cur) / prev < self.threshold
+        if self.signal == "loss":
+            return prev <= 0 or (prev - cur) / prev < self.threshold
+        return prev >= 1 or (cur - prev) / max(prev, 1e-12) < self.threshold
+
+
+SIGNALS = ("accuracy", "loss")
+
+
+@dataclass
+class LossPlateau(Plateau):
+    """Plateau of the training loss."""
+
+    signal: str = "loss"
 
 
 @dataclass
@@ -305,19 +323,20 @@ class BNSwitch:
     model. AGBN "degrades into the original BN algorithm (1) under large-batch regime; (2) until
     the training accuracy converges" (their introduction): the global step is skipped while the
     model has not converged, and always when the batch BZ is at least `bz_max`. So statistics are
-    local from the start, turn global once the training loss stops improving, and stay global; with
-    BZ >= bz_max they stay local throughout and no switch is ever watched for.
+    local from the start, turn global once the training accuracy (or, by choice, the loss) stops
+    improving, and stay global; with BZ >= bz_max they stay local throughout and no switch is ever
+    watched for.
 
     BZ is the global batch, the batch "for the whole devices" as their section 5 defines it (the
     per-device batch there is BZ_mini = BZ / n); pass `bz_max` times n for a per-device threshold.
 
-    Call `start(global_batch)` before training and `observe(loss_sum, count)` after every step
-    on every rank. Every `rule.window` steps the ranks all-reduce the window's loss sum and count,
+    Call `start(global_batch)` before training and `observe(loss_sum, count, correct)` after every
+    step on every rank. Every `rule.window` steps the ranks all-reduce the window's sums,
     so all of them apply the rule to the same global numbers and switch at the same step (DESIGN.md
     invariant 3)."""
 
     bz_max: int | None = None
-    rule: LossPlateau | None = field(default_factory=LossPlateau)
+    rule: Plateau | None = field(default_factory=Plateau)
     group: Group | dist.ProcessGroup | None = None
     ledger: Ledger | None = None
     device: str = "cpu"  # where the agreed window sums are reduced (cuda under NCCL)
@@ -327,7 +346,9 @@ class BNSwitch:
     steps: int = 0
     window_means: list[float] = field(default_factory=list)
     large_batch: bool = False
-    _acc: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    _acc: list[float] = field(
+        default_factory=lambda: [0.0, 0.0, 0.0, 0.0]
+    )  # loss, n, steps, correct
 
     @property
     def use_global(self) -> bool:
@@ -338,22 +359,25 @@ class BNSwitch:
             self.large_batch = True
             self.reason = f"batch {global_batch} >= bz_max {self.bz_max}: local throughout"
 
-    def observe(self, loss_sum: float, count: float) -> None:
+    def observe(self, loss_sum: float, count: float, correct: float = 0.0) -> None:
         self.steps += 1
         if self.use_global or self.large_batch or self.rule is None:
             return
-        self._acc = [self._acc[0] + float(loss_sum), self._acc[1] + float(count), self._acc[2] + 1]
+        a = self._acc
+        self._acc = [a[0] + float(loss_sum), a[1] + float(count), a[2] + 1, a[3] + float(correct)]
         if self._acc[2] < self.rule.window:
             return
-        t = torch.tensor(self._acc[:2], dtype=torch.float64, device=self.device)
+        sums = [self._acc[0], self._acc[1], self._acc[3]]
+        t = torch.tensor(sums, dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized():
             all_reduce(t, self.group or dist.group.WORLD, self.ledger, Term.BN_SWITCH)
-        self._acc = [0.0, 0.0, 0.0]
-        self.window_means.append(float(t[0]) / max(float(t[1]), 1.0))
+        self._acc = [0.0, 0.0, 0.0, 0.0]
+        signal = float(t[0]) if self.rule.signal == "loss" else float(t[2])
+        self.window_means.append(signal / max(float(t[1]), 1.0))
         if self.rule.converged(self.window_means):
             prev, cur = self.window_means[-2:]
             self._switch(
-                f"training loss converged: window mean {prev:.4g} -> {cur:.4g} "
+                f"training {self.rule.signal} converged: window mean {prev:.4g} -> {cur:.4g} "
                 f"(< {self.rule.threshold:g} relative improvement over {self.rule.window} steps)"
             )
 
@@ -366,7 +390,7 @@ class BNSwitch:
         for k in ("mode", "switched_at", "reason", "steps", "window_means"):
             setattr(self, k, state[k])
         self.large_batch = bool(state.get("large_batch", False))
-        self._acc = list(state["acc"])
+        self._acc = list(state["acc"]) + [0.0] * (4 - len(state["acc"]))  # older: no correct
 
     def _switch(self, reason: str) -> None:
         self.mode, self.switched_at, self.reason = "global", self.steps, reason
@@ -378,10 +402,14 @@ class BNSwitch:
             "bz_max": self.bz_max,
             "rule": None
             if self.rule is None
-            else {"window": self.rule.window, "threshold": self.rule.threshold},
+            else {
+                "window": self.rule.window,
+                "threshold": self.rule.threshold,
+                "signal": self.rule.signal,
+            },
             "switched_at_step": self.switched_at,
             "reason": self.reason,
-            "window_losses": self.window_means,
+            "window_means": self.window_means,
         }
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import new_group
-from hybridpar.runtime.parallel.batchnorm import BNSwitch, LossPlateau, convert_global_batchnorm
+from hybridpar.runtime.parallel.batchnorm import BNSwitch, Plateau, convert_global_batchnorm
 from hybridpar.runtime.parallel.dropout import Where, replace_dropouts
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.reducers import make_reducer
@@ -40,7 +40,7 @@ class DDPEngine(Engine):
         self.world = new_group(everyone, timeout, "hybridpar_world", "world", shm)
         self.bn_switch = None
         if plan.choices.bn == "adaptive":
-            rule = LossPlateau(options.bn_window, options.bn_threshold)
+            rule = Plateau(options.bn_window, options.bn_threshold, options.bn_signal)
             self.bn_switch = BNSwitch(options.bn_max_batch, rule, self.world, ledger, device)
             self.bn_switch.start(plan.batch)
         if plan.choices.bn != "local":

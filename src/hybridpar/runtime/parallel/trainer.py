@@ -143,7 +143,7 @@ class HybridTrainer:
         counted = (value, _correct(out, target), len(target)) if m.counts_outputs else (0.0, 0, 0)
         self.last = StepResult(*counted, time.perf_counter() - t0, wait, blocking)
         if m.bn_switch is not None:
-            m.bn_switch.observe(counted[0], counted[2])
+            m.bn_switch.observe(counted[0], counted[2], counted[1])
         return self.last
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
