@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -145,9 +146,16 @@ def test_codecs_command_prints_table_2():
         "mlp acts L1",
         "rel % tensor",
         "rel % 4096",
-        "ours 0.2        paper 0.2",
     ):
         assert needle in r.stdout
+    # the worked examples, each next to the paper's printed value and whether ours equals it
+    assert re.search(r"mantissa +0\.234568 +-> ours 0\.2 +paper 0\.2 +equal", r.stdout), r.stdout
+    assert re.search(
+        r"dynamic-tree +0\.234568 +-> ours 0\.2367\d+ +paper 0\.236719 +equal", r.stdout
+    )
+    assert re.search(
+        r"static-tree +0\.234568 +-> ours 0\.2531\d+ +paper 0\.23125 +differs", r.stdout
+    )
     assert run("codecs", "--block", "0").returncode == 2
 
 
