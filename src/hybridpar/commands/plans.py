@@ -63,12 +63,13 @@ def _print_plan(result: PlanResult, shown: list) -> None:
         return
     print()
     print(f"best: {best.scenario}" + (f" on {best.grid[0]}x{best.grid[1]}" if best.grid else ""))
-    terms = "".join(f"{t:>13}" for t in TERMS)
+    shown = [t for t in TERMS if any(t in x.terms for x in best.layers)]  # the plan's terms
+    terms = "".join(f"{t:>13}" for t in shown)
     cols = f"{'layer':<8} {'kind':<6} {'params':>10} {'d_in':>8} {'d_out':>8} {'style':<15}"
     print(f"{cols} {'comm ms':>9}{terms}")
     for x in best.layers:
         cells = "".join(
-            f"{x.terms[t].seconds * 1e3:13.3f}" if t in x.terms else f"{'':13}" for t in TERMS
+            f"{x.terms[t].seconds * 1e3:13.3f}" if t in x.terms else f"{'':13}" for t in shown
         )
         y = x.layer
         row = f"{y.name:<8} {y.kind:<6} {y.params:>10} {y.d_in:>8} {y.d_out:>8} {x.style.label:<15}"
