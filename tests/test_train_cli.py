@@ -112,21 +112,34 @@ def _localhost(cache):
     return {**os.environ, "HYBRIDPAR_CACHE": str(cache)}
 
 
+def _plan_out(args: str, plan_file, env, cwd=None) -> dict:
+    """`hybridpar plan ARGS --out plan_file`; the plan it wrote."""
+    r = subprocess.run(
+        [sys.executable, "-m", "hybridpar", "plan", *args.split(), "--out", str(plan_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=cwd,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(plan_file.read_text())
+
+
+def _measured_is_predicted(rows: dict) -> None:
+    """A report's bytes per (layer, term): measured equal to predicted (invariant 2)."""
+    for layer, terms in rows.items():
+        for term, v in terms.items():
+            assert v["measured"] == pytest.approx(v["predicted"], rel=1e-9), (layer, term)
+
+
 def test_plan_file_round_trip_measures_what_it_predicts(tmp_path):
     """`hybridpar plan ... --out p.json`, then `hybridpar train --plan p.json`: the report's
     measured bytes equal the plan's predicted bytes per (layer, term), exactly (invariant 2)."""
     env = _localhost(tmp_path / "cache")
     plan_file, report = tmp_path / "p.json", tmp_path / "r.json"
     planning = "--model alexnet-owt --input-size 64 --procs 4 --batch 32 --cluster localhost --scenario per-layer"
-    r = subprocess.run(
-        [sys.executable, "-m", "hybridpar", "plan", *planning.split(), "--out", str(plan_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr
-    plan = json.loads(plan_file.read_text())
+    plan = _plan_out(planning, plan_file, env)
     assert plan["scenario"] == "per-layer" and len(set(plan["styles"].values())) >= 2, plan[
         "styles"
     ]
@@ -137,9 +150,7 @@ def test_plan_file_round_trip_measures_what_it_predicts(tmp_path):
     assert d["plan"]["styles"] == plan["styles"] and d["procs"] == 4
     rows = d["bytes_by_layer"]
     assert set(rows) == {p["layer"] for p in plan["predicted"] if p["bytes"]}
-    for layer, terms in rows.items():
-        for term, v in terms.items():
-            assert v["measured"] == pytest.approx(v["predicted"], rel=1e-9), (layer, term)
+    _measured_is_predicted(rows)
 
 
 def test_a_domain_plan_round_trips_measuring_its_halos(tmp_path):
@@ -150,16 +161,7 @@ def test_a_domain_plan_round_trips_measuring_its_halos(tmp_path):
     plan_file, report, net = tmp_path / "p.json", tmp_path / "r.json", tmp_path / "net.toml"
     net.write_text('name = "slow-net"\nalpha = 1e-6\nbeta = 1e-8\nflops = 1e11\n')  # bytes cost
     planning = f"--model resnet20 --input-size 8 --procs 4 --batch 8 --cluster {net}"
-    r = subprocess.run(
-        [sys.executable, "-m", "hybridpar", "plan", *planning.split(), "--scenario", "domain"]
-        + ["--out", str(plan_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr
-    plan = json.loads(plan_file.read_text())
+    plan = _plan_out(planning + " --scenario domain", plan_file, env)
     assert any(v.startswith("domain(") for v in plan["styles"].values()), plan["styles"]
     training = f"--plan {plan_file} --data synthetic:64 --epochs 1 --max-steps 3 --report {report}"
     r = subprocess.run(CMD + training.split(), capture_output=True, text=True, timeout=300, env=env)
@@ -167,9 +169,7 @@ def test_a_domain_plan_round_trips_measuring_its_halos(tmp_path):
     rows = json.loads(report.read_text())["bytes_by_layer"]
     halos = {layer for layer, terms in rows.items() if "halo_fwd" in terms}
     assert halos, rows
-    for layer, terms in rows.items():
-        for term, v in terms.items():
-            assert v["measured"] == pytest.approx(v["predicted"], rel=1e-9), (layer, term)
+    _measured_is_predicted(rows)
 
 
 @pytest.fixture(scope="module")
@@ -421,17 +421,9 @@ def test_a_users_own_model_plans_and_trains_from_the_command_line(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     plan_file, report = tmp_path / "p.json", tmp_path / "r.json"
     planning = "--model user_models:small --input-shape 1,8,8 --procs 2 --batch 32"
-    r = subprocess.run(
-        [sys.executable, "-m", "hybridpar", "plan", *planning.split(), "--scenario", "model"]
-        + ["--cluster", "fdr-infiniband", "--out", str(plan_file)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
+    plan = _plan_out(
+        planning + " --scenario model --cluster fdr-infiniband", plan_file, env, tmp_path
     )
-    assert r.returncode == 0, r.stderr
-    plan = json.loads(plan_file.read_text())
     assert plan["model"] == "user_models:small" and plan["styles"]["body.3"] == "model(2x1)", plan
     training = f"--plan {plan_file} --epochs 1 --max-steps 4 --report {report}"
     r = subprocess.run(
@@ -440,7 +432,5 @@ def test_a_users_own_model_plans_and_trains_from_the_command_line(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(report.read_text())["bytes_by_layer"]
     assert "dx_allgather" in rows["body.3"], rows
-    for layer, terms in rows.items():
-        for term, v in terms.items():
-            assert v["measured"] == pytest.approx(v["predicted"], rel=1e-9), (layer, term)
+    _measured_is_predicted(rows)
     assert (tmp_path / "runs" / "user_models.small.pt").exists()

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.errors import ConfigError
-from hybridpar.planning.rows import function_blocker, module_blocker
+from hybridpar.planning.rows import ELEMENTWISE_ACTIVATIONS, function_blocker, module_blocker
 
 __all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
 
@@ -57,21 +57,7 @@ _NORM = (
     nn.GroupNorm,
     nn.LocalResponseNorm,
 )
-_ACTIVATION = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.GELU,
-    nn.SiLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Softmax,
-    nn.LogSoftmax,
-    nn.Hardtanh,
-    nn.Mish,
-    nn.PReLU,
-)
+_ACTIVATION = (*ELEMENTWISE_ACTIVATIONS, nn.Softmax, nn.LogSoftmax, nn.PReLU)
 
 
 def layer_kind(module: nn.Module) -> str:

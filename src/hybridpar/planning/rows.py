@@ -22,12 +22,10 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["function_blocker", "module_blocker"]
+__all__ = ["ELEMENTWISE_ACTIVATIONS", "function_blocker", "module_blocker"]
 
 _HALO_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
-_UNCHANGED = (
-    nn.BatchNorm2d,
-    nn.LocalResponseNorm,
+ELEMENTWISE_ACTIVATIONS = (
     nn.ReLU,
     nn.ReLU6,
     nn.LeakyReLU,
@@ -37,9 +35,15 @@ _UNCHANGED = (
     nn.Tanh,
     nn.Sigmoid,
     nn.Hardtanh,
+    nn.Mish,
+)
+"""activation modules applied element by element (the analysis's activations, softmax aside)"""
+_UNCHANGED = (
+    nn.BatchNorm2d,
+    nn.LocalResponseNorm,
+    *ELEMENTWISE_ACTIVATIONS,
     nn.Hardswish,
     nn.Hardsigmoid,
-    nn.Mish,
     nn.Dropout,
     nn.Dropout2d,
     nn.Identity,

@@ -225,19 +225,23 @@ def _halo_rows(layer: CostLayer, axis: int) -> int:
 def t_halo_fwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
     """Eq. 9 as printed: alpha + beta*(B/Pc)*X_W*X_C*floor(k_h/2), the input rows a neighbour
     needs (for the paper's figures; `t_halo` is what the runtime sends)."""
-    if pr <= 1:
-        return Comm.zero("halo")
-    c, _, w = layer.x_shape
-    return halo(B / pc * w * c * _halo_rows(layer, 0) * Wire.of(e).acts, net)
+    return _eq9_halo(layer, layer.x_shape, 0, pr, pc, B, net, e)
 
 
 def t_halo_bwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
     """Eq. 9 as printed: alpha + beta*(B/Pc)*Y_W*Y_C*floor(k_w/2), the output-gradient rows,
     backward (for the paper's figures; `t_halo` is what the runtime sends)."""
+    return _eq9_halo(layer, layer.y_shape, 1, pr, pc, B, net, e)
+
+
+def _eq9_halo(
+    layer: CostLayer, shape: tuple, axis: int, pr: int, pc: int, B: int, net: Cluster, e
+) -> Comm:
+    """alpha + beta * (B/Pc) * W * C * floor(k_axis / 2) of the activation `shape` (C, H, W)."""
     if pr <= 1:
         return Comm.zero("halo")
-    c, _, w = layer.y_shape
-    return halo(B / pc * w * c * _halo_rows(layer, 1) * Wire.of(e).acts, net)
+    c, _, w = shape
+    return halo(B / pc * w * c * _halo_rows(layer, axis) * Wire.of(e).acts, net)
 
 
 def layer_comms(

@@ -97,7 +97,9 @@ class CounterDropout(nn.Module):
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         w, n = self.where, x.shape[0]
         e0 = w.first_example()
-        examples = torch.arange(e0, e0 + n, dtype=torch.int64).view(n, *[1] * (x.dim() - 1))
+        examples = torch.arange(e0, e0 + n, dtype=torch.int64, device=x.device).view(
+            n, *[1] * (x.dim() - 1)
+        )
         local = list(x.shape[1:])
         shape = list(w.shape) if w.shape is not None else local
         offsets = [0] * len(local)
@@ -105,17 +107,21 @@ class CounterDropout(nn.Module):
             offsets[1] = w.first_row  # (C, H, W): the band's rows
         if self.channels:  # one draw per channel, broadcast over the rest
             local, shape, offsets = local[:1], shape[:1], offsets[:1]
-        index = torch.zeros([1] * (1 + len(local)), dtype=torch.int64)
+        index = torch.zeros([1] * (1 + len(local)), dtype=torch.int64, device=x.device)
         stride = 1
         for d in reversed(range(len(local))):
             view = [1] * (1 + len(local))
             view[1 + d] = local[d]
             index = (
-                index + (torch.arange(local[d], dtype=torch.int64) + offsets[d]).view(view) * stride
+                index
+                + (torch.arange(local[d], dtype=torch.int64, device=x.device) + offsets[d]).view(
+                    view
+                )
+                * stride
             )
             stride *= shape[d]
         u = uniform(self.seed, w.step(), self.key, examples, index)
-        keep = (u >= self.p).to(x.dtype).to(x.device)
+        keep = (u >= self.p).to(x.dtype)  # drawn where x lives: no host round trip
         if self.channels:
             keep = keep.view(n, -1, *[1] * (x.dim() - 2))
         return keep / (1 - self.p)
