@@ -162,3 +162,23 @@ def test_a_digits_wide_run_resumed_from_2x2_onto_3x1_is_the_same_run(tmp_path):
     ]
     for k, v in whole.items():
         torch.testing.assert_close(resumed[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_same_random_seeds_the_generator_without_torch_manual_seed(monkeypatch):
+    """A segment's random stream is seeded on the CPU generator alone: torch.manual_seed also
+    queues a seeding of every lazy device kind with a captured stack (about 1 ms a call on one
+    thread, at every segment of every step), which the runtime no longer pays."""
+    from hybridpar.runtime.parallel.dropout import SameRandom
+
+    r = SameRandom(5, [0, 11])
+    r.step = 3
+
+    def refuse(seed):
+        raise AssertionError("torch.manual_seed called per step")
+
+    monkeypatch.setattr(torch, "manual_seed", refuse)
+    r.enter(1)
+    first = torch.rand(4)
+    assert torch.initial_seed() == (5 * 1_000_003 + 3 * 1_009 + 1 * 10_007 + 11) % 2**63
+    r.enter(1)
+    assert torch.equal(torch.rand(4), first)  # the same stream again
