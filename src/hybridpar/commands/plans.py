@@ -17,7 +17,7 @@ from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.search import SCENARIOS, make_plan
 from hybridpar.terms import Term
 
-__all__ = ["cmd_plan", "cmd_simulate"]
+__all__ = ["cmd_plan", "cmd_simulate", "plan_kwargs"]
 
 TERMS = (
     Term.ALLGATHER,
@@ -76,6 +76,26 @@ def _print_plan(result: PlanResult, shown: list) -> None:
         print(f"{row} {x.comm_s * 1e3:9.3f}{cells}")
 
 
+def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:
+    """The planner's keyword arguments for `cfg` on P ranks; on a calibrated host (localhost)
+    without --compute, the compute times of a profile measured here (runtime.train.profile)."""
+    kwargs = cfg.plan_kwargs()
+    if cfg.compute is None and cluster.cores is not None:
+        from hybridpar.planning.zoo import input_shape, is_factory, parse_input_shape
+
+        if is_factory(cfg.model) and not cfg.input_shape:
+            return kwargs  # the planner names what is missing
+        from hybridpar.runtime.train.profile import planning_compute
+
+        shape = (
+            parse_input_shape(cfg.input_shape)
+            if cfg.input_shape
+            else input_shape(cfg.model, cfg.input_size)
+        )
+        kwargs["compute"] = planning_compute(cluster, cfg.model, tuple(shape), P, cfg.batch)
+    return kwargs
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     cfg = from_namespace(PlanConfig, args)
     if args.out:
@@ -90,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.scenario != "all" and "batch" not in scenarios:
         scenarios.insert(0, "batch")  # the baseline every speedup refers to
     cluster = load_cluster(cfg.cluster)
-    kwargs = cfg.plan_kwargs()
+    kwargs = plan_kwargs(cfg, cluster, args.procs)
     result = make_plan(cfg.model, args.procs, cfg.batch, cluster, scenarios=scenarios, **kwargs)
     result.best  # noqa: B018  raises the one-line error when nothing fits
     shown = [p for p in result.scenarios if args.scenario in ("all", p.scenario)]

@@ -10,34 +10,9 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 __all__ = ["profile_model"]
-
-
-def _timers(model) -> tuple[dict[str, list[float]], dict[str, list[float]], list]:
-    """Hooks timing every leaf's forward and backward: (forward s, backward s, the handles)."""
-    leaves = {m: n for n, m in model.named_modules() if next(m.children(), None) is None and n}
-    fwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
-    bwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
-    starts: dict[tuple[str, str], float] = {}
-
-    def start(n: str, what: str):
-        return lambda *_: starts.__setitem__((n, what), time.perf_counter())
-
-    def stop(n: str, what: str, into: dict[str, list[float]]):
-        return lambda *_: into[n].append(time.perf_counter() - starts[(n, what)])
-
-    handles = []
-    for m, n in leaves.items():
-        handles += [
-            m.register_forward_pre_hook(start(n, "f")),
-            m.register_forward_hook(stop(n, "f", fwd)),
-            m.register_full_backward_pre_hook(start(n, "b")),
-            m.register_full_backward_hook(stop(n, "b", bwd)),
-        ]
-    return fwd, bwd, handles
 
 
 def profile_model(
@@ -52,13 +27,14 @@ def profile_model(
     from tqdm import tqdm
 
     from hybridpar.planning.models import build_model, input_shape
+    from hybridpar.runtime.train.profile import hook_timers
 
     torch.manual_seed(0)
     model = build_model(model_name, input_size=input_size)
     for m in model.modules():  # full backward hooks refuse in-place activations
         if hasattr(m, "inplace"):
             m.inplace = False
-    fwd, bwd, handles = _timers(model)
+    fwd, bwd, handles = hook_timers(model)
     x = torch.randn(batch, *input_shape(model_name, input_size), requires_grad=True)
     try:
         for it in tqdm(range(warmup + repeats), desc=f"profile {model_name}", disable=not progress):

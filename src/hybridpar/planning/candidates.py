@@ -31,6 +31,7 @@ class LayerPlan:
     forward_s: float
     backward_s: float
     memory_bytes: float
+    update_s: float = 0.0  # the optimizer's step on this layer's parameters of one rank
 
     @property
     def comm_s(self) -> float:
@@ -38,7 +39,7 @@ class LayerPlan:
 
     @property
     def compute_s(self) -> float:
-        return self.forward_s + self.backward_s
+        return self.forward_s + self.backward_s + self.update_s
 
     def to_dict(self) -> dict:
         x, s = self.layer, self.style

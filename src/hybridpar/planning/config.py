@@ -31,7 +31,10 @@ class PlanConfig:
         None, "one example's shape C,H,W for --model package.module:factory, e.g. 3,32,32"
     )
     compute: str | None = meta(
-        None, "compute table from `hybridpar profile` (default: FLOPs / cluster rate)"
+        None,
+        "compute times: a table from `hybridpar profile`, or 'flops' (FLOPs / the cluster's "
+        "rate); default: on the calibrated localhost a profile measured here at the batches a "
+        "rank runs (cached), elsewhere flops",
     )
     bytes_per_element: float | None = meta(
         None, "wire bytes per element (default: the cluster's word size)"
@@ -55,7 +58,7 @@ class PlanConfig:
         return dict(
             input_size=self.input_size,
             input_shape=parse_input_shape(self.input_shape) if self.input_shape else None,
-            compute=load_table(self.compute) if self.compute else None,
+            compute=load_table(self.compute) if self.compute not in (None, "flops") else None,
             elem_bytes=self.bytes_per_element,
             memory_limit=self.memory_limit * 2**30 if self.memory_limit else None,
             overlap=self.overlap,

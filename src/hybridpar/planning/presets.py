@@ -9,6 +9,7 @@ from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
 from hybridpar.planning.cluster import Cluster
+from hybridpar.planning.cost.compute import ComputeModel
 from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.search import SCENARIOS, plan_layers
 
@@ -65,6 +66,7 @@ def plan_preset(
     choices: Choices | None = None,
     model: str = "",
     input_shape: tuple[int, ...] | None = None,
+    compute: ComputeModel | None = None,
 ) -> ParallelPlan:
     """The ParallelPlan a preset names, built by the planner (so presets and plans share one code
     path); only what the runtime executes is considered."""
@@ -79,6 +81,7 @@ def plan_preset(
         model=model,
         scenarios=names,
         input_shape=input_shape,
+        compute=compute,
     )
     if grid is None:
         chosen = r.best

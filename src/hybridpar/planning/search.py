@@ -46,7 +46,7 @@ from hybridpar.planning.candidates import (
 )
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm
-from hybridpar.planning.cost.compute import ComputeModel, FlopsModel
+from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
 from hybridpar.planning.cost.terms import Wire, layer_comms, redistribute
 from hybridpar.planning.layers import CostLayer, cost_layers
 from hybridpar.planning.rules import why_not, why_not_choices
@@ -96,7 +96,9 @@ class _Context:
     ) -> None:
         self.layers, self.P, self.B, self.net, self.e, self.overlap = layers, P, B, net, e, overlap
         self.choices = choices
-        self.compute = [compute.times(x, B / P) for x in layers]
+        self.compute_model = compute
+        self.compute = [compute.times(x, B / P) for x in layers]  # B/P samples' worth, any style
+        self._time: dict[tuple[int, Style], tuple[float, float, float]] = {}
         self._redist = lru_cache(maxsize=None)(self._redistribute)
         self._own: dict[tuple[int, Style], tuple[float, float]] = {}
 
@@ -127,19 +129,29 @@ class _Context:
         act = self.B / s.pc * x.d_out / (s.pr if s.kind == "domain" else 1)
         return 3 * x.params / shard * w + 2 * act * w  # weights, grads, momentum; Y and dY
 
+    def time(self, i: int, s: Style) -> tuple[float, float, float]:
+        """(forward, backward, update) seconds of layer i under s on one rank."""
+        key = (i, s)
+        if key not in self._time:
+            self._time[key] = style_times(self.compute_model, self.layers[i], s, self.B, self.P)
+        return self._time[key]
+
     def terms(self, i: int, s: Style) -> dict[str, Comm]:
         return layer_comms(self.layers[i], i == 0, s, self.B, self.net, self.e, self.choices.bn)
 
     def own(self, i: int, s: Style) -> tuple[float, float, float]:
         """(exposed seconds, hideable seconds, memory bytes) of layer i under s, redistribution left
-        out. Without overlap nothing is hideable; with it the OVERLAPPABLE terms are."""
+        out; exposed includes the layer's compute under s (the same for every style when the
+        compute model prices B/P samples' worth). Without overlap nothing is hideable; with it
+        the OVERLAPPABLE terms are."""
         key = (i, s)
         if key not in self._own:
             terms = self.terms(i, s)
             hide = math.fsum(c.seconds for k, c in terms.items() if k in OVERLAPPABLE)
             hide = hide if self.overlap else 0.0
             comm = math.fsum(c.seconds for c in terms.values())
-            self._own[key] = (comm - hide, hide, self.memory(i, s))
+            work = math.fsum(self.time(i, s))
+            self._own[key] = (comm - hide + work, hide, self.memory(i, s))
         return self._own[key]
 
     def layer_plan(self, i: int, s: Style, prev: Style | None) -> LayerPlan | str:
@@ -158,8 +170,8 @@ class _Context:
         terms = dict(self.terms(i, s))
         if i > 0:
             terms[Term.REDISTRIBUTE] = r
-        fwd, bwd = self.compute[i]
-        return LayerPlan(x, s, terms, fwd, bwd, self.memory(i, s))
+        fwd, bwd, update = self.time(i, s)
+        return LayerPlan(x, s, terms, fwd, bwd, self.memory(i, s), update)
 
     def evaluate(self, scenario: str, grid: tuple[int, int] | None, styles: list[Style]) -> Plan:
         plan = Plan(scenario, grid, overlap=self.overlap)
@@ -443,9 +455,11 @@ def evaluate(
     choices: Choices | None = None,
     elem_bytes: float | None = None,
     name: str = "custom",
+    compute: ComputeModel | None = None,
 ) -> Plan:
     """The predicted cost of one given chain of styles (what the runtime is about to execute)."""
     choices = choices or Choices()
     e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices)
-    ctx = _Context(layers, P, B, cluster, FlopsModel(cluster.rank_flops(P)), e, choices)
+    compute = compute or FlopsModel(cluster.rank_flops(P))
+    ctx = _Context(layers, P, B, cluster, compute, e, choices)
     return ctx.evaluate(name, None, styles)

@@ -1,8 +1,14 @@
-"""Per-layer compute time: FLOPs over a sustained rate, or a table measured by `hybridpar profile`.
+"""Per-layer compute time: FLOPs over a sustained rate, a per-sample table measured by `hybridpar
+profile`, or a profile measured on this machine at the sample counts a rank runs (ProfileModel).
 
-Every style gives each process B/P samples' worth of a layer's work (batch: B/P samples of the
-whole layer; model: B/Pc samples of 1/Pr of it; domain: B/Pc samples of 1/Pr of the image), so
-compute time depends on B/P only; the backward pass costs twice the forward (dX and dW).
+FLOPs and the per-sample table give each process B/P samples' worth of a layer's work whatever
+the style (batch: B/P samples of the whole layer; model: B/Pc samples of 1/Pr of it; domain: B/Pc
+samples of 1/Pr of the image); the backward pass costs twice the forward (dX and dW). That is
+exact in FLOPs but not in seconds: a matrix multiply with fewer rows runs at a lower rate, and
+the layers riding along with a model-parallel one (ReLU, pooling, batch norm) act on the
+gathered output, all B/Pc samples of it. ProfileModel prices each style by what a rank runs
+under it, from times measured at B/Pc samples, with the optimizer's update of the rank's
+parameters and the slowdown of ranks sharing cores.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from pathlib import Path
 from typing import Protocol
 
 from hybridpar.errors import ConfigError
+from hybridpar.plan import Style
 from hybridpar.planning.layers import CostLayer
 
-__all__ = ["ComputeModel", "FlopsModel", "TableModel", "load_table"]
+__all__ = ["ComputeModel", "FlopsModel", "ProfileModel", "TableModel", "load_table", "style_times"]
 
 
 class ComputeModel(Protocol):
@@ -49,6 +56,70 @@ class TableModel:
         fwd = sum(self.per_sample[m][0] for m in layer.members)
         bwd = sum(self.per_sample[m][1] for m in layer.members)
         return fwd * samples, bwd * samples
+
+
+@dataclass(frozen=True)
+class ProfileModel:
+    """Seconds measured here for each leaf layer at the sample counts a rank runs, with the thread
+    count a rank gets: {samples: {leaf: (forward s, backward s)}}; the optimizer's seconds per
+    parameter element; and `contention`, how much slower a rank runs because the job's ranks
+    share the cores (P x threads / cores, at least 1)."""
+
+    per_count: dict[int, dict[str, tuple[float, float]]]
+    update_s: float = 0.0  # optimizer step, seconds per parameter element
+    contention: float = 1.0
+    source: str = ""
+
+    def _leaf(self, name: str, samples: float) -> tuple[float, float]:
+        """A leaf's (forward, backward) seconds for `samples`: measured at that count, else the
+        nearest count's per-sample times scaled."""
+        n = min(self.per_count, key=lambda k: (abs(k - samples), k))
+        # a member that is no module (a function in forward) has no entry: its time is spread
+        # over the modules' (runtime.train.profile scales them to the whole iteration)
+        f, b = self.per_count[n].get(name, (0.0, 0.0))
+        k = samples / n
+        return f * k, b * k
+
+    def _sum(self, names, samples: float, share: float = 1.0) -> tuple[float, float]:
+        f = b = 0.0
+        for m in names:
+            lf, lb = self._leaf(m, samples)
+            f, b = f + lf * share, b + lb * share
+        return f * self.contention, b * self.contention
+
+    def times(self, layer: CostLayer, samples: float) -> tuple[float, float]:
+        return self._sum(layer.members, samples)
+
+    def style_times(self, layer: CostLayer, s: Style, B: int, P: int) -> tuple[float, float, float]:
+        """(forward, backward, optimizer update) seconds of `layer` on one rank under `s`: batch
+        runs all of it on B/P samples; model runs 1/Pr of the weighted module and all of the
+        layers riding along on B/Pc samples; domain 1/Pr of everything on B/Pc samples."""
+        n = B / s.pc
+        params = layer.params
+        if s.kind == "model":
+            weighted = [m for m in layer.members if m == layer.name]
+            riders = [m for m in layer.members if m != layer.name]
+            wf, wb = self._sum(weighted, n, 1.0 / s.pr)
+            rf, rb = self._sum(riders, n)
+            f, b = wf + rf, wb + rb
+            params = (layer.params - layer.extra_params) / s.pr + layer.extra_params
+        elif s.kind == "domain":
+            f, b = self._sum(layer.members, n, 1.0 / s.pr)
+        else:
+            f, b = self._sum(layer.members, n)
+        return f, b, params * self.update_s * self.contention
+
+
+def style_times(
+    compute: ComputeModel, layer: CostLayer, s: Style, B: int, P: int
+) -> tuple[float, float, float]:
+    """(forward, backward, update) seconds of `layer` under `s` on one rank: the model's own
+    pricing by style where it has one, else B/P samples' worth and no update term."""
+    by_style = getattr(compute, "style_times", None)
+    if by_style is not None:
+        return by_style(layer, s, B, P)
+    f, b = compute.times(layer, B / P)
+    return f, b, 0.0
 
 
 def load_table(path: str | Path) -> TableModel:

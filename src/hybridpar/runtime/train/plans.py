@@ -19,6 +19,7 @@ from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.train.calibration import calibrate_in_job
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.job import Job
+from hybridpar.runtime.train.profile import planning_compute
 
 __all__ = ["agreed_plan", "checked_file_plan", "preset_plan", "pricing_cluster"]
 
@@ -43,6 +44,7 @@ def preset_plan(
         choices=cfg.choices,
         model=cfg.model,
         input_shape=shape,
+        compute=planning_compute(cluster, cfg.model, shape, P, cfg.batch),
     )
 
 
@@ -63,7 +65,10 @@ def checked_file_plan(
         )
     cluster = pricing_cluster(cfg.cluster, required=False)
     chosen = [styles[x.name] for x in layers]
-    priced = evaluate(layers, plan.procs, plan.batch, cluster, chosen, choices=plan.choices)
+    compute = planning_compute(cluster, cfg.model, shape, plan.procs, plan.batch)
+    priced = evaluate(
+        layers, plan.procs, plan.batch, cluster, chosen, choices=plan.choices, compute=compute
+    )
     if not priced.feasible:
         raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")
     fresh = export(

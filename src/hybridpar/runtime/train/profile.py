@@ -1,0 +1,199 @@
+"""The compute profile of a model on this machine, for the planner on a calibrated host.
+
+A rank of a P-rank job on a host with C cores runs with max(1, C // P) threads (the trainer sets
+it) and shares the cores with the other ranks. The profile times, in this process with that many
+threads, one training iteration of the model (forward, loss, backward) at each batch a rank runs
+(B / Pc for every grid), splits it over the leaf layers by hooks (the hooks' own overhead is taken
+out by scaling the leaves to the iteration measured without them), and times the optimizer's step
+per parameter element. The planner then prices every style from what a rank runs under it
+(planning.cost.compute.ProfileModel), with the slowdown of ranks sharing cores.
+
+Profiles are cached per model, input shape and thread count under the cache folder and extended
+with the sample counts a later plan needs; a new calibration of the host measures them again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+from hybridpar.planning.cluster import Cluster, cache_dir
+from hybridpar.planning.cost.compute import ProfileModel
+
+__all__ = ["hook_timers", "planning_compute", "profile_compute", "rank_threads"]
+
+
+def rank_threads(cores: int, P: int) -> int:
+    """The threads a rank of a P-rank job gets on `cores` cores (runtime.train.loop sets them)."""
+    return max(1, cores // P)
+
+
+def hook_timers(model) -> tuple[dict[str, list[float]], dict[str, list[float]], list]:
+    """Hooks timing every leaf's forward and backward: (forward s, backward s, the handles)."""
+    leaves = {m: n for n, m in model.named_modules() if next(m.children(), None) is None and n}
+    fwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
+    bwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
+    starts: dict[tuple[str, str], float] = {}
+
+    def start(n: str, what: str):
+        return lambda *_: starts.__setitem__((n, what), time.perf_counter())
+
+    def stop(n: str, what: str, into: dict[str, list[float]]):
+        return lambda *_: into[n].append(time.perf_counter() - starts[(n, what)])
+
+    handles = []
+    for m, n in leaves.items():
+        handles += [
+            m.register_forward_pre_hook(start(n, "f")),
+            m.register_forward_hook(stop(n, "f", fwd)),
+            m.register_full_backward_pre_hook(start(n, "b")),
+            m.register_full_backward_hook(stop(n, "b", bwd)),
+        ]
+    return fwd, bwd, handles
+
+
+def _iteration(model, x, y) -> None:
+    import torch.nn.functional as F
+
+    model.zero_grad(set_to_none=True)
+    out = model(x)
+    loss = F.cross_entropy(out, y) if out.dim() == 2 else out.float().square().mean()
+    loss.backward()
+
+
+def _measure_count(model, shape, n: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """{leaf: (forward s, backward s)} of one iteration on n samples; the leaves sum to the
+    iteration measured without hooks (their remainder, loss and autograd glue, is spread over
+    them in proportion)."""
+    import torch
+
+    x = torch.randn(n, *shape)
+    with torch.no_grad():
+        out = model(x[:1])
+    y = torch.randint(0, out.shape[-1], (n,))
+    for m in model.modules():  # full backward hooks refuse in-place activations
+        if hasattr(m, "inplace"):
+            m.inplace = False
+    _iteration(model, x, y)  # warm up
+    whole = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _iteration(model, x, y)
+        whole.append(time.perf_counter() - t0)
+    fwd, bwd, handles = hook_timers(model)
+    try:
+        with warnings.catch_warnings():  # the first layer's input needs no gradient: fine here
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            for _ in range(repeats):
+                _iteration(model, x, y)
+    finally:
+        for h in handles:
+            h.remove()
+    # a module called several times per iteration (shared weights) counts every call
+    per = {k: (sum(fwd[k]) / repeats, sum(bwd[k]) / repeats) for k in fwd}
+    total = sum(f + b for f, b in per.values())
+    scale = statistics.median(whole) / total if total > 0 else 1.0
+    return {k: (f * scale, b * scale) for k, (f, b) in per.items()}
+
+
+def _measure_update(threads: int, n: int = 1 << 22, repeats: int = 5) -> float:
+    """Seconds per parameter element of the trainer's optimizer step (KrizhevskySGD, momentum
+    and weight decay) over n elements."""
+    import torch
+
+    from hybridpar.runtime.train.optim import KrizhevskySGD
+
+    w = torch.nn.Parameter(torch.randn(n))
+    w.grad = torch.randn(n)
+    opt = KrizhevskySGD([w], lr=0.01, momentum=0.9, weight_decay=5e-4)
+    opt.step()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) / n
+
+
+def _path(model: str, shape: tuple[int, ...], threads: int) -> Path:
+    from hybridpar.planning.zoo import file_label
+
+    dims = "x".join(map(str, shape))
+    return cache_dir() / "profiles" / f"{file_label(model)}-{dims}-t{threads}.json"
+
+
+def _load(path: Path, cluster: Cluster) -> dict:
+    """The cached profile, or a fresh one when there is none or the host was calibrated again."""
+    fresh = {"calibration": cluster.flops, "machine": platform.node(), "per_count": {}}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return fresh
+    if data.get("calibration") != cluster.flops or not isinstance(data.get("per_count"), dict):
+        return fresh
+    return data
+
+
+def profile_compute(
+    cluster: Cluster,
+    model: str,
+    shape: tuple[int, ...],
+    P: int,
+    counts: list[int],
+    repeats: int = 3,
+) -> ProfileModel | None:
+    """The ProfileModel of `model` for a P-rank job on this calibrated host at the sample counts
+    `counts`; None where the cluster is not this host (no `cores`: priced by FLOPs)."""
+    if cluster.cores is None:
+        return None
+    import torch
+
+    from hybridpar.planning.models import build_any
+
+    threads = rank_threads(cluster.cores, P)
+    path = _path(model, shape, threads)
+    data = _load(path, cluster)
+    missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
+    if missing or "update_s" not in data:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(0)
+            net = build_any(model, shape, None)
+            for n in missing:
+                data["per_count"][str(n)] = _measure_count(net, shape, n, repeats)
+            data.setdefault("update_s", _measure_update(threads))
+        finally:
+            torch.set_num_threads(before)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    per_count = {
+        int(k): {leaf: (float(v[0]), float(v[1])) for leaf, v in table.items()}
+        for k, table in data["per_count"].items()
+    }
+    return ProfileModel(
+        per_count,
+        update_s=float(data["update_s"]),
+        contention=max(1.0, P * threads / cluster.cores),
+        source=str(path),
+    )
+
+
+def planning_compute(
+    cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int
+) -> ProfileModel | None:
+    """The compute model a plan for P ranks and global batch B is priced with on `cluster`: a
+    profile of `model` at every batch a rank can run (B / Pc over the grids) on a calibrated
+    host, None (FLOPs at the cluster's rate) elsewhere."""
+    from hybridpar.planning.search import grids
+
+    if cluster.cores is None:
+        return None
+    return profile_compute(cluster, model, shape, P, sorted({B // pc for _, pc in grids(P, B)}))
