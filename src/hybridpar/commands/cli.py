@@ -1,4 +1,4 @@
-"""Command line: `hybridpar plan | simulate | profile | train | codecs | calibrate`.
+"""Command line: `hybridpar plan | simulate | train | validate | profile | codecs | calibrate`.
 
 Every bad input ends in one line on stderr, `hybridpar <command>: error: <what to change>`, and
 exit code 2, before any work (or process) starts. The options of plan, simulate and train are
@@ -15,6 +15,7 @@ import sys
 from hybridpar.commands.plans import cmd_plan, cmd_simulate
 from hybridpar.commands.tools import cmd_calibrate, cmd_codecs, cmd_profile
 from hybridpar.commands.training import cmd_train
+from hybridpar.commands.validate import cmd_validate
 from hybridpar.config import add_arguments
 from hybridpar.errors import ConfigError, Interrupted
 from hybridpar.planning.config import PlanConfig
@@ -113,6 +114,29 @@ def _measuring_parsers(sub) -> None:
     c.set_defaults(func=cmd_calibrate)
 
 
+def _validate_parser(sub) -> None:
+    v = sub.add_parser(
+        "validate",
+        help="run the planner's best plans and the presets; predicted vs measured time per plan",
+    )
+    add_arguments(v, PlanConfig)
+    v.set_defaults(cluster="localhost")
+    v.add_argument("--procs", type=_positive_int, required=True, help="number of processes P")
+    v.add_argument("--top", type=_positive_int, default=6, help="the planner's N cheapest plans")
+    v.add_argument(
+        "--presets",
+        default="ddp",
+        help="fixed presets run beside them, comma-separated (ddp, owt, batch, model, grid:RxC); "
+        "'' for none",
+    )
+    v.add_argument("--steps", type=_positive_int, default=6, help="iterations per run")
+    v.add_argument("--repeat", type=_positive_int, default=2, help="interleaved rounds (noise)")
+    v.add_argument("--data", default=None, help="training data (default: synthetic, B x steps)")
+    v.add_argument("--out", default="validate-out", help="folder for validate.json/.png, plans/")
+    v.add_argument("--quiet", action="store_true", help="no line per run")
+    v.set_defaults(func=cmd_validate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hybridpar",
@@ -125,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(t, TrainConfig)
     t.add_argument("--verbose", action="store_true", help="print the failing rank's traceback")
     t.set_defaults(func=cmd_train)
+    _validate_parser(sub)
     _measuring_parsers(sub)
     return parser
 

@@ -1,0 +1,363 @@
+"""`hybridpar validate`: run the planner's best candidates (and the presets) for a few iterations
+each and put what the cost model predicted next to what the ranks measured.
+
+For a model, a batch, P and a cluster, the planner prices every grid of every scenario; the `--top`
+cheapest distinct chains of styles are exported as plan files, the `--presets` are added (torch DDP
+by default), and each plan trains `--steps` iterations on synthetic data (the first is left out of
+the timing). `--repeat` rounds run the plans in turn, so a drift of the machine hits all of them;
+each plan keeps the median of its rounds. The table gives, per plan, predicted and measured time
+per iteration split into compute and communication (what the ranks waited for in collectives,
+which includes waiting for the slowest rank), the relative error of the total, and then the
+summary: median and worst |predicted - measured| / measured, Spearman's rho between the predicted
+and the measured order, and whether the planner's pick is the measured fastest (and by how much
+it is slower when it is not). The table is written as JSON with a PNG scatter beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan
+
+__all__ = ["Candidate", "candidates", "spearman", "summarize", "validate"]
+
+
+@dataclass
+class Candidate:
+    """One plan validate runs, and what it measured."""
+
+    label: str
+    plan: ParallelPlan
+    picked: bool = False  # the planner's best
+    runs: list[dict] = field(default_factory=list)  # one report["iteration"] per round
+
+    @property
+    def predicted(self) -> dict:
+        t = self.plan.totals
+        return {k: t.get(k) for k in ("total_s", "compute_s", "comm_s")}
+
+    @property
+    def measured(self) -> dict:
+        """The round with the median total time, and the range over the rounds."""
+        if not self.runs:
+            return {}
+        ordered = sorted(self.runs, key=lambda r: r["time_s"])
+        mid = ordered[(len(ordered) - 1) // 2]
+        return {
+            "total_s": mid["time_s"],
+            "compute_s": mid["compute_s"],
+            "comm_s": mid["comm_wait_s"],
+            "lo_s": ordered[0]["time_s"],
+            "hi_s": ordered[-1]["time_s"],
+        }
+
+    @property
+    def error(self) -> float | None:
+        """(predicted - measured) / measured of the total time per iteration."""
+        p, m = self.predicted["total_s"], self.measured.get("total_s")
+        return None if p is None or not m else (p - m) / m
+
+    def to_dict(self) -> dict:
+        return {
+            "label": self.label,
+            "scenario": self.plan.scenario,
+            "engine": self.plan.engine,
+            "styles": sorted({s.label for s in self.plan.styles.values()}),
+            "picked": self.picked,
+            "predicted": self.predicted,
+            "measured": self.measured,
+            "error": self.error,
+            "rounds": len(self.runs),
+        }
+
+
+def _label(plan) -> str:
+    grid = f" {plan.grid[0]}x{plan.grid[1]}" if plan.grid else ""
+    return f"{plan.scenario}{grid}"
+
+
+def candidates(result, top: int, presets: dict[str, ParallelPlan]) -> list[Candidate]:
+    """The planner's `top` cheapest distinct plans (a plan is its engine and chain of styles; the
+    planner's best always first), then each preset not among them."""
+    best = result.best
+    feasible = [p for ps in result.candidates.values() for p in ps if p.feasible]
+    feasible.sort(key=lambda p: (p is not best, p.total_s, p.comm_s))
+    out: list[Candidate] = []
+    seen: set = set()
+    for p in feasible:
+        if len(out) == top:
+            break
+        key = ("hybridpar", tuple(x.style for x in p.layers))
+        if key in seen:
+            continue
+        try:
+            plan = result.export(p)
+        except ConfigError:  # a choice or style the runtime refuses: not a candidate
+            continue
+        seen.add(key)
+        out.append(Candidate(_label(p), plan, picked=p is best))
+    for name, plan in presets.items():
+        key = (plan.engine, tuple(plan.styles.values()))
+        if key not in seen:
+            seen.add(key)
+            out.append(Candidate(name, plan))
+    return out
+
+
+def _ranks(xs: list[float]) -> list[float]:
+    """1-based ranks, ties sharing the mean of their ranks."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation (Pearson's r of the ranks); None for fewer than two points or
+    when one side has a single rank."""
+    if len(a) != len(b):
+        raise ValueError("spearman: the two lists differ in length")
+    if len(a) < 2:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = math.fsum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    va = math.fsum((x - ma) ** 2 for x in ra)
+    vb = math.fsum((y - mb) ** 2 for y in rb)
+    return None if va == 0 or vb == 0 else cov / math.sqrt(va * vb)
+
+
+def summarize(cands: list[Candidate]) -> dict:
+    """Median and worst |error| of the total, Spearman's rho, and the pick against the fastest."""
+    done = [c for c in cands if c.error is not None]
+    if not done:
+        return {}
+    errs = [abs(c.error) for c in done]  # type: ignore[arg-type]
+    fastest = min(done, key=lambda c: c.measured["total_s"])
+    picked = next((c for c in done if c.picked), None)
+    pred = [c.predicted["total_s"] for c in done]
+    meas = [c.measured["total_s"] for c in done]
+    return {
+        "plans": len(done),
+        "median_abs_error": statistics.median(errs),
+        "worst_abs_error": max(errs),
+        "worst": max(done, key=lambda c: abs(c.error)).label,  # type: ignore[arg-type]
+        "spearman_rho": spearman(pred, meas),
+        "fastest": fastest.label,
+        "picked": picked.label if picked else None,
+        "picked_is_fastest": picked is fastest,
+        "picked_over_fastest": (
+            picked.measured["total_s"] / fastest.measured["total_s"] if picked else None
+        ),
+    }
+
+
+def _run_one(cand: Candidate, path: Path, base, weights: Path) -> dict:
+    from hybridpar.runtime.train.run import run
+
+    cand.plan.save(path)
+    cfg = base.with_(plan=str(path), save=str(weights / f"{path.stem}.pt"))
+    report = run(cfg)
+    if report is None:  # a non-zero rank under torchrun
+        return {}
+    return report["iteration"]
+
+
+def validate(cands: list[Candidate], base, out: Path, repeat: int, progress: bool = True) -> None:
+    """Run every candidate `repeat` times, interleaved; fills each candidate's runs."""
+    plans_dir = out / "plans"
+    plans_dir.mkdir(parents=True, exist_ok=True)
+    weights = Path(tempfile.mkdtemp(prefix="hybridpar-validate-"))
+    total = repeat * len(cands)
+    try:
+        for r in range(repeat):
+            for i, c in enumerate(cands):
+                name = f"{i:02d}-{c.label.replace(' ', '-').replace(':', '-')}.json"
+                it = _run_one(c, plans_dir / name, base, weights)
+                if not it:
+                    continue
+                c.runs.append(it)
+                if progress:
+                    done = r * len(cands) + i + 1
+                    print(
+                        f"[{done}/{total}] {c.label:<22} {it['time_s'] * 1e3:8.1f} ms "
+                        f"(predicted {c.predicted['total_s'] * 1e3:.1f})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    finally:
+        shutil.rmtree(weights, ignore_errors=True)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.0f} %"
+
+
+def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
+    print(head)
+    cols = (
+        f"{'plan':<24} {'pred ms':>8} {'meas ms':>8} {'error':>7}   "
+        f"{'compute p/m':>13} {'comm p/m':>13} {'range ms':>13}"
+    )
+    print(cols)
+    for c in cands:
+        p, m = c.predicted, c.measured
+        if not m:
+            continue
+        ms = {k: (v or 0.0) * 1e3 for k, v in {**p}.items()}
+        mm = {k: v * 1e3 for k, v in m.items()}
+        mark = "*" if c.picked else " "
+        print(
+            f"{mark}{c.label:<23} {ms['total_s']:8.1f} {mm['total_s']:8.1f} {_pct(c.error):>7}   "
+            f"{ms['compute_s']:6.1f}/{mm['compute_s']:<6.1f} {ms['comm_s']:6.1f}/{mm['comm_s']:<6.1f} "
+            f"{mm['lo_s']:6.1f}-{mm['hi_s']:<6.1f}"
+        )
+    if not summary:
+        return
+    rho = summary["spearman_rho"]
+    print(
+        f"\n{summary['plans']} plans: |error| median {summary['median_abs_error'] * 100:.1f} %, "
+        f"worst {summary['worst_abs_error'] * 100:.1f} % ({summary['worst']}); Spearman's rho "
+        f"{'-' if rho is None else f'{rho:.2f}'}"
+    )
+    if summary["picked"] is None:
+        return
+    if summary["picked_is_fastest"]:
+        print(f"the planner's pick ({summary['picked']}, *) is the measured fastest")
+    else:
+        print(
+            f"the planner's pick ({summary['picked']}, *) is {summary['picked_over_fastest']:.2f}x "
+            f"the measured fastest ({summary['fastest']})"
+        )
+
+
+def plot(cands: list[Candidate], path: Path, title: str) -> Path | None:
+    """Predicted against measured time per iteration, one point per plan, with y = x and 15 %."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    pts = [(c, c.predicted["total_s"] * 1e3, c.measured["total_s"] * 1e3) for c in cands if c.runs]
+    if not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    lo = 0.8 * min(min(p, m) for _, p, m in pts)
+    hi = 1.25 * max(max(p, m) for _, p, m in pts)
+    ax.plot([lo, hi], [lo, hi], color="k", lw=1, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo / 1.15, hi / 1.15], [lo / 0.85, hi / 0.85], color="0.9")
+    for c, p, m in pts:
+        ax.scatter([p], [m], marker="*" if c.picked else "o", s=120 if c.picked else 30)
+        ax.annotate(c.label, (p, m), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted ms per iteration")
+    ax.set_ylabel("measured ms per iteration")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def cmd_validate(args) -> int:
+    """`hybridpar validate`: every input checked before a process starts."""
+    import json
+
+    from hybridpar.commands.plans import plan_kwargs
+    from hybridpar.config import build, from_namespace, writable
+    from hybridpar.planning.cluster import load_cluster
+    from hybridpar.planning.config import PlanConfig
+    from hybridpar.planning.presets import parse_preset
+    from hybridpar.planning.search import make_plan
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.report import strict
+
+    cfg = from_namespace(PlanConfig, args)
+    if args.procs < 2:
+        raise ConfigError("validate compares parallel plans: use --procs 2 or more")
+    if args.steps < 2:
+        raise ConfigError("--steps must be at least 2 (the first step is left out of the timing)")
+    out = Path(args.out)
+    writable("--out", out / "validate.json")
+    names = [n.strip() for n in args.presets.split(",") if n.strip()] if args.presets else []
+    for n in names:
+        if parse_preset(n, args.procs)[1] is None:  # auto and the searched scenarios
+            raise ConfigError(
+                f"--presets {n}: give fixed presets (ddp, owt, batch, model, grid:RxC); the "
+                "searched ones are the planner's candidates already"
+            )
+    cluster = load_cluster(cfg.cluster)
+    kwargs = plan_kwargs(cfg, cluster, args.procs)
+    result = make_plan(cfg.model, args.procs, cfg.batch, cluster, **kwargs)
+    result.best  # noqa: B018  one line when nothing fits
+    presets = {n: _preset(result, n) for n in names}
+    cands = candidates(result, args.top, presets)
+    base = build(
+        TrainConfig,
+        model=cfg.model,
+        data=args.data or f"synthetic:{cfg.batch * args.steps}",
+        input_size=cfg.input_size,
+        input_shape=cfg.input_shape,
+        cluster=cfg.cluster,
+        epochs=1,
+        max_steps=args.steps,
+        quiet=True,
+        progress=False,
+    ).validate()
+    head = (
+        f"{cfg.model}, P={args.procs}, B={cfg.batch} on {cluster.name}: {len(cands)} plans, "
+        f"{args.steps - 1} timed iterations each, median of {args.repeat} interleaved rounds"
+    )
+    print(head, file=sys.stderr, flush=True)
+    validate(cands, base, out, args.repeat, progress=not args.quiet)
+    summary = summarize(cands)
+    if not summary:  # a non-zero rank under torchrun
+        return 0
+    print_table(cands, summary, head)
+    data = {
+        "model": cfg.model,
+        "procs": args.procs,
+        "batch": cfg.batch,
+        "cluster": cluster.to_dict(),
+        "steps": args.steps,
+        "repeat": args.repeat,
+        "plans": [c.to_dict() for c in cands],
+        "summary": summary,
+    }
+    path = out / "validate.json"
+    path.write_text(json.dumps(strict(data), indent=1, allow_nan=False))
+    png = plot(cands, out / "validate.png", head)
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    return 0
+
+
+def _preset(result, name: str) -> ParallelPlan:
+    """A fixed preset's plan, taken from the candidates the planner priced (as plan_preset does)."""
+    from hybridpar.planning.presets import parse_preset
+
+    scenario, grid = parse_preset(name, result.procs)
+    chosen = next((p for p in result.candidates.get(scenario, []) if p.grid == grid), None)
+    if chosen is None or not chosen.feasible:
+        why = chosen.reason if chosen is not None else f"Pc must divide B={result.batch}"
+        raise ConfigError(f"--presets {name} cannot run: {why}")
+    return result.export(chosen, engine="ddp" if name == "ddp" else "hybridpar")

@@ -1,0 +1,241 @@
+"""`hybridpar validate` and the compute profile it prices plans with: the rank statistics, the
+candidates, the summary, a real run end to end and its bad inputs; ProfileModel's pricing by
+style, that the planner's search weighs it, and the profile's cache."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybridpar.commands.validate import Candidate, candidates, spearman, summarize
+from hybridpar.plan import Style
+from hybridpar.planning.cluster import PRESETS, Cluster
+from hybridpar.planning.cost.compute import ProfileModel, style_times
+from hybridpar.planning.layers import CostLayer
+from hybridpar.planning.search import make_plan, plan_layers
+from hybridpar.runtime.train import profile as prof
+
+VALIDATE = [sys.executable, "-m", "hybridpar", "validate"]
+
+
+# --- rank statistics and the summary -------------------------------------------------------
+
+
+def test_spearman_orders_ties_and_degenerate_cases():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ranks (1, 2.5, 2.5, 4) against (1, 2, 3, 4): r = 4.5 / sqrt(4.5 * 5)
+    assert spearman([1, 5, 5, 9], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    assert spearman([1], [2]) is None
+    assert spearman([3, 3, 3], [1, 2, 3]) is None  # one side has a single rank
+    with pytest.raises(ValueError):
+        spearman([1, 2], [1])
+
+
+def _cand(label, predicted, measured, picked=False):
+    plan = make_plan("digits-wide", 2, 16, PRESETS["cori-knl"]).export()
+    plan = type(plan).from_dict(
+        {**plan.to_dict(), "totals": {"total_s": predicted, "compute_s": predicted, "comm_s": 0}}
+    )
+    runs = [{"time_s": t, "compute_s": t, "comm_wait_s": 0.0} for t in measured]
+    return Candidate(label, plan, picked, runs)
+
+
+def test_summary_errors_rank_agreement_and_the_pick():
+    cands = [
+        _cand("a", 1.0, [2.0, 1.0, 1.5], picked=True),  # median round 1.5: error -1/3
+        _cand("b", 2.0, [1.0]),  # +100 %, the measured fastest
+        _cand("c", 3.0, [3.0, 3.0]),  # 0
+    ]
+    assert cands[0].measured == {
+        "total_s": 1.5,
+        "compute_s": 1.5,
+        "comm_s": 0.0,
+        "lo_s": 1.0,
+        "hi_s": 2.0,
+    }
+    s = summarize(cands)
+    assert s["plans"] == 3
+    assert s["median_abs_error"] == pytest.approx(1 / 3)
+    assert s["worst_abs_error"] == pytest.approx(1.0) and s["worst"] == "b"
+    assert s["spearman_rho"] == pytest.approx(spearman([1, 2, 3], [1.5, 1.0, 3.0]))
+    assert s["fastest"] == "b" and s["picked"] == "a" and not s["picked_is_fastest"]
+    assert s["picked_over_fastest"] == pytest.approx(1.5)
+    assert summarize([_cand("x", 1.0, [])]) == {}
+
+
+def test_candidates_are_distinct_plans_with_the_pick_first_and_the_presets_after():
+    result = make_plan("digits-wide", 4, 64, PRESETS["cori-knl"])
+    ddp = result.export(result.scenario("batch"), engine="ddp")
+    batch = result.export(result.scenario("batch"))
+    cands = candidates(result, 3, {"ddp": ddp, "batch": batch})
+    ours = [c for c in cands if c.plan.engine == "hybridpar"]
+    assert cands[0].picked and sum(c.picked for c in cands) == 1
+    assert cands[0].plan.styles == result.export().styles
+    chains = [tuple(c.plan.styles.values()) for c in ours]
+    assert len(set(chains)) == len(chains)
+    # the top 3 by predicted time, in that order
+    totals = [c.plan.totals["total_s"] for c in cands[:3]]
+    assert totals == sorted(totals)
+    presets = [c for c in cands if c.label in ("ddp", "batch")]
+    assert [c.plan.engine for c in cands if c.label == "ddp"] == ["ddp"]
+    assert cands[: len(cands) - len(presets)] == ours[: len(cands) - len(presets)]
+    # the batch preset is run once: only when the top 3 does not hold it already
+    assert sum(tuple(c.plan.styles.values()) == tuple(batch.styles.values()) for c in ours) == 1
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def _calibrated(cache, cores=None):
+    cache.mkdir(exist_ok=True)
+    data = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10}
+    if cores:
+        data["cores"] = cores
+    (cache / "localhost.json").write_text(json.dumps(data))
+    return {**os.environ, "HYBRIDPAR_CACHE": str(cache)}
+
+
+def test_validate_runs_each_plan_and_writes_the_table(tmp_path):
+    env = _calibrated(tmp_path / "cache", cores=os.cpu_count() or 1)
+    out = tmp_path / "v"
+    r = subprocess.run(
+        VALIDATE
+        + [
+            "--model",
+            "digits-wide",
+            "--batch",
+            "16",
+            "--procs",
+            "2",
+            "--top",
+            "2",
+            "--steps",
+            "3",
+            "--repeat",
+            "1",
+        ]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    d = json.loads((out / "validate.json").read_text())
+    assert (out / "validate.png").stat().st_size > 0
+    labels = [p["label"] for p in d["plans"]]
+    assert len(d["plans"]) == 3 and labels[-1] == "ddp" and d["plans"][0]["picked"]
+    for p in d["plans"]:
+        assert p["rounds"] == 1 and p["measured"]["total_s"] > 0
+        m, e = p["measured"], p["error"]
+        assert e == pytest.approx((p["predicted"]["total_s"] - m["total_s"]) / m["total_s"])
+    assert d["summary"]["plans"] == 3 and d["summary"]["picked"] == labels[0]
+    assert "Spearman's rho" in r.stdout and "plans: |error| median" in r.stdout
+    assert len(list((out / "plans").glob("*.json"))) == 3
+    # priced with the profile measured here (cached for the next plan), not FLOPs at 1e10
+    profiles = list((tmp_path / "cache" / "profiles").glob("digits-wide-1x8x8-t*.json"))
+    assert len(profiles) == 1
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ("--procs 1", "--procs 2 or more"),
+        ("--procs 2 --steps 1", "--steps must be at least 2"),
+        ("--procs 2 --presets auto", "fixed presets"),
+        ("--procs 2 --presets grid:3x1", "grid 3x1 has 3 ranks"),
+        ("--procs 2 --presets nope", "unknown preset"),
+        ("--procs 2 --cluster nowhere.toml", "does not exist"),
+        ("--procs 2 --model nope", "unknown model"),
+    ],
+)
+def test_validate_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    env = _calibrated(tmp_path / "cache")
+    out = tmp_path / "v"
+    base = ["--model", "digits-wide", "--batch", "16", "--out", str(out)]
+    r = subprocess.run(
+        VALIDATE + base + args.split(), capture_output=True, text=True, env=env, timeout=60
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (out / "validate.json").exists() and not (out / "plans").exists()
+
+
+# --- the compute profile ---------------------------------------------------------------------
+
+LAYER = CostLayer(
+    name="fc",
+    kind="linear",
+    params=1000,
+    d_in=10,
+    d_out=100,
+    x_shape=(10,),
+    y_shape=(100,),
+    kernel=None,
+    out_units=100,
+    flops=2000,
+    members=("fc", "act"),
+    extra_params=0,
+)
+
+
+def test_profile_prices_what_a_rank_runs_under_each_style():
+    # seconds for the whole layer: at 8 samples fc 8/4 ms, act 1/1 ms; at 16 samples twice that
+    table = {
+        8: {"fc": (8e-3, 4e-3), "act": (1e-3, 1e-3)},
+        16: {"fc": (16e-3, 8e-3), "act": (2e-3, 2e-3)},
+    }
+    pm = ProfileModel(table, update_s=1e-6, contention=2.0)
+    B, P = 16, 2
+    f, b, u = style_times(pm, LAYER, Style.batch(P), B, P)  # B/P = 8 samples of all of it
+    assert (f, b, u) == pytest.approx((2 * 9e-3, 2 * 5e-3, 2 * 1000e-6))
+    f, b, u = style_times(pm, LAYER, Style.model(P, 1), B, P)  # 16 samples, half of fc, all act
+    assert (f, b, u) == pytest.approx((2 * (8e-3 + 2e-3), 2 * (4e-3 + 2e-3), 2 * 500e-6))
+    f, b, u = style_times(pm, LAYER, Style.domain(P, 1), B, P)  # 16 samples, half of all
+    assert (f, b) == pytest.approx((2 * 9e-3, 2 * 5e-3))
+    # an unmeasured count: the nearest one's per-sample times
+    assert pm.times(LAYER, 4) == pytest.approx((2 * 4.5e-3, 2 * 2.5e-3))
+
+
+def test_the_search_weighs_compute_by_style():
+    """Where the gathered output's layers cost much (riders at B/Pc samples under model), the
+    planner keeps the layer batch-parallel although model moves fewer bytes: it would not if
+    compute were left out of its objective."""
+    net = Cluster("t", alpha=1e-6, beta=1e-10, flops=1e12)
+    heavy = {n: {"fc": (1e-6 * n, 1e-6 * n), "act": (1e-2 * n, 1e-2 * n)} for n in (8, 16)}
+    layers = [LAYER]
+    by_flops = plan_layers(layers, 2, 16, net, scenarios=["per-layer"])
+    by_profile = plan_layers(
+        layers, 2, 16, net, scenarios=["per-layer"], compute=ProfileModel(heavy)
+    )
+    assert by_flops.best.layers[0].style.kind == "model"
+    assert by_profile.best.layers[0].style.kind == "batch"
+    assert by_profile.best.compute_s == pytest.approx(2 * 8 * (1e-6 + 1e-2))
+
+
+def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
+    calls = []
+    real = prof._measure_count
+
+    def counting(model, shape, n, repeats):
+        calls.append(n)
+        return real(model, shape, n, 1)
+
+    monkeypatch.setattr(prof, "_measure_count", counting)
+    host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
+    pm = prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)  # counts 4 (1x2), 8 (2x1)
+    assert sorted(calls) == [4, 8] and sorted(pm.per_count) == [4, 8]
+    assert pm.contention == 1.0 and pm.update_s > 0
+    assert set(pm.per_count[8]) >= {"0", "2", "6", "9", "11"}  # the leaves, by module name
+    prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)
+    assert sorted(calls) == [4, 8]  # cached
+    pm4 = prof.planning_compute(host, "digits-wide", (1, 8, 8), 4, 8)  # adds 2; 4 ranks share 2
+    assert sorted(calls) == [2, 4, 8] and pm4.contention == 2.0
+    again = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=2e10, cores=2)
+    prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
+    assert sorted(calls) == [2, 4, 4, 8, 8]  # a new calibration measures again
+    assert prof.planning_compute(PRESETS["cori-knl"], "digits-wide", (1, 8, 8), 2, 8) is None
