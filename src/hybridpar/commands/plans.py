@@ -85,7 +85,7 @@ def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:
 
         if is_factory(cfg.model) and not cfg.input_shape:
             return kwargs  # the planner names what is missing
-        from hybridpar.runtime.train.profile import planning_compute
+        from hybridpar.planning.profile import planning_compute
 
         shape = (
             parse_input_shape(cfg.input_shape)

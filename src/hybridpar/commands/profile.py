@@ -27,7 +27,7 @@ def profile_model(
     from tqdm import tqdm
 
     from hybridpar.planning.models import build_model, input_shape
-    from hybridpar.runtime.train.profile import hook_timers
+    from hybridpar.planning.profile import hook_timers
 
     torch.manual_seed(0)
     model = build_model(model_name, input_size=input_size)

@@ -75,7 +75,7 @@ class ProfileModel:
         nearest count's per-sample times scaled."""
         n = min(self.per_count, key=lambda k: (abs(k - samples), k))
         # a member that is no module (a function in forward) has no entry: its time is spread
-        # over the modules' (runtime.train.profile scales them to the whole iteration)
+        # over the modules' (planning.profile scales them to the whole iteration)
         f, b = self.per_count[n].get(name, (0.0, 0.0))
         k = samples / n
         return f * k, b * k

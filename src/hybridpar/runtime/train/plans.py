@@ -15,11 +15,11 @@ from hybridpar.plan import ParallelPlan, Style
 from hybridpar.planning.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
 from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.presets import plan_preset
+from hybridpar.planning.profile import planning_compute
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.train.calibration import calibrate_in_job
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.job import Job
-from hybridpar.runtime.train.profile import planning_compute
 
 __all__ = ["agreed_plan", "checked_file_plan", "preset_plan", "pricing_cluster"]
 
