@@ -11,11 +11,11 @@ import pytest
 
 from hybridpar.commands.validate import Candidate, candidates, spearman, summarize
 from hybridpar.plan import Style
+from hybridpar.planning import profile as prof
 from hybridpar.planning.cluster import PRESETS, Cluster
 from hybridpar.planning.cost.compute import ProfileModel, style_times
 from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.search import make_plan, plan_layers
-from hybridpar.runtime.train import profile as prof
 
 VALIDATE = [sys.executable, "-m", "hybridpar", "validate"]
 
@@ -239,3 +239,31 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path,
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
     assert sorted(calls) == [2, 4, 4, 8, 8]  # a new calibration measures again
     assert prof.planning_compute(PRESETS["cori-knl"], "digits-wide", (1, 8, 8), 2, 8) is None
+
+
+# --- collectives measured at the job's number of ranks ------------------------------------------
+
+
+def test_a_job_is_priced_with_the_collectives_measured_at_its_P(tmp_path, monkeypatch):
+    from hybridpar.errors import ConfigError
+    from hybridpar.planning.cluster import load_cluster
+    from hybridpar.terms import Term
+
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
+    base = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2}
+    four = {"alpha": 2e-5, "beta": 3e-9, "small_alpha": None, "shm_beta": None}
+    (tmp_path / "localhost.json").write_text(json.dumps({**base, "by_procs": {"4": four}}))
+    host = load_cluster("localhost")
+    assert host.at(2) is host and host.at(4).beta == 3e-9 and host.at(4).alpha == 2e-5
+    assert host.to_dict()["by_procs"] == {"4": four}
+
+    def dw(P):
+        r = plan_layers([LAYER], P, 16, host, scenarios=["batch"])
+        return r.best.layers[0].terms[Term.DW_ALLREDUCE].seconds
+
+    n = LAYER.params * 4  # fp32 gradient bytes
+    assert dw(2) == pytest.approx(2 * 1e-5 * 1 + 1e-9 * n)  # 2 (P-1)/P n = n at P = 2
+    assert dw(4) == pytest.approx(2 * 2e-5 * 2 + 3e-9 * 1.5 * n)
+    (tmp_path / "localhost.json").write_text(json.dumps({**base, "by_procs": {"x": four}}))
+    with pytest.raises(ConfigError, match="by_procs"):
+        load_cluster("localhost")

@@ -109,7 +109,13 @@ def _measuring_parsers(sub) -> None:
     k.set_defaults(func=cmd_codecs)
 
     c = sub.add_parser("calibrate", help="fit alpha and beta of this machine (cluster 'localhost')")
-    c.add_argument("--nproc", type=_positive_int, default=2)
+    c.add_argument(
+        "--nproc",
+        type=_int_list,
+        default=[2, 4],
+        help="ranks to time the collectives on, comma-separated: the first gives alpha and beta, "
+        "each is kept for pricing jobs of that many ranks (default 2,4)",
+    )
     c.add_argument("--repeats", type=_positive_int, default=5)
     c.set_defaults(func=cmd_calibrate)
 

@@ -101,6 +101,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")
     if d.get("shm_beta"):
         print(f"  all-gather through shared memory: {1 / d['shm_beta'] / 1e9:8.2f} GB/s")
-    for n, t in d["measured_s"].items():
-        print(f"  all-reduce {int(n):>10} B on {args.nproc} ranks: {t * 1e3:8.3f} ms")
+    for p, times in d["by_procs_measured_s"].items():
+        level = d["by_procs"][str(p)]
+        print(
+            f"  {p} ranks: alpha {level['alpha'] * 1e6:.2f} us, bandwidth "
+            f"{1 / level['beta'] / 1e9:.3f} GB/s"
+        )
+        for n, t in times.items():
+            print(f"    all-reduce {int(n):>10} B: {t * 1e3:8.3f} ms")
     return 0

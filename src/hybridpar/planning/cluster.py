@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from hybridpar.errors import ConfigError
@@ -46,6 +46,18 @@ class Cluster:
     # cores of the one host of a calibrated cluster (`localhost`): `flops` is then one core's rate,
     # and P ranks on it each get cores / P of the host (rank_flops); None: `flops` is per process
     cores: int | None = None
+    # the collectives of a job of P ranks on this host measured at that P (`hybridpar calibrate
+    # --nproc 2,4`): (P, alpha, beta, small_alpha, shm_beta) each; ranks that share cores make
+    # them slower than a 2-rank fit says. `at(P)` prices a P-rank job with its own entry
+    by_procs: tuple[tuple[int, float, float, float | None, float | None], ...] = ()
+
+    def at(self, P: int) -> Cluster:
+        """This cluster as a job of P ranks sees it: the collectives measured at P where
+        `hybridpar calibrate` measured them, else these."""
+        for p, alpha, beta, small, shm in self.by_procs:
+            if p == P:
+                return replace(self, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
+        return self
 
     def rank_flops(self, P: int) -> float:
         """FLOP/s one of P ranks sustains: `flops`, or on a calibrated host its share of the cores
@@ -81,7 +93,11 @@ class Cluster:
         return 1.0 / self.beta
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "bandwidth_GBps": self.bandwidth / 1e9}
+        by_procs = {
+            str(p): {"alpha": a, "beta": b, "small_alpha": sa, "shm_beta": sb}
+            for p, a, b, sa, sb in self.by_procs
+        }
+        return {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
 
 
 PRESETS: dict[str, Cluster] = {
@@ -164,12 +180,40 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
     missing = [k for k in ("alpha", "flops") if k not in data]
     if missing:
         raise ConfigError(f"{origin}: missing key(s) {missing}")
+    if "by_procs" in data:
+        data["by_procs"] = _by_procs(data["by_procs"], origin)
     data.setdefault("name", Path(origin).stem)
     data.setdefault("source", origin)
     try:
         return Cluster(**data)
     except TypeError as exc:
         raise ConfigError(f"{origin}: {exc}") from exc
+
+
+def _by_procs(table: object, origin: str) -> tuple:
+    """{"4": {"alpha": .., "beta": .., "small_alpha": .., "shm_beta": ..}, ...} as Cluster holds it."""
+    try:
+        out = tuple(
+            sorted(
+                (
+                    int(p),
+                    float(v["alpha"]),
+                    float(v["beta"]),
+                    None if v.get("small_alpha") is None else float(v["small_alpha"]),
+                    None if v.get("shm_beta") is None else float(v["shm_beta"]),
+                )
+                for p, v in table.items()  # type: ignore[union-attr]
+            )
+        )
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{origin}: by_procs must map a number of ranks to alpha, beta, small_alpha and "
+            f"shm_beta ({exc.__class__.__name__})"
+        ) from None
+    for p, alpha, beta, _, _ in out:
+        if p < 2 or not (math.isfinite(alpha) and alpha >= 0 and math.isfinite(beta) and beta > 0):
+            raise ConfigError(f"{origin}: by_procs {p}: needs P >= 2, alpha >= 0 and beta > 0")
+    return out
 
 
 def load_cluster(spec: str) -> Cluster:

@@ -364,6 +364,7 @@ def plan_layers(
     all-reduces are priced too). Whether a layer can take a style is planning.rules.why_not, the
     runtime's own rule: every candidate is a plan `parallelize` runs."""
     all_grids = _check(P, B, scenarios)
+    cluster = cluster.at(P)
     choices = choices or Choices()
     base = cluster.word_bytes if elem_bytes is None else elem_bytes
     ctx = _Context(
@@ -459,6 +460,7 @@ def evaluate(
 ) -> Plan:
     """The predicted cost of one given chain of styles (what the runtime is about to execute)."""
     choices = choices or Choices()
+    cluster = cluster.at(P)
     e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices)
     compute = compute or FlopsModel(cluster.rank_flops(P))
     ctx = _Context(layers, P, B, cluster, compute, e, choices)

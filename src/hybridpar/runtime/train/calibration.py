@@ -151,19 +151,35 @@ def _save(data: dict) -> Path:
     return path
 
 
-def calibrate(nproc: int = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict:
-    """Spawn `nproc` local ranks, time their all-reduces, fit and save `localhost`."""
+def calibrate(nproc: int | list[int] = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict:
+    """Spawn `nproc` local ranks (or each count of a list in turn), time their all-reduces, fit
+    and save `localhost`: the first count's fit is the cluster's alpha and beta, and every
+    count's fit is kept under `by_procs`, for pricing a job of that many ranks (ranks sharing
+    cores make the collectives slower)."""
     from hybridpar.errors import ConfigError
     from hybridpar.runtime.launcher import launch
 
-    if nproc < 2:
+    counts = [nproc] if isinstance(nproc, int) else list(nproc)
+    if not counts or min(counts) < 2:
         raise ConfigError("calibrate times all-reduces between processes: use --nproc 2 or more")
-
-    got = launch(_time_all, nproc, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
-    times = got["allreduce"]
-    data = _fitted(times, nproc, got["small"], got["shm_beta"])
+    fits, measured = {}, {}
+    for p in counts:
+        got = launch(_time_all, p, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
+        fits[p] = _fitted(got["allreduce"], p, got["small"], got["shm_beta"])
+        measured[p] = {str(k): v for k, v in got["allreduce"].items()}
+    data = dict(fits[counts[0]])
+    data["by_procs"] = {str(p): _level(f) for p, f in fits.items()}
     path = _save(data)
-    return {**data, "measured_s": {str(k): v for k, v in times.items()}, "path": str(path)}
+    return {
+        **data,
+        "measured_s": measured[counts[0]],
+        "by_procs_measured_s": measured,
+        "path": str(path),
+    }
+
+
+def _level(fit: dict) -> dict:
+    return {k: fit[k] for k in ("alpha", "beta", "small_alpha", "shm_beta")}
 
 
 def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
@@ -174,5 +190,6 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
     times = _time_allreduce(SIZES, repeats, device)
     small, shm_beta = _time_shm() if device == "cpu" else (None, None)
     if dist.get_rank() == 0:
-        _save(_fitted(times, dist.get_world_size(), small, shm_beta))
+        fit = _fitted(times, dist.get_world_size(), small, shm_beta)
+        _save({**fit, "by_procs": {str(dist.get_world_size()): _level(fit)}})
     dist.barrier()
