@@ -267,3 +267,29 @@ def test_a_job_is_priced_with_the_collectives_measured_at_its_P(tmp_path, monkey
     (tmp_path / "localhost.json").write_text(json.dumps({**base, "by_procs": {"x": four}}))
     with pytest.raises(ConfigError, match="by_procs"):
         load_cluster("localhost")
+
+
+def _split_on_ranks():
+    import torch.distributed as dist
+
+    from hybridpar.runtime.comm.ledger import Ledger
+    from hybridpar.runtime.train.report import waiting
+
+    ledger = Ledger()
+    mine = {0: [(0, 1.0), (0, 2.0), (1, 4.0)], 1: [(0, 3.0), (0, 2.0), (1, 1.0)]}
+    for step, seconds in mine[dist.get_rank()]:
+        ledger.step = step
+        ledger.record("all_gather", 2, 8.0, seconds, "allgather")
+    ledger.step = 0
+    ledger.record("all_reduce", 2, 8.0, 100.0, "dw_allreduce")  # not blocking: left out
+    return waiting(ledger, {0, 1}, ("allgather",))
+
+
+def test_blocking_time_splits_into_transfer_and_waiting_for_the_slowest():
+    """Per call the shortest duration is the transfer, the rest waiting: step 0 calls take
+    (1, 3) and (2, 2), step 1's (4, 1): transfer (1+1 + 2+2 + 1+1) / 2 steps / 2 ranks, waiting
+    (2 + 0 + 3) / 4."""
+    from dist_helpers import run_ranks
+
+    for split in run_ranks(_split_on_ranks, 2):
+        assert split == pytest.approx({"transfer_s": 8 / 4, "slowest_s": 5 / 4})

@@ -39,7 +39,13 @@ def _print_report(report: dict) -> None:
         f"{report['model']} on {report['data']}: P={report['procs']}, "
         f"{report['preset'] or report['plan_file']}: {report['plan']['scenario']} plan; "
         f"final test accuracy {report['final']['test_acc']:.4f}; iteration {ms['time_s']:.1f} ms "
-        f"(compute {ms['compute_s']:.1f}, communication wait {ms['comm_wait_s']:.1f})"
+        f"(compute {ms['compute_s']:.1f}, communication wait {ms['comm_wait_s']:.1f}"
+        + (
+            f", of which {it['waiting_slowest_s'] * 1e3:.1f} waiting for the slowest rank)"
+            if "waiting_slowest_s" in it
+            else ")"
+        )
+        + (f"; predicted {it['predicted_s'] * 1e3:.1f} ms" if it.get("predicted_s") else "")
     )
     bn = report.get("bn", {})
     if bn.get("requested") == "adaptive":

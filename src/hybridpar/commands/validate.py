@@ -6,8 +6,8 @@ cheapest distinct chains of styles are exported as plan files, the `--presets` a
 by default), and each plan trains `--steps` iterations on synthetic data (the first is left out of
 the timing). `--repeat` rounds run the plans in turn, so a drift of the machine hits all of them;
 each plan keeps the median of its rounds. The table gives, per plan, predicted and measured time
-per iteration split into compute and communication (what the ranks waited for in collectives,
-which includes waiting for the slowest rank), the relative error of the total, and then the
+per iteration split into compute and communication (the time in collectives), and of that the
+time spent waiting for the slowest rank to arrive, the relative error of the total, and then the
 summary: median and worst |predicted - measured| / measured, Spearman's rho between the predicted
 and the measured order, and whether the planner's pick is the measured fastest (and by how much
 it is slower when it is not). The table is written as JSON with a PNG scatter beside it.
@@ -54,6 +54,8 @@ class Candidate:
             "total_s": mid["time_s"],
             "compute_s": mid["compute_s"],
             "comm_s": mid["comm_wait_s"],
+            # of comm_s: waiting in blocking collectives for the slowest rank to arrive
+            "waiting_s": mid.get("waiting_slowest_s", 0.0),
             "lo_s": ordered[0]["time_s"],
             "hi_s": ordered[-1]["time_s"],
         }
@@ -211,7 +213,7 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
     print(head)
     cols = (
         f"{'plan':<24} {'pred ms':>8} {'meas ms':>8} {'error':>7}   "
-        f"{'compute p/m':>13} {'comm p/m':>13} {'range ms':>13}"
+        f"{'compute p/m':>13} {'comm p/m':>13} {'wait':>5} {'range ms':>13}"
     )
     print(cols)
     for c in cands:
@@ -224,10 +226,14 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
         print(
             f"{mark}{c.label:<23} {ms['total_s']:8.1f} {mm['total_s']:8.1f} {_pct(c.error):>7}   "
             f"{ms['compute_s']:6.1f}/{mm['compute_s']:<6.1f} {ms['comm_s']:6.1f}/{mm['comm_s']:<6.1f} "
-            f"{mm['lo_s']:6.1f}-{mm['hi_s']:<6.1f}"
+            f"{mm['waiting_s']:5.1f} {mm['lo_s']:6.1f}-{mm['hi_s']:<6.1f}"
         )
     if not summary:
         return
+    print(
+        "(p/m: predicted/measured; comm: exposed communication, measured as the time in "
+        "collectives; wait: the part of it spent waiting for the slowest rank)"
+    )
     rho = summary["spearman_rho"]
     print(
         f"\n{summary['plans']} plans: |error| median {summary['median_abs_error'] * 100:.1f} %, "

@@ -21,13 +21,13 @@ from hybridpar.planning.models import build_any
 from hybridpar.runtime.comm.collectives import all_reduce
 from hybridpar.runtime.parallel.checkpoint import save_weights
 from hybridpar.runtime.parallel.layout import Layout, resolve
-from hybridpar.runtime.parallel.trainer import HybridTrainer
+from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS, HybridTrainer
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.data import Dataset, epoch_steps, load_data
 from hybridpar.runtime.train.job import Job
 from hybridpar.runtime.train.optim import KrizhevskySGD, lr_factor, scale_hparams
 from hybridpar.runtime.train.plans import agreed_plan
-from hybridpar.runtime.train.report import measured, report, strict, write_report
+from hybridpar.runtime.train.report import measured, report, strict, waiting, write_report
 from hybridpar.terms import Term
 
 __all__ = ["Position", "Progress", "fit", "train_worker"]
@@ -229,12 +229,14 @@ def train_worker(job: Job) -> dict | None:
     if cfg.checkpoint_dir:
         _checkpoint(trainer, cfg, Position(cfg.epochs, 0, [0.0, 0.0, 0.0], epochs))
     bytes_measured = measured(trainer.ledger, full_steps)
+    timed = full_steps - {min(full_steps, default=0)}  # as `times`: the first step is left out
+    split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
     hosts = len(set(_hostnames())) if plan.choices.reducer == "host" else 1
     if rank != 0:
         return None
     save_weights(weights, cfg.save)
     out = report(
-        job, plan, data.name, epochs, times, bytes_measured, hosts, trainer.model.bn_switch
+        job, plan, data.name, epochs, times, bytes_measured, hosts, trainer.model.bn_switch, split
     )
     # what the optimizer ran with: --lr and --weight-decay after --scale-rule
     group = trainer.optimizer.param_groups[0]

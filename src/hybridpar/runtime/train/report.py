@@ -14,7 +14,7 @@ from hybridpar.plan import ParallelPlan
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.terms import Term
 
-__all__ = ["measured", "predicted", "report", "strict", "write_report"]
+__all__ = ["measured", "predicted", "report", "strict", "waiting", "write_report"]
 
 UNPREDICTED = (Term.METRICS, Term.CODEC_OVERHEAD, Term.BN_SWITCH, Term.PARAM_BROADCAST, Term.STATE)
 
@@ -35,6 +35,31 @@ def measured(ledger: Ledger, steps: set[int]) -> dict:
             key = (layer, str(term))
             by_layer[key] = by_layer.get(key, 0.0) + v / n / len(every)
     return {"by_term": by_term, "by_layer": by_layer}
+
+
+def waiting(ledger: Ledger, steps: set[int], terms: tuple[str, ...]) -> dict[str, float]:
+    """How the blocking collectives' time splits, per iteration averaged over `steps` and the
+    ranks: `transfer_s`, what the collective itself took (for each call, the shortest duration
+    any rank saw: the last rank to arrive waits for nobody), and `slowest_s`, the rest, spent
+    waiting for the slowest rank to arrive. The n-th blocking call of a step is the same layer's
+    on every rank (in its own group). Collective: every rank."""
+    mine: dict[tuple[int, int], float] = {}
+    count: dict[int, int] = {}
+    for e in ledger.entries:
+        if e.step in steps and e.term in terms:
+            k = count.get(e.step, 0)
+            count[e.step] = k + 1
+            mine[(e.step, k)] = e.seconds
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    fastest: dict[tuple[int, int], float] = {}
+    for table in every:
+        for key, sec in table.items():
+            fastest[key] = min(sec, fastest.get(key, sec))
+    n = max(1, len(steps)) * len(every)
+    transfer = sum(fastest[key] for table in every for key in table) / n
+    slowest = sum(sec - fastest[key] for table in every for key, sec in table.items()) / n
+    return {"transfer_s": transfer, "slowest_s": slowest}
 
 
 def predicted(plan: ParallelPlan, hosts: int = 1) -> tuple[dict, dict]:
@@ -58,6 +83,7 @@ def report(
     bytes_measured: dict,
     hosts: int,
     bn_switch,
+    split: dict | None = None,
 ) -> dict:
     cfg = job.cfg
     med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
@@ -86,7 +112,19 @@ def report(
             "time_s": med["time_s"],
             "compute_s": max(0.0, med["time_s"] - comm),
             "comm_wait_s": comm,
+            # the blocking collectives' part of comm_wait_s (means, not medians): moving the data,
+            # and waiting for the slowest rank to arrive (runtime.train.report.waiting)
+            **(
+                {
+                    "blocking_transfer_s": split["transfer_s"],
+                    "waiting_slowest_s": split["slowest_s"],
+                }
+                if split
+                else {}
+            ),
             "predicted_s": plan.totals.get("total_s"),
+            "predicted_compute_s": plan.totals.get("compute_s"),
+            "predicted_comm_s": plan.totals.get("comm_s"),
         },
         "bytes": {"measured": bytes_measured["by_term"], "predicted": pred_term},
         "bytes_by_layer": layers,
