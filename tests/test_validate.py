@@ -53,6 +53,7 @@ def test_summary_errors_rank_agreement_and_the_pick():
         "total_s": 1.5,
         "compute_s": 1.5,
         "comm_s": 0.0,
+        "waiting_s": 0.0,
         "lo_s": 1.0,
         "hi_s": 2.0,
     }
@@ -183,21 +184,23 @@ LAYER = CostLayer(
 
 
 def test_profile_prices_what_a_rank_runs_under_each_style():
-    # seconds for the whole layer: at 8 samples fc 8/4 ms, act 1/1 ms; at 16 samples twice that
+    # seconds for the whole layer: fc costs 10/6 ms at 8 samples but only 16/8 at 16 (a fixed
+    # cost per call); act 1/1 ms at 8 samples, 2/2 at 16
     table = {
-        8: {"fc": (8e-3, 4e-3), "act": (1e-3, 1e-3)},
+        8: {"fc": (10e-3, 6e-3), "act": (1e-3, 1e-3)},
         16: {"fc": (16e-3, 8e-3), "act": (2e-3, 2e-3)},
     }
     pm = ProfileModel(table, update_s=1e-6, contention=2.0)
     B, P = 16, 2
     f, b, u = style_times(pm, LAYER, Style.batch(P), B, P)  # B/P = 8 samples of all of it
-    assert (f, b, u) == pytest.approx((2 * 9e-3, 2 * 5e-3, 2 * 1000e-6))
-    f, b, u = style_times(pm, LAYER, Style.model(P, 1), B, P)  # 16 samples, half of fc, all act
-    assert (f, b, u) == pytest.approx((2 * (8e-3 + 2e-3), 2 * (4e-3 + 2e-3), 2 * 500e-6))
-    f, b, u = style_times(pm, LAYER, Style.domain(P, 1), B, P)  # 16 samples, half of all
-    assert (f, b) == pytest.approx((2 * 9e-3, 2 * 5e-3))
+    assert (f, b, u) == pytest.approx((2 * 11e-3, 2 * 7e-3, 2 * 1000e-6))
+    # half of fc on 16 samples, priced as fc on 8 (not 16/2 = 8 ms), act on all 16
+    f, b, u = style_times(pm, LAYER, Style.model(P, 1), B, P)
+    assert (f, b, u) == pytest.approx((2 * (10e-3 + 2e-3), 2 * (6e-3 + 2e-3), 2 * 500e-6))
+    f, b, u = style_times(pm, LAYER, Style.domain(P, 1), B, P)  # half of all on 16: all on 8
+    assert (f, b) == pytest.approx((2 * 11e-3, 2 * 7e-3))
     # an unmeasured count: the nearest one's per-sample times
-    assert pm.times(LAYER, 4) == pytest.approx((2 * 4.5e-3, 2 * 2.5e-3))
+    assert pm.times(LAYER, 4) == pytest.approx((11e-3, 7e-3))
 
 
 def test_the_search_weighs_compute_by_style():
@@ -207,10 +210,9 @@ def test_the_search_weighs_compute_by_style():
     net = Cluster("t", alpha=1e-6, beta=1e-10, flops=1e12)
     heavy = {n: {"fc": (1e-6 * n, 1e-6 * n), "act": (1e-2 * n, 1e-2 * n)} for n in (8, 16)}
     layers = [LAYER]
-    by_flops = plan_layers(layers, 2, 16, net, scenarios=["per-layer"])
-    by_profile = plan_layers(
-        layers, 2, 16, net, scenarios=["per-layer"], compute=ProfileModel(heavy)
-    )
+    kw = {"scenarios": ["per-layer"], "grad_bucket": None}
+    by_flops = plan_layers(layers, 2, 16, net, **kw)
+    by_profile = plan_layers(layers, 2, 16, net, compute=ProfileModel(heavy), **kw)
     assert by_flops.best.layers[0].style.kind == "model"
     assert by_profile.best.layers[0].style.kind == "batch"
     assert by_profile.best.compute_s == pytest.approx(2 * 8 * (1e-6 + 1e-2))
@@ -258,7 +260,7 @@ def test_a_job_is_priced_with_the_collectives_measured_at_its_P(tmp_path, monkey
     assert host.to_dict()["by_procs"] == {"4": four}
 
     def dw(P):
-        r = plan_layers([LAYER], P, 16, host, scenarios=["batch"])
+        r = plan_layers([LAYER], P, 16, host, scenarios=["batch"], grad_bucket=None)
         return r.best.layers[0].terms[Term.DW_ALLREDUCE].seconds
 
     n = LAYER.params * 4  # fp32 gradient bytes
@@ -293,3 +295,30 @@ def test_blocking_time_splits_into_transfer_and_waiting_for_the_slowest():
 
     for split in run_ranks(_split_on_ranks, 2):
         assert split == pytest.approx({"transfer_s": 8 / 4, "slowest_s": 5 / 4})
+
+
+def test_gradient_all_reduces_are_priced_fused_into_the_runtimes_buckets():
+    """A layer pays the all-reduce latency in proportion to the share of a bucket it fills (at
+    most one whole latency); without a bucket, once per layer (Gholami et al.'s Eq. 4)."""
+    from hybridpar.planning.cost.terms import eq4_batch
+    from hybridpar.planning.search import GRAD_BUCKET_BYTES
+    from hybridpar.runtime.options import RuntimeOptions
+    from hybridpar.terms import Term
+
+    assert RuntimeOptions().bucket_bytes == GRAD_BUCKET_BYTES
+    net = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e12)
+    big = CostLayer(**{**LAYER.__dict__, "name": "big", "params": 2 * 2**20})  # 8 MiB > bucket
+    P, latency = 4, 2 * 1e-3 * 2
+
+    def dw(layer, bucket):
+        r = plan_layers([layer], P, 16, net, scenarios=["batch"], grad_bucket=bucket)
+        return r.best.layers[0].terms[Term.DW_ALLREDUCE]
+
+    for layer in (LAYER, big):
+        n = layer.params * 4
+        assert dw(layer, None).seconds == pytest.approx(latency + 1e-9 * 1.5 * n)
+        share = min(1.0, n / GRAD_BUCKET_BYTES)
+        fused = dw(layer, GRAD_BUCKET_BYTES)
+        assert fused.seconds == pytest.approx(latency * share + 1e-9 * 1.5 * n)
+        assert fused.bytes == dw(layer, None).bytes
+    assert eq4_batch([LAYER], P, net) == pytest.approx(dw(LAYER, None).seconds)

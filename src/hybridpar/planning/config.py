@@ -41,6 +41,11 @@ class PlanConfig:
     )
     memory_limit: float | None = meta(None, "GiB per process (parameters + activations)")
     overlap: bool = meta(False, "hide the weight all-reduce behind the backward pass (Fig. 8)")
+    grad_bucket_mb: float = meta(
+        4.0,
+        "weight-gradient all-reduces priced fused into buckets of this many MiB, as the runtime "
+        "sends them (--bucket-mb of train); 0: one message per layer, as Gholami et al.'s Eq. 4",
+    )
     choices: Choices = nested(Choices)
 
     def __post_init__(self) -> None:
@@ -48,6 +53,7 @@ class PlanConfig:
         if not isinstance(self.batch, int) or self.batch < 1:
             raise ConfigError(f"--batch must be a positive integer, got {self.batch!r}")
         positive(self, "input_size", "bytes_per_element", "memory_limit")
+        positive(self, "grad_bucket_mb", allow_zero=True)
         if self.input_shape is not None:
             parse_input_shape(self.input_shape)
 
@@ -63,4 +69,5 @@ class PlanConfig:
             memory_limit=self.memory_limit * 2**30 if self.memory_limit else None,
             overlap=self.overlap,
             choices=self.choices,
+            grad_bucket=self.grad_bucket_mb * 2**20 if self.grad_bucket_mb else None,
         )

@@ -11,7 +11,7 @@ from hybridpar.plan import ParallelPlan
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.compute import ComputeModel
 from hybridpar.planning.layers import CostLayer
-from hybridpar.planning.search import SCENARIOS, plan_layers
+from hybridpar.planning.search import GRAD_BUCKET_BYTES, SCENARIOS, plan_layers
 
 __all__ = ["PRESETS", "SEARCHED", "parse_preset", "plan_preset"]
 
@@ -67,6 +67,7 @@ def plan_preset(
     model: str = "",
     input_shape: tuple[int, ...] | None = None,
     compute: ComputeModel | None = None,
+    grad_bucket: float | None = GRAD_BUCKET_BYTES,
 ) -> ParallelPlan:
     """The ParallelPlan a preset names, built by the planner (so presets and plans share one code
     path); only what the runtime executes is considered."""
@@ -82,6 +83,7 @@ def plan_preset(
         scenarios=names,
         input_shape=input_shape,
         compute=compute,
+        grad_bucket=grad_bucket,
     )
     if grid is None:
         chosen = r.best

@@ -67,6 +67,10 @@ __all__ = [
 
 SCENARIOS = ("batch", "model", "same-grid", "fc-grid", "domain", "per-layer")
 
+# the runtime's gradient bucket (RuntimeOptions.bucket_mb's default, 4 MiB): weight-gradient
+# all-reduces are priced fused into buckets of this size (cost.terms.fused)
+GRAD_BUCKET_BYTES = 4 * 2**20
+
 
 def grids(P: int, B: int) -> list[tuple[int, int]]:
     """Every (Pr, Pc) with Pr * Pc = P, Pc <= B and Pc dividing B, Pr ascending (the divisors
@@ -93,8 +97,10 @@ class _Context:
         e: float | Wire,
         choices: Choices,
         overlap: bool = False,
+        bucket: float | None = GRAD_BUCKET_BYTES,
     ) -> None:
         self.layers, self.P, self.B, self.net, self.e, self.overlap = layers, P, B, net, e, overlap
+        self.bucket = bucket
         self.choices = choices
         self.compute_model = compute
         self.compute = [compute.times(x, B / P) for x in layers]  # B/P samples' worth, any style
@@ -137,7 +143,9 @@ class _Context:
         return self._time[key]
 
     def terms(self, i: int, s: Style) -> dict[str, Comm]:
-        return layer_comms(self.layers[i], i == 0, s, self.B, self.net, self.e, self.choices.bn)
+        return layer_comms(
+            self.layers[i], i == 0, s, self.B, self.net, self.e, self.choices.bn, self.bucket
+        )
 
     def own(self, i: int, s: Style) -> tuple[float, float, float]:
         """(exposed seconds, hideable seconds, memory bytes) of layer i under s, redistribution left
@@ -358,6 +366,7 @@ def plan_layers(
     memory_limit: float | None = None,
     overlap: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    grad_bucket: float | None = GRAD_BUCKET_BYTES,
 ) -> PlanResult:
     """Evaluate `scenarios` for `layers` on P processes with global batch B and the plan-wide
     `choices` (codec, bn, ...: hybridpar.choices; with bn global or adaptive the batch norms'
@@ -376,6 +385,7 @@ def plan_layers(
         wire(base, choices),
         choices,
         overlap,
+        grad_bucket,
     )
     candidates = {n: _candidates(ctx, n, all_grids, memory_limit) for n in scenarios}
     best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in scenarios]
@@ -457,11 +467,12 @@ def evaluate(
     elem_bytes: float | None = None,
     name: str = "custom",
     compute: ComputeModel | None = None,
+    grad_bucket: float | None = GRAD_BUCKET_BYTES,
 ) -> Plan:
     """The predicted cost of one given chain of styles (what the runtime is about to execute)."""
     choices = choices or Choices()
     cluster = cluster.at(P)
     e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices)
     compute = compute or FlopsModel(cluster.rank_flops(P))
-    ctx = _Context(layers, P, B, cluster, compute, e, choices)
+    ctx = _Context(layers, P, B, cluster, compute, e, choices, bucket=grad_bucket)
     return ctx.evaluate(name, None, styles)

@@ -80,11 +80,11 @@ class ProfileModel:
         k = samples / n
         return f * k, b * k
 
-    def _sum(self, names, samples: float, share: float = 1.0) -> tuple[float, float]:
+    def _sum(self, names, samples: float) -> tuple[float, float]:
         f = b = 0.0
         for m in names:
             lf, lb = self._leaf(m, samples)
-            f, b = f + lf * share, b + lb * share
+            f, b = f + lf, b + lb
         return f * self.contention, b * self.contention
 
     def times(self, layer: CostLayer, samples: float) -> tuple[float, float]:
@@ -92,21 +92,23 @@ class ProfileModel:
 
     def style_times(self, layer: CostLayer, s: Style, B: int, P: int) -> tuple[float, float, float]:
         """(forward, backward, optimizer update) seconds of `layer` on one rank under `s`: batch
-        runs all of it on B/P samples; model runs 1/Pr of the weighted module and all of the
-        layers riding along on B/Pc samples; domain 1/Pr of everything on B/Pc samples."""
+        runs all of it on B/P samples; model runs 1/Pr of the weighted module on B/Pc samples
+        and all of the layers riding along (they act on the gathered output); domain 1/Pr of
+        everything on B/Pc samples. A 1/Pr share of a module on n samples is priced as the
+        whole module on n/Pr samples: the same arithmetic, and a call's fixed cost paid once, as
+        the rank pays it (n x time per sample / Pr would price a small layer's share below what
+        one call of it costs)."""
         n = B / s.pc
         params = layer.params
         if s.kind == "model":
             weighted = [m for m in layer.members if m == layer.name]
             riders = [m for m in layer.members if m != layer.name]
-            wf, wb = self._sum(weighted, n, 1.0 / s.pr)
+            wf, wb = self._sum(weighted, n / s.pr)
             rf, rb = self._sum(riders, n)
             f, b = wf + rf, wb + rb
             params = (layer.params - layer.extra_params) / s.pr + layer.extra_params
-        elif s.kind == "domain":
-            f, b = self._sum(layer.members, n, 1.0 / s.pr)
-        else:
-            f, b = self._sum(layer.members, n)
+        else:  # batch (Pr = 1) and domain
+            f, b = self._sum(layer.members, n / s.pr)
         return f, b, params * self.update_s * self.contention
 
 

@@ -244,6 +244,19 @@ def _eq9_halo(
     return halo(B / pc * w * c * _halo_rows(layer, axis) * Wire.of(e).acts, net)
 
 
+def fused(c: Comm, net: Cluster, bucket: float | None) -> Comm:
+    """A weight-gradient all-reduce as the runtime sends it: fused with the other layers'
+    gradients into buckets of `bucket` bytes (RuntimeOptions.bucket_mb; DDP's bucket_cap_mb
+    alike), so a layer pays the latency in proportion to the share of a bucket it fills (at
+    least a whole one's when it fills several). None: one message per layer, as Gholami et
+    al.'s Eq. 4 counts it."""
+    if bucket is None or c.bytes <= 0:
+        return c
+    latency = c.seconds - net.beta * c.bytes
+    n = c.bytes * c.group / (2 * (c.group - 1))  # the gradient's bytes
+    return Comm(c.kind, c.group, c.bytes, net.beta * c.bytes + latency * min(1.0, n / bucket))
+
+
 def layer_comms(
     layer: CostLayer,
     first: bool,
@@ -252,9 +265,11 @@ def layer_comms(
     net: Cluster,
     e: float | Wire | None = None,
     bn: str = "local",
+    bucket: float | None = None,
 ) -> dict[str, Comm]:
     """The communication terms of one layer under style `s` (first: nothing is back-propagated
-    into its input, so no dX); with bn global or adaptive, its batch norms' all-reduces too."""
+    into its input, so no dX); with bn global or adaptive, its batch norms' all-reduces too;
+    with a `bucket` size the weight-gradient all-reduce's latency fused (`fused`)."""
     e = net.word_bytes if e is None else e
     p = s.pr * s.pc
     first = first or not layer.input_grad
@@ -275,6 +290,7 @@ def layer_comms(
             else t_dx(layer, s.pr, s.pc, B, net, e),
             Term.DW_ALLREDUCE: t_dw_allreduce(layer, s.pc, s.pr, net, e),
         }
+    terms[Term.DW_ALLREDUCE] = fused(terms[Term.DW_ALLREDUCE], net, bucket)
     if bn != "local":
         terms.update(t_norms(layer, s, net))
     return terms

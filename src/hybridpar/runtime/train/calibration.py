@@ -30,7 +30,9 @@ def _time_allreduce(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -
         t = torch.ones(n // 4, device=device)
         dist.all_reduce(t)  # warm up the connection for this size
         ts = []
-        for _ in range(repeats):
+        # small sizes take microseconds and their spread (a rank woken late) is of the same
+        # order: more repeats, and the fit weighs every size by its relative error
+        for _ in range(repeats if n > 2**17 else max(repeats, 50)):
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(t)
@@ -101,7 +103,9 @@ def _flops(threads: int) -> float:
 
 
 def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
-    """Least squares for t = 2 ceil(log2 p) alpha + 2 (p-1)/p n beta, both kept non-negative."""
+    """Least squares of the relative error for t = 2 ceil(log2 p) alpha + 2 (p-1)/p n beta,
+    both kept non-negative: each size weighs by 1 / t, so the microseconds of the small sizes
+    decide alpha instead of vanishing beside the milliseconds of the large ones."""
     import numpy as np
 
     from hybridpar.planning.cost.collectives import clog2
@@ -109,7 +113,8 @@ def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
     n = np.array(sorted(times), dtype=float)
     t = np.array([times[int(k)] for k in n])
     a = np.stack([np.full_like(n, 2 * clog2(p)), 2 * (p - 1) / p * n], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    w = 1.0 / np.maximum(t, 1e-12)
+    (alpha, beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
     if beta <= 0:
         beta = float(t[-1] / a[-1, 1])
     return max(float(alpha), 0.0), float(beta)

@@ -45,6 +45,7 @@ def preset_plan(
         model=cfg.model,
         input_shape=shape,
         compute=planning_compute(cluster, cfg.model, shape, P, cfg.batch),
+        grad_bucket=cfg.runtime.bucket_bytes,
     )
 
 
@@ -67,7 +68,14 @@ def checked_file_plan(
     chosen = [styles[x.name] for x in layers]
     compute = planning_compute(cluster, cfg.model, shape, plan.procs, plan.batch)
     priced = evaluate(
-        layers, plan.procs, plan.batch, cluster, chosen, choices=plan.choices, compute=compute
+        layers,
+        plan.procs,
+        plan.batch,
+        cluster,
+        chosen,
+        choices=plan.choices,
+        compute=compute,
+        grad_bucket=cfg.runtime.bucket_bytes,
     )
     if not priced.feasible:
         raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")
