@@ -37,6 +37,7 @@ class Candidate:
     plan: ParallelPlan
     picked: bool = False  # the planner's best
     runs: list[dict] = field(default_factory=list)  # one report["iteration"] per round
+    failure: str = ""  # why a run of it failed (the planner proposed what the runtime refused)
 
     @property
     def predicted(self) -> dict:
@@ -77,6 +78,7 @@ class Candidate:
             "measured": self.measured,
             "error": self.error,
             "rounds": len(self.runs),
+            "failure": self.failure or None,
         }
 
 
@@ -180,7 +182,10 @@ def _run_one(cand: Candidate, path: Path, base, weights: Path) -> dict:
 
 
 def validate(cands: list[Candidate], base, out: Path, repeat: int, progress: bool = True) -> None:
-    """Run every candidate `repeat` times, interleaved; fills each candidate's runs."""
+    """Run every candidate `repeat` times, interleaved; fills each candidate's runs (or its
+    failure: a plan whose run fails is not run again)."""
+    from hybridpar.runtime.launcher import RankFailure
+
     plans_dir = out / "plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
     weights = Path(tempfile.mkdtemp(prefix="hybridpar-validate-"))
@@ -188,9 +193,14 @@ def validate(cands: list[Candidate], base, out: Path, repeat: int, progress: boo
     try:
         for r in range(repeat):
             for i, c in enumerate(cands):
+                if c.failure:
+                    continue
                 name = f"{i:02d}-{c.label.replace(' ', '-').replace(':', '-')}.json"
-                it = _run_one(c, plans_dir / name, base, weights)
-                if not it:
+                try:
+                    it = _run_one(c, plans_dir / name, base, weights)
+                except RankFailure as exc:
+                    c.failure = str(exc)
+                    print(f"{c.label}: failed: {exc}", file=sys.stderr, flush=True)
                     continue
                 c.runs.append(it)
                 if progress:
@@ -218,6 +228,9 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
     print(cols)
     for c in cands:
         p, m = c.predicted, c.measured
+        if c.failure:
+            print(f"{' ':1}{c.label:<23} failed: {c.failure.splitlines()[0]}")
+            continue
         if not m:
             continue
         ms = {k: (v or 0.0) * 1e3 for k, v in {**p}.items()}
@@ -295,9 +308,15 @@ def cmd_validate(args) -> int:
     from hybridpar.planning.config import PlanConfig
     from hybridpar.planning.presets import parse_preset
     from hybridpar.planning.search import make_plan
+    from hybridpar.runtime.launcher import under_torchrun
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.report import strict
 
+    if under_torchrun():
+        raise ConfigError(
+            "validate spawns its own ranks on this machine: run it without torchrun (across "
+            "hosts it is not built yet)"
+        )
     cfg = from_namespace(PlanConfig, args)
     if args.procs < 2:
         raise ConfigError("validate compares parallel plans: use --procs 2 or more")
@@ -337,8 +356,10 @@ def cmd_validate(args) -> int:
     print(head, file=sys.stderr, flush=True)
     validate(cands, base, out, args.repeat, progress=not args.quiet)
     summary = summarize(cands)
-    if not summary:  # a non-zero rank under torchrun
-        return 0
+    if not summary:
+        for c in cands:
+            print(f"{c.label}: failed: {c.failure}", file=sys.stderr)
+        return 1
     print_table(cands, summary, head)
     data = {
         "model": cfg.model,
@@ -354,7 +375,7 @@ def cmd_validate(args) -> int:
     path.write_text(json.dumps(strict(data), indent=1, allow_nan=False))
     png = plot(cands, out / "validate.png", head)
     print(f"wrote {path}" + (f" and {png}" if png else ""))
-    return 0
+    return 1 if any(c.failure for c in cands) else 0
 
 
 def _preset(result, name: str) -> ParallelPlan:
