@@ -185,7 +185,7 @@ LAYER = CostLayer(
 
 def test_profile_prices_what_a_rank_runs_under_each_style():
     # seconds for the whole layer: fc costs 10/6 ms at 8 samples but only 16/8 at 16 (a fixed
-    # cost per call); act 1/1 ms at 8 samples, 2/2 at 16
+    # 4/4 ms per call); act 1/1 ms at 8 samples, 2/2 at 16 (none)
     table = {
         8: {"fc": (10e-3, 6e-3), "act": (1e-3, 1e-3)},
         16: {"fc": (16e-3, 8e-3), "act": (2e-3, 2e-3)},
@@ -194,13 +194,17 @@ def test_profile_prices_what_a_rank_runs_under_each_style():
     B, P = 16, 2
     f, b, u = style_times(pm, LAYER, Style.batch(P), B, P)  # B/P = 8 samples of all of it
     assert (f, b, u) == pytest.approx((2 * 11e-3, 2 * 7e-3, 2 * 1000e-6))
-    # half of fc on 16 samples, priced as fc on 8 (not 16/2 = 8 ms), act on all 16
+    # half of fc on 16 samples: its fixed 4 ms per call (the intercept of 10 ms at 8 samples
+    # and 16 at 16) whole and half of the other 12: 10 ms, not 16/2 = 8; act on all 16
     f, b, u = style_times(pm, LAYER, Style.model(P, 1), B, P)
     assert (f, b, u) == pytest.approx((2 * (10e-3 + 2e-3), 2 * (6e-3 + 2e-3), 2 * 500e-6))
     f, b, u = style_times(pm, LAYER, Style.domain(P, 1), B, P)  # half of all on 16: all on 8
     assert (f, b) == pytest.approx((2 * 11e-3, 2 * 7e-3))
     # an unmeasured count: the nearest one's per-sample times
     assert pm.times(LAYER, 4) == pytest.approx((11e-3, 7e-3))
+    # a fit below zero is no fixed cost: a quarter share of fc is a quarter of it
+    lean = ProfileModel({8: {"fc": (8e-3, 4e-3)}, 16: {"fc": (20e-3, 8e-3)}})
+    assert style_times(lean, LAYER, Style.model(4, 1), 16, 4)[:2] == pytest.approx((5e-3, 2e-3))
 
 
 def test_the_search_weighs_compute_by_style():

@@ -2,7 +2,7 @@
 
 A rank of a P-rank job on a host with C cores runs with max(1, C // P) threads (the trainer sets
 it) and shares the cores with the other ranks. The profile times, in this process with that many
-threads, one training iteration of the model (forward, loss, backward) at each batch a rank runs
+threads, the fastest of five training iterations of the model (forward, loss, backward) at each batch a rank runs
 (B / Pc for every grid), splits it over the leaf layers by hooks (the hooks' own overhead is taken
 out by scaling the leaves to the iteration measured without them), and times the optimizer's step
 per parameter element. The planner then prices every style from what a rank runs under it
@@ -98,7 +98,8 @@ def _measure_count(model, shape, n: int, repeats: int) -> dict[str, tuple[float,
     # a module called several times per iteration (shared weights) counts every call
     per = {k: (sum(fwd[k]) / repeats, sum(bwd[k]) / repeats) for k in fwd}
     total = sum(f + b for f, b in per.values())
-    scale = statistics.median(whole) / total if total > 0 else 1.0
+    # the fastest iteration: noise (another process, a page fault) only ever adds time
+    scale = min(whole) / total if total > 0 else 1.0
     return {k: (f * scale, b * scale) for k, (f, b) in per.items()}
 
 
@@ -144,7 +145,7 @@ def profile_compute(
     shape: tuple[int, ...],
     P: int,
     counts: list[int],
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> ProfileModel | None:
     """The ProfileModel of `model` for a P-rank job on this calibrated host at the sample counts
     `counts`; None where the cluster is not this host (no `cores`: priced by FLOPs)."""

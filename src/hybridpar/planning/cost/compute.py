@@ -80,10 +80,32 @@ class ProfileModel:
         k = samples / n
         return f * k, b * k
 
-    def _sum(self, names, samples: float) -> tuple[float, float]:
+    def _fixed(self, name: str) -> tuple[float, float]:
+        """A leaf's (forward, backward) seconds per call that do not depend on the samples: the
+        intercept of a least-squares line through its measured counts, between 0 and the time
+        at the smallest count; 0 with a single count."""
+        counts = sorted(n for n in self.per_count if name in self.per_count[n])
+        if len(counts) < 2:
+            return 0.0, 0.0
+        out = []
+        for j in (0, 1):
+            ys = [self.per_count[n][name][j] for n in counts]
+            mx, my = sum(counts) / len(counts), sum(ys) / len(ys)
+            sxx = sum((n - mx) ** 2 for n in counts)
+            slope = sum((n - mx) * (y - my) for n, y in zip(counts, ys, strict=True)) / sxx
+            out.append(min(max(0.0, my - slope * mx), ys[0]))
+        return out[0], out[1]
+
+    def _sum(self, names, samples: float, share: float = 1.0) -> tuple[float, float]:
+        """Seconds of `names` on `samples` samples, or of a `share` of each of them: its fixed
+        cost whole and the rest in proportion."""
         f = b = 0.0
         for m in names:
             lf, lb = self._leaf(m, samples)
+            if share != 1.0:
+                ff, fb = self._fixed(m)
+                ff, fb = min(ff, lf), min(fb, lb)
+                lf, lb = ff + (lf - ff) * share, fb + (lb - fb) * share
             f, b = f + lf, b + lb
         return f * self.contention, b * self.contention
 
@@ -94,21 +116,22 @@ class ProfileModel:
         """(forward, backward, optimizer update) seconds of `layer` on one rank under `s`: batch
         runs all of it on B/P samples; model runs 1/Pr of the weighted module on B/Pc samples
         and all of the layers riding along (they act on the gathered output); domain 1/Pr of
-        everything on B/Pc samples. A 1/Pr share of a module on n samples is priced as the
-        whole module on n/Pr samples: the same arithmetic, and a call's fixed cost paid once, as
-        the rank pays it (n x time per sample / Pr would price a small layer's share below what
-        one call of it costs)."""
+        everything on B/Pc samples. A 1/Pr share of a module pays the module's fixed cost per
+        call whole and 1/Pr of the rest (`_fixed`): a small layer's share costs about one call
+        of it, a large matrix multiply's about 1/Pr of it."""
         n = B / s.pc
         params = layer.params
         if s.kind == "model":
             weighted = [m for m in layer.members if m == layer.name]
             riders = [m for m in layer.members if m != layer.name]
-            wf, wb = self._sum(weighted, n / s.pr)
+            wf, wb = self._sum(weighted, n, 1.0 / s.pr)
             rf, rb = self._sum(riders, n)
             f, b = wf + rf, wb + rb
             params = (layer.params - layer.extra_params) / s.pr + layer.extra_params
-        else:  # batch (Pr = 1) and domain
-            f, b = self._sum(layer.members, n / s.pr)
+        elif s.kind == "domain":
+            f, b = self._sum(layer.members, n, 1.0 / s.pr)
+        else:
+            f, b = self._sum(layer.members, n)
         return f, b, params * self.update_s * self.contention
 
 
