@@ -194,17 +194,18 @@ def test_profile_prices_what_a_rank_runs_under_each_style():
     B, P = 16, 2
     f, b, u = style_times(pm, LAYER, Style.batch(P), B, P)  # B/P = 8 samples of all of it
     assert (f, b, u) == pytest.approx((2 * 11e-3, 2 * 7e-3, 2 * 1000e-6))
-    # half of fc on 16 samples: its fixed 4 ms per call (the intercept of 10 ms at 8 samples
-    # and 16 at 16) whole and half of the other 12: 10 ms, not 16/2 = 8; act on all 16
+    # half of fc's weights on 16 samples: half its time there; act on all 16
     f, b, u = style_times(pm, LAYER, Style.model(P, 1), B, P)
-    assert (f, b, u) == pytest.approx((2 * (10e-3 + 2e-3), 2 * (6e-3 + 2e-3), 2 * 500e-6))
-    f, b, u = style_times(pm, LAYER, Style.domain(P, 1), B, P)  # half of all on 16: all on 8
-    assert (f, b) == pytest.approx((2 * 11e-3, 2 * 7e-3))
+    assert (f, b, u) == pytest.approx((2 * (8e-3 + 2e-3), 2 * (4e-3 + 2e-3), 2 * 500e-6))
+    # half the rows of 16 samples, whole weights: fc's fixed 4 ms per call (the intercept of
+    # 10 ms at 8 samples and 16 at 16) whole and half of the other 12; act has none
+    f, b, u = style_times(pm, LAYER, Style.domain(P, 1), B, P)
+    assert (f, b) == pytest.approx((2 * (10e-3 + 1e-3), 2 * (6e-3 + 1e-3)))
     # an unmeasured count: the nearest one's per-sample times
     assert pm.times(LAYER, 4) == pytest.approx((11e-3, 7e-3))
-    # a fit below zero is no fixed cost: a quarter share of fc is a quarter of it
+    # a fit below zero is no fixed cost: a quarter of the rows cost a quarter
     lean = ProfileModel({8: {"fc": (8e-3, 4e-3)}, 16: {"fc": (20e-3, 8e-3)}})
-    assert style_times(lean, LAYER, Style.model(4, 1), 16, 4)[:2] == pytest.approx((5e-3, 2e-3))
+    assert style_times(lean, LAYER, Style.domain(4, 1), 16, 4)[:2] == pytest.approx((5e-3, 2e-3))
 
 
 def test_the_search_weighs_compute_by_style():
