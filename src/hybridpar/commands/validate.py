@@ -373,7 +373,7 @@ def cmd_validate(args) -> int:
     }
     path = out / "validate.json"
     path.write_text(json.dumps(strict(data), indent=1, allow_nan=False))
-    png = plot(cands, out / "validate.png", head)
+    png = plot(cands, out / "validate.png", head.split(":")[0])
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 1 if any(c.failure for c in cands) else 0
 
