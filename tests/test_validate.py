@@ -327,3 +327,23 @@ def test_gradient_all_reduces_are_priced_fused_into_the_runtimes_buckets():
         assert fused.seconds == pytest.approx(latency * share + 1e-9 * 1.5 * n)
         assert fused.bytes == dw(layer, None).bytes
     assert eq4_batch([LAYER], P, net) == pytest.approx(dw(LAYER, None).seconds)
+
+
+def test_a_gpu_job_is_not_priced_with_the_cpu_profile(monkeypatch):
+    """The profile times the CPU: a CUDA job on a calibrated host is priced by FLOPs."""
+    from hybridpar.config import build
+    from hybridpar.planning.analysis_cache import zoo_cost_layers
+    from hybridpar.runtime.train import plans
+    from hybridpar.runtime.train.config import TrainConfig
+
+    def refuse(*a):
+        raise AssertionError("profiled a GPU job on the CPU")
+
+    monkeypatch.setattr(plans, "planning_compute", refuse)
+    host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
+    cfg = build(TrainConfig, model="digits-wide", batch=16, preset="model", device="cuda")
+    layers = zoo_cost_layers("digits-wide")
+    plan = plans.preset_plan(cfg, 2, layers, (1, 8, 8), host)
+    assert plan.totals["compute_s"] > 0
+    with pytest.raises(AssertionError, match="GPU job"):
+        plans.preset_plan(cfg.with_(device="cpu"), 2, layers, (1, 8, 8), host)

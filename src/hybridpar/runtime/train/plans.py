@@ -32,6 +32,14 @@ def pricing_cluster(spec: str, required: bool) -> Cluster:
     return load_cluster(spec)
 
 
+def _compute(cfg: TrainConfig, cluster: Cluster, shape: tuple[int, ...], P: int, B: int):
+    """The profile of this host for a CPU job; FLOPs at the cluster's rate on GPUs (the profile
+    times the CPU)."""
+    if cfg.choices.device == "cuda":
+        return None
+    return planning_compute(cluster, cfg.model, shape, P, B)
+
+
 def preset_plan(
     cfg: TrainConfig, P: int, layers: list[CostLayer], shape: tuple[int, ...], cluster: Cluster
 ) -> ParallelPlan:
@@ -44,7 +52,7 @@ def preset_plan(
         choices=cfg.choices,
         model=cfg.model,
         input_shape=shape,
-        compute=planning_compute(cluster, cfg.model, shape, P, cfg.batch),
+        compute=_compute(cfg, cluster, shape, P, cfg.batch),
         grad_bucket=cfg.runtime.bucket_bytes,
     )
 
@@ -66,7 +74,7 @@ def checked_file_plan(
         )
     cluster = pricing_cluster(cfg.cluster, required=False)
     chosen = [styles[x.name] for x in layers]
-    compute = planning_compute(cluster, cfg.model, shape, plan.procs, plan.batch)
+    compute = _compute(cfg, cluster, shape, plan.procs, plan.batch)
     priced = evaluate(
         layers,
         plan.procs,
