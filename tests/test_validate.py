@@ -339,7 +339,7 @@ def test_a_gpu_job_is_not_priced_with_the_cpu_profile(monkeypatch):
     def refuse(*a):
         raise AssertionError("profiled a GPU job on the CPU")
 
-    monkeypatch.setattr(plans, "planning_compute", refuse)
+    monkeypatch.setattr(prof, "profile_compute", refuse)
     host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
     cfg = build(TrainConfig, model="digits-wide", batch=16, preset="model", device="cuda")
     layers = zoo_cost_layers("digits-wide")

@@ -78,7 +78,7 @@ def _print_plan(result: PlanResult, shown: list) -> None:
 
 def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:
     """The planner's keyword arguments for `cfg` on P ranks; on a calibrated host (localhost)
-    without --compute, the compute times of a profile measured here (runtime.train.profile)."""
+    without --compute, the compute times of a profile measured here (planning.profile)."""
     kwargs = cfg.plan_kwargs()
     if cfg.compute is None and cluster.cores is not None:
         from hybridpar.planning.zoo import input_shape, is_factory, parse_input_shape
@@ -92,7 +92,9 @@ def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:
             if cfg.input_shape
             else input_shape(cfg.model, cfg.input_size)
         )
-        kwargs["compute"] = planning_compute(cluster, cfg.model, tuple(shape), P, cfg.batch)
+        kwargs["compute"] = planning_compute(
+            cluster, cfg.model, tuple(shape), P, cfg.batch, cfg.choices.device
+        )
     return kwargs
 
 

@@ -27,13 +27,11 @@ def profile_model(
     from tqdm import tqdm
 
     from hybridpar.planning.models import build_model, input_shape
-    from hybridpar.planning.profile import hook_timers
+    from hybridpar.planning.profile import hook_timers, no_inplace
 
     torch.manual_seed(0)
     model = build_model(model_name, input_size=input_size)
-    for m in model.modules():  # full backward hooks refuse in-place activations
-        if hasattr(m, "inplace"):
-            m.inplace = False
+    no_inplace(model)
     fwd, bwd, handles = hook_timers(model)
     x = torch.randn(batch, *input_shape(model_name, input_size), requires_grad=True)
     try:

@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["BYTES_ONLY", "PRESETS", "SHM_MAX_BYTES", "Cluster", "load_cluster"]
+__all__ = ["BYTES_ONLY", "PRESETS", "SHM_MAX_BYTES", "Cluster", "load_cluster", "rank_threads"]
 
 # the largest collective, per rank, that the runtime sends through host shared memory (comm.small);
 # larger ones go on torch.distributed, and the cost model prices them there
@@ -147,6 +147,13 @@ BYTES_ONLY = Cluster(
     flops=1e300,
     source="bytes only: run `hybridpar calibrate` for seconds",
 )
+
+
+def rank_threads(cores: int, P: int) -> int:
+    """The threads each of P ranks sharing `cores` cores runs with (the launcher and the trainer
+    set them, the compute profile measures with them): more threads than cores make OpenMP
+    spin-wait."""
+    return max(1, cores // P)
 
 
 def cache_dir() -> Path:

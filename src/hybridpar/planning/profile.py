@@ -1,11 +1,11 @@
 """The compute profile of a model on this machine, for the planner on a calibrated host.
 
-A rank of a P-rank job on a host with C cores runs with max(1, C // P) threads (the trainer sets
+A rank of a P-rank job on a host with C cores runs with max(1, C // P) threads (the launcher sets
 it) and shares the cores with the other ranks. The profile times, in this process with that many
-threads, the fastest of five training iterations of the model (forward, loss, backward) at each batch a rank runs
-(B / Pc for every grid), splits it over the leaf layers by hooks (the hooks' own overhead is taken
-out by scaling the leaves to the iteration measured without them), and times the optimizer's step
-per parameter element. The planner then prices every style from what a rank runs under it
+threads, the fastest of five training iterations of the model (forward, loss, backward) at each
+batch a rank runs (B / Pc for every grid), splits it over the leaf layers by hooks (the hooks' own
+overhead is taken out by scaling the leaves to the iteration measured without them), and times
+the optimizer's step per parameter element. The planner then prices every style from what a rank runs under it
 (planning.cost.compute.ProfileModel), with the slowdown of ranks sharing cores.
 
 Profiles are cached per model, input shape and thread count under the cache folder and extended
@@ -23,15 +23,17 @@ import time
 import warnings
 from pathlib import Path
 
-from hybridpar.planning.cluster import Cluster, cache_dir
+from hybridpar.planning.cluster import Cluster, cache_dir, rank_threads
 from hybridpar.planning.cost.compute import ProfileModel
 
-__all__ = ["hook_timers", "planning_compute", "profile_compute", "rank_threads"]
+__all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute"]
 
 
-def rank_threads(cores: int, P: int) -> int:
-    """The threads a rank of a P-rank job gets on `cores` cores (runtime.train.loop sets them)."""
-    return max(1, cores // P)
+def no_inplace(model) -> None:
+    """Turn off in-place activations (full backward hooks refuse them)."""
+    for m in model.modules():
+        if hasattr(m, "inplace"):
+            m.inplace = False
 
 
 def hook_timers(model) -> tuple[dict[str, list[float]], dict[str, list[float]], list]:
@@ -77,9 +79,7 @@ def _measure_count(model, shape, n: int, repeats: int) -> dict[str, tuple[float,
     with torch.no_grad():
         out = model(x[:1])
     y = torch.randint(0, out.shape[-1], (n,))
-    for m in model.modules():  # full backward hooks refuse in-place activations
-        if hasattr(m, "inplace"):
-            m.inplace = False
+    no_inplace(model)
     _iteration(model, x, y)  # warm up
     whole = []
     for _ in range(repeats):
@@ -190,13 +190,14 @@ def profile_compute(
 
 
 def planning_compute(
-    cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int
+    cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int, device: str = "cpu"
 ) -> ProfileModel | None:
     """The compute model a plan for P ranks and global batch B is priced with on `cluster`: a
     profile of `model` at every batch a rank can run (B / Pc over the grids) on a calibrated
-    host, None (FLOPs at the cluster's rate) elsewhere."""
+    host; None (FLOPs at the cluster's rate) elsewhere and for a CUDA job (the profile times the
+    CPU)."""
     from hybridpar.planning.search import grids
 
-    if cluster.cores is None:
+    if device == "cuda":
         return None
     return profile_compute(cluster, model, shape, P, sorted({B // pc for _, pc in grids(P, B)}))

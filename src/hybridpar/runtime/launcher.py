@@ -136,10 +136,10 @@ def _child(
     )
     import torch
 
+    from hybridpar.planning.cluster import rank_threads
     from hybridpar.runtime.comm import shutdown
 
-    # the ranks share this machine's cores: more threads than cores make OpenMP spin-wait
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(rank_threads(os.cpu_count() or 1, world))  # the ranks share the cores
     try:
         init_distributed(timeout_s, backend)
         result = _resolve(fn)(*args)

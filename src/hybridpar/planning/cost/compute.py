@@ -63,7 +63,7 @@ class ProfileModel:
     """Seconds measured here for each leaf layer at the sample counts a rank runs, with the thread
     count a rank gets: {samples: {leaf: (forward s, backward s)}}; the optimizer's seconds per
     parameter element; and `contention`, how much slower a rank runs because the job's ranks
-    share the cores (P x threads / cores, at least 1)."""
+    share the cores (ceil(P x threads / cores), at least 1)."""
 
     per_count: dict[int, dict[str, tuple[float, float]]]
     update_s: float = 0.0  # optimizer step, seconds per parameter element
@@ -82,8 +82,8 @@ class ProfileModel:
 
     def _fixed(self, name: str) -> tuple[float, float]:
         """A leaf's (forward, backward) seconds per call that do not grow with the samples (its
-        weights' share, the call's overhead): the intercept of a least-squares line through its measured counts, between 0 and the time
-        at the smallest count; 0 with a single count."""
+        weights' share, the call's overhead): the intercept of a least-squares line through its
+        measured counts, between 0 and the time at the smallest count; 0 with a single count."""
         counts = sorted(n for n in self.per_count if name in self.per_count[n])
         if len(counts) < 2:
             return 0.0, 0.0

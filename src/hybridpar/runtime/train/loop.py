@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.plan import ParallelPlan
+from hybridpar.planning.cluster import rank_threads
 from hybridpar.planning.models import build_any
 from hybridpar.runtime.comm.collectives import all_reduce
 from hybridpar.runtime.parallel.checkpoint import save_weights
@@ -170,7 +171,7 @@ def _quiet_rank(P: int) -> None:
     tqdm.set_lock(threading.RLock())
     # DDP warns once per run when a 1-channel conv's gradient has unusual strides: harmless
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // P))
+    torch.set_num_threads(rank_threads(os.cpu_count() or 1, P))
 
 
 def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:

@@ -32,14 +32,6 @@ def pricing_cluster(spec: str, required: bool) -> Cluster:
     return load_cluster(spec)
 
 
-def _compute(cfg: TrainConfig, cluster: Cluster, shape: tuple[int, ...], P: int, B: int):
-    """The profile of this host for a CPU job; FLOPs at the cluster's rate on GPUs (the profile
-    times the CPU)."""
-    if cfg.choices.device == "cuda":
-        return None
-    return planning_compute(cluster, cfg.model, shape, P, B)
-
-
 def preset_plan(
     cfg: TrainConfig, P: int, layers: list[CostLayer], shape: tuple[int, ...], cluster: Cluster
 ) -> ParallelPlan:
@@ -52,7 +44,7 @@ def preset_plan(
         choices=cfg.choices,
         model=cfg.model,
         input_shape=shape,
-        compute=_compute(cfg, cluster, shape, P, cfg.batch),
+        compute=planning_compute(cluster, cfg.model, shape, P, cfg.batch, cfg.choices.device),
         grad_bucket=cfg.runtime.bucket_bytes,
     )
 
@@ -74,7 +66,9 @@ def checked_file_plan(
         )
     cluster = pricing_cluster(cfg.cluster, required=False)
     chosen = [styles[x.name] for x in layers]
-    compute = _compute(cfg, cluster, shape, plan.procs, plan.batch)
+    compute = planning_compute(
+        cluster, cfg.model, shape, plan.procs, plan.batch, cfg.choices.device
+    )
     priced = evaluate(
         layers,
         plan.procs,
