@@ -308,6 +308,7 @@ def test_gholami_p512_speedups_as_docs_fidelity_reports_them():
             scenarios=("batch", "same-grid", "fc-grid"),
             overlap=overlap,
             grad_bucket=None,
+            fuse_handoff=False,  # the hand-off's dX all-reduced, as Eqs. 6 and 8 price it
         )
         b = r.candidates["batch"][0]
         out = {}

@@ -143,7 +143,8 @@ class Redistribution:
     src: Style
     dst: Style
     elements: int  # per example, of the activation redistributed
-    scheme: str = "a"  # Krizhevsky's hand-off scheme; (b) and (c) come later
+    scheme: str = "a"  # Krizhevsky's hand-off scheme (planning/handoff.py): a, b or c
+    rounds: int = 1  # how many rounds (b) and (c) send it in
 
     def to_dict(self) -> dict:
         return {
@@ -153,6 +154,7 @@ class Redistribution:
             "to": self.dst.label,
             "elements": self.elements,
             "scheme": self.scheme,
+            "rounds": self.rounds,
         }
 
 
@@ -341,8 +343,9 @@ class ParallelPlan:
             )
             lines.append(f"{layer:<{width}}  {style.label if style else '':<12}{cells}")
         for r in self.redistributions:
+            how = f", scheme ({r.scheme}) in {r.rounds} rounds" if r.scheme != "a" else ""
             lines.append(
-                f"redistribute before {r.layer} (at {r.at or '<input>'}): {r.src} -> {r.dst}"
+                f"redistribute before {r.layer} (at {r.at or '<input>'}): {r.src} -> {r.dst}{how}"
             )
         if self.totals:
             lines.append(
@@ -372,7 +375,14 @@ def _redistribution(r: dict, procs: int) -> Redistribution:
         Style.parse(r["to"], procs),
         int(r["elements"]),
         str(r.get("scheme", "a")),
+        _rounds(r.get("rounds", 1)),
     )
+
+
+def _rounds(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ConfigError(f"a redistribution's rounds must be a positive integer, got {v!r}")
+    return v
 
 
 def _prediction(p: dict) -> Prediction:

@@ -12,6 +12,7 @@ from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Prediction, Redistribution, Style
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm
+from hybridpar.planning.handoff import Handoff
 from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.rules import EXECUTED, why_not_choices
 from hybridpar.terms import Term
@@ -32,6 +33,7 @@ class LayerPlan:
     backward_s: float
     memory_bytes: float
     update_s: float = 0.0  # the optimizer's step on this layer's parameters of one rank
+    handoff: Handoff | None = None  # the scheme of the batch -> model hand-off into this layer
 
     @property
     def comm_s(self) -> float:
@@ -226,7 +228,10 @@ def export(
     for x in chosen.layers:
         if prev is not None and x.style.layout != prev.layout:
             at, d = x.layer.entry or x.layer.name, x.layer.entry_elements or x.layer.d_in
-            redistributions.append(Redistribution(at, x.layer.name, prev, x.style, d))
+            h = x.handoff or Handoff()
+            redistributions.append(
+                Redistribution(at, x.layer.name, prev, x.style, d, h.scheme, h.rounds)
+            )
         prev = x.style
     return ParallelPlan(
         procs=procs,

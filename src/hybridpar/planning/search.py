@@ -45,9 +45,11 @@ from hybridpar.planning.candidates import (
     export,
 )
 from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.cost.collectives import Comm
+from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
-from hybridpar.planning.cost.terms import Wire, layer_comms, redistribute
+from hybridpar.planning.cost.terms import Wire, layer_comms, on_host, redistribute
+from hybridpar.planning.handoff import Handoff, is_gather, why_not_handoff
+from hybridpar.planning.handoff import fused as handoff_fused
 from hybridpar.planning.layers import CostLayer, cost_layers
 from hybridpar.planning.rules import why_not, why_not_choices
 from hybridpar.terms import Term
@@ -98,9 +100,17 @@ class _Context:
         choices: Choices,
         overlap: bool = False,
         bucket: float | None = GRAD_BUCKET_BYTES,
+        handoff: str = "a",
+        rounds: int | None = None,
+        fixed: dict[str, Handoff] | None = None,
+        fuse_handoff: bool = True,
     ) -> None:
         self.layers, self.P, self.B, self.net, self.e, self.overlap = layers, P, B, net, e, overlap
         self.bucket = bucket
+        self.handoff, self.rounds, self.fixed = handoff, rounds, fixed
+        self.fuse_handoff = fuse_handoff
+        self._moves: dict[tuple, tuple | None] = {}
+        self._heads: dict[str, dict[str, Comm]] = {}  # the current segment's changed terms
         self.choices = choices
         self.compute_model = compute
         self.compute = [compute.times(x, B / P) for x in layers]  # B/P samples' worth, any style
@@ -120,14 +130,115 @@ class _Context:
     def _redistribute(self, a: Style | None, b: Style, d: int) -> Comm | None:
         return redistribute(a, b, d, self.B, self.net, self.e)
 
+    def head(self, i: int) -> list[int]:
+        """Layer i and the layers after it in its segment (a hand-off's head)."""
+        seg = self.layers[i].segment
+        if seg is None:
+            return [i]
+        return [j for j in range(i, len(self.layers)) if self.layers[j].segment == seg]
+
+    def schemes(self, i: int, prev: Style, s: Style) -> list[Handoff]:
+        """The hand-off schemes the move into layer i may take (`handoff`: a, b, c or auto)."""
+        x = self.layers[i]
+        if self.fixed is not None:
+            return [self.fixed.get(x.name, Handoff())]
+        if self.handoff == "a" or not is_gather(prev, s):
+            return [Handoff()]
+        m = prev.pc // s.pc
+        ks = {"b": [("b", m)], "c": [("c", self.rounds or m)]}.get(self.handoff)
+        if ks is None:  # auto
+            ks = [("b", m)] + [("c", k) for k in sorted({2, 4, m})]
+        head = [self.layers[j] for j in self.head(i)]
+        acts = self.choices.activations_encoded
+        ok = [Handoff(*k) for k in ks]
+        ok = [h for h in ok if not why_not_handoff(h, prev, s, head, self.B, acts, x.name)]
+        return [Handoff(), *ok] if self.handoff == "auto" or not ok else ok
+
+    def move(
+        self, i: int, prev: Style, s: Style, h: Handoff
+    ) -> tuple[Comm, dict[str, dict[str, Comm]]] | None:
+        """The hand-off into layer i by scheme `h`: its `redistribute` term (bytes both ways;
+        seconds exposed: what the head's compute of a round cannot hide), and the terms of the
+        head's layers it changes (per layer: their activation collectives K times on 1/K of the
+        batch; the split layer's dX all-reduce gone where the hand-off reduce-scatters it)."""
+        x = self.layers[i]
+        d = x.entry_elements or x.d_in
+        base = self._redist(prev, s, d)
+        if base is None or not is_gather(prev, s):
+            return (base, {}) if base is not None else None
+        fused = self.fuse_handoff and handoff_fused(x, prev, s, self.choices.activations_encoded)
+        if h.scheme == "a" and not fused:
+            return base, {}
+        m, K, wire = prev.pc // s.pc, h.rounds, Wire.of(self.e)
+        n = self.B / s.pc * d * wire.acts / K  # one round's gathered bytes
+        if h.scheme == "b":
+            g, r = broadcast(n, m, self.net), broadcast(n, m, self.net)
+            g = Comm("broadcast", m, n, g.seconds)
+            r = Comm("reduce", m, n, r.seconds) if fused else Comm.zero("reduce", m)
+        else:
+            g = on_host(all_gather(n, m, self.net), self.net, wire.acts_compressed, n / m)
+            r = on_host(reduce_scatter(n, m, self.net), self.net, wire.acts_compressed, n)
+            r = r if fused else Comm.zero("reduce_scatter", m)
+        heads = self.head(i)
+        f = math.fsum(self.time(j, s)[0] for j in heads) / K
+        b = math.fsum(self.time(j, s)[1] for j in heads) / K
+        exposed = g.seconds + (K - 1) * max(0.0, g.seconds - f)
+        exposed += r.seconds + (K - 1) * max(0.0, r.seconds - b)
+        comm = Comm(Term.REDISTRIBUTE, m, K * (g.bytes + r.bytes), exposed)
+        changed: dict[str, dict[str, Comm]] = {}
+        for j in heads:
+            y = self.layers[j]
+            full = self.terms(j, s)
+            per = layer_comms(y, j == 0, s, self.B / K, self.net, self.e, self.choices.bn)
+            new = dict(full)
+            for t in (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.DX_ALLGATHER):
+                if t in per:
+                    new[t] = Comm(per[t].kind, per[t].group, K * per[t].bytes, K * per[t].seconds)
+            if j == i and fused:
+                new[Term.DX_ALLREDUCE] = Comm.zero("all_reduce", s.pr)
+            changed[y.name] = new
+        return comm, changed
+
+    def best_move(self, i: int, prev: Style, s: Style):
+        """(seconds for the search, the redistribute term, the head's changed terms, the scheme)
+        of the cheapest scheme for the move into layer i; None when no move exists."""
+        key = (i, prev, s)
+        if key not in self._moves:
+            self._moves[key] = self._best_move(i, prev, s)
+        return self._moves[key]
+
+    def _best_move(self, i: int, prev: Style, s: Style):
+        best = None
+        for h in self.schemes(i, prev, s):
+            got = self.move(i, prev, s, h)
+            if got is None:
+                return None
+            comm, changed = got
+            delta = math.fsum(
+                c.seconds for terms in changed.values() for c in terms.values()
+            ) - math.fsum(
+                c.seconds
+                for j in self.head(i)
+                if self.layers[j].name in changed
+                for c in self.terms(j, s).values()
+            )
+            cost = comm.seconds + delta
+            if best is None or cost < best[0]:
+                best = (cost, comm, changed, h)
+        return best
+
     def transition(self, i: int, prev: Style | None, s: Style) -> Comm | None:
-        """The redistribution into layer i from the style before it; None when impossible."""
+        """The redistribution into layer i from the style before it, with what its scheme
+        changes in the head's terms; None when impossible."""
         if i == 0 or prev is None:
             return Comm.zero(Term.REDISTRIBUTE)
         if _shares_segment(self.layers, i):
             return Comm.zero(Term.REDISTRIBUTE) if prev == s else None
-        x = self.layers[i]
-        return self._redist(prev, s, x.entry_elements or x.d_in)
+        best = self.best_move(i, prev, s)
+        if best is None:
+            return None
+        cost, comm, _, _ = best
+        return Comm(comm.kind, comm.group, comm.bytes, cost)
 
     def memory(self, i: int, s: Style) -> float:
         x, w = self.layers[i], self.net.word_bytes
@@ -167,23 +278,42 @@ class _Context:
         if why:
             return why
         x = self.layers[i]
-        r = self.transition(i, prev, s)
-        if r is None:
-            if _shares_segment(self.layers, i):
-                return (
-                    f"{self.layers[i - 1].name} and {x.name} share one layout (no point between "
-                    f"them to change it, e.g. a residual block) but got {prev} and {s}"
-                )
-            return f"no redistribution from {prev} to {s} before {x.name}"
-        terms = dict(self.terms(i, s))
+        shares = _shares_segment(self.layers, i)
+        if shares and prev != s:
+            return (
+                f"{self.layers[i - 1].name} and {x.name} share one layout (no point between "
+                f"them to change it, e.g. a residual block) but got {prev} and {s}"
+            )
+        h, r = None, Comm.zero(Term.REDISTRIBUTE)
+        if i > 0 and prev is not None and not shares:
+            fixed = self.schemes(i, prev, s)[0] if self.fixed is not None else Handoff()
+            why = fixed.scheme != "a" and why_not_handoff(
+                fixed,
+                prev,
+                s,
+                [self.layers[j] for j in self.head(i)],
+                self.B,
+                self.choices.activations_encoded,
+                x.name,
+            )
+            if why:
+                return why
+            best = self.best_move(i, prev, s)
+            if best is None:
+                return f"no redistribution from {prev} to {s} before {x.name}"
+            _, r, self._heads, h = best
+            h = h if is_gather(prev, s) else None
+        elif not shares:
+            self._heads = {}
+        terms = dict(self._heads.get(x.name) or self.terms(i, s))
         if i > 0:
             terms[Term.REDISTRIBUTE] = r
         fwd, bwd, update = self.time(i, s)
-        return LayerPlan(x, s, terms, fwd, bwd, self.memory(i, s), update)
+        return LayerPlan(x, s, terms, fwd, bwd, self.memory(i, s), update, h)
 
     def evaluate(self, scenario: str, grid: tuple[int, int] | None, styles: list[Style]) -> Plan:
         plan = Plan(scenario, grid, overlap=self.overlap)
-        prev = None
+        prev, self._heads = None, {}
         for i, s in enumerate(styles):
             lp = self.layer_plan(i, s, prev)
             if isinstance(lp, str):
@@ -367,12 +497,23 @@ def plan_layers(
     overlap: bool = False,
     input_shape: tuple[int, ...] | None = None,
     grad_bucket: float | None = GRAD_BUCKET_BYTES,
+    handoff: str = "a",
+    rounds: int | None = None,
+    fuse_handoff: bool = True,
 ) -> PlanResult:
     """Evaluate `scenarios` for `layers` on P processes with global batch B and the plan-wide
     `choices` (codec, bn, ...: hybridpar.choices; with bn global or adaptive the batch norms'
     all-reduces are priced too). Whether a layer can take a style is planning.rules.why_not, the
-    runtime's own rule: every candidate is a plan `parallelize` runs."""
+    runtime's own rule: every candidate is a plan `parallelize` runs. `handoff`: the schemes a
+    batch -> model hand-off may take (a; b; c, in `rounds` rounds or one per gathering rank; auto:
+    the cheapest of a, b and c in 2, 4 or m rounds: planning/handoff.py). `fuse_handoff=False`
+    prices a hand-off's backward as Gholami et al.'s Eqs. 6 and 8 do (the split layer's dX
+    all-reduced, each rank keeping its rows) instead of the runtime's reduce-scatter."""
     all_grids = _check(P, B, scenarios)
+    if handoff not in ("a", "b", "c", "auto"):
+        raise ConfigError(f"unknown hand-off {handoff!r}; choose a, b, c or auto")
+    if rounds is not None and (handoff != "c" or rounds < 1):
+        raise ConfigError("--rounds is for --handoff c: a positive number of rounds")
     cluster = cluster.at(P)
     choices = choices or Choices()
     base = cluster.word_bytes if elem_bytes is None else elem_bytes
@@ -386,6 +527,9 @@ def plan_layers(
         choices,
         overlap,
         grad_bucket,
+        handoff,
+        rounds,
+        fuse_handoff=fuse_handoff,
     )
     candidates = {n: _candidates(ctx, n, all_grids, memory_limit) for n in scenarios}
     best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in scenarios]
@@ -468,11 +612,15 @@ def evaluate(
     name: str = "custom",
     compute: ComputeModel | None = None,
     grad_bucket: float | None = GRAD_BUCKET_BYTES,
+    handoffs: dict[str, Handoff] | None = None,
 ) -> Plan:
-    """The predicted cost of one given chain of styles (what the runtime is about to execute)."""
+    """The predicted cost of one given chain of styles (what the runtime is about to execute),
+    with the hand-off schemes it names by the layer they enter (scheme (a) elsewhere)."""
     choices = choices or Choices()
     cluster = cluster.at(P)
     e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices)
     compute = compute or FlopsModel(cluster.rank_flops(P))
-    ctx = _Context(layers, P, B, cluster, compute, e, choices, bucket=grad_bucket)
+    ctx = _Context(
+        layers, P, B, cluster, compute, e, choices, bucket=grad_bucket, fixed=handoffs or {}
+    )
     return ctx.evaluate(name, None, styles)

@@ -53,6 +53,7 @@ __all__ = [
     "eq8_integrated",
     "eq9_integrated_domain",
     "layer_comms",
+    "on_host",
     "redistribute",
     "t_halo",
     "t_norms",
@@ -90,7 +91,7 @@ def _reduce(n: float, p: int, net: Cluster, compressed: bool, pipelined: bool = 
     return compressed_all_reduce(n, p, net, pipelined) if compressed else all_reduce(n, p, net)
 
 
-def _on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm:
+def on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm:
     """An activation collective as the runtime runs it on one host: through shared memory
     (comm.small), small_alpha + shm_beta * bytes, where `hybridpar calibrate` measured both.
     Encoded activations (a codec), clusters without those numbers, and collectives of more than
@@ -107,7 +108,7 @@ def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: flo
     """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_i: forward all-gather of Y over the model group."""
     w = Wire.of(e)
     n = B / pc * layer.d_out * w.acts
-    return _on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
+    return on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
 
 
 def t_dx_allreduce(
@@ -116,7 +117,7 @@ def t_dx_allreduce(
     """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX."""
     w = Wire.of(e)
     n = B / pc * layer.d_in * w.acts
-    return _on_host(_reduce(n, pr, net, w.acts_compressed), net, w.acts_compressed, n)
+    return on_host(_reduce(n, pr, net, w.acts_compressed), net, w.acts_compressed, n)
 
 
 def t_dx_allgather(
@@ -127,7 +128,7 @@ def t_dx_allgather(
     there alone: the slices are all-gathered, half the bytes of the all-reduce a dense layer needs."""
     w = Wire.of(e)
     n = B / pc * layer.d_in * w.acts
-    return _on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
+    return on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
 
 
 def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float | Wire) -> Comm:
@@ -317,7 +318,7 @@ def redistribute(
     e = wire.acts
 
     def gather(n: float, p: int) -> Comm:
-        return _on_host(all_gather(n, p, net), net, wire.acts_compressed, n / p)
+        return on_host(all_gather(n, p, net), net, wire.acts_compressed, n / p)
 
     if prev is None or prev.layout == nxt.layout:
         return Comm.zero("redistribute")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.runtime.comm.codecs import Codec, Encoded
-from hybridpar.runtime.comm.group import Group, group_size, pg_of
+from hybridpar.runtime.comm.group import Group, group_rank, group_size, pg_of
 from hybridpar.runtime.comm.ledger import Entry, Ledger
 from hybridpar.splits import chunk_sizes, even_split
 from hybridpar.terms import Term
@@ -28,12 +28,18 @@ from hybridpar.terms import Term
 __all__ = [
     "CompressedPipeline",
     "Pending",
+    "Started",
     "all_gather_uneven",
     "all_reduce",
     "chunk_sizes",
     "compressed_all_reduce",
     "even_split",
     "group_size",
+    "reduce_scatter_uneven",
+    "start_all_gather",
+    "start_broadcast",
+    "start_reduce",
+    "start_reduce_scatter",
 ]
 
 
@@ -127,6 +133,177 @@ def all_gather_uneven(
             {layer: out.numel()} if layer else None,
         )
     return out
+
+
+def reduce_scatter_uneven(
+    t: torch.Tensor,
+    sizes: Sequence[int],
+    dim: int,
+    group: Group | dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layer: str | None,
+) -> torch.Tensor:
+    """The sum of `t` over `group`, of which this rank keeps its piece along `dim` (rank i's has
+    sizes[i]): the reverse of all_gather_uneven. The ledger books the whole tensor's bytes, as the
+    cost model's reduce_scatter takes them."""
+    return start_reduce_scatter(t, sizes, dim, group, ledger, term, layer).wait()
+
+
+class Started:
+    """A collective in flight (split phase): `wait()` finishes it and returns its result; the
+    ledger entry is booked at the start and gets its wall time at the end. On one host through
+    shared memory (comm.small's begin/finish: the group must carry nothing else in between), else
+    an asynchronous torch.distributed call."""
+
+    def __init__(self, finish, entry: Entry | None, t0: float) -> None:
+        self._finish, self.entry, self.t0 = finish, entry, t0
+
+    def wait(self) -> torch.Tensor:
+        out = self._finish()
+        if self.entry is not None:
+            self.entry.seconds = time.perf_counter() - self.t0
+        return out
+
+
+def _started(kind, p, nbytes, ledger, term, layer, numel, finish, t0) -> Started:
+    entry = None
+    if ledger is not None:
+        entry = ledger.record(kind, p, nbytes, 0.0, term, {layer: numel} if layer else None)
+    return Started(finish, entry, t0)
+
+
+def _small(group, t: torch.Tensor, nbytes: int):
+    small = group.shm if isinstance(group, Group) else None
+    return small if small is not None and small.fits(t, nbytes) else None
+
+
+def _padded(t: torch.Tensor, dim: int, top: int) -> torch.Tensor:
+    if t.shape[dim] == top:
+        return t.contiguous()
+    return torch.cat([t, t.new_zeros(_shape_with(t, dim, top - t.shape[dim]))], dim=dim)
+
+
+def start_all_gather(
+    t: torch.Tensor,
+    sizes: Sequence[int],
+    dim: int,
+    group: Group | dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layer: str | None,
+) -> Started:
+    """all_gather_uneven, split phase."""
+    t0 = time.perf_counter()
+    t, sizes = t.contiguous(), list(sizes)
+    out_shape = _shape_with(t, dim, sum(sizes))
+    numel = math.prod(out_shape)
+    nbytes = numel * t.element_size()
+    top = max(sizes)
+    inner = math.prod(n for i, n in enumerate(t.shape) if i != dim % t.dim())
+    small = _small(group, t, top * inner * t.element_size())
+    if small is not None:
+        posted = small.begin([t.view(-1)], top * inner * t.element_size())
+
+        def finish() -> torch.Tensor:
+            slots = small.finish(posted, "join an all-gather on")
+            return torch.cat(small.pieces(slots, t, sizes, dim), dim=dim)
+
+    else:
+        mine = _padded(t, dim, top)
+        pieces = [torch.empty_like(mine) for _ in sizes]
+        work = dist.all_gather(pieces, mine, group=pg_of(group), async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            return torch.cat([x.narrow(dim, 0, n) for x, n in zip(pieces, sizes, strict=True)], dim)
+
+    return _started("all_gather", len(sizes), nbytes, ledger, term, layer, numel, finish, t0)
+
+
+def start_reduce_scatter(
+    t: torch.Tensor,
+    sizes: Sequence[int],
+    dim: int,
+    group: Group | dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layer: str | None,
+) -> Started:
+    """reduce_scatter_uneven, split phase."""
+    t0 = time.perf_counter()
+    t, sizes = t.contiguous(), list(sizes)
+    p, me = len(sizes), group_rank(group)
+    nbytes = t.numel() * t.element_size()
+    small = _small(group, t, nbytes)
+    if small is not None:
+        posted = small.begin([t.view(-1)], nbytes)
+
+        def finish() -> torch.Tensor:
+            return small.my_sum(small.finish(posted, "join a reduce-scatter on"), t, sizes, dim)
+
+    else:
+        top = max(sizes)
+        starts = [sum(sizes[:i]) for i in range(p)]
+        ins = [_padded(t.narrow(dim, a, n), dim, top) for a, n in zip(starts, sizes, strict=True)]
+        out = torch.empty_like(ins[0])
+        work = dist.reduce_scatter(out, ins, group=pg_of(group), async_op=True)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            return out.narrow(dim, 0, sizes[me])
+
+    return _started("reduce_scatter", p, nbytes, ledger, term, layer, t.numel(), finish, t0)
+
+
+def start_broadcast(
+    t: torch.Tensor,
+    root: int,
+    group: Group | dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layer: str | None,
+) -> Started:
+    """`t` of the group's rank `root` onto every rank (t: the root's tensor, or a buffer of its
+    shape elsewhere), asynchronous on torch.distributed."""
+    t0 = time.perf_counter()
+    buf = t.contiguous()
+    pg = pg_of(group)
+    work = dist.broadcast(buf, src=dist.get_global_rank(pg, root), group=pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return buf
+
+    n = buf.numel()
+    return _started(
+        "broadcast", group_size(group), n * buf.element_size(), ledger, term, layer, n, finish, t0
+    )
+
+
+def start_reduce(
+    t: torch.Tensor,
+    root: int,
+    group: Group | dist.ProcessGroup,
+    ledger: Ledger | None,
+    term: str,
+    layer: str | None,
+) -> Started:
+    """The sum of `t` over the group onto its rank `root` (elsewhere the result is undefined),
+    asynchronous on torch.distributed."""
+    t0 = time.perf_counter()
+    buf = t.contiguous().clone()
+    pg = pg_of(group)
+    work = dist.reduce(buf, dst=dist.get_global_rank(pg, root), group=pg, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return buf
+
+    n = buf.numel()
+    return _started(
+        "reduce", group_size(group), n * buf.element_size(), ledger, term, layer, n, finish, t0
+    )
 
 
 def _gloo_all_gather(

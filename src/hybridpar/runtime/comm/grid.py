@@ -189,7 +189,7 @@ class GridSet:
     def grid(self, pc: int) -> ProcessGrid:
         return self.grids[pc]
 
-    def _regroup(self, fine: int, coarse: int) -> Group:
+    def _regroup(self, fine: int, coarse: int, tag: str = "") -> Group:
         """Ranks {k : k // pr_coarse and k % pr_fine as for this rank}: the m = fine / coarse ranks
         whose batch groups of the fine layout make up one batch group of the coarse layout."""
         if fine % coarse:
@@ -202,13 +202,20 @@ class GridSet:
         for c in range(coarse):
             for r in range(pr_f):
                 members = [c * pr_c + j * pr_f + r for j in range(fine // coarse)]
-                g = new_group(members, self.timeout, "hybridpar_regroup", shm=self.shm)
+                g = new_group(members, self.timeout, f"hybridpar_regroup{tag}", tag, self.shm)
                 if rank in members:
                     mine = g
         return mine
 
     def regroup(self, a: int, b: int) -> Group:
         return self._moves[(max(a, b), min(a, b))]
+
+    def handoff_group(self, a: int, b: int) -> Group:
+        """A twin of `regroup(a, b)` for a hand-off sent in rounds (runtime/parallel/rounds.py):
+        its split-phase collectives stay in flight while the layers after it run theirs, so it
+        must not share a group (or its shared memory) with them. Collective: every rank asks for
+        the same pairs in the same order."""
+        return self._regroup(max(a, b), min(a, b), "handoff")
 
     def twin_group(self, pc: int, tag: str, shm: bool = False) -> Group:
         """Another group with the members of this rank's batch group of grid `pc`, so that one kind

@@ -141,12 +141,39 @@ class SmallReducer(HostReducer):
         slots = self._post(
             t.view(-1), "join an all-gather on", max(sizes) * inner * t.element_size()
         )
-        pieces = []
+        return torch.cat(self.pieces(slots, t, sizes, dim), dim=dim)
+
+    def pieces(self, slots: list[torch.Tensor], like: torch.Tensor, sizes: list[int], dim: int):
+        """Each rank's piece of a posted all-gather, as views of its slot (valid until this
+        rank's call after next): rank i's has sizes[i] along dim, the other dimensions as
+        `like`'s."""
+        inner = math.prod(n for i, n in enumerate(like.shape) if i != dim % like.dim())
+        out = []
         for b, n in zip(slots, sizes, strict=True):
-            shape = list(t.shape)
+            shape = list(like.shape)
             shape[dim] = n
-            pieces.append(b[: n * inner * t.element_size()].view(t.dtype).view(shape))
-        return torch.cat(pieces, dim=dim)
+            out.append(b[: n * inner * like.element_size()].view(like.dtype).view(shape))
+        return out
+
+    def my_sum(self, slots: list[torch.Tensor], t: torch.Tensor, sizes: list[int], dim: int):
+        """This rank's piece (sizes[me] along dim, from sum(sizes[:me])) of the sum of every
+        rank's posted `t`-shaped tensor, added in rank order: the reduce-scatter's answer."""
+        me = self.topo.local_rank
+        nbytes = t.numel() * t.element_size()
+        start = sum(sizes[:me])
+        parts = [
+            b[:nbytes].view(t.dtype).view(t.shape).narrow(dim, start, sizes[me]) for b in slots
+        ]
+        out = torch.empty_like(parts[0], memory_format=torch.contiguous_format)
+        sum_in_order(out, parts)
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor, sizes: list[int], dim: int) -> torch.Tensor:
+        """Sum `t` over the group and keep this rank's piece along `dim` (rank i's has sizes[i]);
+        every rank adds the slots in rank order, as small_all_reduce does."""
+        t = t.contiguous()
+        slots = self._post(t.view(-1), "join a reduce-scatter on", t.numel() * t.element_size())
+        return self.my_sum(slots, t, sizes, dim)
 
 
 def shared_memory(group: Group | dist.ProcessGroup) -> SmallReducer | None:

@@ -15,11 +15,13 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hybridpar.plan import ParallelPlan, Style
+from hybridpar.planning import handoff
 from hybridpar.runtime.comm.codecs import get_codec
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel import rounds
 from hybridpar.runtime.parallel.batchnorm import BNSwitch, Plateau, convert_global_batchnorm
 from hybridpar.runtime.parallel.dropout import Where, replace_dropouts
 from hybridpar.runtime.parallel.kinds import move, runtime_style
@@ -35,6 +37,7 @@ __all__ = [
     "context",
     "global_batchnorm",
     "grad_sync",
+    "handoff_rounds",
     "redistributions",
     "shard",
     "switch",
@@ -84,11 +87,34 @@ def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list
         moves.insert(0, (0, Style.model(first.pr, first.pc), first))
     hooks = []
     for k, src, dst in moves:
-        m = Move(ctx.grids, ctx.rows, ctx.ledger, layout.first_layer(k), ctx.activation_codec)
+        first = layout.first_layer(k)
+        m = Move(ctx.grids, ctx.rows, ctx.ledger, first, ctx.activation_codec)
         m.height = layout.height_before(k)
+        x = next(y for y in layout.layers if y.name == first)
+        m.fused = k > 0 and handoff.fused(x, src, dst, ctx.choices.activations_encoded)
+        if m.fused:  # the split layer leaves dX partial; the hand-off reduce-scatters it
+            model.get_submodule(layout.entries[k]).partial_dx = True
+        if layout.handoff(k).scheme != "a":  # sent in rounds: handoff_rounds installs it
+            continue
         hook = move(src, dst, m)
         hooks.append(model.get_submodule(layout.entries[k]).register_forward_pre_hook(hook))
     return hooks
+
+
+def handoff_rounds(model: nn.Module, layout: Layout, ctx: BuildContext) -> None:
+    """Krizhevsky's schemes (b) and (c) where the plan names them: the head of each such hand-off
+    runs in rounds (rounds.py). After every module is replaced (dropout, batch norm), in segment
+    order on every rank (each makes its group)."""
+    for k, src, dst in layout.moves():
+        h = layout.handoff(k)
+        if h.scheme == "a":
+            continue
+        first = layout.first_layer(k)
+        x = next(y for y in layout.layers if y.name == first)
+        fused = handoff.fused(x, src, dst, ctx.choices.activations_encoded)
+        later = [e for j, e in layout.entries.items() if j > k]
+        r = rounds.Rounds(ctx.grids, src.pc, dst.pc, ctx.rows, ctx.ledger, first, h, fused)
+        rounds.install(model, layout.entries[k], later, r)
 
 
 def dropouts(
@@ -109,7 +135,9 @@ def dropouts(
         style = styles[spec.segment if spec is not None else 0]
         grid = style.grid
 
-        def first_example() -> int:
+        def first_example() -> int | torch.Tensor:
+            if ctx.rows.examples is not None:  # inside a hand-off round (rounds.py)
+                return ctx.rows.examples
             return grid.rows(ctx.rows.sizes).start
 
         if spec is None or style.spec.layout[0] != "dom" or len(spec.in_shape) < 2:

@@ -77,11 +77,11 @@ def uniform(
 @dataclass
 class Where:
     """What a rank's activation holds of the global one at a dropout module, read at each call:
-    the step, the first global example, and for a layout split by height the first row of the
+    the step, the first global example (or, in a hand-off round, the global index of each), and for a layout split by height the first row of the
     band and the whole per-example shape (None: the rank holds whole examples)."""
 
     step: Callable[[], int]
-    first_example: Callable[[], int] = lambda: 0
+    first_example: Callable[[], int | torch.Tensor] = lambda: 0
     first_row: int = 0
     shape: tuple[int, ...] | None = None
 
@@ -97,9 +97,12 @@ class CounterDropout(nn.Module):
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         w, n = self.where, x.shape[0]
         e0 = w.first_example()
-        examples = torch.arange(e0, e0 + n, dtype=torch.int64, device=x.device).view(
-            n, *[1] * (x.dim() - 1)
-        )
+        if isinstance(e0, torch.Tensor):  # a hand-off round's examples (runtime/parallel/rounds)
+            examples = e0.to(x.device).view(n, *[1] * (x.dim() - 1))
+        else:
+            examples = torch.arange(e0, e0 + n, dtype=torch.int64, device=x.device).view(
+                n, *[1] * (x.dim() - 1)
+            )
         local = list(x.shape[1:])
         shape = list(w.shape) if w.shape is not None else local
         offsets = [0] * len(local)

@@ -58,6 +58,7 @@ class HybridParallel(Engine):
         self.bn_switch = apply.switch(plan, self.ctx) if plan.choices.bn == "adaptive" else None
         if plan.choices.bn != "local":
             apply.global_batchnorm(model, layout, self.styles, ledger, self.bn_switch)
+        apply.handoff_rounds(model, layout, self.ctx)  # once every module is final
         self.reducer = make_reducer(plan.choices, options)
         self.sync = apply.grad_sync(model, layout, self.styles, self.reducer, self.ctx)
         if self.reducer.host:  # Sekiyama's Algorithm 5: parameters sent once, at the start

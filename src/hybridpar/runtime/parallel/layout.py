@@ -9,17 +9,19 @@ against the model before it spawns anything, and hands the answer to every rank'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style, assign_styles
+from hybridpar.plan import ParallelPlan, Redistribution, Style, assign_styles
 from hybridpar.planning.analysis import Trace, trace
+from hybridpar.planning.handoff import Handoff, is_gather, why_not_handoff
 from hybridpar.planning.layers import CostLayer, cost_layers
 from hybridpar.planning.rules import why_not, why_not_choices
 
-__all__ = ["Layout", "resolve"]
+__all__ = ["Layout", "resolve", "with_handoff"]
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Layout:
     module_segment: dict[str, int]  # leaf module with parameters or buffers -> its segment
     param_segment: dict[str, int]  # parameter -> segment where its gradient is computed
     layer_of: dict[str, str]  # leaf module -> the cost-model layer it belongs to (ledger names)
+    handoffs: dict[int, Handoff] = field(default_factory=dict)  # segment -> scheme, where not (a)
 
     def moves(self) -> list[tuple[int, Style, Style]]:
         """(segment, the style before it, its style) wherever the layout changes."""
@@ -49,6 +52,13 @@ class Layout:
         leaves it split by height (the last window of its last layer); else None."""
         prev = [x for x in self.layers if x.segment == seg - 1 and x.windows]
         return prev[-1].windows[-1][6] if prev else None
+
+    def segment_layers(self, seg: int) -> list[CostLayer]:
+        return [x for x in self.layers if x.segment == seg]
+
+    def handoff(self, seg: int) -> Handoff:
+        """How the move into segment `seg` sends its activation (scheme (a) unless the plan says)."""
+        return self.handoffs.get(seg, Handoff())
 
     def first_layer(self, seg: int) -> str:
         """The first weighted layer of segment `seg` (the name the ledger books its moves under)."""
@@ -99,7 +109,46 @@ def resolve(
         {m: x.name for x in layers for m in x.members},
     )
     _check_redistributions(layout)
+    layout.handoffs = _handoffs(layout)
     return layout
+
+
+def _handoffs(layout: Layout) -> dict[int, Handoff]:
+    """Each move's scheme from the plan's redistributions, checked by the planner's own rule."""
+    listed = {(r.at, r.layer): r for r in layout.plan.redistributions}
+    out = {}
+    for k, a, b in layout.moves():
+        first = layout.first_layer(k)
+        r = listed.get((layout.entries.get(k, first), first))
+        if r is None or (r.scheme == "a" and r.rounds == 1):
+            continue
+        h = Handoff(r.scheme, r.rounds)
+        acts = layout.plan.choices.activations_encoded
+        why = why_not_handoff(h, a, b, layout.segment_layers(k), layout.plan.batch, acts, first)
+        if why:
+            raise ConfigError(why)
+        out[k] = h
+    return out
+
+
+def with_handoff(layout: Layout, scheme: str, rounds: int | None = None) -> ParallelPlan:
+    """The layout's plan with every batch -> model hand-off sent by `scheme` in `rounds` rounds
+    (None: one per gathering rank, the paper's K); the other moves keep scheme (a). The plan's
+    redistributions are filled in from the model where it listed none."""
+    listed = {(r.at, r.layer): r for r in layout.plan.redistributions}
+    out = []
+    for k, a, b in layout.moves():
+        first = layout.first_layer(k)
+        at = layout.entries.get(k, first)
+        x = next(y for y in layout.layers if y.name == first)
+        r = listed.get((at, first)) or Redistribution(at, first, a, b, x.entry_elements or x.d_in)
+        if is_gather(a, b) and scheme != "a":
+            k_rounds = rounds if rounds is not None and scheme == "c" else a.pc // b.pc
+            r = dataclasses.replace(r, scheme=scheme, rounds=k_rounds)
+        else:
+            r = dataclasses.replace(r, scheme="a", rounds=1)
+        out.append(r)
+    return dataclasses.replace(layout.plan, redistributions=out)
 
 
 def _checked_styles(

@@ -142,8 +142,15 @@ class ModelParallel(nn.Module):
 
     unit_dim = -1  # where the output units lie in Y
 
+    partial_dx = False
+    """set where the hand-off into this layer reduce-scatters its input's gradient
+    (planning/handoff.py: fused): dX is left partial here, and the hand-off sums it"""
+
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """The input this rank computes on; its backward completes dX over the model group."""
+        """The input this rank computes on; its backward completes dX over the model group
+        (unless the hand-off in front of the layer does: `partial_dx`)."""
+        if self.partial_dx:
+            return x
         return copy_to_group(x, self.group, self.ledger, self.name, self.codec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,15 @@ gradient of a slice is all-gathered. Either direction sends one all-gather, the 
 
 | function   | forward                                  | backward                            |
 | ---------- | ---------------------------------------- | ----------------------------------- |
-| gather     | all-gather the pieces along `dim`        | keep this rank's piece of the grad  |
+| gather     | all-gather the pieces along `dim`        | keep this rank's piece of the grad, |
+|            |                                          | or reduce-scatter a partial one     |
 | split      | keep this rank's piece along `dim`       | all-gather the pieces of the grad   |
 
-Both are no-ops on a group of one rank. Scheme (a) is one round; schemes (b) and (c) (K rounds,
-each overlapped with the FC compute of the previous one) are a later `scheme`.
+Both are no-ops on a group of one rank. A gather straight into a split layer from a pure batch
+layout takes the layer's partial dX and reduce-scatters it (planning/handoff.py, `fused`): each
+example's gradient summed once and sent to its owner, half the bytes of the layer's dX all-reduce.
+This is Krizhevsky's scheme (a), one round; schemes (b) and (c) (K rounds, each overlapped with
+the compute of the layers after the hand-off) are runtime/parallel/rounds.py.
 
 The redistribution between two styles' layouts is looked up by the pair of their layout kinds
 ("rep": split over batch groups, replicated in model groups; "dom": also split by height): this
@@ -31,11 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridpar.errors import ConfigError
 from hybridpar.plan import Style
 from hybridpar.runtime import faults
 from hybridpar.runtime.comm.codecs import Codec
-from hybridpar.runtime.comm.collectives import all_gather_uneven
+from hybridpar.runtime.comm.collectives import all_gather_uneven, reduce_scatter_uneven
 from hybridpar.runtime.comm.grid import GridSet, rows_of_group
 from hybridpar.runtime.comm.group import Group, group_rank
 from hybridpar.runtime.comm.ledger import Ledger
@@ -45,18 +48,23 @@ __all__ = ["MOVES", "Chain", "Move", "Redistribute", "StepRows", "gather", "repl
 
 
 class _Gather(torch.autograd.Function):
-    """Forward: all-gather the pieces along `dim`. Backward: keep this rank's piece."""
+    """Forward: all-gather the pieces along `dim`. Backward: keep this rank's piece, or, where the
+    gradient is every rank's partial sum (`fused`: planning/handoff.py), reduce-scatter it."""
 
     @staticmethod
-    def forward(ctx, x, sizes, dim, group, ledger, term, layer, codec):
-        ctx.dim, ctx.sizes = dim, sizes
+    def forward(ctx, x, sizes, dim, group, ledger, term, layer, codec, fused):
+        ctx.dim, ctx.sizes, ctx.fused = dim, sizes, fused
         ctx.rank = group_rank(group)
+        ctx.args = (group, ledger, term, layer)
         return all_gather_uneven(x, sizes, dim, group, ledger, term, layer, codec)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.fused:
+            mine = reduce_scatter_uneven(grad, ctx.sizes, ctx.dim, *ctx.args)
+            return mine, *([None] * 8)
         start = sum(ctx.sizes[: ctx.rank])
-        return grad.narrow(ctx.dim, start, ctx.sizes[ctx.rank]).contiguous(), *([None] * 7)
+        return grad.narrow(ctx.dim, start, ctx.sizes[ctx.rank]).contiguous(), *([None] * 8)
 
 
 class _Split(torch.autograd.Function):
@@ -82,10 +90,11 @@ def gather(
     term: str,
     layer: str | None,
     codec: Codec | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     if len(sizes) == 1:
         return x
-    return _Gather.apply(x, tuple(sizes), dim, group, ledger, term, layer, codec)
+    return _Gather.apply(x, tuple(sizes), dim, group, ledger, term, layer, codec, fused)
 
 
 def split(
@@ -109,6 +118,8 @@ class StepRows:
 
     def __init__(self) -> None:
         self.sizes: list[int] | None = None
+        self.examples: torch.Tensor | None = None
+        """inside a hand-off round: the global index of each example the round carries"""
 
 
 class Redistribute:
@@ -124,13 +135,11 @@ class Redistribute:
         ledger: Ledger | None,
         layer: str,
         codec: Codec | None = None,
-        scheme: str = "a",
+        fused: bool = False,
     ) -> None:
-        if scheme != "a":
-            raise ConfigError(f"hand-off scheme {scheme!r} is not implemented yet; use 'a'")
         self.group = grids.regroup(src, dst)
         self.src, self.dst, self.rows = src, dst, rows
-        self.ledger, self.layer, self.codec, self.scheme = ledger, layer, codec, scheme
+        self.ledger, self.layer, self.codec, self.fused = ledger, layer, codec, fused
         fine, coarse = max(src, dst), min(src, dst)
         world = grids.world_size
         self.pr_fine, self.m = world // fine, fine // coarse
@@ -148,11 +157,10 @@ class Redistribute:
     def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
         faults.at("handoff")
         x, *rest = args
-        move = gather if self.dst < self.src else split
-        y = move(
-            x, self.sizes(), 0, self.group, self.ledger, Term.REDISTRIBUTE, self.layer, self.codec
-        )
-        return (y, *rest)
+        args = (x, self.sizes(), 0, self.group, self.ledger, Term.REDISTRIBUTE, self.layer)
+        if self.dst < self.src:
+            return (gather(*args, self.codec, self.fused), *rest)
+        return (split(*args, self.codec), *rest)
 
 
 @dataclass
@@ -167,6 +175,8 @@ class Move:
     layer: str
     codec: Codec | None = None
     height: int | None = None
+    fused: bool = False
+    """the hand-off's backward is one reduce-scatter of the split layer's partial dX"""
 
 
 class Chain:
@@ -185,7 +195,7 @@ def replicated(src: Style, dst: Style, m: Move) -> Callable:
     """Between two layouts split by examples only: one all-gather or slice (Redistribute)."""
     if src.pc == dst.pc:
         return lambda module, args: args
-    return Redistribute(m.grids, src.pc, dst.pc, m.rows, m.ledger, m.layer, m.codec)
+    return Redistribute(m.grids, src.pc, dst.pc, m.rows, m.ledger, m.layer, m.codec, m.fused)
 
 
 MOVES: dict[tuple[str, str], Callable[[Style, Style, Move], Callable]] = {

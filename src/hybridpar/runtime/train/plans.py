@@ -13,6 +13,7 @@ import torch.distributed as dist
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style
 from hybridpar.planning.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
+from hybridpar.planning.handoff import Handoff
 from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.presets import plan_preset
 from hybridpar.planning.profile import planning_compute
@@ -78,6 +79,7 @@ def checked_file_plan(
         choices=plan.choices,
         compute=compute,
         grad_bucket=cfg.runtime.bucket_bytes,
+        handoffs={r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions},
     )
     if not priced.feasible:
         raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")

@@ -1,0 +1,259 @@
+"""Krizhevsky's hand-off schemes (b) and (c): the activations move into the gathered layout in K
+rounds, and the layers after the hand-off (its *head*) run round by round, so round j+1's
+activations travel while round j computes (planning/handoff.py states the schemes and the rule).
+
+    forward:  start(0); for j: h_j = wait(j); start(j+1); y_j = head(h_j)       (y: in (a)'s order)
+    backward: for j = K-1 .. 0: head's backward of round j; wait(j+1); start(j)'s return
+              (each round's activation gradient to the ranks that own its examples)
+
+The head is the module the hand-off enters and, where that module sits in an nn.Sequential, the
+modules after it there up to the next change of layout: any module tree has one (the entry module
+itself). The entry (or its Sequential) keeps its name, parameters and state-dict keys; only its
+`forward` is wrapped on this rank. Rounds are one autograd node: its forward builds each round's
+graph under `enable_grad`, its backward runs them (torch.autograd.backward), which accumulates the
+head's parameter gradients where the gradient synchroniser sees them, as the one-round hand-off
+does. Examples in a round are not contiguous, so counter-based dropout in the head is told their
+global indices (StepRows.examples) and draws the masks one process draws.
+
+Backward returns each round's gradient to its owners: where the gradient is the split layer's
+partial dX (planning/handoff.fused) by a reduce-scatter ((c)) or a reduce to the round's sender
+((b)); otherwise it is complete on every rank and each keeps its rows. On one host the all-gathers
+and reduce-scatters go through shared memory in two phases (comm.small), elsewhere they are
+asynchronous torch.distributed calls; (b)'s broadcasts and reduces are torch.distributed's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.planning.handoff import Handoff, round_rows
+from hybridpar.runtime import faults
+from hybridpar.runtime.comm.collectives import (
+    Started,
+    start_all_gather,
+    start_broadcast,
+    start_reduce,
+    start_reduce_scatter,
+)
+from hybridpar.runtime.comm.grid import GridSet, rows_of_group
+from hybridpar.runtime.comm.group import group_rank
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.parallel.redistribute import StepRows
+from hybridpar.terms import Term
+
+__all__ = ["Rounds", "install"]
+
+
+class _Plan:
+    """One step's rounds on this rank: who sends how many examples in which round."""
+
+    def __init__(self, r: Rounds) -> None:
+        finest = r.rows.sizes
+        if finest is None:
+            raise RuntimeError("call set_batch(n) with the step's global batch before the forward")
+        groups = [r.first + i for i in range(r.m)]
+        self.rows = [rows_of_group(finest, r.pr_fine, g) for g in groups]  # per member
+        starts = [sum(rows_of_group(finest, r.pr_fine, g) for g in range(c)) for c in groups]
+        self.per_round = [round_rows(n, r.h.scheme, r.h.rounds, i) for i, n in enumerate(self.rows)]
+        K = r.h.rounds
+        # round j carries, member by member, these global examples
+        self.examples, order = [], []
+        for j in range(K):
+            ex, pos = [], []
+            for i in range(r.m):
+                off = sum(self.per_round[i][:j])
+                ex.append(torch.arange(starts[i] + off, starts[i] + off + self.per_round[i][j]))
+                pos.append(
+                    torch.arange(
+                        sum(self.rows[:i]) + off, sum(self.rows[:i]) + off + self.per_round[i][j]
+                    )
+                )
+            self.examples.append(torch.cat(ex))
+            order.append(torch.cat(pos))
+        # y in round order -> (a)'s order (member by member): canonical row c sits at perm[c]
+        where = torch.cat(order)
+        self.perm = torch.empty_like(where)
+        self.perm[where] = torch.arange(where.numel())
+        self.where = where
+
+    def sizes(self, j: int) -> list[int]:
+        """Each member's examples in round j."""
+        return [self.per_round[i][j] for i in range(len(self.rows))]
+
+
+class Rounds:
+    """The hand-off into one segment, sent by scheme (b) or (c), and its head run in rounds."""
+
+    def __init__(
+        self,
+        grids: GridSet,
+        src: int,
+        dst: int,
+        rows: StepRows,
+        ledger: Ledger | None,
+        layer: str,
+        h: Handoff,
+        fused: bool,
+    ) -> None:
+        self.group = grids.handoff_group(src, dst)
+        self.rows, self.ledger, self.layer, self.h, self.fused = rows, ledger, layer, h, fused
+        world = grids.world_size
+        self.pr_fine, self.m = world // src, src // dst
+        self.first = (dist.get_rank() // (world // dst)) * self.m
+        self.me = group_rank(self.group)
+
+    # --- one round's traffic -------------------------------------------------------------------
+
+    def _send(self, plan: _Plan, x: torch.Tensor, j: int) -> Started:
+        """Start round j's activations on their way to every member."""
+        sizes = plan.sizes(j)
+        off = sum(plan.per_round[self.me][:j])
+        mine = x.narrow(0, off, sizes[self.me])
+        args = (self.group, self.ledger, Term.REDISTRIBUTE, self.layer)
+        if self.h.scheme == "b":
+            buf = mine if self.me == j else x.new_empty((sizes[j], *x.shape[1:]))
+            return start_broadcast(buf, j, *args)
+        return start_all_gather(mine, sizes, 0, *args)
+
+    def _return(self, plan: _Plan, g: torch.Tensor, j: int) -> Started | torch.Tensor:
+        """Start round j's activation gradient back to the members that own its examples (or,
+        where it is complete everywhere, keep this rank's rows)."""
+        sizes = plan.sizes(j)
+        args = (self.group, self.ledger, Term.REDISTRIBUTE, self.layer)
+        if self.fused:
+            if self.h.scheme == "b":
+                return start_reduce(g, j, *args)
+            return start_reduce_scatter(g, sizes, 0, *args)
+        return g.narrow(0, sum(sizes[: self.me]), sizes[self.me])
+
+    def _mine(self, plan: _Plan, got: torch.Tensor, j: int) -> torch.Tensor:
+        """This rank's rows of round j's returned gradient."""
+        if self.h.scheme == "b" and self.fused:
+            return got if self.me == j else got[:0]
+        return got
+
+    # --- the pipeline --------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], params):
+        faults.at("handoff")
+        if not torch.is_grad_enabled():  # evaluation: the rounds, no graphs kept
+            return self.run_forward(x, head, grad=False)
+        return _RoundsFn.apply(x, self, head, *params)
+
+    def run_forward(self, x: torch.Tensor, head, grad: bool = True) -> torch.Tensor:
+        plan = self.plan = _Plan(self)
+        K = self.h.rounds
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        started = self._send(plan, x, 0)
+        ys = []
+        try:
+            for j in range(K):
+                h = started.wait()
+                if j + 1 < K:
+                    started = self._send(plan, x, j + 1)
+                self.rows.examples = plan.examples[j]
+                if grad:
+                    h = h.detach().requires_grad_()
+                    with torch.enable_grad():
+                        y = head(h)
+                    self.saved.append((h, y))
+                else:
+                    y = head(h)
+                ys.append(y.detach())
+        finally:
+            self.rows.examples = None
+        return torch.cat(ys).index_select(0, plan.perm)
+
+    def run_backward(self, gy: torch.Tensor) -> torch.Tensor:
+        plan, K = self.plan, self.h.rounds
+        g_round = gy.index_select(0, plan.where)  # round order
+        bounds = [0]
+        for j in range(K):
+            bounds.append(bounds[-1] + sum(plan.sizes(j)))
+        mine: list[torch.Tensor | None] = [None] * K
+        pending: tuple[int, Started] | None = None
+        for j in reversed(range(K)):
+            h, y = self.saved[j]
+            torch.autograd.backward(y, g_round[bounds[j] : bounds[j + 1]])
+            g = h.grad if h.grad is not None else torch.zeros_like(h)
+            if pending is not None:
+                mine[pending[0]] = self._mine(plan, pending[1].wait(), pending[0])
+                pending = None
+            back = self._return(plan, g, j)
+            if isinstance(back, Started):
+                pending = (j, back)
+            else:
+                mine[j] = back
+        if pending is not None:
+            mine[pending[0]] = self._mine(plan, pending[1].wait(), pending[0])
+        self.saved = []
+        return torch.cat([t for t in mine if t is not None])
+
+
+class _RoundsFn(torch.autograd.Function):
+    """The rounds as one autograd node; the head's parameters are inputs only so that the node
+    runs backward even where x needs no gradient (their gradients accumulate inside)."""
+
+    @staticmethod
+    def forward(ctx, x, rounds: Rounds, head, *params):
+        ctx.rounds = rounds
+        return rounds.run_forward(x, head)
+
+    @staticmethod
+    def backward(ctx, gy):
+        gx = ctx.rounds.run_backward(gy.contiguous())
+        return gx, None, None, *([None] * (len(ctx.needs_input_grad) - 3))
+
+
+def _head(parent: nn.Sequential, child: str, prefix: str, later: list[str]) -> tuple[int, int]:
+    """The positions [start, end) in `parent` of the entry `child` and the modules after it that
+    hold no later change of layout."""
+    names = list(parent._modules)
+    start = end = names.index(child) + 1
+    while end < len(names):
+        full = prefix + names[end]
+        if any(e == full or e.startswith(full + ".") for e in later):
+            break
+        end += 1
+    return start - 1, end
+
+
+def install(model: nn.Module, entry: str, later: list[str], rounds: Rounds) -> None:
+    """Run the head of the hand-off entering module `entry` (named from `model`) in rounds;
+    `later`: the entries of the segments after it. Call it once the model's modules are final
+    (after dropout and batch norm are replaced): the head is looked up by name at each call."""
+    module = model.get_submodule(entry)
+    parent_name, _, child = entry.rpartition(".")
+    parent = model.get_submodule(parent_name) if entry else None
+    if isinstance(parent, nn.Sequential):
+        prefix = parent_name + "." if parent_name else ""
+        a, b = _head(parent, child, prefix, later)
+        seq = parent
+
+        def run_head(h: torch.Tensor) -> torch.Tensor:
+            for m in list(seq._modules.values())[a:b]:
+                h = m(h)
+            return h
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            mods = list(seq._modules.values())
+            for m in mods[:a]:
+                x = m(x)
+            params = [p for m in mods[a:b] for p in m.parameters()]
+            x = rounds.forward(x, run_head, params)
+            for m in mods[b:]:
+                x = m(x)
+            return x
+
+        parent.forward = forward
+        return
+    inner = module.forward
+
+    def forward_entry(x: torch.Tensor, *rest, **kw):
+        return rounds.forward(x, lambda h: inner(h, *rest, **kw), list(module.parameters()))
+
+    module.forward = forward_entry

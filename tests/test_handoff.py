@@ -1,0 +1,295 @@
+"""Krizhevsky's hand-off schemes (planning/handoff.py, runtime/parallel/rounds.py).
+
+- (b) and (c) train as one process does (DESIGN.md invariant 1, rtol 1e-5) on P = 2, 3 and 4, with
+  uneven splits (B = 15 on P = 3), on the torchvision-style AlexNet, on a model with two batch ->
+  model hand-offs, and (float64, dropout p = 0.5 in the head, rtol 1e-7) with counter-based
+  dropout masks drawn for the examples of each round; on shared memory and on gloo alike.
+- The ledger's bytes per (layer, term) equal the plan's predictions for (a), (b) and (c) exactly
+  (invariant 2).
+- Scheme (a)'s backward is one reduce-scatter where the rule allows it: half the bytes of the
+  split layer's dX all-reduce it replaces.
+- The planner picks a scheme and K, and the plan file carries them; the rule refuses what the
+  runtime cannot run, in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_ranks
+from nets import CLASSES, MAKERS, TVAlexNet, assert_same_state, batches, optimizer
+from torch import nn
+from torch.nn import functional as F
+
+from hybridpar.choices import Choices
+from hybridpar.errors import ConfigError
+from hybridpar.plan import ParallelPlan, Style
+from hybridpar.planning.analysis import analyze
+from hybridpar.planning.cluster import Cluster
+from hybridpar.planning.handoff import Handoff, fused, round_rows, why_not_handoff
+from hybridpar.planning.layers import CostLayer, cost_layers
+from hybridpar.planning.search import evaluate, export, plan_layers
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel import parallelize
+from hybridpar.runtime.parallel.dropout import counter_dropout
+from hybridpar.terms import Term
+
+NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
+SEED = 5
+
+
+class TwoHandoffs(nn.Module):
+    """Two batch -> model hand-offs in one forward: fc1 (batch) -> fc2 (model) -> fc3 (batch)
+    -> fc4 (model), with functional activations between, not a Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 11)
+        self.fc2 = nn.Linear(11, 9)
+        self.fc3 = nn.Linear(9, 10)
+        self.fc4 = nn.Linear(10, CLASSES)
+
+    def forward(self, x):
+        x = torch.relu(self.fc1(torch.flatten(x, 1)))
+        x = torch.tanh(self.fc2(x))
+        return self.fc4(torch.relu(self.fc3(x)))
+
+
+def _tv(p: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return TVAlexNet(p=p)
+
+
+def _two() -> nn.Module:
+    torch.manual_seed(0)
+    return TwoHandoffs()
+
+
+MODELS = {"tv-alexnet": (_tv, (1, 8, 8)), "two": (_two, (1, 4, 4))}
+
+
+def _styles(name: str, layers: list[CostLayer], P: int) -> list[Style]:
+    if name == "two":  # batch, model, batch, model
+        return [Style.batch(P), Style.model(P, 1), Style.batch(P), Style.model(P, 1)]
+    return [Style.model(P, 1) if x.kind == "linear" else Style.batch(P) for x in layers]
+
+
+def _plan(name: str, P: int, B: int, h: Handoff, dtype=torch.float32) -> ParallelPlan:
+    """The model's conv-batch / FC-model plan with every batch -> model hand-off sent by `h`
+    (b: one round per gathering rank), priced and exported as the planner does."""
+    build, shape = MODELS[name]
+    with torch.device("meta"):
+        layers = cost_layers(analyze(build().to(dtype), shape))
+    styles = _styles(name, layers, P)
+    fixed = {}
+    for i, x in enumerate(layers):
+        if i and styles[i].pc < styles[i - 1].pc:
+            m = styles[i - 1].pc // styles[i].pc
+            fixed[x.name] = Handoff("b", m) if h.scheme == "b" else h
+    e = 8 if dtype == torch.float64 else None
+    priced = evaluate(layers, P, B, NET, styles, elem_bytes=e, handoffs=fixed)
+    assert priced.feasible, priced.reason
+    return export(priced, procs=P, batch=B, choices=Choices(), input_shape=shape)
+
+
+def _measured(ledger: Ledger, steps: int) -> dict:
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ledger.bytes_by_layer_term())
+    total: dict = {}
+    for d in every:
+        for (layer, term), v in d.items():
+            total[(layer, str(term))] = total.get((layer, str(term)), 0.0) + v / steps / len(every)
+    return total
+
+
+def _train(model, plan, data, shm: bool):
+    ledger = Ledger()
+    options = RuntimeOptions(seed=SEED, shared_memory=shm)
+    hp = parallelize(model, plan, options, ledger=ledger)
+    opt = optimizer(hp.parameters())
+    for x, y in data:
+        n = len(x)
+        hp.set_batch(n)
+        out = hp(x[hp.input_rows(n)])
+        loss = F.cross_entropy(out, y[hp.output_rows(n)], reduction="sum") / n
+        opt.zero_grad()
+        loss.backward()
+        hp.finish_backward()
+        opt.step()
+    return hp.full_state_dict(), _measured(ledger, len(data))
+
+
+def _reference(model, data):
+    opt = optimizer(model.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+CASES = [Handoff("b", 0), Handoff("c", 2), Handoff("c", 3), Handoff("a")]
+
+
+def _matrix(name: str, P: int, B: int, shm: bool) -> list[str]:
+    build, shape = MODELS[name]
+    data = batches(shape, b=B)
+    want = _reference(build(), data) if dist.get_rank() == 0 else None
+    done = []
+    for h in CASES:
+        plan = _plan(name, P, B, h)
+        got, measured = _train(build(), plan, data, shm)
+        if dist.get_rank() == 0:
+            label = f"{name} P={P} B={B} scheme {h.label} shm={shm}"
+            assert_same_state(got, want, label)
+            predicted = plan.predicted_bytes(by_layer=True)
+            assert set(measured) == set(predicted), f"{label}: {set(measured) ^ set(predicted)}"
+            for k, v in predicted.items():
+                assert measured[k] == pytest.approx(v, rel=1e-12), f"{label}: {k}"
+            done.append(label)
+    return done
+
+
+@pytest.mark.parametrize(
+    "name,P,B,shm",
+    [
+        ("tv-alexnet", 2, 12, True),
+        ("tv-alexnet", 3, 15, True),
+        ("tv-alexnet", 4, 12, False),
+        ("two", 3, 15, False),
+        ("two", 4, 12, True),
+    ],
+)
+def test_schemes_b_and_c_train_as_one_process_and_book_the_predicted_bytes(name, P, B, shm):
+    assert len(run_ranks(_matrix, P, name, P, B, shm, timeout_s=240)[0]) == len(CASES)
+
+
+def _dropout(P: int) -> list[str]:
+    """Dropout p = 0.5 before and between the FC layers, float64: the masks of every round are
+    the slices of the masks one process draws (counter-based), so training is the same."""
+    B, shape = 15 if P == 3 else 12, (1, 8, 8)
+    g = torch.Generator().manual_seed(3)
+    data = [
+        (
+            torch.randn(B, *shape, generator=g, dtype=torch.float64),
+            torch.randint(0, CLASSES, (B,), generator=g),
+        )
+        for _ in range(3)
+    ]
+    want = None
+    if dist.get_rank() == 0:
+        want = _reference(counter_dropout(_tv(0.5).double(), SEED), data)
+    done = []
+    for h in (Handoff("c", 2), Handoff("b", 0)):
+        plan = _plan("tv-alexnet", P, B, h, torch.float64)
+        got, _ = _train(_tv(0.5).double(), plan, data, shm=True)
+        if dist.get_rank() == 0:
+            for k, v in want.items():
+                torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{h}: {k}")
+            (r,) = plan.redistributions
+            done.append(f"{r.scheme}{r.rounds}")
+    return done
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_dropout_in_the_head_draws_each_rounds_examples(P):
+    assert run_ranks(_dropout, P, P, timeout_s=240)[0] == ["c2", "b" + str(P)]
+
+
+# --- the rule and the cost model (no processes) ---------------------------------------------------
+
+
+def _layers(name: str = "tv-alexnet") -> list[CostLayer]:
+    build, shape = MODELS[name] if name in MODELS else MAKERS[name]
+    with torch.device("meta"):
+        return cost_layers(analyze(build(), shape))
+
+
+def test_a_hand_off_backward_is_half_the_bytes_of_the_dx_all_reduce_it_replaces():
+    layers = _layers()
+    P, B = 4, 12
+    styles = _styles("tv-alexnet", layers, P)
+    first = next(i for i, x in enumerate(layers) if x.kind == "linear")
+    x = layers[first]
+    assert fused(x, styles[first - 1], styles[first], acts_encoded=False)
+    assert not fused(x, styles[first - 1], styles[first], acts_encoded=True)
+    assert not fused(x, Style.model(2, 2), styles[first], acts_encoded=False)  # not pure batch
+    r = plan_layers(layers, P, B, NET, scenarios=["fc-grid"])
+    paper = plan_layers(layers, P, B, NET, scenarios=["fc-grid"], fuse_handoff=False)
+
+    def bytes_of(result):
+        c = next(c for c in result.candidates["fc-grid"] if c.grid == (4, 1))
+        lp = next(lp for lp in c.layers if lp.layer.name == x.name)
+        return lp.terms[Term.REDISTRIBUTE].bytes, lp.terms[Term.DX_ALLREDUCE].bytes
+
+    (redist, dx), (redist0, dx0) = bytes_of(r), bytes_of(paper)
+    n = B * x.d_in * 4  # the gathered activation's bytes
+    assert redist0 == pytest.approx(3 / 4 * n) and dx0 == pytest.approx(2 * 3 / 4 * n)
+    assert dx == 0 and redist - redist0 == pytest.approx(dx0 / 2)  # backward bytes halved
+
+
+def test_round_rows_and_the_rule():
+    assert round_rows(7, "c", 3, 0) == [3, 2, 2]
+    assert round_rows(5, "b", 3, 1) == [0, 5, 0]
+    assert round_rows(5, "a", 1, 0) == [5]
+    layers = _layers()
+    x = next(x for x in layers if x.kind == "linear")
+    batch, model = Style.batch(4), Style.model(4, 1)
+    assert why_not_handoff(Handoff("c", 3), batch, model, [x], 12, False, "fc") == ""
+    assert "rounds must be 4" in why_not_handoff(
+        Handoff("b", 2), batch, model, [x], 12, False, "fc"
+    )
+    assert "at most 3 rounds" in why_not_handoff(Handoff("c", 4), batch, model, [x], 12, False, "f")
+    assert "--handoff a" in why_not_handoff(Handoff("c", 2), model, batch, [x], 12, False, "fc")
+    assert "unencoded" in why_not_handoff(Handoff("c", 2), batch, model, [x], 12, True, "fc")
+    assert "one of" in why_not_handoff(Handoff("d", 2), batch, model, [x], 12, False, "fc")
+    normed = replace(x, norms=((13, True),))
+    assert "batch norm" in why_not_handoff(Handoff("c", 2), batch, model, [normed], 12, False, "f")
+
+
+def test_the_planner_picks_a_scheme_and_the_plan_file_carries_it(tmp_path):
+    """On a network slow enough that the hand-off is worth hiding and a head heavy enough to
+    hide it behind, `handoff="auto"` sends it in rounds; the plan file keeps scheme and rounds,
+    and the runtime's resolve accepts it."""
+    layers = _layers()
+    slow = Cluster("slow", alpha=1e-6, beta=1e-6, flops=1e6)
+    r = plan_layers(
+        layers, 4, 12, slow, scenarios=["fc-grid"], handoff="auto", input_shape=(1, 8, 8)
+    )
+    best = min(r.candidates["fc-grid"], key=lambda c: c.total_s)
+    assert any(lp.handoff is not None and lp.handoff.scheme != "a" for lp in best.layers)
+    plan = r.export(best)
+    (red,) = plan.redistributions
+    assert red.scheme in ("b", "c") and red.rounds > 1
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = ParallelPlan.load(path)
+    assert again.redistributions == plan.redistributions
+    from hybridpar.runtime.parallel.layout import resolve
+
+    layout = resolve(_tv(), again)
+    assert [h.scheme for h in layout.handoffs.values()] == [red.scheme]
+    # rounds priced: the same bytes as (a), less exposed time here
+    a = plan_layers(layers, 4, 12, slow, scenarios=["fc-grid"], handoff="a").candidates["fc-grid"]
+    a = [c for c in a if c.grid == best.grid]
+    moved = r.export(best).predicted_bytes()
+    assert sum(moved.values()) == pytest.approx(sum(r.export(a[0]).predicted_bytes().values()))
+    assert best.total_s < a[0].total_s
+
+
+def test_a_scheme_the_runtime_cannot_run_is_refused_in_one_line():
+    plan = _plan("tv-alexnet", 4, 12, Handoff("c", 2))
+    from hybridpar.runtime.parallel.layout import resolve
+
+    bad = replace(plan, redistributions=[replace(plan.redistributions[0], rounds=5)])
+    with pytest.raises(ConfigError, match="at most 3 rounds"):
+        resolve(_tv(), bad)
+    layers = _layers()
+    styles = _styles("tv-alexnet", layers, 4)
+    first = next(x.name for x in layers if x.kind == "linear")
+    priced = evaluate(layers, 4, 12, NET, styles, handoffs={first: Handoff("b", 3)})
+    assert not priced.feasible and "rounds must be 4" in priced.reason
