@@ -4,6 +4,7 @@ from it (the number of processes is theirs: one P for plan, a list for simulate)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from hybridpar.choices import Choices
 from hybridpar.config import check_fields, meta, nested, positive
@@ -46,10 +47,22 @@ class PlanConfig:
         "weight-gradient all-reduces priced fused into buckets of this many MiB, as the runtime "
         "sends them (--bucket-mb of train); 0: one message per layer, as Gholami et al.'s Eq. 4",
     )
+    handoff: Literal["a", "b", "c", "auto"] = meta(
+        "a",
+        "Krizhevsky's hand-off into model-parallel layers: a (one all-gather), b (each rank's "
+        "batch in turn), c (1/K of every rank's batch per round, --rounds K), auto (the "
+        "cheapest of a, b and c in 2, 4 or one round per gathering rank)",
+    )
+    rounds: int | None = meta(
+        None, "rounds of --handoff c (default: one per rank that gathers, the paper's K)"
+    )
     choices: Choices = nested(Choices)
 
     def __post_init__(self) -> None:
         check_fields(self)
+        positive(self, "rounds")
+        if self.rounds is not None and self.handoff != "c":
+            raise ConfigError("--rounds is for --handoff c; drop it or add --handoff c")
         if not isinstance(self.batch, int) or self.batch < 1:
             raise ConfigError(f"--batch must be a positive integer, got {self.batch!r}")
         positive(self, "input_size", "bytes_per_element", "memory_limit")
@@ -70,4 +83,6 @@ class PlanConfig:
             overlap=self.overlap,
             choices=self.choices,
             grad_bucket=self.grad_bucket_mb * 2**20 if self.grad_bucket_mb else None,
+            handoff=self.handoff,
+            rounds=self.rounds,
         )

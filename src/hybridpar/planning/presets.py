@@ -68,9 +68,12 @@ def plan_preset(
     input_shape: tuple[int, ...] | None = None,
     compute: ComputeModel | None = None,
     grad_bucket: float | None = GRAD_BUCKET_BYTES,
+    handoff: str = "a",
+    rounds: int | None = None,
 ) -> ParallelPlan:
     """The ParallelPlan a preset names, built by the planner (so presets and plans share one code
-    path); only what the runtime executes is considered."""
+    path); only what the runtime executes is considered. `handoff`, `rounds`: the hand-off
+    schemes the planner may use (search.plan_layers)."""
     scenario, grid = parse_preset(preset, P)
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     r = plan_layers(
@@ -84,6 +87,8 @@ def plan_preset(
         input_shape=input_shape,
         compute=compute,
         grad_bucket=grad_bucket,
+        handoff=handoff,
+        rounds=rounds,
     )
     if grid is None:
         chosen = r.best

@@ -151,18 +151,22 @@ def reduce_scatter_uneven(
 
 
 class Started:
-    """A collective in flight (split phase): `wait()` finishes it and returns its result; the
-    ledger entry is booked at the start and gets its wall time at the end. On one host through
-    shared memory (comm.small's begin/finish: the group must carry nothing else in between), else
-    an asynchronous torch.distributed call."""
+    """A collective in flight (split phase): `wait()` finishes it and returns its result. On one
+    host through shared memory (comm.small's begin/finish: the group must carry nothing else in
+    between), else an asynchronous torch.distributed call. The ledger entry is booked at the start;
+    its seconds are the time this rank spent in the collective, starting it and waiting for it:
+    the part the work between the two did not hide (exposed communication)."""
 
     def __init__(self, finish, entry: Entry | None, t0: float) -> None:
-        self._finish, self.entry, self.t0 = finish, entry, t0
+        self._finish, self.entry = finish, entry
+        self.seconds = time.perf_counter() - t0  # starting it
 
     def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         out = self._finish()
+        self.seconds += time.perf_counter() - t0
         if self.entry is not None:
-            self.entry.seconds = time.perf_counter() - self.t0
+            self.entry.seconds = self.seconds
         return out
 
 

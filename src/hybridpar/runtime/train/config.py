@@ -68,6 +68,16 @@ class TrainConfig:
         "Krizhevsky section 5 for a k times larger batch: linear (lr x k, his practice) or sqrt "
         "(lr x sqrt(k), weight decay keeping k steps' decay)",
     )
+    handoff: Literal["a", "b", "c", "auto"] | None = meta(
+        None,
+        "Krizhevsky's hand-off into model-parallel layers: a (one all-gather), b (each rank's "
+        "batch in turn), c (1/K of every rank's batch per round, --rounds K), auto (the "
+        "planner's pick); b and c overlap each round with the layers after it (default: the "
+        "plan's, else a)",
+    )
+    rounds: int | None = meta(
+        None, "rounds of --handoff c (default: one per rank that gathers, the paper's K)"
+    )
     input_size: int | None = meta(None, "image side, e.g. 64 (default: the data's or the model's)")
     input_shape: str | None = meta(
         None,
@@ -102,6 +112,13 @@ class TrainConfig:
         """Check every field once; raise a one-line ConfigError saying what to change."""
         check_fields(self)
         positive(self, "nproc", "epochs", "batch", "lr", "max_steps", "input_size", "base_batch")
+        positive(self, "rounds")
+        if self.rounds is not None and self.handoff != "c":
+            raise ConfigError("--rounds is for --handoff c; drop it or add --handoff c")
+        if self.handoff == "auto" and self.plan is not None:
+            raise ConfigError(
+                "--handoff auto asks the planner; with --plan name a scheme (a, b or c)"
+            )
         positive(self, "weight_decay", "checkpoint_every", allow_zero=True)
         positive(self, "checkpoint_keep")
         if self.scale_rule != "none" and self.base_batch is None:

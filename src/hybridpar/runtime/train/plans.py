@@ -47,6 +47,8 @@ def preset_plan(
         input_shape=shape,
         compute=planning_compute(cluster, cfg.model, shape, P, cfg.batch, cfg.choices.device),
         grad_bucket=cfg.runtime.bucket_bytes,
+        handoff=cfg.handoff or "a",
+        rounds=cfg.rounds,
     )
 
 

@@ -22,13 +22,14 @@ from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
 from hybridpar.planning.analysis import trace
 from hybridpar.planning.cluster import BYTES_ONLY
+from hybridpar.planning.handoff import Handoff, is_gather, why_not_handoff
 from hybridpar.planning.layers import cost_layers
 from hybridpar.planning.models import build_any
 from hybridpar.planning.zoo import file_label, input_shape, is_factory, parse_input_shape, zoo_entry
 from hybridpar.runtime.comm.group import DEFAULT_TIMEOUT_S
 from hybridpar.runtime.launcher import launch, under_torchrun
 from hybridpar.runtime.parallel.checkpoint import latest, read_meta
-from hybridpar.runtime.parallel.layout import resolve
+from hybridpar.runtime.parallel.layout import resolve, with_handoff
 from hybridpar.runtime.train.config import DEFAULT_MODEL, TrainConfig
 from hybridpar.runtime.train.data import signature
 from hybridpar.runtime.train.job import Job
@@ -57,6 +58,9 @@ def prepare(cfg: TrainConfig) -> Job:
     layout = None
     if loaded is not None:  # names, styles, layouts: every check before spawning
         layout = resolve(model, loaded.with_choices(device=device), shape, P, traced)
+        if cfg.handoff is not None:  # the file's hand-offs sent by another scheme: re-priced
+            moved = replace(with_handoff(layout, cfg.handoff, cfg.rounds), predicted=[])
+            layout = resolve(model, moved, shape, P, traced)
         plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
         layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
     elif not cfg.searched:
@@ -65,9 +69,35 @@ def prepare(cfg: TrainConfig) -> Job:
     else:  # rank 0 plans in the job; the cluster and that a plan fits are checked now
         pricing_cluster(cfg.cluster, required=False)
         preset_plan(cfg, P, layers, shape, BYTES_ONLY)
+    if layout is not None and cfg.handoff in ("b", "c"):
+        _check_handoff(cfg.handoff, layout)
     if resume is not None:
         _check_resume(resume, cfg, shape)
     return Job(cfg, P, shape, classes, traced, layers, layout, resume)
+
+
+def _check_handoff(scheme: str, layout) -> None:
+    """--handoff b or c must send some hand-off in rounds; else say why none can."""
+    if any(h.scheme == scheme for h in layout.handoffs.values()):
+        return
+    moves = [(k, a, b) for k, a, b in layout.moves() if is_gather(a, b)]
+    if not moves:
+        raise ConfigError(
+            f"--handoff {scheme}: this plan has no batch -> model hand-off (no layer gathers "
+            "examples); use a plan with model-parallel layers after batch-parallel ones"
+        )
+    k, a, b = moves[0]
+    first = layout.first_layer(k)
+    why = why_not_handoff(
+        Handoff(scheme, a.pc // b.pc),
+        a,
+        b,
+        layout.segment_layers(k),
+        layout.plan.batch,
+        layout.plan.choices.activations_encoded,
+        first,
+    )
+    raise ConfigError(why or f"--handoff {scheme}: the planner kept scheme (a) before {first}")
 
 
 def _signature(cfg: TrainConfig) -> tuple[tuple[int, ...], int | None]:
