@@ -128,6 +128,25 @@ class TwoHosts:
         return outs
 
 
+def start_hosts(rate: str) -> TwoHosts | None:
+    """Two emulated hosts joined at `rate`, removed on every exit path (also by `down()`); None,
+    having said why, where namespaces cannot be created."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        print("skipped: needs root and the ip and tc tools to create network namespaces")
+        return None
+    c = TwoHosts(rate)
+    atexit.register(c.down)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, f: (c.down(), sys.exit(128 + s)))
+    try:
+        c.up()
+    except subprocess.CalledProcessError as exc:
+        c.down()
+        print(f"skipped: cannot create network namespaces here ({exc.stderr.strip() or exc})")
+        return None
+    return c
+
+
 def contenders(args, report: Path) -> list[tuple[str, list[str]]]:
     common = [
         "--model", "alexnet-owt", "--input-size", str(args.input_size), "--data", "synthetic:512",
@@ -171,18 +190,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--timeout", type=int, default=600)
     args = ap.parse_args()
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
-        print("skipped: needs root and the ip and tc tools to create network namespaces")
-        return 0
-    c = TwoHosts(args.rate)
-    atexit.register(c.down)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, f: (c.down(), sys.exit(128 + s)))
-    try:
-        c.up()
-    except subprocess.CalledProcessError as exc:
-        c.down()
-        print(f"skipped: cannot create network namespaces here ({exc.stderr.strip() or exc})")
+    c = start_hosts(args.rate)
+    if c is None:
         return 0
     try:
         t64 = c.transfer_s(64)

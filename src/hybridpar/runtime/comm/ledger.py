@@ -87,10 +87,11 @@ class Ledger:
                     out[(layer, e.term)] += b
         return dict(out)
 
-    def seconds_by_term(self) -> dict[str, float]:
+    def seconds_by_term(self, steps: set[int] | None = None) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
         for e in self.entries:
-            out[e.term] += e.seconds
+            if steps is None or e.step in steps:
+                out[e.term] += e.seconds
         return dict(out)
 
     def count(self, term: str | None = None) -> int:

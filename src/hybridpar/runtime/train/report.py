@@ -23,18 +23,26 @@ def measured(ledger: Ledger, steps: set[int]) -> dict:
     """Bytes per rank per iteration over the full-batch `steps`, averaged over the ranks (uneven
     shards make them differ a little), by term and by (layer, term). Collective: every rank."""
     n = max(1, len(steps))
-    mine = (ledger.bytes_by_term(steps), ledger.bytes_by_layer_term(steps))
+    timed = steps - {min(steps, default=0)}  # as the iteration times: the first step left out
+    mine = (
+        ledger.bytes_by_term(steps),
+        ledger.bytes_by_layer_term(steps),
+        ledger.seconds_by_term(timed),
+    )
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)  # one small object, outside the measured steps
     by_term: dict[str, float] = {}
     by_layer: dict[tuple[str, str], float] = {}
-    for terms, layers in every:
+    seconds: dict[str, float] = {}
+    for terms, layers, secs in every:
         for k, v in terms.items():
             by_term[str(k)] = by_term.get(str(k), 0.0) + v / n / len(every)
         for (layer, term), v in layers.items():
             key = (layer, str(term))
             by_layer[key] = by_layer.get(key, 0.0) + v / n / len(every)
-    return {"by_term": by_term, "by_layer": by_layer}
+        for k, v in secs.items():
+            seconds[str(k)] = seconds.get(str(k), 0.0) + v / max(1, len(timed)) / len(every)
+    return {"by_term": by_term, "by_layer": by_layer, "seconds": seconds}
 
 
 def waiting(ledger: Ledger, steps: set[int], terms: tuple[str, ...]) -> dict[str, float]:
@@ -127,6 +135,10 @@ def report(
             "predicted_comm_s": plan.totals.get("comm_s"),
         },
         "bytes": {"measured": bytes_measured["by_term"], "predicted": pred_term},
+        # seconds per iteration each term kept a rank in its collectives, averaged over the ranks
+        # (an asynchronous call's: launch to completion; a split-phase one's, as a hand-off's
+        # rounds: the time not hidden behind the work between its start and its wait)
+        "seconds": bytes_measured.get("seconds", {}),
         "bytes_by_layer": layers,
         "reducer": plan.choices.reducer,
         "bn": {"requested": plan.choices.bn, **(bn_switch.record() if bn_switch else {})},
