@@ -36,20 +36,23 @@ def last_checkpoint_loads(tmp_path, step: int) -> None:
     assert {"rank0", "rank1"} <= set(state) and "rng" in state["rank0"]
 
 
+ROUNDS = ("--handoff", "c", "--rounds", "2")  # the hand-off sent in rounds
+
+
 @pytest.mark.parametrize(
-    "where, preset, step, saved",
+    "where, preset, step, saved, extra",
     [
-        ("forward", "grid:2x1", 4, 3),
-        ("backward", "grid:2x1", 4, 3),
-        ("handoff", "grid:2x1", 4, 3),
-        ("optimizer", "grid:2x1", 4, 3),
-        ("checkpoint", "grid:2x1", 6, 3),  # killed while writing step 6: step 3 stays the latest
-        ("host", "grid:1x2", 4, 3),
+        ("forward", "grid:2x1", 4, 3, ()),
+        ("backward", "grid:2x1", 4, 3, ()),
+        ("handoff", "grid:2x1", 4, 3, ()),
+        ("handoff", "grid:2x1", 4, 3, ROUNDS),
+        ("optimizer", "grid:2x1", 4, 3, ()),
+        ("checkpoint", "grid:2x1", 6, 3, ()),  # killed while writing step 6: step 3 stays latest
+        ("host", "grid:1x2", 4, 3, ("--reducer", "host")),
     ],
 )
-def test_a_killed_rank_ends_the_job_with_its_name(tmp_path, where, preset, step, saved):
+def test_a_killed_rank_ends_the_job_with_its_name(tmp_path, where, preset, step, saved, extra):
     before = shm()
-    extra = ["--reducer", "host"] if where == "host" else []
     p = start(tmp_path, preset, f"{where}:rank=1:step={step}", extra)
     t0 = time.monotonic()
     ranks = wait_for_ranks(p, 2)

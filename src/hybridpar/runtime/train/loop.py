@@ -232,6 +232,7 @@ def train_worker(job: Job) -> dict | None:
     bytes_measured = measured(trainer.ledger, full_steps)
     timed = full_steps - {min(full_steps, default=0)}  # as `times`: the first step is left out
     split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
+    split["handoff"] = waiting(trainer.ledger, timed, (Term.REDISTRIBUTE,))
     hosts = len(set(_hostnames())) if plan.choices.reducer == "host" else 1
     if rank != 0:
         return None

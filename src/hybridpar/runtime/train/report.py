@@ -126,6 +126,10 @@ def report(
                 {
                     "blocking_transfer_s": split["transfer_s"],
                     "waiting_slowest_s": split["slowest_s"],
+                    # the hand-offs alone (redistribute): what was not hidden, and the wait for
+                    # the slowest rank they absorb (the first point the ranks meet after the trunk)
+                    "handoff_exposed_s": split["handoff"]["transfer_s"],
+                    "handoff_waiting_slowest_s": split["handoff"]["slowest_s"],
                 }
                 if split
                 else {}
