@@ -293,3 +293,26 @@ def test_a_scheme_the_runtime_cannot_run_is_refused_in_one_line():
     first = next(x.name for x in layers if x.kind == "linear")
     priced = evaluate(layers, 4, 12, NET, styles, handoffs={first: Handoff("b", 3)})
     assert not priced.feasible and "rounds must be 4" in priced.reason
+
+
+def test_rounds_hide_all_but_the_first_gather_and_the_last_return():
+    """Priced with no latency and a head far slower than the wire, (c) in K rounds exposes one
+    round's gather and one round's return: 1/K of (a)'s hand-off; with a head faster than the
+    wire nothing hides but what compute covers. Bytes never change."""
+    layers = _layers()
+    styles = _styles("tv-alexnet", layers, 4)
+    first = next(x.name for x in layers if x.kind == "linear")
+
+    def redistribute(net, h):
+        p = evaluate(layers, 4, 12, net, styles, handoffs={first: h}, grad_bucket=None)
+        lp = next(lp for lp in p.layers if lp.layer.name == first)
+        return lp.terms[Term.REDISTRIBUTE]
+
+    slow_head = Cluster("wire", alpha=0.0, beta=1e-6, flops=1e3)
+    a = redistribute(slow_head, Handoff())
+    for k in (2, 3):
+        c = redistribute(slow_head, Handoff("c", k))
+        assert c.bytes == pytest.approx(a.bytes)
+        assert c.seconds == pytest.approx(a.seconds / k)
+    fast_head = Cluster("wire", alpha=0.0, beta=1e-6, flops=1e18)  # nothing to hide behind
+    assert redistribute(fast_head, Handoff("c", 3)).seconds == pytest.approx(a.seconds, rel=1e-6)

@@ -74,6 +74,11 @@ def _print_plan(result: PlanResult, shown: list) -> None:
         y = x.layer
         row = f"{y.name:<8} {y.kind:<6} {y.params:>10} {y.d_in:>8} {y.d_out:>8} {x.style.label:<15}"
         print(f"{row} {x.comm_s * 1e3:9.3f}{cells}")
+    for x in best.layers:
+        if x.handoff is not None:
+            h = x.handoff
+            how = "one all-gather" if h.scheme == "a" else f"{h.rounds} rounds, overlapped"
+            print(f"hand-off before {x.layer.name}: scheme ({h.scheme}), {how}")
 
 
 def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:

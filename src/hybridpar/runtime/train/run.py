@@ -70,13 +70,13 @@ def prepare(cfg: TrainConfig) -> Job:
         pricing_cluster(cfg.cluster, required=False)
         preset_plan(cfg, P, layers, shape, BYTES_ONLY)
     if layout is not None and cfg.handoff in ("b", "c"):
-        _check_handoff(cfg.handoff, layout)
+        _check_handoff(cfg.handoff, cfg.rounds, layout)
     if resume is not None:
         _check_resume(resume, cfg, shape)
     return Job(cfg, P, shape, classes, traced, layers, layout, resume)
 
 
-def _check_handoff(scheme: str, layout) -> None:
+def _check_handoff(scheme: str, rounds: int | None, layout) -> None:
     """--handoff b or c must send some hand-off in rounds; else say why none can."""
     if any(h.scheme == scheme for h in layout.handoffs.values()):
         return
@@ -89,7 +89,7 @@ def _check_handoff(scheme: str, layout) -> None:
     k, a, b = moves[0]
     first = layout.first_layer(k)
     why = why_not_handoff(
-        Handoff(scheme, a.pc // b.pc),
+        Handoff(scheme, rounds if rounds and scheme == "c" else a.pc // b.pc),
         a,
         b,
         layout.segment_layers(k),
