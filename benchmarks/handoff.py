@@ -91,6 +91,25 @@ def on_cluster(args, hosts, scheme: str, k: int | None) -> dict:
         return summary(json.loads(report.read_text()))
 
 
+def emulated_cluster(rate: str) -> str:
+    """A cluster file for the emulated link: its rate as beta, 100 us of latency, this machine's
+    calibrated FLOP rate (or 1e11); no shared memory (the ranks are on two hosts)."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    unit = next(u for u in units if rate.lower().endswith(u))
+    bits = float(rate.lower()[: -len(unit)]) * units[unit]
+    flops = 1e11
+    try:
+        from hybridpar.planning.cluster import localhost_path
+
+        flops = json.loads(localhost_path().read_text())["flops"]
+    except (OSError, KeyError, ValueError):
+        pass
+    spec = {"name": f"emulated-{rate}", "alpha": 1e-4, "beta": 8 / bits, "flops": flops}
+    path = Path(tempfile.mkdtemp()) / "emulated.json"
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--where", choices=["local", "cluster"], default="local")
@@ -101,7 +120,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (noise)")
     ap.add_argument("--rate", default="1gbit", help="--where cluster: tc tbf rate of each veth end")
-    ap.add_argument("--cluster", default="cori-knl", help="--where cluster: what predictions use")
+    ap.add_argument(
+        "--cluster",
+        default=None,
+        help="--where cluster: the cluster predictions use (default: the emulated link, "
+        "beta = 1 / --rate, alpha = 100 us, this machine's FLOP rate)",
+    )
     ap.add_argument("--timeout", type=int, default=600)
     args = ap.parse_args()
     rounds = [int(k) for k in args.rounds.split(",")]
@@ -113,6 +137,8 @@ def main() -> int:
         hosts = start_hosts(args.rate)
         if hosts is None:
             return 0
+        if args.cluster is None:
+            args.cluster = emulated_cluster(args.rate)
     where = (
         f"two emulated hosts at {args.rate}, {args.procs // 2} ranks each"
         if hosts
