@@ -36,7 +36,15 @@ from dataclasses import dataclass
 from hybridpar.plan import Style
 from hybridpar.planning.layers import CostLayer
 
-__all__ = ["SCHEMES", "Handoff", "fused", "is_gather", "round_rows", "why_not_handoff"]
+__all__ = [
+    "SCHEMES",
+    "Handoff",
+    "fused",
+    "is_gather",
+    "round_rows",
+    "why_not_handoff",
+    "why_not_variable_batch",
+]
 
 SCHEMES = ("a", "b", "c")
 
@@ -135,5 +143,31 @@ def why_not_handoff(
         return (
             f"scheme ({h.scheme}) runs the layers after the hand-off before {where} round by "
             f"round, but batch norm in {normed[0]} would see one round's examples; use --handoff a"
+        )
+    return ""
+
+
+def why_not_variable_batch(handoffs: dict[int, Handoff], segments: list[Style]) -> str:
+    """Why Krizhevsky's variable batch size (section 4.2: the layers after a hand-off sent in
+    rounds step after every round) cannot run; "" when it can. `handoffs`: segment -> scheme,
+    `segments`: each segment's style. The rounds' layers must end the model (each round's loss is
+    taken on their output) and sit on one model group (Pc = 1: every rank holds every round's
+    examples, so their gradients need no sum over batch groups between rounds)."""
+    rounds = [k for k, h in handoffs.items() if h.scheme in ("b", "c")]
+    if not rounds:
+        return (
+            "--variable-batch steps the layers after a hand-off once per round: send one in "
+            "rounds (--handoff b or c)"
+        )
+    k = max(rounds)
+    if any(segments[j].layout != segments[j - 1].layout for j in range(k + 1, len(segments))):
+        return (
+            "--variable-batch takes each round's loss on the output of the layers after the "
+            "hand-off: they must end the model (the last change of layout)"
+        )
+    if segments[k].pc != 1:
+        return (
+            f"--variable-batch needs the layers after the hand-off on one model group (grid "
+            f"Px1), got {segments[k]}; use --preset owt or grid:Px1"
         )
     return ""

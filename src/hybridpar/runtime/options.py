@@ -40,6 +40,11 @@ class RuntimeOptions:
         flag="--no-shared-memory",
     )
     allow_nonfinite: bool = meta(False, "go on when the loss is NaN or infinite")
+    variable_batch: bool = meta(
+        False,
+        "Krizhevsky 4.2: with a hand-off sent in K rounds (--handoff b or c), step the layers "
+        "after it after every round (batch B/K there) and the layers before it once (batch B)",
+    )
     bn_max_batch: int | None = meta(
         None, "adaptive BN: local BN throughout when the global batch is at least this"
     )

@@ -210,12 +210,12 @@ class GridSet:
     def regroup(self, a: int, b: int) -> Group:
         return self._moves[(max(a, b), min(a, b))]
 
-    def handoff_group(self, a: int, b: int) -> Group:
+    def handoff_group(self, a: int, b: int, tag: str = "handoff") -> Group:
         """A twin of `regroup(a, b)` for a hand-off sent in rounds (runtime/parallel/rounds.py):
         its split-phase collectives stay in flight while the layers after it run theirs, so it
         must not share a group (or its shared memory) with them. Collective: every rank asks for
         the same pairs in the same order."""
-        return self._regroup(max(a, b), min(a, b), "handoff")
+        return self._regroup(max(a, b), min(a, b), tag)
 
     def twin_group(self, pc: int, tag: str, shm: bool = False) -> Group:
         """Another group with the members of this rank's batch group of grid `pc`, so that one kind

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style
 from hybridpar.planning import handoff
 from hybridpar.runtime.comm.codecs import get_codec
@@ -101,10 +102,18 @@ def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list
     return hooks
 
 
-def handoff_rounds(model: nn.Module, layout: Layout, ctx: BuildContext) -> None:
+def handoff_rounds(model: nn.Module, layout: Layout, ctx: BuildContext) -> list[rounds.Rounds]:
     """Krizhevsky's schemes (b) and (c) where the plan names them: the head of each such hand-off
-    runs in rounds (rounds.py). After every module is replaced (dropout, batch norm), in segment
-    order on every rank (each makes its group)."""
+    runs in rounds (rounds.py); with variable batch the last one steps its head per round. After
+    every module is replaced (dropout, batch norm), in segment order on every rank (each makes
+    its group)."""
+    variable = ctx.options.variable_batch
+    if variable:
+        why = handoff.why_not_variable_batch(layout.handoffs, layout.segments)
+        if why:
+            raise ConfigError(why)
+    out = []
+    last = max(layout.handoffs, default=None)
     for k, src, dst in layout.moves():
         h = layout.handoff(k)
         if h.scheme == "a":
@@ -112,9 +121,14 @@ def handoff_rounds(model: nn.Module, layout: Layout, ctx: BuildContext) -> None:
         first = layout.first_layer(k)
         x = next(y for y in layout.layers if y.name == first)
         fused = handoff.fused(x, src, dst, ctx.choices.activations_encoded)
-        later = [e for j, e in layout.entries.items() if j > k]
-        r = rounds.Rounds(ctx.grids, src.pc, dst.pc, ctx.rows, ctx.ledger, first, h, fused)
+        later = [layout.entries[j] for j, _, _ in layout.moves() if j > k]  # layout changes
+        var = variable and k == last
+        r = rounds.Rounds(ctx.grids, src.pc, dst.pc, ctx.rows, ctx.ledger, first, h, fused, var)
         rounds.install(model, layout.entries[k], later, r)
+        if var and later:  # the head must end the model (why_not_variable_batch said so)
+            raise ConfigError("--variable-batch: the layers after the hand-off must end the model")
+        out.append(r)
+    return out
 
 
 def dropouts(
@@ -190,12 +204,16 @@ def grad_sync(
     styles: list[ParallelStyle],
     reducer: Reducer,
     ctx: BuildContext,
+    skip: frozenset[int] = frozenset(),
 ) -> GradSync:
     """Each parameter's gradient summed over the grad group of the style it is used in (a
-    parameter no forward uses is replicated everywhere, like a batch layer's)."""
+    parameter no forward uses is replicated everywhere, like a batch layer's); `skip`: ids of
+    parameters stepped elsewhere (a variable batch's head, on one model group: nothing to sum)."""
     unused = runtime_style(Style.batch(ctx.grids.world_size), ctx)
     by_key: dict[tuple, tuple[ParallelStyle, list]] = {}
     for name, p in model.named_parameters():
+        if id(p) in skip:
+            continue
         seg = layout.param_segment.get(name)
         style = styles[seg] if seg is not None else unused
         module = name.rpartition(".")[0]

@@ -44,6 +44,7 @@ class Engine(nn.Module):
     kind: str = ""  # the plan.engine this class runs
     bn_switch: BNSwitch | None = None
     world: Group  # every rank, for metrics and agreed decisions
+    variable = None  # the hand-off whose layers after it step per round (variable batch)
 
     def __init__(
         self,

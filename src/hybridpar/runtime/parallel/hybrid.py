@@ -58,9 +58,14 @@ class HybridParallel(Engine):
         self.bn_switch = apply.switch(plan, self.ctx) if plan.choices.bn == "adaptive" else None
         if plan.choices.bn != "local":
             apply.global_batchnorm(model, layout, self.styles, ledger, self.bn_switch)
-        apply.handoff_rounds(model, layout, self.ctx)  # once every module is final
+        self.rounds = apply.handoff_rounds(model, layout, self.ctx)  # every module is final
+        self.variable = next((r for r in self.rounds if r.variable), None)
+        """the hand-off whose head steps per round (variable batch), if any"""
+        skip = frozenset(id(p) for p in self.variable.head_params) if self.variable else None
         self.reducer = make_reducer(plan.choices, options)
-        self.sync = apply.grad_sync(model, layout, self.styles, self.reducer, self.ctx)
+        self.sync = apply.grad_sync(
+            model, layout, self.styles, self.reducer, self.ctx, skip or frozenset()
+        )
         if self.reducer.host:  # Sekiyama's Algorithm 5: parameters sent once, at the start
             apply.broadcast_parameters(model, ledger)
         if self.reducer.worker is not None:  # let the thread end with the engine

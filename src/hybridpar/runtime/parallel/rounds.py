@@ -98,9 +98,20 @@ class Rounds:
         layer: str,
         h: Handoff,
         fused: bool,
+        variable: bool = False,
     ) -> None:
+        self.variable = variable
         self.group = grids.handoff_group(src, dst)
+        # variable batch: a round's gradient goes back while the next round's rows arrive, two
+        # split-phase calls in flight: each on its own group
+        self.back = grids.handoff_group(src, dst, "handoff-back") if variable else self.group
         self.rows, self.ledger, self.layer, self.h, self.fused = rows, ledger, layer, h, fused
+        self.per_round: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        """variable batch (Krizhevsky 4.2): called with each round's index, head output and its
+        rows' positions in the head's output; it takes the round's loss, runs its backward and
+        steps the head's optimizer (HybridTrainer sets it)"""
+        self.head_params: list[torch.nn.Parameter] = []
+        self.output: torch.Tensor | None = None
         world = grids.world_size
         self.pr_fine, self.m = world // src, src // dst
         self.first = (dist.get_rank() // (world // dst)) * self.m
@@ -123,7 +134,7 @@ class Rounds:
         """Start round j's activation gradient back to the members that own its examples (or,
         where it is complete everywhere, keep this rank's rows)."""
         sizes = plan.sizes(j)
-        args = (self.group, self.ledger, Term.REDISTRIBUTE, self.layer)
+        args = (self.back, self.ledger, Term.REDISTRIBUTE, self.layer)
         if self.fused:
             if self.h.scheme == "b":
                 return start_reduce(g, j, *args)
@@ -142,12 +153,16 @@ class Rounds:
         faults.at("handoff")
         if not torch.is_grad_enabled():  # evaluation: the rounds, no graphs kept
             return self.run_forward(x, head, grad=False)
-        return _RoundsFn.apply(x, self, head, *params)
+        self.output = _RoundsFn.apply(x, self, head, *params)
+        return self.output
 
     def run_forward(self, x: torch.Tensor, head, grad: bool = True) -> torch.Tensor:
         plan = self.plan = _Plan(self)
         K = self.h.rounds
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        variable = grad and self.per_round is not None
+        self.mine: list[torch.Tensor | None] = [None] * K
+        self.pending: tuple[int, Started] | None = None
         started = self._send(plan, x, 0)
         ys = []
         try:
@@ -160,7 +175,10 @@ class Rounds:
                     h = h.detach().requires_grad_()
                     with torch.enable_grad():
                         y = head(h)
-                    self.saved.append((h, y))
+                    if variable:
+                        self._step_round(plan, j, h, y)
+                    else:
+                        self.saved.append((h, y))
                 else:
                     y = head(h)
                 ys.append(y.detach())
@@ -168,8 +186,35 @@ class Rounds:
             self.rows.examples = None
         return torch.cat(ys).index_select(0, plan.perm)
 
+    def _step_round(self, plan: _Plan, j: int, h: torch.Tensor, y: torch.Tensor) -> None:
+        """Variable batch: round j's loss, backward and head update now, and its activation
+        gradient on its way back (the trunk's share of the whole batch's mean loss: the round's
+        mean-loss gradient x its rows / all rows) while the next round arrives and computes."""
+        rows = plan.sizes(j)
+        start = sum(sum(plan.sizes(i)) for i in range(j))
+        positions = plan.where[start : start + sum(rows)]
+        with torch.enable_grad():  # inside the rounds' autograd node, where grad mode is off
+            self.per_round(j, y, positions)
+        g = h.grad if h.grad is not None else torch.zeros_like(h)
+        g = g * (sum(rows) / sum(plan.rows))
+        self._finish_pending(plan)
+        back = self._return(plan, g, j)
+        if isinstance(back, Started):
+            self.pending = (j, back)
+        else:
+            self.mine[j] = back
+
+    def _finish_pending(self, plan: _Plan) -> None:
+        if self.pending is not None:
+            j, started = self.pending
+            self.mine[j] = self._mine(plan, started.wait(), j)
+            self.pending = None
+
     def run_backward(self, gy: torch.Tensor) -> torch.Tensor:
         plan, K = self.plan, self.h.rounds
+        if not self.saved:  # variable batch: the rounds' gradients came back during the forward
+            self._finish_pending(plan)
+            return torch.cat([t for t in self.mine if t is not None])
         g_round = gy.index_select(0, plan.where)  # round order
         bounds = [0]
         for j in range(K):
@@ -233,6 +278,7 @@ def install(model: nn.Module, entry: str, later: list[str], rounds: Rounds) -> N
         prefix = parent_name + "." if parent_name else ""
         a, b = _head(parent, child, prefix, later)
         seq = parent
+        rounds.head_params = [p for m in list(seq._modules.values())[a:b] for p in m.parameters()]
 
         def run_head(h: torch.Tensor) -> torch.Tensor:
             for m in list(seq._modules.values())[a:b]:
@@ -257,3 +303,4 @@ def install(model: nn.Module, entry: str, later: list[str], rounds: Rounds) -> N
         return rounds.forward(x, lambda h: inner(h, *rest, **kw), list(module.parameters()))
 
     module.forward = forward_entry
+    rounds.head_params = list(module.parameters())

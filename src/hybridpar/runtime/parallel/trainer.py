@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
 from hybridpar.runtime import faults
 from hybridpar.runtime.comm.collectives import all_gather_uneven, all_reduce
@@ -59,7 +60,10 @@ class HybridTrainer:
     (the model's parameters are this rank's shards, known only after parallelize).
     loss: a torch.nn.functional-style loss that takes `reduction="sum"`.
     options: how the runtime runs (hybridpar.runtime.options.RuntimeOptions).
-    layout: the plan already resolved against this model (`hybridpar train` resolves it once)."""
+    layout: the plan already resolved against this model (`hybridpar train` resolves it once).
+    head_optimizer: with `options.variable_batch`, the optimizer of the layers after the hand-off
+    sent in rounds, which step once per round on that round's examples (Krizhevsky 4.2); the
+    other parameters get `optimizer` and step once per iteration. Default: `optimizer`."""
 
     def __init__(
         self,
@@ -72,6 +76,7 @@ class HybridTrainer:
         ledger: Ledger | None = None,
         layout: Layout | None = None,
         input_shape: tuple[int, ...] | None = None,
+        head_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> None:
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -83,7 +88,16 @@ class HybridTrainer:
         self.model: Engine = parallelize(
             model, plan, self.options, ledger=self.ledger, layout=layout, input_shape=input_shape
         )
-        self.optimizer = optimizer(self.model.parameters())
+        self.head_optimizer: torch.optim.Optimizer | None = None
+        v = self.model.variable
+        if v is None:
+            self.optimizer = optimizer(self.model.parameters())
+        else:  # Krizhevsky 4.2: the head steps per round, the rest once per iteration
+            head = {id(p) for p in v.head_params}
+            self.optimizer = optimizer([p for p in self.model.parameters() if id(p) not in head])
+            self.head_optimizer = (head_optimizer or optimizer)(v.head_params)
+            v.per_round = self._round_step
+        self._target: torch.Tensor | None = None
         self.loss = loss
         self.resharded = False
         self.last: StepResult | None = None
@@ -121,10 +135,15 @@ class HybridTrainer:
         m.train()
         m.set_batch(n)
         faults.at("forward")
+        self._target = target = y[m.output_rows(n)]
         with self.autocast():
             out = m(x[m.input_rows(n)])
-            target = y[m.output_rows(n)]
             loss_sum = self.loss(out, target, reduction="sum")
+        if m.variable is not None and out is not m.variable.output:
+            raise ConfigError(
+                "--variable-batch takes each round's loss on the output of the layers after the "
+                "hand-off, but the model's forward changes it after them; drop --variable-batch"
+            )
         value = float(loss_sum.detach())
         if not math.isfinite(value) and not self.options.allow_nonfinite:
             raise FloatingPointError(
@@ -145,6 +164,27 @@ class HybridTrainer:
         if m.bn_switch is not None:
             m.bn_switch.observe(counted[0], counted[2], counted[1])
         return self.last
+
+    def _round_step(self, j: int, y: torch.Tensor, positions: torch.Tensor) -> None:
+        """Variable batch: round j's mean loss over its examples, its backward through the head,
+        and the head's optimizer step (HybridParallel's rounds call it inside the forward)."""
+        target = self._target[positions.to(self._target.device)]
+        with self.autocast():
+            loss = self.loss(y, target, reduction="sum")
+        self.head_optimizer.zero_grad(set_to_none=True)
+        (loss / len(target)).backward()
+        self.head_optimizer.step()
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers this trainer steps: one, or with variable batch the rest's and the
+        head's."""
+        return [self.optimizer] + ([self.head_optimizer] if self.head_optimizer else [])
+
+    def _state_optimizer(self):
+        if self.head_optimizer is None:
+            return self.optimizer
+        return checkpoint.Joined(self.optimizer, self.head_optimizer)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on the global batch (x, y); returns its mean loss (one small
@@ -199,13 +239,13 @@ class HybridTrainer:
     def save(self, directory: str | Path, meta: dict | None = None, keep: int = 2) -> Path:
         """Checkpoint the model and the optimizer into `directory` (collective; atomic): a folder
         `step-N` per checkpoint, the newest `keep` kept, `latest` pointing at the last."""
-        return checkpoint.save(self.model, self.optimizer, directory, meta, keep)
+        return checkpoint.save(self.model, self._state_optimizer(), directory, meta, keep)
 
     def load(self, path: str | Path) -> dict:
         """Go on from a checkpoint (a folder `save` wrote into, or one `step-N` in it), on this or
         another plan and P; returns its metadata. On the same plan and P training continues bit
         for bit (random streams and codec residuals included); elsewhere `resharded` is set."""
-        meta, same = checkpoint.load(self.model, self.optimizer, path)
+        meta, same = checkpoint.load(self.model, self._state_optimizer(), path)
         self.resharded = not same
         return meta
 

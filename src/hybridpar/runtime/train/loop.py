@@ -121,7 +121,7 @@ def fit(
     per_epoch = len(epoch_steps(n, cfg.batch, 0, seed))
     per_epoch = min(per_epoch, cfg.max_steps) if cfg.max_steps else per_epoch
     total = cfg.epochs * per_epoch
-    base_lr = trainer.optimizer.defaults["lr"]
+    base_lrs = [o.defaults["lr"] for o in trainer.optimizers]
     bar = _bar(trainer, cfg, total, pos.epoch * per_epoch + pos.index, log is not None)
     epochs, times = list(pos.history), {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
@@ -132,8 +132,10 @@ def fit(
         for i, idx in enumerate(epoch_steps(n, cfg.batch, epoch, seed)[:per_epoch]):
             if i < first:
                 continue
-            for g in trainer.optimizer.param_groups:
-                g["lr"] = base_lr * lr_factor(cfg.schedule, (epoch * per_epoch + i) / total)
+            factor = lr_factor(cfg.schedule, (epoch * per_epoch + i) / total)
+            for o, base_lr in zip(trainer.optimizers, base_lrs, strict=True):
+                for g in o.param_groups:
+                    g["lr"] = base_lr * factor
             if len(idx) == cfg.batch:
                 full_steps.add(trainer.steps)
             r = trainer.train_step(data.x_train[idx], data.y_train[idx])
@@ -190,13 +192,24 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
     def optimizer(params):
         return KrizhevskySGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
 
+    def head_optimizer(params):  # variable batch: the head sees B/K examples per step
+        k_head = plan.batch / _rounds(plan) / cfg.base_batch if cfg.base_batch else 1.0
+        lr_h, wd_h = scale_hparams(cfg.lr, cfg.weight_decay, k_head, cfg.scale_rule)
+        return KrizhevskySGD(params, lr=lr_h, momentum=cfg.momentum, weight_decay=wd_h)
+
     return HybridTrainer(
         model,
         plan,
         optimizer,
         options=cfg.runtime,
         layout=layout or _resolved(job, model, plan),
+        head_optimizer=head_optimizer,
     )
+
+
+def _rounds(plan: ParallelPlan) -> int:
+    """K of the last hand-off sent in rounds (the one a variable batch steps per round)."""
+    return next((r.rounds for r in reversed(plan.redistributions) if r.scheme != "a"), 1)
 
 
 def _resolved(job: Job, model: torch.nn.Module, plan: ParallelPlan) -> Layout:
@@ -243,6 +256,14 @@ def train_worker(job: Job) -> dict | None:
     # what the optimizer ran with: --lr and --weight-decay after --scale-rule
     group = trainer.optimizer.param_groups[0]
     out["hparams"] = {"lr": trainer.optimizer.defaults["lr"], "weight_decay": group["weight_decay"]}
+    if trainer.head_optimizer is not None:  # Krizhevsky 4.2: the head's own step and batch
+        head = trainer.head_optimizer
+        out["variable_batch"] = {
+            "rounds": _rounds(plan),
+            "head_batch": plan.batch / _rounds(plan),
+            "head_lr": head.defaults["lr"],
+            "head_weight_decay": head.param_groups[0]["weight_decay"],
+        }
     out["written"] = [str(cfg.save)]
     if cfg.report:
         json_path, png = write_report(out, cfg.report)

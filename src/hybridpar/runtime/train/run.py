@@ -22,7 +22,12 @@ from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
 from hybridpar.planning.analysis import trace
 from hybridpar.planning.cluster import BYTES_ONLY
-from hybridpar.planning.handoff import Handoff, is_gather, why_not_handoff
+from hybridpar.planning.handoff import (
+    Handoff,
+    is_gather,
+    why_not_handoff,
+    why_not_variable_batch,
+)
 from hybridpar.planning.layers import cost_layers
 from hybridpar.planning.models import build_any
 from hybridpar.planning.zoo import file_label, input_shape, is_factory, parse_input_shape, zoo_entry
@@ -71,6 +76,10 @@ def prepare(cfg: TrainConfig) -> Job:
         preset_plan(cfg, P, layers, shape, BYTES_ONLY)
     if layout is not None and cfg.handoff in ("b", "c"):
         _check_handoff(cfg.handoff, cfg.rounds, layout)
+    if layout is not None and cfg.runtime.variable_batch:
+        why = why_not_variable_batch(layout.handoffs, layout.segments)
+        if why:
+            raise ConfigError(why)
     if resume is not None:
         _check_resume(resume, cfg, shape)
     return Job(cfg, P, shape, classes, traced, layers, layout, resume)
