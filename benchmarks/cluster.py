@@ -98,6 +98,9 @@ class TwoHosts:
             env = {
                 **os.environ,
                 "GLOO_SOCKET_IFNAME": dev,
+                # the namespaces share the machine's host name: without this, ranks on the two
+                # "hosts" would meet in /dev/shm (comm.small, the host reducer), not on the link
+                "HYBRIDPAR_HOST": ns,
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                 "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'benchmarks'}",
                 "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // (2 * nproc))),

@@ -183,6 +183,8 @@ CASES = [
     ("hand-off (c) with 8-bit activations", lambda t: [*TRAIN, "--nproc", "2", "--preset", "grid:2x1", "--handoff", "c", "--codec", "dynamic-tree", "--compress", "activations"], "sends its rounds unencoded"),
     ("hand-off scheme unknown", lambda t: [*TRAIN, "--handoff", "d"], "invalid choice: 'd'"),
     ("plan: rounds without scheme c", lambda t: ["plan", "--model", "mlp", "--procs", "2", "--batch", "8", "--rounds", "2"], "--rounds is for --handoff c"),
+    ("variable batch without rounds", lambda t: [*TRAIN, "--variable-batch"], "--handoff b or c"),
+    ("variable batch on a 2x2 head", lambda t: [*TRAIN, "--preset", "grid:2x2", "--handoff", "c", "--variable-batch"], "on one model group (grid Px1)"),
 ]  # fmt: skip
 
 

@@ -115,6 +115,11 @@ class TrainConfig:
         positive(self, "rounds")
         if self.rounds is not None and self.handoff != "c":
             raise ConfigError("--rounds is for --handoff c; drop it or add --handoff c")
+        if self.runtime.variable_batch and self.plan is None and self.handoff not in ("b", "c"):
+            raise ConfigError(
+                "--variable-batch steps the layers after a hand-off once per round: send it in "
+                "rounds with --handoff b or c"
+            )
         if self.handoff == "auto" and self.plan is not None:
             raise ConfigError(
                 "--handoff auto asks the planner; with --plan name a scheme (a, b or c)"
