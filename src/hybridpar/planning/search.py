@@ -173,8 +173,9 @@ class _Context:
         n = self.B / s.pc * d * wire.acts / K  # one round's gathered bytes
         if h.scheme == "b":
             g, r = broadcast(n, m, self.net), broadcast(n, m, self.net)
-            g = Comm("broadcast", m, n, g.seconds)
-            r = Comm("reduce", m, n, r.seconds) if fused else Comm.zero("reduce", m)
+            v = (m - 1) / m * n  # bytes per rank, averaged (the ledger's convention)
+            g = Comm("broadcast", m, v, g.seconds)
+            r = Comm("reduce", m, v, r.seconds) if fused else Comm.zero("reduce", m)
         else:
             g = on_host(all_gather(n, m, self.net), self.net, wire.acts_compressed, n / m)
             r = on_host(reduce_scatter(n, m, self.net), self.net, wire.acts_compressed, n)

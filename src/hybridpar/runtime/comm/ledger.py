@@ -24,7 +24,9 @@ def bus_bytes(kind: str, n: float, p: int) -> float:
         return 2 * (p - 1) / p * n
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (p - 1) / p * n
-    if kind in ("broadcast", "reduce", "halo"):  # halo: n is what this rank sends to its neighbours
+    if kind in ("broadcast", "reduce"):  # p - 1 ranks get (or give) n once: per rank on average
+        return (p - 1) / p * n
+    if kind == "halo":  # n is what this rank sends to its neighbours
         return n
     if kind == "host_reduce":  # through shared memory: nothing on the network
         return 0.0
