@@ -180,7 +180,7 @@ CASES = [
     ("hand-off scheme on a plan without one", lambda t: [*TRAIN, "--preset", "ddp", "--handoff", "c"], "has no batch -> model hand-off"),
     ("hand-off scheme b with rounds", lambda t: [*TRAIN, "--handoff", "b", "--rounds", "3"], "--rounds is for --handoff c"),
     ("hand-off (c) with more rounds than examples", lambda t: [*TRAIN, "--nproc", "2", "--preset", "grid:2x1", "--batch", "8", "--handoff", "c", "--rounds", "5"], "at most 4 rounds"),
-    ("hand-off (c) with 8-bit activations", lambda t: [*TRAIN, "--nproc", "2", "--preset", "grid:2x1", "--handoff", "c", "--codec", "dynamic-tree", "--compress", "activations"], "sends its rounds unencoded"),
+    ("hand-off (b) with 8-bit activations", lambda t: [*TRAIN, "--nproc", "2", "--preset", "grid:2x1", "--handoff", "b", "--codec", "dynamic-tree", "--compress", "activations"], "broadcasts its rounds unencoded"),
     ("hand-off scheme unknown", lambda t: [*TRAIN, "--handoff", "d"], "invalid choice: 'd'"),
     ("plan: rounds without scheme c", lambda t: ["plan", "--model", "mlp", "--procs", "2", "--batch", "8", "--rounds", "2"], "--rounds is for --handoff c"),
     ("variable batch without rounds", lambda t: [*TRAIN, "--variable-batch"], "--handoff b or c"),

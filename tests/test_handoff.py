@@ -200,6 +200,36 @@ def test_dropout_in_the_head_draws_each_rounds_examples(P):
     assert run_ranks(_dropout, P, P, timeout_s=240)[0] == ["c2", "b" + str(P)]
 
 
+def _encoded(P: int) -> list[str]:
+    """Scheme (c) with 8-bit activations (Dettmers' sub-batch pipeline): every round's piece is
+    encoded, and the ledger's payload per (layer, term) is the prediction."""
+    build, shape = MODELS["tv-alexnet"]
+    data = batches(shape, b=12)
+    done = []
+    choices = Choices(codec="dynamic-tree", compress=("activations",))
+    for h in (Handoff("c", 2), Handoff("c", 3)):
+        with torch.device("meta"):
+            layers = cost_layers(analyze(build(), shape))
+        styles = _styles("tv-alexnet", layers, P)
+        first = next(x.name for x in layers if x.kind == "linear")
+        priced = evaluate(layers, P, 12, NET, styles, choices=choices, handoffs={first: h})
+        plan = export(priced, procs=P, batch=12, choices=choices, input_shape=shape)
+        assert plan.redistributions[0].rounds == h.rounds
+        _, measured = _train(build(), plan, data, shm=True)
+        if dist.get_rank() == 0:
+            predicted = plan.predicted_bytes(by_layer=True)
+            measured = {k: v for k, v in measured.items() if k[1] != "codec_overhead"}
+            assert set(measured) == set(predicted), set(measured) ^ set(predicted)
+            for k, v in predicted.items():
+                assert measured[k] == pytest.approx(v, rel=1e-12), f"{h}: {k}"
+            done.append(h.label)
+    return done
+
+
+def test_scheme_c_carries_8_bit_activations_and_books_the_predicted_payload():
+    assert run_ranks(_encoded, 3, 3, timeout_s=240)[0] == ["c2", "c3"]
+
+
 # --- the rule and the cost model (no processes) ---------------------------------------------------
 
 
@@ -245,7 +275,8 @@ def test_round_rows_and_the_rule():
     )
     assert "at most 3 rounds" in why_not_handoff(Handoff("c", 4), batch, model, [x], 12, False, "f")
     assert "--handoff a" in why_not_handoff(Handoff("c", 2), model, batch, [x], 12, False, "fc")
-    assert "unencoded" in why_not_handoff(Handoff("c", 2), batch, model, [x], 12, True, "fc")
+    assert "unencoded" in why_not_handoff(Handoff("b", 4), batch, model, [x], 12, True, "fc")
+    assert why_not_handoff(Handoff("c", 2), batch, model, [x], 12, True, "fc") == ""
     assert "one of" in why_not_handoff(Handoff("d", 2), batch, model, [x], 12, False, "fc")
     normed = replace(x, norms=((13, True),))
     assert "batch norm" in why_not_handoff(Handoff("c", 2), batch, model, [normed], 12, False, "f")

@@ -133,10 +133,10 @@ def why_not_handoff(
             f"scheme (c) before {where} splits each rank's {fine} examples into {h.rounds} "
             f"rounds; use at most {fine} rounds or a larger batch"
         )
-    if acts_encoded:
+    if acts_encoded and h.scheme == "b":
         return (
-            f"scheme ({h.scheme}) before {where} sends its rounds unencoded: compress grads only "
-            "(--compress grads) or use --handoff a"
+            f"scheme (b) before {where} broadcasts its rounds unencoded: use --handoff c (its "
+            "all-gathers carry the codec) or compress grads only (--compress grads)"
         )
     normed = [x.name for x in head if x.norms]
     if normed:

@@ -196,8 +196,12 @@ def start_all_gather(
     ledger: Ledger | None,
     term: str,
     layer: str | None,
+    codec: Codec | None = None,
 ) -> Started:
-    """all_gather_uneven, split phase."""
+    """all_gather_uneven, split phase (with a codec: each rank's piece encoded, every piece
+    decoded on arrival, as all_gather_uneven does)."""
+    if codec is not None and codec.name != "none":
+        return _start_compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec)
     t0 = time.perf_counter()
     t, sizes = t.contiguous(), list(sizes)
     out_shape = _shape_with(t, dim, sum(sizes))
@@ -223,6 +227,36 @@ def start_all_gather(
             return torch.cat([x.narrow(dim, 0, n) for x, n in zip(pieces, sizes, strict=True)], dim)
 
     return _started("all_gather", len(sizes), nbytes, ledger, term, layer, numel, finish, t0)
+
+
+def _start_compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec) -> Started:
+    t0 = time.perf_counter()
+    t = t.contiguous()
+    inner = math.prod(n for i, n in enumerate(t.shape) if i != dim % t.dim())
+    numels = [n * inner for n in sizes]
+    lengths = [codec.wire_bytes(n) for n in numels]
+    top = max(lengths)
+    mine = torch.zeros(1, top, dtype=torch.uint8, device=t.device)
+    encoded = codec.to_bytes(codec.encode(t))
+    mine[0, : encoded.numel()] = encoded
+    wire = start_all_gather(mine, [1] * len(sizes), 0, group, None, term, None)
+
+    def finish() -> torch.Tensor:
+        got = wire.wait()
+        parts = [
+            codec.decode(codec.from_bytes(got[i, :n], k)).view(_shape_with(t, dim, s))
+            for i, (n, k, s) in enumerate(zip(lengths, numels, sizes, strict=True))
+        ]
+        return torch.cat(parts, dim=dim).to(t.dtype)
+
+    numel = sum(numels)
+    payload = numel * codec.bits / 8
+    started = _started("all_gather", len(sizes), payload, ledger, term, layer, numel, finish, t0)
+    if ledger is not None:
+        ledger.record(
+            "all_gather", len(sizes), len(sizes) * top - payload, 0.0, Term.CODEC_OVERHEAD
+        )
+    return started
 
 
 def start_reduce_scatter(

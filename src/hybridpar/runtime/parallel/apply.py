@@ -123,7 +123,10 @@ def handoff_rounds(model: nn.Module, layout: Layout, ctx: BuildContext) -> list[
         fused = handoff.fused(x, src, dst, ctx.choices.activations_encoded)
         later = [layout.entries[j] for j, _, _ in layout.moves() if j > k]  # layout changes
         var = variable and k == last
-        r = rounds.Rounds(ctx.grids, src.pc, dst.pc, ctx.rows, ctx.ledger, first, h, fused, var)
+        r = rounds.Rounds(
+            ctx.grids, src.pc, dst.pc, ctx.rows, ctx.ledger, first, h, fused, var,
+            ctx.activation_codec,
+        )  # fmt: skip
         rounds.install(model, layout.entries[k], later, r)
         if var and later:  # the head must end the model (why_not_variable_batch said so)
             raise ConfigError("--variable-batch: the layers after the hand-off must end the model")

@@ -32,6 +32,7 @@ from torch import nn
 
 from hybridpar.planning.handoff import Handoff, round_rows
 from hybridpar.runtime import faults
+from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
     Started,
     start_all_gather,
@@ -99,8 +100,9 @@ class Rounds:
         h: Handoff,
         fused: bool,
         variable: bool = False,
+        codec: Codec | None = None,
     ) -> None:
-        self.variable = variable
+        self.variable, self.codec = variable, codec
         self.group = grids.handoff_group(src, dst)
         # variable batch: a round's gradient goes back while the next round's rows arrive, two
         # split-phase calls in flight: each on its own group
@@ -128,7 +130,7 @@ class Rounds:
         if self.h.scheme == "b":
             buf = mine if self.me == j else x.new_empty((sizes[j], *x.shape[1:]))
             return start_broadcast(buf, j, *args)
-        return start_all_gather(mine, sizes, 0, *args)
+        return start_all_gather(mine, sizes, 0, *args, self.codec)
 
     def _return(self, plan: _Plan, g: torch.Tensor, j: int) -> Started | torch.Tensor:
         """Start round j's activation gradient back to the members that own its examples (or,
