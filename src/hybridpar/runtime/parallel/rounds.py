@@ -77,6 +77,9 @@ class _Plan:
             order.append(torch.cat(pos))
         # y in round order -> (a)'s order (member by member): canonical row c sits at perm[c]
         where = torch.cat(order)
+        self.bounds = [0]  # round j's rows are [bounds[j], bounds[j + 1]) in round order
+        for j in range(K):
+            self.bounds.append(self.bounds[-1] + sum(p[j] for p in self.per_round))
         self.perm = torch.empty_like(where)
         self.perm[where] = torch.arange(where.numel())
         self.where = where
@@ -192,15 +195,18 @@ class Rounds:
         """Variable batch: round j's loss, backward and head update now, and its activation
         gradient on its way back (the trunk's share of the whole batch's mean loss: the round's
         mean-loss gradient x its rows / all rows) while the next round arrives and computes."""
-        rows = plan.sizes(j)
-        start = sum(sum(plan.sizes(i)) for i in range(j))
-        positions = plan.where[start : start + sum(rows)]
+        positions = plan.where[plan.bounds[j] : plan.bounds[j + 1]]
         with torch.enable_grad():  # inside the rounds' autograd node, where grad mode is off
             self.per_round(j, y, positions)
+        share = (plan.bounds[j + 1] - plan.bounds[j]) / plan.bounds[-1]
+        self._give_back(plan, j, h, share)
+
+    def _give_back(self, plan: _Plan, j: int, h: torch.Tensor, scale: float = 1.0) -> None:
+        """Start round j's activation gradient (h.grad x scale) back to its owners, once the
+        previous round's has arrived: one return in flight at a time on the group."""
         g = h.grad if h.grad is not None else torch.zeros_like(h)
-        g = g * (sum(rows) / sum(plan.rows))
         self._finish_pending(plan)
-        back = self._return(plan, g, j)
+        back = self._return(plan, g * scale if scale != 1.0 else g, j)
         if isinstance(back, Started):
             self.pending = (j, back)
         else:
@@ -213,32 +219,19 @@ class Rounds:
             self.pending = None
 
     def run_backward(self, gy: torch.Tensor) -> torch.Tensor:
-        plan, K = self.plan, self.h.rounds
-        if not self.saved:  # variable batch: the rounds' gradients came back during the forward
-            self._finish_pending(plan)
-            return torch.cat([t for t in self.mine if t is not None])
-        g_round = gy.index_select(0, plan.where)  # round order
-        bounds = [0]
-        for j in range(K):
-            bounds.append(bounds[-1] + sum(plan.sizes(j)))
-        mine: list[torch.Tensor | None] = [None] * K
-        pending: tuple[int, Started] | None = None
-        for j in reversed(range(K)):
-            h, y = self.saved[j]
-            torch.autograd.backward(y, g_round[bounds[j] : bounds[j + 1]])
-            g = h.grad if h.grad is not None else torch.zeros_like(h)
-            if pending is not None:
-                mine[pending[0]] = self._mine(plan, pending[1].wait(), pending[0])
-                pending = None
-            back = self._return(plan, g, j)
-            if isinstance(back, Started):
-                pending = (j, back)
-            else:
-                mine[j] = back
-        if pending is not None:
-            mine[pending[0]] = self._mine(plan, pending[1].wait(), pending[0])
-        self.saved = []
-        return torch.cat([t for t in mine if t is not None])
+        """This rank's rows of the gradient of the hand-off's input. Without variable batch: each
+        round's backward, last round first, its gradient returned while the next one computes
+        (with it, the rounds' gradients came back during the forward and `gy` is not needed)."""
+        plan = self.plan
+        if self.saved:
+            g_round = gy.index_select(0, plan.where)  # round order
+            for j in reversed(range(self.h.rounds)):
+                h, y = self.saved[j]
+                torch.autograd.backward(y, g_round[plan.bounds[j] : plan.bounds[j + 1]])
+                self._give_back(plan, j, h)
+            self.saved = []
+        self._finish_pending(plan)
+        return torch.cat([t for t in self.mine if t is not None])
 
 
 class _RoundsFn(torch.autograd.Function):
