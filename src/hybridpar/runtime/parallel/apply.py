@@ -91,7 +91,7 @@ def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list
         first = layout.first_layer(k)
         m = Move(ctx.grids, ctx.rows, ctx.ledger, first, ctx.activation_codec)
         m.height = layout.height_before(k)
-        x = next(y for y in layout.layers if y.name == first)
+        x = layout.entry_layer(k)
         m.fused = k > 0 and handoff.fused(x, src, dst, ctx.choices.activations_encoded)
         if m.fused:  # the split layer leaves dX partial; the hand-off reduce-scatters it
             model.get_submodule(layout.entries[k]).partial_dx = True
@@ -119,7 +119,7 @@ def handoff_rounds(model: nn.Module, layout: Layout, ctx: BuildContext) -> list[
         if h.scheme == "a":
             continue
         first = layout.first_layer(k)
-        x = next(y for y in layout.layers if y.name == first)
+        x = layout.entry_layer(k)
         fused = handoff.fused(x, src, dst, ctx.choices.activations_encoded)
         later = [layout.entries[j] for j, _, _ in layout.moves() if j > k]  # layout changes
         var = variable and k == last

@@ -62,7 +62,11 @@ class Layout:
 
     def first_layer(self, seg: int) -> str:
         """The first weighted layer of segment `seg` (the name the ledger books its moves under)."""
-        return next(x.name for x in self.layers if x.segment == seg)
+        return self.entry_layer(seg).name
+
+    def entry_layer(self, seg: int) -> CostLayer:
+        """The first weighted layer of segment `seg`, the one its hand-off enters."""
+        return next(x for x in self.layers if x.segment == seg)
 
     def split_layers(self) -> dict[str, Style]:
         """Weighted layers whose weights are split (model style with Pr > 1)."""
@@ -140,7 +144,7 @@ def with_handoff(layout: Layout, scheme: str, rounds: int | None = None) -> Para
     for k, a, b in layout.moves():
         first = layout.first_layer(k)
         at = layout.entries.get(k, first)
-        x = next(y for y in layout.layers if y.name == first)
+        x = layout.entry_layer(k)
         r = listed.get((at, first)) or Redistribution(at, first, a, b, x.entry_elements or x.d_in)
         if is_gather(a, b) and scheme != "a":
             k_rounds = rounds if rounds is not None and scheme == "c" else a.pc // b.pc
