@@ -2,7 +2,7 @@
 
 - (b) and (c) train as one process does (DESIGN.md invariant 1, rtol 1e-5) on P = 2, 3 and 4, with
   uneven splits (B = 15 on P = 3), on the torchvision-style AlexNet, on a model with two batch ->
-  model hand-offs, and (float64, dropout p = 0.5 in the head, rtol 1e-7) with counter-based
+  model hand-offs, on the zoo's alexnet-owt (its shapes: 64x64 input, 4096-wide FC layers), and (float64, dropout p = 0.5 in the head, rtol 1e-7) with counter-based
   dropout masks drawn for the examples of each round; on shared memory and on gloo alike.
 - The ledger's bytes per (layer, term) equal the plan's predictions for (a), (b) and (c) exactly
   (invariant 2).
@@ -69,7 +69,17 @@ def _two() -> nn.Module:
     return TwoHandoffs()
 
 
-MODELS = {"tv-alexnet": (_tv, (1, 8, 8)), "two": (_two, (1, 4, 4))}
+def _owt() -> nn.Module:
+    from nets import make
+
+    return make("alexnet-owt")
+
+
+MODELS = {
+    "tv-alexnet": (_tv, (1, 8, 8)),
+    "two": (_two, (1, 4, 4)),
+    "alexnet-owt": (_owt, MAKERS["alexnet-owt"][1]),  # the zoo's, 64x64, 4096-wide FC layers
+}
 
 
 def _styles(name: str, layers: list[CostLayer], P: int) -> list[Style]:
@@ -162,6 +172,7 @@ def _matrix(name: str, P: int, B: int, shm: bool) -> list[str]:
         ("tv-alexnet", 4, 12, False),
         ("two", 3, 15, False),
         ("two", 4, 12, True),
+        ("alexnet-owt", 2, 6, True),
     ],
 )
 def test_schemes_b_and_c_train_as_one_process_and_book_the_predicted_bytes(name, P, B, shm):
