@@ -117,7 +117,6 @@ CASES = [
     ("host reducer with 8-bit grads", lambda t: [*TRAIN, "--reducer", "host", "--codec", "dynamic-tree"], "host reducer sums float32"),
     ("negative host stage", lambda t: [*TRAIN, "--host-stage-mb", "-1"], "--host-stage-mb must be at least 0"),
     ("host stage not a number", lambda t: [*TRAIN, "--host-stage-mb", "lots"], "is not a number"),
-    ("host reducer with a split layer", lambda t: [*TRAIN, "--reducer", "host", "--preset", "grid:2x2"], "batch parallelism only"),
     ("missing data file", lambda t: [*TRAIN, "--data", "/nonexistent/d.npz"], "does not exist"),
     ("garbage npz", lambda t: [*TRAIN, "--data", (t / "g.npz", (t / "g.npz").write_bytes(b"zip?"))[0]], "not a readable .npz"),
     ("npz without y", lambda t: [*TRAIN, "--data", _np_without_y(t)], "needs arrays named x and y"),

@@ -121,9 +121,22 @@ def _train(kind, hosts, stage_mb):
     plan = preset("tv-alexnet", kind, P, reducer="host", bn="local")
     options = RuntimeOptions(host_stage_mb=float(stage_mb), bucket_mb=0.0005)
     t = HybridTrainer(make("tv-alexnet"), plan, optimizer, options=options)
-    for x, y in batches():
+    data = batches()
+    for x, y in data:
         t.train_step(x, y)
     assert_same_state(t.full_state_dict(), train_reference(make("tv-alexnet"), batches()), kind)
+    if plan.engine == "hybridpar":  # bytes = prediction: only the leaders' sums cross hosts
+        from hybridpar.runtime.comm.host import host_name
+        from hybridpar.runtime.train.report import measured, predicted
+
+        names: list = [None] * P
+        dist.all_gather_object(names, host_name())
+        got = measured(t.ledger, set(range(len(data))))["by_layer"]
+        want = predicted(plan, names)[1]
+        for key in {k for k in {*got, *want} if k[1] == "dw_allreduce"}:
+            assert got.get(key, 0.0) == pytest.approx(want.get(key, 0.0), rel=1e-9), (kind, key)
+        if hosts > 1 and any(s.pc > 1 for s in plan.styles.values()):
+            assert sum(v for k, v in got.items() if k[1] == "dw_allreduce") > 0, kind
     return True
 
 
@@ -135,6 +148,11 @@ def _train(kind, hosts, stage_mb):
         (4, "batch", 1, "0"),  # one stage per bucket
         (4, "batch", 2, "0.0001"),
         (2, "ddp", 1, "0.0001"),  # DDP's hook: copied in, summed as one stage
+        # Pr > 1: a host reducer per batch group of the grid, each with its leaders' group
+        (4, "grid:2x2", 1, "0.0001"),
+        (4, "grid:2x2", 2, "0.0001"),  # each batch group spans both hosts
+        (3, "grid:3x1", 2, "0"),  # uneven hosts (2 + 1); the FC shards' groups have one rank
+        (4, "model", 2, "0"),  # every layer split: no gradient to sum, only the broadcast
     ],
 )
 def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts, stage_mb):

@@ -47,7 +47,7 @@ from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
 from hybridpar.terms import Term
 
-__all__ = ["HostReducer", "HostState", "StagedReduce", "discover"]
+__all__ = ["HostReducer", "HostState", "StagedReduce", "discover", "host_name", "leader_groups"]
 
 _FLAGS = 4  # per rank, parity and stage: arrived, done, final (+1 spare, keeps 32-byte rows)
 ARRIVED, DONE, FINAL = 0, 1, 2
@@ -116,28 +116,57 @@ class _Topology:
     hosts: int
 
 
+def host_name(host: str | None = None) -> str:
+    """This rank's host: `host`, else HYBRIDPAR_HOST (tests and emulated clusters name hosts so),
+    else the machine's name."""
+    return host or os.environ.get("HYBRIDPAR_HOST") or socket.gethostname()
+
+
 def discover(
     group: Group | dist.ProcessGroup | None = None,
     host: str | None = None,
     make_leaders: bool = True,
+    leaders: dist.ProcessGroup | None = None,
 ) -> _Topology:
-    """Which ranks of `group` share this host (by host name; `host` or HYBRIDPAR_HOST overrides
-    it, for tests that emulate several hosts on one machine). Collective: every rank of the group
-    calls it. With several hosts and `make_leaders`, it also creates the group of one rank per
-    host (with the group's timeout), which every rank of the default group must join
+    """Which ranks of `group` share this host (by host name: `host_name`). Collective: every rank
+    of the group calls it. With several hosts it needs the group of one rank per host: `leaders`
+    where the caller made it (`leader_groups`, for groups that are not the whole world), else,
+    with `make_leaders`, it creates it here, which every rank of the default group must join
     (new_group's rule): only for `group` = the whole world."""
     pg = pg_of(group)
     me = dist.get_rank()
-    name = host or os.environ.get("HYBRIDPAR_HOST") or socket.gethostname()
+    name = host_name(host)
     names: list[object] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(names, (name, me), group=pg)
     hosts = sorted({n for n, _ in names})
     mine = [r for n, r in names if n == name]
     leaders_ranks = [min(r for n, r in names if n == h) for h in hosts]
-    leaders = None
-    if len(hosts) > 1 and make_leaders:  # every rank creates the group, in the same order
+    if leaders is None and len(hosts) > 1 and make_leaders:  # every rank, in the same order
         leaders = dist.new_group(leaders_ranks, timeout=group_timeout(group))
+    if len(hosts) == 1:
+        leaders = None
     return _Topology(mine.index(me), len(mine), mine, me == mine[0], leaders, len(hosts))
+
+
+def leader_groups(
+    members: list[list[int]], timeout, host: str | None = None
+) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
+    """For each group of `members` (global ranks), the group of its first rank on every host it
+    spans (None where it spans one host). Collective over the whole world: every rank makes every
+    leaders' group, in the order given, as torch.distributed.new_group requires, so sibling groups
+    (the batch groups of a grid with Pr > 1, each its own host reducer) get theirs without a
+    rank ever waiting on a group it is not in."""
+    names: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, host_name(host))
+    out: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for ranks in members:
+        key = tuple(ranks)
+        if key in out:
+            continue
+        hosts = sorted({names[r] for r in ranks})
+        leaders = [min(r for r in ranks if names[r] == h) for h in hosts]
+        out[key] = dist.new_group(leaders, timeout=timeout) if len(hosts) > 1 else None
+    return out
 
 
 class StagedReduce:
@@ -181,12 +210,13 @@ class HostReducer:
         host: str | None = None,
         make_leaders: bool = True,
         stage_bytes: int = STAGE_BYTES,
+        leaders: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = pg_of(group)
         self.timeout_s = group_timeout(group).total_seconds()
         self.ledger = ledger
         self.stage_bytes = stage_bytes
-        self.topo = discover(group, host, make_leaders)
+        self.topo = discover(group, host, make_leaders, leaders)
         token = [secrets.token_hex(6) if dist.get_rank(self.group) == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=self.group)
         self.token = token[0]

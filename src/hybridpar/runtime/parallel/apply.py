@@ -20,6 +20,8 @@ from hybridpar.planning import handoff
 from hybridpar.runtime.comm.codecs import get_codec
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet
+from hybridpar.runtime.comm.group import pg_of
+from hybridpar.runtime.comm.host import leader_groups
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import rounds
@@ -228,21 +230,42 @@ def grad_sync(
         if reducer.own_groups:  # the reducer's thread: groups nobody else uses
             group = ctx.grids.grad_group(style.spec.pc)
         pairs.append((group, named))
+    if reducer.host:  # every gradient group's leaders, made by every rank in one order
+        reducer.leaders = host_leaders([g for g, _ in pairs], ctx.grids.timeout)
     return GradSync(pairs, ctx.ledger, ctx.options.bucket_bytes, reducer.hook, reducer.state)
 
 
+def host_leaders(groups: list, timeout) -> dict:
+    """The leaders' group (one rank per host) of every group whose sibling this rank holds:
+    each rank's gradient groups, gathered, so that every rank makes every leaders' group."""
+    mine = [tuple(dist.get_process_group_ranks(pg_of(g))) for g in groups]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    ordered = []
+    for i in range(len(mine)):  # the i-th gradient group of every rank: siblings, in rank order
+        ordered += sorted({ranks[i] for ranks in every})
+    return leader_groups([list(r) for r in ordered], timeout)
+
+
 @torch.no_grad()
-def broadcast_parameters(model: nn.Module, ledger: Ledger | None) -> None:
-    """Rank 0's parameters and buffers to every rank, logged outside any training step."""
+def broadcast_parameters(model: nn.Module, ledger: Ledger | None, sync: GradSync) -> None:
+    """Sekiyama's Algorithm 5, sending the parameters once: each parameter from the first rank
+    of its gradient group to the rest of it (a shard only to the ranks that hold the same shard),
+    every buffer from rank 0 to every rank; logged outside any training step."""
     step, ledger_step = (ledger.step, -1) if ledger else (0, 0)
     if ledger is not None:
         ledger.step = ledger_step
-    P = dist.get_world_size()
-    for t in list(model.parameters()) + list(model.buffers()):
+    sent = []
+    for group, named in sync.pairs:
+        pg = pg_of(group)
+        src = min(dist.get_process_group_ranks(pg))
+        sent += [(p, pg, src) for _, p in named]
+    sent += [(b, dist.group.WORLD, 0) for b in model.buffers()]
+    for t, pg, src in sent:
         t0 = time.perf_counter()
-        dist.broadcast(t.data, src=0)
+        dist.broadcast(t.data, src=src, group=pg)
         if ledger is not None:
             size, took = t.numel() * t.element_size(), time.perf_counter() - t0
-            ledger.record("broadcast", P, size, took, Term.PARAM_BROADCAST)
+            ledger.record("broadcast", dist.get_world_size(pg), size, took, Term.PARAM_BROADCAST)
     if ledger is not None:
         ledger.step = step

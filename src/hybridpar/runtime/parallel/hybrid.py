@@ -67,7 +67,7 @@ class HybridParallel(Engine):
             model, layout, self.styles, self.reducer, self.ctx, skip or frozenset()
         )
         if self.reducer.host:  # Sekiyama's Algorithm 5: parameters sent once, at the start
-            apply.broadcast_parameters(model, ledger)
+            apply.broadcast_parameters(model, ledger, self.sync)
         if self.reducer.worker is not None:  # let the thread end with the engine
             weakref.finalize(self, self.reducer.worker.stop)
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from hybridpar.choices import Choices
 from hybridpar.runtime.comm.codecs import get_codec
-from hybridpar.runtime.comm.group import Group
+from hybridpar.runtime.comm.group import Group, pg_of
 from hybridpar.runtime.comm.hooks import ReducerState, allreduce_hook, compressed_hook, host_hook
 from hybridpar.runtime.comm.host import HostReducer, HostState
 from hybridpar.runtime.comm.ledger import Ledger
@@ -37,16 +39,29 @@ class Reducer:
     worker: CommWorker | None = None
     host: bool = False
     """Sekiyama's reducer: parameters are broadcast once at the start (Algorithm 5)"""
+    leaders: dict[tuple[int, ...], object] | None = None
+    """the host reducer across hosts: each gradient group's leaders' group, made beforehand by
+    every rank (comm.host.leader_groups); None: a reducer over the whole world makes its own"""
 
 
 def make_reducer(choices: Choices, options: RuntimeOptions) -> Reducer:
     if choices.reducer == "host":
+        out = Reducer(host_hook, None, host=True)  # type: ignore[arg-type]
 
         def host_state(group: Group, average: bool, ledger: Ledger | None) -> HostState:
-            reducer = HostReducer(group, ledger, stage_bytes=options.stage_bytes)
+            members = tuple(dist.get_process_group_ranks(pg_of(group)))
+            known = out.leaders is not None and members in out.leaders
+            reducer = HostReducer(
+                group,
+                ledger,
+                stage_bytes=options.stage_bytes,
+                make_leaders=not known,
+                leaders=out.leaders[members] if known else None,
+            )
             return HostState(reducer, average=average, ledger=ledger)
 
-        return Reducer(host_hook, host_state, host=True)
+        out.state = host_state
+        return out
     if choices.grads_encoded:
         worker = CommWorker()
         codec = get_codec(choices.codec, options.block)

@@ -106,6 +106,7 @@ class GradSync:
         state_factory: Callable[..., ReducerState] = ReducerState,
     ) -> None:
         self.hook = hook
+        self.pairs = groups  # (the group summing them, the parameters), as given
         self.buckets: list[tuple[ReducerState, Bucket]] = []
         self._handles = []
         self._owner: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket slot, param index)

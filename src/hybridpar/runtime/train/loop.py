@@ -20,6 +20,7 @@ from hybridpar.plan import ParallelPlan
 from hybridpar.planning.cluster import rank_threads
 from hybridpar.planning.models import build_any
 from hybridpar.runtime.comm.collectives import all_reduce
+from hybridpar.runtime.comm.host import host_name
 from hybridpar.runtime.parallel.checkpoint import save_weights
 from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS, HybridTrainer
@@ -246,7 +247,7 @@ def train_worker(job: Job) -> dict | None:
     timed = full_steps - {min(full_steps, default=0)}  # as `times`: the first step is left out
     split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
     split["handoff"] = waiting(trainer.ledger, timed, (Term.REDISTRIBUTE,))
-    hosts = len(set(_hostnames())) if plan.choices.reducer == "host" else 1
+    hosts = _hostnames() if plan.choices.reducer == "host" else None  # each rank's, in order
     if rank != 0:
         return None
     save_weights(weights, cfg.save)
@@ -272,8 +273,6 @@ def train_worker(job: Job) -> dict | None:
 
 
 def _hostnames() -> list[str]:
-    import socket
-
     names: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, os.environ.get("HYBRIDPAR_HOST") or socket.gethostname())
+    dist.all_gather_object(names, host_name())
     return [str(n) for n in names]

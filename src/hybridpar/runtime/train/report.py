@@ -70,15 +70,33 @@ def waiting(ledger: Ledger, steps: set[int], terms: tuple[str, ...]) -> dict[str
     return {"transfer_s": transfer, "slowest_s": slowest}
 
 
-def predicted(plan: ParallelPlan, hosts: int = 1) -> tuple[dict, dict]:
-    """The plan's bytes by term and by (layer, term). With the host reducer the gradient sums go
-    through shared memory within a host, and across H hosts one leader per host all-reduces: per
-    rank on average 2(H-1)/H n * H/P instead of 2(P-1)/P n."""
+def predicted(plan: ParallelPlan, hosts: list[str] | None = None) -> tuple[dict, dict]:
+    """The plan's bytes by term and by (layer, term). With the host reducer (`hosts`: each rank's
+    host, in rank order) a layer's gradient sum goes through shared memory within a host, and the
+    first rank of its group on each of the H hosts the group spans all-reduces: per rank of a
+    group of G, on average 2(H-1)/H n * H/G instead of 2(G-1)/G n, averaged over the layer's
+    groups (the batch groups of its grid: ranks c Pr + r for one r)."""
     by_term, by_layer = plan.predicted_bytes(), plan.predicted_bytes(by_layer=True)
-    if plan.choices.reducer == "host":
-        factor = (hosts - 1) / (plan.procs - 1) if plan.procs > 1 else 0.0
-        by_term = {k: v * factor if k == Term.DW_ALLREDUCE else v for k, v in by_term.items()}
-        by_layer = {k: v * factor if k[1] == Term.DW_ALLREDUCE else v for k, v in by_layer.items()}
+    if plan.choices.reducer != "host":
+        return by_term, by_layer
+    names = hosts or ["localhost"] * plan.procs
+    styles = {k: s for k, s in plan.styles.items()}
+
+    def factor(layer: str) -> float:
+        s = styles.get(layer)
+        pr, pc = (s.pr, s.pc) if s is not None and s.kind == "model" else (1, plan.procs)
+        if s is not None and s.kind == "domain":
+            pr, pc = 1, plan.procs  # whole weights on every rank: one group of all P
+        if pc <= 1:
+            return 0.0
+        spans = [len({names[c * pr + r] for c in range(pc)}) for r in range(pr)]
+        return sum(h - 1 for h in spans) / len(spans) / (pc - 1)
+
+    by_layer = {
+        k: v * factor(k[0]) if k[1] == Term.DW_ALLREDUCE else v for k, v in by_layer.items()
+    }
+    dw = math.fsum(v for k, v in by_layer.items() if k[1] == Term.DW_ALLREDUCE)
+    by_term = {k: dw if k == Term.DW_ALLREDUCE else v for k, v in by_term.items()}
     return by_term, by_layer
 
 
@@ -89,7 +107,7 @@ def report(
     epochs: list[dict],
     times: dict,
     bytes_measured: dict,
-    hosts: int,
+    hosts: list[str] | None,
     bn_switch,
     split: dict | None = None,
 ) -> dict:
