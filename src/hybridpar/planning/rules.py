@@ -112,9 +112,4 @@ def why_not_choices(choices: Choices, styles: Iterable[Style]) -> str:
             "the domain style's halo rows and row moves travel unencoded: compress grads only "
             "(--compress grads) or give the convolutions batch or model"
         )
-    if choices.reducer == "host" and choices.grads_encoded:
-        return (
-            "the host reducer sums float32 gradients: compress activations only "
-            "(--compress activations) or --codec none"
-        )
     return ""

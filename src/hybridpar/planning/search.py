@@ -17,7 +17,7 @@ Grids: Pr * Pc = P, Pc <= B and Pc divides B (every batch group gets B/Pc exampl
 layer can take a style is `hybridpar.planning.rules.why_not`, the function the runtime asks too:
 a model split needs a Linear or Conv2d called once with Pr <= its output units (uneven shards are
 allowed); a domain split needs Pr <= the output height. Whether the plan's choices can run with
-its styles (the host reducer needs float32 gradients) is `rules.why_not_choices`. Layers of one segment (no point between them where the runtime can change
+its styles (the domain style's halos travel unencoded) is `rules.why_not_choices`. Layers of one segment (no point between them where the runtime can change
 the layout, e.g. the two convolutions of a residual block: hybridpar.planning.analysis) take one style;
 the
 redistribution into a segment moves the activation at its entry. The per-layer search minimises

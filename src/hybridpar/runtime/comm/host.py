@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.runtime import faults
+from hybridpar.runtime.comm.codecs import Codec
+from hybridpar.runtime.comm.collectives import compressed_all_reduce
 from hybridpar.runtime.comm.group import Group, group_timeout, pg_of
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
@@ -211,7 +213,11 @@ class HostReducer:
         make_leaders: bool = True,
         stage_bytes: int = STAGE_BYTES,
         leaders: dist.ProcessGroup | None = None,
+        codec: Codec | None = None,
     ) -> None:
+        self.codec = codec if codec is not None and codec.name != "none" else None
+        """the leaders' step across hosts, encoded (Dettmers over the network, Sekiyama within
+        the host: the shared-memory sums stay float32)"""
         self.group = pg_of(group)
         self.timeout_s = group_timeout(group).total_seconds()
         self.ledger = ledger
@@ -381,7 +387,12 @@ class HostReducer:
             self._wait(seg, parity, c * _FLAGS + DONE, step, everyone, "sum its slice of", key)
         if hosts:  # hierarchical: the host sums meet over the network
             if topo.leader:
-                dist.all_reduce(total, group=topo.leaders)
+                if self.codec is not None:  # books its payload and overhead itself
+                    compressed_all_reduce(
+                        total, topo.leaders, self.codec, self.ledger, term, layers
+                    )
+                else:
+                    dist.all_reduce(total, group=topo.leaders)
                 flags[FINAL] = step
             else:
                 self._wait(seg, parity, FINAL, step, [0], "share the all-host sum of", key)
@@ -390,7 +401,7 @@ class HostReducer:
         self.wait_s += time.perf_counter() - t0
         if self.ledger is not None:
             self.ledger.record("host_reduce", 1, 0.0, time.perf_counter() - t0, term, layers)
-            if hosts and topo.leader:
+            if hosts and topo.leader and self.codec is None:
                 self.ledger.record("all_reduce", topo.hosts, seg.n * 4, 0.0, term, layers)
         return total.view(t.shape) if in_slot else t
 

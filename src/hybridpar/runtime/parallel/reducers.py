@@ -7,7 +7,8 @@ hybridpar.runtime.comm.host).
 | ----------------------------------- | ----------------- | ----------------------------------- |
 | reducer process-group               | allreduce_hook    | the autograd thread, async gloo/NCCL |
 | reducer process-group, codec on grads | compressed_hook | a thread of its own (`own_groups`)  |
-| reducer host                        | host_hook         | the host reducer's thread            |
+| reducer host (codec on grads: across | host_hook         | the host reducer's thread            |
+| hosts only, the leaders' step)      |                   |                                      |
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Reducer:
 def make_reducer(choices: Choices, options: RuntimeOptions) -> Reducer:
     if choices.reducer == "host":
         out = Reducer(host_hook, None, host=True)  # type: ignore[arg-type]
+        codec = get_codec(choices.codec, options.block) if choices.grads_encoded else None
 
         def host_state(group: Group, average: bool, ledger: Ledger | None) -> HostState:
             members = tuple(dist.get_process_group_ranks(pg_of(group)))
@@ -57,6 +59,7 @@ def make_reducer(choices: Choices, options: RuntimeOptions) -> Reducer:
                 stage_bytes=options.stage_bytes,
                 make_leaders=not known,
                 leaders=out.leaders[members] if known else None,
+                codec=codec,
             )
             return HostState(reducer, average=average, ledger=ledger)
 
