@@ -79,13 +79,15 @@ MODELS = {
     "tv-alexnet": (_tv, (1, 8, 8)),
     "two": (_two, (1, 4, 4)),
     "alexnet-owt": (_owt, MAKERS["alexnet-owt"][1]),  # the zoo's, 64x64, 4096-wide FC layers
+    "tv-alexnet-2x2": (_tv, (1, 8, 8)),  # FC layers on a 2x2 grid: replicated over batch groups
 }
 
 
 def _styles(name: str, layers: list[CostLayer], P: int) -> list[Style]:
     if name == "two":  # batch, model, batch, model
         return [Style.batch(P), Style.model(P, 1), Style.batch(P), Style.model(P, 1)]
-    return [Style.model(P, 1) if x.kind == "linear" else Style.batch(P) for x in layers]
+    fc = Style.model(2, 2) if name.endswith("2x2") else Style.model(P, 1)
+    return [fc if x.kind == "linear" else Style.batch(P) for x in layers]
 
 
 def _plan(name: str, P: int, B: int, h: Handoff, dtype=torch.float32) -> ParallelPlan:
@@ -173,6 +175,7 @@ def _matrix(name: str, P: int, B: int, shm: bool) -> list[str]:
         ("two", 3, 15, False),
         ("two", 4, 12, True),
         ("alexnet-owt", 2, 6, True),
+        ("tv-alexnet-2x2", 4, 12, True),  # the head's gradients summed over its batch groups
     ],
 )
 def test_schemes_b_and_c_train_as_one_process_and_book_the_predicted_bytes(name, P, B, shm):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from hybridpar.errors import ConfigError
 from hybridpar.runtime import faults
@@ -107,10 +108,22 @@ class _Rank(Stateful):
     def states(self) -> dict[int, object]:
         return {id(st): st for st in self.engine.reducer_states().values()}
 
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """Batch norms' running statistics: under local (or adaptive, before its switch) BN each
+        rank's differ, while the `model` part keeps one rank's copy of a replicated tensor."""
+        return {
+            k: b
+            for n, m in self.engine.module.named_modules()
+            if isinstance(m, _BatchNorm)
+            for k, b in m.named_buffers(prefix=n, recurse=False)
+        }
+
     def state_dict(self) -> dict:
         out = {"rng": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out["rng_cuda"] = torch.cuda.get_rng_state()
+        for name, b in self._buffers().items():
+            out[f"buffer.{name}"] = b.detach().clone()
         for st in self.states().values():
             for key, res in getattr(st, "residuals", {}).items():  # the host reducer keeps none
                 for j, t in enumerate(res):
@@ -121,6 +134,10 @@ class _Rank(Stateful):
         torch.set_rng_state(state["rng"])
         if "rng_cuda" in state:
             torch.cuda.set_rng_state(state["rng_cuda"])
+        with torch.no_grad():  # after the model part: this rank's own statistics win
+            for name, b in self._buffers().items():
+                if f"buffer.{name}" in state:
+                    b.copy_(state[f"buffer.{name}"])
 
     def make_room(self, key: str, size: tuple[int, ...]) -> None:
         """A residual slot the checkpoint has (bucket.j), so that it can be loaded in place."""

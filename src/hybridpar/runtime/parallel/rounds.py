@@ -24,6 +24,7 @@ asynchronous torch.distributed calls; (b)'s broadcasts and reduces are torch.dis
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -199,14 +200,14 @@ class Rounds:
         with torch.enable_grad():  # inside the rounds' autograd node, where grad mode is off
             self.per_round(j, y, positions)
         share = (plan.bounds[j + 1] - plan.bounds[j]) / plan.bounds[-1]
-        self._give_back(plan, j, h, share)
-
-    def _give_back(self, plan: _Plan, j: int, h: torch.Tensor, scale: float = 1.0) -> None:
-        """Start round j's activation gradient (h.grad x scale) back to its owners, once the
-        previous round's has arrived: one return in flight at a time on the group."""
         g = h.grad if h.grad is not None else torch.zeros_like(h)
+        self._give_back(plan, j, g * share)
+
+    def _give_back(self, plan: _Plan, j: int, g: torch.Tensor) -> None:
+        """Start round j's activation gradient back to its owners, once the previous round's has
+        arrived: one return in flight at a time on the group."""
         self._finish_pending(plan)
-        back = self._return(plan, g * scale if scale != 1.0 else g, j)
+        back = self._return(plan, g, j)
         if isinstance(back, Started):
             self.pending = (j, back)
         else:
@@ -219,19 +220,30 @@ class Rounds:
             self.pending = None
 
     def run_backward(self, gy: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of the gradient of the hand-off's input. Without variable batch: each
-        round's backward, last round first, its gradient returned while the next one computes
-        (with it, the rounds' gradients came back during the forward and `gy` is not needed)."""
+        """This rank's rows of the gradient of the hand-off's input. Without variable batch: the
+        rounds' backward in one autograd pass (the last round's graph first, as autograd runs the
+        newest nodes first), each round's gradient started back to its owners by a hook the
+        moment it is computed, while the earlier rounds' backward runs. One pass, not one per
+        round: a parameter of the head then accumulates its K rounds' gradients at once, so the
+        gradient synchroniser sees it ready once, with the whole sum (with a pass per round it
+        would sum the first round's gradient over the batch group and miss the rest). With
+        variable batch the rounds' gradients came back during the forward; `gy` is not needed."""
         plan = self.plan
         if self.saved:
             g_round = gy.index_select(0, plan.where)  # round order
-            for j in reversed(range(self.h.rounds)):
-                h, y = self.saved[j]
-                torch.autograd.backward(y, g_round[plan.bounds[j] : plan.bounds[j + 1]])
-                self._give_back(plan, j, h)
+            ys, gs = [], []
+            for j, (h, y) in enumerate(self.saved):
+                h.register_hook(functools.partial(self._returned, plan, j))
+                ys.append(y)
+                gs.append(g_round[plan.bounds[j] : plan.bounds[j + 1]])
             self.saved = []
+            torch.autograd.backward(ys, gs)
         self._finish_pending(plan)
         return torch.cat([t for t in self.mine if t is not None])
+
+    def _returned(self, plan: _Plan, j: int, g: torch.Tensor) -> None:
+        """Round j's activation gradient, computed: on its way back (a tensor hook)."""
+        self._give_back(plan, j, g)
 
 
 class _RoundsFn(torch.autograd.Function):
