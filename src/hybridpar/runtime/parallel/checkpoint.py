@@ -9,6 +9,8 @@ What a checkpoint holds, each part a DCP `Stateful`:
 | `model.<name>`           | parameters and buffers, original names            | split layers: each shard once (a DTensor, Shard(0) over the model group); the rest once |
 | `optim.<param>.<state>`  | optimizer state (momentum), laid out as its param | likewise                |
 | `rank<r>.<...>`          | random-generator states, codec error-feedback     | rank r                  |
+|                          | residuals, its batch norms' running statistics    |                         |
+|                          | (local BN makes them differ between ranks)        |                         |
 | `hybridpar.json`         | the step, the plan, P, the adaptive BN's state,   | rank 0                  |
 |                          | and the caller's metadata (the CLI's position)    |                         |
 
