@@ -25,7 +25,7 @@ def start(tmp_path, preset="grid:2x1", fault=None, extra=()):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def last_checkpoint_loads(tmp_path, step: int) -> None:
+def last_checkpoint_loads(tmp_path, step: int, nproc: int = 2) -> None:
     ck = tmp_path / "ck"
     assert (ck / "latest").read_text() == f"step-{step:08d}"
     dcp_to_torch_save(ck / f"step-{step:08d}", tmp_path / "flat.pt")  # every tensor, read back
@@ -33,7 +33,7 @@ def last_checkpoint_loads(tmp_path, step: int) -> None:
     # the Stateful parts as their own dicts: model, optim, rank<r>
     assert state["model"]["0.weight"].shape == (32, 1, 3, 3)
     assert state["optim"]["0.weight.v"].shape == (32, 1, 3, 3)
-    assert {"rank0", "rank1"} <= set(state) and "rng" in state["rank0"]
+    assert {f"rank{r}" for r in range(nproc)} <= set(state) and "rng" in state["rank0"]
 
 
 ROUNDS = ("--handoff", "c", "--rounds", "2")  # the hand-off sent in rounds
@@ -52,19 +52,30 @@ ROUNDS = ("--handoff", "c", "--rounds", "2")  # the hand-off sent in rounds
     ],
 )
 def test_a_killed_rank_ends_the_job_with_its_name(tmp_path, where, preset, step, saved, extra):
+    _killed(tmp_path, where, preset, step, saved, extra)
+
+
+def test_a_host_leader_killed_in_the_reduction_ends_the_job_with_its_name(tmp_path, monkeypatch):
+    """Two emulated hosts of two ranks (HYBRIDPAR_HOST per rank); rank 2 leads the second host's
+    reduction and is killed in it."""
+    monkeypatch.setenv("HYBRIDPAR_HOST", "h0,h0,h1,h1")
+    extra = ("--reducer", "host", "--nproc", "4", "--batch", "64")
+    _killed(tmp_path, "host", "grid:1x4", 4, 3, extra, rank=2, nproc=4)
+
+
+def _killed(tmp_path, where, preset, step, saved, extra, rank=1, nproc=2):
     before = shm()
-    p = start(tmp_path, preset, f"{where}:rank=1:step={step}", extra)
+    p = start(tmp_path, preset, f"{where}:rank={rank}:step={step}", extra)
     t0 = time.monotonic()
-    ranks = wait_for_ranks(p, 2)
+    ranks = wait_for_ranks(p, nproc)
     _, err = p.communicate(timeout=TIMEOUT + 60)
     assert p.returncode == 1 and time.monotonic() - t0 < TIMEOUT + 30
     lines = err.strip().splitlines()
-    assert lines == ["hybridpar train: error: rank 1 was killed by SIGKILL; the job was stopped"], (
-        err
-    )
+    want = f"hybridpar train: error: rank {rank} was killed by SIGKILL; the job was stopped"
+    assert lines == [want], err
     assert_all_gone(ranks)
     assert shm() - before == set()
-    last_checkpoint_loads(tmp_path, saved)
+    last_checkpoint_loads(tmp_path, saved, nproc)
 
 
 @pytest.mark.parametrize(

@@ -151,11 +151,8 @@ def _train(kind, hosts, stage_mb, codec="none"):
         (4, "batch", 1, "0"),  # one stage per bucket
         (4, "batch", 2, "0.0001"),
         (2, "ddp", 1, "0.0001"),  # DDP's hook: copied in, summed as one stage
-        # Pr > 1: a host reducer per batch group of the grid, each with its leaders' group
-        (4, "grid:2x2", 1, "0.0001"),
-        (4, "grid:2x2", 2, "0.0001"),  # each batch group spans both hosts
-        (3, "grid:3x1", 2, "0"),  # uneven hosts (2 + 1); the FC shards' groups have one rank
-        (4, "model", 2, "0"),  # every layer split: no gradient to sum, only the broadcast
+        # Pr > 1 (a reducer per batch group of the grid, each with its leaders' group) across
+        # two hosts, even and uneven: tests/test_composed.py, with bytes = prediction there too
     ],
 )
 def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts, stage_mb):
@@ -165,7 +162,7 @@ def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts, st
     assert not _ours()
 
 
-@pytest.mark.parametrize("P,kind", [(4, "grid:2x2"), (3, "batch")])
+@pytest.mark.parametrize("P,kind", [(4, "grid:2x2")])
 def test_the_host_reducer_sends_8_bit_gradients_across_hosts(P, kind):
     """Sums in float32 through shared memory within a host, and the leaders' sum across hosts
     encoded (dynamic tree): it trains, and the bytes that cross hosts are the predicted

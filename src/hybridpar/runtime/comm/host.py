@@ -119,9 +119,14 @@ class _Topology:
 
 
 def host_name(host: str | None = None) -> str:
-    """This rank's host: `host`, else HYBRIDPAR_HOST (tests and emulated clusters name hosts so),
+    """This rank's host: `host`, else HYBRIDPAR_HOST (tests and emulated clusters name hosts so:
+    one name, or a comma-separated name per rank, `h0,h0,h1,h1`, for ranks one launcher starts),
     else the machine's name."""
-    return host or os.environ.get("HYBRIDPAR_HOST") or socket.gethostname()
+    given = host or os.environ.get("HYBRIDPAR_HOST")
+    if not given:
+        return socket.gethostname()
+    names = given.split(",")
+    return names[dist.get_rank() % len(names)] if len(names) > 1 else given
 
 
 def discover(
