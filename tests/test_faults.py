@@ -36,16 +36,12 @@ def last_checkpoint_loads(tmp_path, step: int, nproc: int = 2) -> None:
     assert {f"rank{r}" for r in range(nproc)} <= set(state) and "rng" in state["rank0"]
 
 
-ROUNDS = ("--handoff", "c", "--rounds", "2")  # the hand-off sent in rounds
-
-
 @pytest.mark.parametrize(
     "where, preset, step, saved, extra",
     [
         ("forward", "grid:2x1", 4, 3, ()),
         ("backward", "grid:2x1", 4, 3, ()),
         ("handoff", "grid:2x1", 4, 3, ()),
-        ("handoff", "grid:2x1", 4, 3, ROUNDS),
         ("optimizer", "grid:2x1", 4, 3, ()),
         ("checkpoint", "grid:2x1", 6, 3, ()),  # killed while writing step 6: step 3 stays latest
         ("host", "grid:1x2", 4, 3, ("--reducer", "host")),

@@ -102,10 +102,14 @@ class _Optimizer(Stateful):
 
 
 class _Rank(Stateful):
-    """This rank's random-generator states and codec error-feedback residuals."""
+    """This rank's random-generator states, codec error-feedback residuals and batch-norm
+    statistics."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.stored: set[str] | None = None
+        """loading: the keys the checkpoint has (one written before the statistics were kept
+        per rank has none of them); None: saving, everything"""
 
     def states(self) -> dict[int, object]:
         return {id(st): st for st in self.engine.reducer_states().values()}
@@ -125,7 +129,8 @@ class _Rank(Stateful):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out["rng_cuda"] = torch.cuda.get_rng_state()
         for name, b in self._buffers().items():
-            out[f"buffer.{name}"] = b.detach().clone()
+            if self.stored is None or f"buffer.{name}" in self.stored:
+                out[f"buffer.{name}"] = b.detach().clone()
         for st in self.states().values():
             for key, res in getattr(st, "residuals", {}).items():  # the host reducer keeps none
                 for j, t in enumerate(res):
@@ -292,6 +297,9 @@ def load(engine: Engine, optimizer: torch.optim.Optimizer, path: str | Path) -> 
     for key, info in stored.items():
         if same and key.startswith(mine):
             state[f"rank{dist.get_rank()}"].make_room(key[len(mine) :], tuple(info.size))
+    if same:
+        own = f"rank{dist.get_rank()}."
+        state[own[:-1]].stored = {k[len(own) :] for k in stored if k.startswith(own)}
     dcp.load(state, checkpoint_id=str(path))
     switch = meta.get("bn_switch")
     if switch and dist.get_rank() != 0:  # the accumulators are global: one rank carries them on
