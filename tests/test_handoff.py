@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
 from nets import CLASSES, MAKERS, TVAlexNet, assert_same_state, batches, optimizer
+from test_equivalence import _measured
 from torch import nn
 from torch.nn import functional as F
 
@@ -106,16 +107,6 @@ def _plan(name: str, P: int, B: int, h: Handoff, dtype=torch.float32) -> Paralle
     priced = evaluate(layers, P, B, NET, styles, elem_bytes=e, handoffs=fixed)
     assert priced.feasible, priced.reason
     return export(priced, procs=P, batch=B, choices=Choices(), input_shape=shape)
-
-
-def _measured(ledger: Ledger, steps: int) -> dict:
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, ledger.bytes_by_layer_term())
-    total: dict = {}
-    for d in every:
-        for (layer, term), v in d.items():
-            total[(layer, str(term))] = total.get((layer, str(term)), 0.0) + v / steps / len(every)
-    return total
 
 
 def _train(model, plan, data, shm: bool):

@@ -304,19 +304,7 @@ def start_broadcast(
 ) -> Started:
     """`t` of the group's rank `root` onto every rank (t: the root's tensor, or a buffer of its
     shape elsewhere), asynchronous on torch.distributed."""
-    t0 = time.perf_counter()
-    buf = t.contiguous()
-    pg = pg_of(group)
-    work = dist.broadcast(buf, src=dist.get_global_rank(pg, root), group=pg, async_op=True)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        return buf
-
-    n = buf.numel()
-    return _started(
-        "broadcast", group_size(group), n * buf.element_size(), ledger, term, layer, n, finish, t0
-    )
+    return _rooted("broadcast", t.contiguous(), root, group, ledger, term, layer)
 
 
 def start_reduce(
@@ -329,10 +317,18 @@ def start_reduce(
 ) -> Started:
     """The sum of `t` over the group onto its rank `root` (elsewhere the result is undefined),
     asynchronous on torch.distributed."""
+    return _rooted("reduce", t.contiguous().clone(), root, group, ledger, term, layer)
+
+
+def _rooted(kind: str, buf, root, group, ledger, term, layer) -> Started:
+    """A broadcast from, or a reduce onto, the group's rank `root`, in place in `buf`."""
     t0 = time.perf_counter()
-    buf = t.contiguous().clone()
     pg = pg_of(group)
-    work = dist.reduce(buf, dst=dist.get_global_rank(pg, root), group=pg, async_op=True)
+    at = dist.get_global_rank(pg, root)
+    if kind == "broadcast":
+        work = dist.broadcast(buf, src=at, group=pg, async_op=True)
+    else:
+        work = dist.reduce(buf, dst=at, group=pg, async_op=True)
 
     def finish() -> torch.Tensor:
         work.wait()
@@ -340,7 +336,7 @@ def start_reduce(
 
     n = buf.numel()
     return _started(
-        "reduce", group_size(group), n * buf.element_size(), ledger, term, layer, n, finish, t0
+        kind, group_size(group), n * buf.element_size(), ledger, term, layer, n, finish, t0
     )
 
 

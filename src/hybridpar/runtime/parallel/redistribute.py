@@ -44,7 +44,17 @@ from hybridpar.runtime.comm.group import Group, group_rank
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.terms import Term
 
-__all__ = ["MOVES", "Chain", "Move", "Redistribute", "StepRows", "gather", "replicated", "split"]
+__all__ = [
+    "MOVES",
+    "Chain",
+    "Move",
+    "Redistribute",
+    "StepRows",
+    "gather",
+    "regroup_place",
+    "replicated",
+    "split",
+]
 
 
 class _Gather(torch.autograd.Function):
@@ -122,6 +132,14 @@ class StepRows:
         """inside a hand-off round: the global index of each example the round carries"""
 
 
+def regroup_place(world: int, src: int, dst: int) -> tuple[int, int, int]:
+    """Between layouts of `src` and `dst` batch groups: the ranks of a fine batch group, how many
+    fine groups make up a coarse one (m), and the first fine group of this rank's coarse one."""
+    fine, coarse = max(src, dst), min(src, dst)
+    m = fine // coarse
+    return world // fine, m, (dist.get_rank() // (world // coarse)) * m
+
+
 class Redistribute:
     """Forward pre-hook moving the input of a segment's entry module from the layout with `src`
     batch groups to the one with `dst` (Pc of the grids before and after)."""
@@ -140,12 +158,7 @@ class Redistribute:
         self.group = grids.regroup(src, dst)
         self.src, self.dst, self.rows = src, dst, rows
         self.ledger, self.layer, self.codec, self.fused = ledger, layer, codec, fused
-        fine, coarse = max(src, dst), min(src, dst)
-        world = grids.world_size
-        self.pr_fine, self.m = world // fine, fine // coarse
-        self.first = (
-            dist.get_rank() // (world // coarse)
-        ) * self.m  # my coarse group's first fine group
+        self.pr_fine, self.m, self.first = regroup_place(grids.world_size, src, dst)
 
     def sizes(self) -> list[int]:
         """Examples held by each rank of the regroup: the fine batch groups of my coarse one."""

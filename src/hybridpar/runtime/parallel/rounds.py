@@ -28,7 +28,6 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hybridpar.planning.handoff import Handoff, round_rows
@@ -44,7 +43,7 @@ from hybridpar.runtime.comm.collectives import (
 from hybridpar.runtime.comm.grid import GridSet, rows_of_group
 from hybridpar.runtime.comm.group import group_rank
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.parallel.redistribute import StepRows
+from hybridpar.runtime.parallel.redistribute import StepRows, regroup_place
 from hybridpar.terms import Term
 
 __all__ = ["Rounds", "install"]
@@ -118,9 +117,7 @@ class Rounds:
         steps the head's optimizer (HybridTrainer sets it)"""
         self.head_params: list[torch.nn.Parameter] = []
         self.output: torch.Tensor | None = None
-        world = grids.world_size
-        self.pr_fine, self.m = world // src, src // dst
-        self.first = (dist.get_rank() // (world // dst)) * self.m
+        self.pr_fine, self.m, self.first = regroup_place(grids.world_size, src, dst)
         self.me = group_rank(self.group)
 
     # --- one round's traffic -------------------------------------------------------------------
