@@ -15,9 +15,9 @@ def read(path: str) -> str:
         return f.read()
 
 
-def ranks_of(parent: int) -> list[int]:
-    """The spawned ranks of a launcher process (not multiprocessing's resource tracker)."""
-    out = []
+def _children() -> dict[int, list[tuple[int, str]]]:
+    """Every process's children as (pid, command line), by parent pid."""
+    out: dict[int, list[tuple[int, str]]] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -27,9 +27,16 @@ def ranks_of(parent: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and "multiprocessing.spawn" in cmd and "resource_tracker" not in cmd:
-            out.append(int(pid))
+        out.setdefault(ppid, []).append((int(pid), cmd))
     return out
+
+
+def ranks_of(parent: int) -> list[int]:
+    """The ranks of a launcher process: the children of its fork server (runtime.launcher), not
+    the server itself nor multiprocessing's resource tracker."""
+    children = _children()
+    servers = [pid for pid, cmd in children.get(parent, []) if "forkserver" in cmd]
+    return [pid for s in servers for pid, _ in children.get(s, [])]
 
 
 def cpu_ticks(pid: int) -> int:

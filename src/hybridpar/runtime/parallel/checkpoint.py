@@ -34,8 +34,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hybridpar.errors import ConfigError
@@ -52,7 +50,7 @@ META = "hybridpar.json"
 RESERVED = ("format", "procs", "step", "plan", "bn_switch")
 
 
-class _Model(Stateful):
+class _Model:  # a DCP Stateful (a protocol: state_dict and load_state_dict)
     """The engine's parameters and buffers; split layers' shards as DTensor views (loaded in
     place)."""
 
@@ -66,7 +64,7 @@ class _Model(Stateful):
         pass  # DCP wrote into the views state_dict() gave it
 
 
-class _Optimizer(Stateful):
+class _Optimizer:  # a DCP Stateful (a protocol: state_dict and load_state_dict)
     """The optimizer's per-parameter state by parameter name, each tensor laid out like its
     parameter (a shard as a DTensor view)."""
 
@@ -101,7 +99,7 @@ class _Optimizer(Stateful):
             self.optimizer.state[p].setdefault(slot, torch.zeros_like(p))
 
 
-class _Rank(Stateful):
+class _Rank:  # a DCP Stateful (a protocol: state_dict and load_state_dict)
     """This rank's random-generator states, codec error-feedback residuals and batch-norm
     statistics."""
 
@@ -258,6 +256,8 @@ def save(
     switch = _switch_state(engine)
     faults.set_step(engine.step)
     faults.at("checkpoint")  # as the write starts: the others write shards, this one never will
+    import torch.distributed.checkpoint as dcp  # here: importing it costs each rank 0.5 s
+
     dcp.save(_stateful(engine, optimizer, per_rank=True), checkpoint_id=str(tmp))
     if rank == 0:
         record = {
@@ -286,6 +286,8 @@ def load(engine: Engine, optimizer: torch.optim.Optimizer, path: str | Path) -> 
     """Load a checkpoint into the running engine and optimizer (collective). Returns its metadata
     and whether it was written by the same plan on the same P (then the per-rank state, random
     streams and codec residuals, came back too, and training goes on bit for bit)."""
+    import torch.distributed.checkpoint as dcp  # here: importing it costs each rank 0.5 s
+
     path = Path(latest(path) or path)
     meta = read_meta(path)
     styles = {k: v.label for k, v in engine.plan.styles.items()}
