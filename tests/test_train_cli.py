@@ -16,6 +16,7 @@ from procs import assert_all_gone, shm, wait_for_ranks
 
 from hybridpar.config import build
 from hybridpar.errors import ConfigError
+from hybridpar.planning.cluster import load_cluster
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import prepare
 
@@ -241,10 +242,12 @@ def test_a_plan_file_that_is_not_json(tmp_path):
     assert r.returncode == 2 and "not valid JSON" in r.stderr
 
 
-def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path):
+def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path, monkeypatch):
     """Invariant 3 under torchrun: rank 0 calibrates (with every rank measuring) and plans, and
-    broadcasts the plan; the calibration is written once and nobody plans on their own."""
-    env = {**os.environ, "HYBRIDPAR_CACHE": str(tmp_path)}
+    broadcasts the plan; the calibration is written once and nobody plans on their own. The two
+    ranks are named onto two hosts, so the calibration measures the network between them as a
+    second level (issue 24, item 1) and the plan is priced on it."""
+    env = {**os.environ, "HYBRIDPAR_CACHE": str(tmp_path), "HYBRIDPAR_HOST": "h0,h1"}
     report = tmp_path / "r.json"
     r = subprocess.run(
         [
@@ -272,9 +275,12 @@ def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("calibrating this machine") == 1, r.stdout
-    assert json.loads((tmp_path / "localhost.json").read_text())["source"].endswith(
-        "on 2 ranks, sizes 1024..16777216 B"
-    )
+    saved = json.loads((tmp_path / "localhost.json").read_text())
+    assert "within each of 2 hosts (1 rank(s) each)" in saved["source"], saved["source"]
+    assert saved["network"]["ranks_per_host"] == 1 and saved["network"]["beta"] > 0
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
+    c = load_cluster("localhost")
+    assert c.two_level and c.ranks_per_host == 1 and c.net_beta == saved["network"]["beta"]
     d = json.loads(report.read_text())
     assert d["procs"] == 2 and d["preset"] == "auto"
 

@@ -93,6 +93,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from hybridpar.runtime.train.calibration import calibrate
 
     d = calibrate(nproc=args.nproc, repeats=args.repeats)
+    if d is None:  # a rank of a torchrun job other than 0: rank 0 reports
+        return 0
     print(
         f"localhost: alpha {d['alpha'] * 1e6:.2f} us, bandwidth {1 / d['beta'] / 1e9:.3f} GB/s, "
         f"{d['flops'] / 1e9:.1f} GFLOP/s per core ({d['cores']} cores); saved to {d['path']}"
@@ -101,8 +103,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")
     if d.get("shm_beta"):
         print(f"  all-gather through shared memory: {1 / d['shm_beta'] / 1e9:8.2f} GB/s")
+    net = d.get("network")
+    if net is not None:
+        print(
+            f"  two levels, {net['ranks_per_host']} ranks per host: within a host the numbers "
+            f"above; between hosts alpha {net['alpha'] * 1e6:.2f} us, bandwidth "
+            f"{1 / net['beta'] / 1e9:.3f} GB/s"
+        )
     for p, times in d["by_procs_measured_s"].items():
-        level = d["by_procs"][str(p)]
+        level = d["by_procs"].get(str(p))
+        if level is None:  # the whole job over several hosts: its fit mixes the two levels
+            continue
         print(
             f"  {p} ranks: alpha {level['alpha'] * 1e6:.2f} us, bandwidth "
             f"{1 / level['beta'] / 1e9:.3f} GB/s"

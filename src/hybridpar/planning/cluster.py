@@ -1,6 +1,13 @@
 """Cluster descriptions for the alpha-beta model: latency alpha (s), inverse bandwidth beta (s/byte),
 word size (bytes per element on the wire) and a sustained compute rate (FLOP/s per process).
 
+Two levels. A cluster of hosts gives `ranks_per_host` and the network between hosts (`net_alpha`,
+`net_beta`); `alpha`, `beta` and the shared-memory numbers are then those within a host. A
+collective is priced by the level its group spans (`Cluster.over`): within one host at the
+host's numbers, across hosts at the network's latency and at its beta times the number of
+groups that cross the network from one host at once (they share its link). A file without the
+second level describes one level: every pair of ranks alike.
+
 Bandwidths are decimal: 6 GB/s is 6e9 bytes/s, the convention that makes Krizhevsky's footnote 4
 come out ("4096 floats take 2.73 us at 6 GB/s").
 """
@@ -12,9 +19,18 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
 from pathlib import Path
 
 from hybridpar.errors import ConfigError
+from hybridpar.planning.groups import (
+    Span,
+    batch_groups,
+    hosts_by_rank,
+    model_groups,
+    regroup_groups,
+    span,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,19 +66,73 @@ class Cluster:
     # --nproc 2,4`): (P, alpha, beta, small_alpha, shm_beta) each; ranks that share cores make
     # them slower than a 2-rank fit says. `at(P)` prices a P-rank job with its own entry
     by_procs: tuple[tuple[int, float, float, float | None, float | None], ...] = ()
+    # the second level (all three or none): ranks of a job on each host, numbered host by host
+    # (torchrun's order), and the latency and seconds per byte of the network between hosts
+    ranks_per_host: int | None = None
+    net_alpha: float | None = None
+    net_beta: float | None = None
+
+    @property
+    def two_level(self) -> bool:
+        return self.ranks_per_host is not None
+
+    def local(self, P: int) -> int:
+        """Ranks of a P-rank job that share one host."""
+        return P if self.ranks_per_host is None else min(P, self.ranks_per_host)
 
     def at(self, P: int) -> Cluster:
-        """This cluster as a job of P ranks sees it: the collectives measured at P where
-        `hybridpar calibrate` measured them, else these."""
+        """This cluster as a job of P ranks sees it: the collectives measured with as many ranks
+        on a host where `hybridpar calibrate` measured them, else these."""
         for p, alpha, beta, small, shm in self.by_procs:
-            if p == P:
+            if p == self.local(P):
                 return replace(self, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
         return self
 
+    def over(self, groups: list[list[int]]) -> Cluster:
+        """This cluster as the collectives of `groups` see them (lists of ranks, every group
+        running its collective at once, hybridpar.planning.groups): itself where each group
+        sits on one host; where one spans hosts, the network's alpha, its beta times the groups
+        that cross from one host at once, and no shared memory."""
+        if self.ranks_per_host is None or self.net_alpha is None or self.net_beta is None:
+            return self
+        P = 1 + max((k for g in groups for k in g), default=0)
+        s = span(groups, hosts_by_rank(P, self.ranks_per_host))
+        if s.hosts <= 1:
+            return self
+        return replace(
+            self,
+            alpha=self.net_alpha,
+            beta=self.net_beta * s.flows,
+            small_alpha=None,
+            shm_beta=None,
+            by_procs=(),
+        )
+
+    def group(self, kind: str, pr: int, pc: int) -> Cluster:
+        """`over` the "model" or the "batch" groups of grid pr x pc."""
+        if self.ranks_per_host is None:
+            return self
+        return _over(self, kind, pr, pc, 0)
+
+    def span(self, kind: str, pr: int, pc: int) -> Span:
+        """How the "model" or "batch" groups of grid pr x pc meet the hosts (one host each on a
+        one-level cluster)."""
+        if self.ranks_per_host is None:
+            return Span(1, 0, pc if kind == "batch" else pr)
+        return _span(kind, pr, pc, self.ranks_per_host)
+
+    def regroup(self, P: int, fine: int, coarse: int) -> Cluster:
+        """`over` the groups that move an activation between layouts of `fine` and `coarse`
+        batch groups (hybridpar.planning.groups.regroup_groups)."""
+        if self.ranks_per_host is None:
+            return self
+        return _over(self, "regroup", P, fine, coarse)
+
     def rank_flops(self, P: int) -> float:
         """FLOP/s one of P ranks sustains: `flops`, or on a calibrated host its share of the cores
-        (the trainer gives each rank cores // P threads; more ranks than cores share them)."""
-        return self.flops if self.cores is None else self.flops * self.cores / max(1, P)
+        (the trainer gives each of a host's ranks cores // ranks threads; more ranks than cores
+        share them)."""
+        return self.flops if self.cores is None else self.flops * self.cores / max(1, self.local(P))
 
     def __post_init__(self) -> None:
         for f in ("alpha", "beta", "flops"):
@@ -80,7 +150,29 @@ class Cluster:
             raise ConfigError(f"cluster {self.name!r}: cores must be a positive integer")
         if not isinstance(self.word_bytes, int) or self.word_bytes <= 0:
             raise ConfigError(f"cluster {self.name!r}: word_bytes must be a positive integer")
-        for f, unit in (("small_alpha", "seconds"), ("shm_beta", "seconds per byte")):
+        second = (self.ranks_per_host, self.net_alpha, self.net_beta)
+        if any(v is not None for v in second) and any(v is None for v in second):
+            raise ConfigError(
+                f"cluster {self.name!r}: a second level needs ranks_per_host and the network's "
+                "alpha and beta (or bandwidth) together: a [network] table with ranks_per_host, "
+                "alpha and beta"
+            )
+        if self.ranks_per_host is not None and (
+            not isinstance(self.ranks_per_host, int)
+            or isinstance(self.ranks_per_host, bool)
+            or self.ranks_per_host <= 0
+        ):
+            raise ConfigError(f"cluster {self.name!r}: ranks_per_host must be a positive integer")
+        if self.net_beta is not None and not (
+            isinstance(self.net_beta, int | float) and self.net_beta > 0
+        ):
+            raise ConfigError(f"cluster {self.name!r}: the network's beta must be positive")
+        for f, unit in (
+            ("small_alpha", "seconds"),
+            ("shm_beta", "seconds per byte"),
+            ("net_alpha", "seconds"),
+            ("net_beta", "seconds per byte"),
+        ):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
                 raise ConfigError(
@@ -97,7 +189,17 @@ class Cluster:
             str(p): {"alpha": a, "beta": b, "small_alpha": sa, "shm_beta": sb}
             for p, a, b, sa, sb in self.by_procs
         }
-        return {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
+        out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
+        for k in ("ranks_per_host", "net_alpha", "net_beta"):
+            out.pop(k)
+        if self.two_level:
+            out["network"] = {
+                "ranks_per_host": self.ranks_per_host,
+                "alpha": self.net_alpha,
+                "beta": self.net_beta,
+                "bandwidth_GBps": 1 / self.net_beta / 1e9 if self.net_beta else None,
+            }
+        return out
 
 
 PRESETS: dict[str, Cluster] = {
@@ -139,6 +241,23 @@ PRESETS: dict[str, Cluster] = {
 }
 
 
+@lru_cache(maxsize=4096)
+def _span(kind: str, pr: int, pc: int, ranks_per_host: int) -> Span:
+    groups = model_groups(pr, pc) if kind == "model" else batch_groups(pr, pc)
+    return span(groups, hosts_by_rank(pr * pc, ranks_per_host))
+
+
+@lru_cache(maxsize=4096)
+def _over(net: Cluster, kind: str, a: int, b: int, c: int) -> Cluster:
+    if kind == "model":
+        groups = model_groups(a, b)
+    elif kind == "batch":
+        groups = batch_groups(a, b)
+    else:
+        groups = regroup_groups(a, b, c)
+    return net.over(groups)
+
+
 # prices bytes exactly and seconds as ~0: for checking a plan's volumes, or where nothing is calibrated
 BYTES_ONLY = Cluster(
     "bytes-only",
@@ -170,7 +289,8 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         raise ConfigError(
             f"{origin}: expected a table/object with alpha, beta (or bandwidth) and flops"
         )
-    known = {f.name for f in fields(Cluster)} | {"bandwidth", "bandwidth_GBps"}
+    known = {f.name for f in fields(Cluster)} - {"net_alpha", "net_beta"}
+    known |= {"bandwidth", "bandwidth_GBps", "network"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{origin}: unknown key(s) {sorted(unknown)}; allowed: {sorted(known)}")
@@ -189,12 +309,45 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         raise ConfigError(f"{origin}: missing key(s) {missing}")
     if "by_procs" in data:
         data["by_procs"] = _by_procs(data["by_procs"], origin)
+    if "network" in data:
+        net = data.pop("network")
+        if isinstance(net, dict) and "ranks_per_host" in data:  # at the top level or in it
+            net = {**net, "ranks_per_host": data.pop("ranks_per_host")}
+        data.update(_network(net, origin))
     data.setdefault("name", Path(origin).stem)
     data.setdefault("source", origin)
     try:
         return Cluster(**data)
     except TypeError as exc:
         raise ConfigError(f"{origin}: {exc}") from exc
+
+
+def _network(table: object, origin: str) -> dict:
+    """The [network] table of a two-level cluster: ranks_per_host, alpha, and beta (s/byte) or
+    bandwidth (bytes/s) or bandwidth_GBps, as Cluster's second level."""
+    keys = {"ranks_per_host", "alpha", "beta", "bandwidth", "bandwidth_GBps"}
+    if not isinstance(table, dict) or not {"ranks_per_host", "alpha"} <= set(table):
+        raise ConfigError(
+            f"{origin}: [network] needs ranks_per_host, alpha and beta (or bandwidth): the "
+            "ranks of a job on each host and the link between hosts"
+        )
+    unknown = set(table) - keys
+    if unknown:
+        raise ConfigError(
+            f"{origin}: [network]: unknown key(s) {sorted(unknown)}; allowed: {sorted(keys)}"
+        )
+    beta = table.get("beta")
+    if beta is None:
+        bw = table.get("bandwidth")
+        bw = bw if bw is not None else table.get("bandwidth_GBps")
+        if not isinstance(bw, int | float) or isinstance(bw, bool) or bw <= 0:
+            raise ConfigError(f"{origin}: [network]: give beta (s/byte) or a positive bandwidth")
+        beta = 1.0 / (bw if "bandwidth" in table else bw * 1e9)
+    return {
+        "ranks_per_host": table["ranks_per_host"],
+        "net_alpha": table["alpha"],
+        "net_beta": beta,
+    }
 
 
 def _by_procs(table: object, origin: str) -> tuple:

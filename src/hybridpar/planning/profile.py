@@ -155,7 +155,8 @@ def profile_compute(
 
     from hybridpar.planning.models import build_any
 
-    threads = rank_threads(cluster.cores, P)
+    local = cluster.local(P)  # the ranks that share one host's cores
+    threads = rank_threads(cluster.cores, local)
     path = _path(model, shape, threads)
     data = _load(path, cluster)
     missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
@@ -184,7 +185,7 @@ def profile_compute(
         # ranks that meet at every collective run at the pace of the most crowded core: 3 ranks
         # on 2 cores take as long as 4 (measured: a lockstep loop of 3 ranks ran 2.2x slower
         # than one alone, 4 ranks 2.3x)
-        contention=float(max(1, math.ceil(P * threads / cluster.cores))),
+        contention=float(max(1, math.ceil(local * threads / cluster.cores))),
         source=str(path),
     )
 

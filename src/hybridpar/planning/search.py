@@ -112,6 +112,8 @@ class _Context:
         self._moves: dict[tuple, tuple | None] = {}
         self._heads: dict[str, dict[str, Comm]] = {}  # the current segment's changed terms
         self.choices = choices
+        # the host reducer's sums are priced as it takes them where the planner runs its engine
+        self.reducer = choices.reducer
         self.compute_model = compute
         self.compute = [compute.times(x, B / P) for x in layers]  # B/P samples' worth, any style
         self._time: dict[tuple[int, Style], tuple[float, float, float]] = {}
@@ -171,14 +173,15 @@ class _Context:
             return base, {}
         m, K, wire = prev.pc // s.pc, h.rounds, Wire.of(self.e)
         n = self.B / s.pc * d * wire.acts / K  # one round's gathered bytes
+        net = self.net.regroup(self.P, prev.pc, s.pc)
         if h.scheme == "b":
-            g, r = broadcast(n, m, self.net), broadcast(n, m, self.net)
+            g, r = broadcast(n, m, net), broadcast(n, m, net)
             v = (m - 1) / m * n  # bytes per rank, averaged (the ledger's convention)
             g = Comm("broadcast", m, v, g.seconds)
             r = Comm("reduce", m, v, r.seconds) if fused else Comm.zero("reduce", m)
         else:
-            g = on_host(all_gather(n, m, self.net), self.net, wire.acts_compressed, n / m)
-            r = on_host(reduce_scatter(n, m, self.net), self.net, wire.acts_compressed, n)
+            g = on_host(all_gather(n, m, net), net, wire.acts_compressed, n / m)
+            r = on_host(reduce_scatter(n, m, net), net, wire.acts_compressed, n)
             r = r if fused else Comm.zero("reduce_scatter", m)
         heads = self.head(i)
         f = math.fsum(self.time(j, s)[0] for j in heads) / K
@@ -190,7 +193,9 @@ class _Context:
         for j in heads:
             y = self.layers[j]
             full = self.terms(j, s)
-            per = layer_comms(y, j == 0, s, self.B / K, self.net, self.e, self.choices.bn)
+            per = layer_comms(
+                y, j == 0, s, self.B / K, self.net, self.e, self.choices.bn, None, self.reducer
+            )
             new = dict(full)
             for t in (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.DX_ALLGATHER):
                 if t in per:
@@ -256,7 +261,15 @@ class _Context:
 
     def terms(self, i: int, s: Style) -> dict[str, Comm]:
         return layer_comms(
-            self.layers[i], i == 0, s, self.B, self.net, self.e, self.choices.bn, self.bucket
+            self.layers[i],
+            i == 0,
+            s,
+            self.B,
+            self.net,
+            self.e,
+            self.choices.bn,
+            self.bucket,
+            self.reducer,
         )
 
     def own(self, i: int, s: Style) -> tuple[float, float, float]:

@@ -106,7 +106,7 @@ def on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm:
 
 def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
     """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_i: forward all-gather of Y over the model group."""
-    w = Wire.of(e)
+    w, net = Wire.of(e), net.group("model", pr, pc)
     n = B / pc * layer.d_out * w.acts
     return on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
 
@@ -115,7 +115,7 @@ def t_dx_allreduce(
     layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire
 ) -> Comm:
     """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX."""
-    w = Wire.of(e)
+    w, net = Wire.of(e), net.group("model", pr, pc)
     n = B / pc * layer.d_in * w.acts
     return on_host(_reduce(n, pr, net, w.acts_compressed), net, w.acts_compressed, n)
 
@@ -126,20 +126,59 @@ def t_dx_allgather(
     """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}: a grouped convolution's backward. Each
     rank of the model group reads only the input channels of its own groups, so its dX is nonzero
     there alone: the slices are all-gathered, half the bytes of the all-reduce a dense layer needs."""
-    w = Wire.of(e)
+    w, net = Wire.of(e), net.group("model", pr, pc)
     n = B / pc * layer.d_in * w.acts
     return on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
 
 
-def t_dw_allreduce(layer: CostLayer, p: int, shard: int, net: Cluster, e: float | Wire) -> Comm:
+def t_dw_allreduce(
+    layer: CostLayer,
+    p: int,
+    shard: int,
+    net: Cluster,
+    e: float | Wire,
+    reducer: str = "process-group",
+    bucket: float | None = None,
+) -> Comm:
     """2*(alpha*ceil(log p) + beta*(p-1)/p*|W_i|/shard): all-reduce of the weight gradient over
     the p ranks that hold the same 1/shard of W (riding-along batch-norm parameters are whole on
-    every rank, not split)."""
+    every rank, not split): the batch groups of grid shard x p. With a `bucket` size its latency
+    fused (`fused`); with the host reducer, see `t_host_reduce`."""
     w = Wire.of(e)
     sharded = layer.params - layer.extra_params
-    n = (sharded / shard + layer.extra_params) * w.grads
+    elems = sharded / shard + layer.extra_params
+    if reducer == "host":
+        return t_host_reduce(elems, p, shard, net, w, bucket)
+    group = net.group("batch", shard, p)
     # compressed gradients stream through the reducer thread's pipeline (hooks.compressed_hook)
-    return _reduce(n, p, net, w.grads_compressed, pipelined=True)
+    return fused(_reduce(elems * w.grads, p, group, w.grads_compressed, True), group, bucket)
+
+
+def t_host_reduce(
+    elems: float, p: int, shard: int, net: Cluster, w: Wire, bucket: float | None = None
+) -> Comm:
+    """The host reducer's all-reduce of `elems` gradient elements over the batch groups of grid
+    shard x p (Sekiyama et al.; runtime.comm.host): the L members of a group on one host sum in
+    shared memory, float32 (2(L-1)/L of the bytes through it, at the calibrated shm_beta and
+    small_alpha; alpha-beta where they are unknown), then one leader per host all-reduces the
+    host sums over the network (encoded where the codec takes gradients). Bytes: the flat
+    all-reduce's, as the plan books them; the report scales them by the hosts the run found
+    (runtime.train.report.predicted)."""
+    flat = _reduce(elems * w.grads, p, net, w.grads_compressed, True)
+    if p <= 1:
+        return flat
+    s = net.span("batch", shard, p)
+    L, H, share = min(s.per_host, p), s.hosts, 1.0
+    if bucket is not None:  # the reducer sums whole buckets: a layer pays its share of one
+        share = min(1.0, elems * 4.0 / bucket)
+    intra = all_reduce(elems * 4.0, L, net)  # float32 in shared memory, whatever the codec
+    if L > 1 and net.small_alpha is not None and net.shm_beta is not None:
+        intra_s = share * net.small_alpha + net.shm_beta * intra.bytes
+    else:
+        intra_s = fused(intra, net, bucket).seconds
+    leaders = net.group("batch", shard, p)
+    inter = fused(_reduce(elems * w.grads, H, leaders, w.grads_compressed, True), leaders, bucket)
+    return Comm("all_reduce", p, flat.bytes, intra_s + inter.seconds)
 
 
 def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> dict[str, Comm]:
@@ -150,7 +189,9 @@ def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> d
 
     def small(n: float) -> Comm:
         c = all_reduce(n, p, net)
-        return c if net.small_alpha is None else Comm(c.kind, c.group, c.bytes, net.small_alpha)
+        if net.small_alpha is None or p <= 1:
+            return c
+        return Comm(c.kind, c.group, c.bytes, net.small_alpha)
 
     return {
         Term.BN_STATS: small((2 * channels + 1) * 8),
@@ -162,6 +203,7 @@ def t_norms(layer: CostLayer, s: Style, net: Cluster) -> dict[str, Comm]:
     """The global batch norms riding along with `layer`, over the ranks that split the examples
     of its layout (the batch group: Pc ranks; a domain layout splits the image too: all P)."""
     p = s.pr * s.pc if s.kind == "domain" else s.pc
+    net = net.group("batch", 1, p) if s.kind == "domain" else net.group("batch", s.pr, s.pc)
     out: dict[str, Comm] = {}
     for channels, grad in layer.norms:
         for term, c in t_global_bn(channels, p, net, backward=grad).items():
@@ -193,6 +235,7 @@ def t_halo(
     into the input of a first layer (`first`: nothing is back-propagated there)."""
     if pr <= 1:
         return Comm.zero("halo", pr)
+    net = net.group("model", pr, pc)
     elem = Wire.of(e).halo
     names = [w[0] for w in layer.windows]
     no_grad = names.index(layer.name) + 1 if first and layer.name in names else 0
@@ -267,10 +310,12 @@ def layer_comms(
     e: float | Wire | None = None,
     bn: str = "local",
     bucket: float | None = None,
+    reducer: str = "process-group",
 ) -> dict[str, Comm]:
     """The communication terms of one layer under style `s` (first: nothing is back-propagated
     into its input, so no dX); with bn global or adaptive, its batch norms' all-reduces too;
-    with a `bucket` size the weight-gradient all-reduce's latency fused (`fused`)."""
+    with a `bucket` size the weight-gradient all-reduce's latency fused (`fused`); `reducer`
+    host: the gradient sums as the host reducer takes them (`t_host_reduce`)."""
     e = net.word_bytes if e is None else e
     p = s.pr * s.pc
     first = first or not layer.input_grad
@@ -278,7 +323,7 @@ def layer_comms(
         terms = {
             Term.HALO_FWD: t_halo(layer, s.pr, s.pc, B, net, e),
             Term.HALO_BWD: t_halo(layer, s.pr, s.pc, B, net, e, backward=True, first=first),
-            Term.DW_ALLREDUCE: t_dw_allreduce(layer, p, 1, net, e),
+            Term.DW_ALLREDUCE: t_dw_allreduce(layer, p, 1, net, e, reducer, bucket),
         }
     else:
         grouped = layer.groups > 1 and s.pr > 1
@@ -289,9 +334,8 @@ def layer_comms(
             dx: Comm.zero("all_gather" if grouped else "all_reduce", s.pr)
             if first
             else t_dx(layer, s.pr, s.pc, B, net, e),
-            Term.DW_ALLREDUCE: t_dw_allreduce(layer, s.pc, s.pr, net, e),
+            Term.DW_ALLREDUCE: t_dw_allreduce(layer, s.pc, s.pr, net, e, reducer, bucket),
         }
-    terms[Term.DW_ALLREDUCE] = fused(terms[Term.DW_ALLREDUCE], net, bucket)
     if bn != "local":
         terms.update(t_norms(layer, s, net))
     return terms
@@ -317,8 +361,8 @@ def redistribute(
     wire = Wire.of(net.word_bytes if e is None else e)
     e = wire.acts
 
-    def gather(n: float, p: int) -> Comm:
-        return on_host(all_gather(n, p, net), net, wire.acts_compressed, n / p)
+    def gather(n: float, p: int, grp: Cluster) -> Comm:
+        return on_host(all_gather(n, p, grp), grp, wire.acts_compressed, n / p)
 
     if prev is None or prev.layout == nxt.layout:
         return Comm.zero("redistribute")
@@ -329,17 +373,17 @@ def redistribute(
         lo, hi = min(c1, c2), max(c1, c2)
         if hi % lo:
             return None
-        g = gather(B / lo * d * e, hi // lo)  # forward if c2 < c1, backward otherwise
+        g = gather(B / lo * d * e, hi // lo, net.regroup(p, hi, lo))  # forward if c2 < c1
         return Comm(Term.REDISTRIBUTE, g.group, g.bytes, g.seconds)
     if a[0] == "rep" and b[0] == "dom":
         _, pr, pc = b
         if a[1] == p:  # pure batch -> domain: all-to-all each way within the model group
-            x = all_to_all(B / p * d * e, pr, net)
+            x = all_to_all(B / p * d * e, pr, net.group("model", pr, pc))
             return Comm("redistribute", pr, 2 * x.bytes, 2 * x.seconds)
         step = redistribute(prev, Style.model(pr, pc), d, B, net, e)
         if step is None:
             return None
-        g = gather(B / pc * d * e, pr)  # backward: gather the rows of dX
+        g = gather(B / pc * d * e, pr, net.group("model", pr, pc))  # backward: rows of dX
         return Comm("redistribute", pr, step.bytes + g.bytes, step.seconds + g.seconds)
     if a[0] == "dom" and b[0] == "rep":
         back = redistribute(nxt, Style.domain(a[1], a[2]), d, B, net, e)  # symmetric

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.errors import ConfigError
+from hybridpar.planning.groups import batch_groups, model_groups, regroup_groups
 from hybridpar.runtime.comm.group import Group, group_timeout
 from hybridpar.runtime.comm.small import shared_memory
 
@@ -126,8 +127,11 @@ class ProcessGrid:
         """init_device_mesh creates its sub-groups with torch's default 30-minute timeout, so a dead
         rank would hang the others that long; we create them with the job's timeout and build the
         same mesh from them."""
-        ranks = torch.arange(self.pr * self.pc).reshape(self.pc, self.pr)
-        for name, rows in (("model", ranks.tolist()), ("batch", ranks.t().tolist())):
+        ranks = torch.tensor(model_groups(self.pr, self.pc))  # (Pc, Pr): rank c * Pr + r
+        for name, rows in (
+            ("model", model_groups(self.pr, self.pc)),
+            ("batch", batch_groups(self.pr, self.pc)),
+        ):
             for members in rows:  # every rank creates every group, in the same order
                 g = new_group(members, self.timeout, f"hybridpar_{name}", shm=self.shm)
                 if self.rank in members:
@@ -197,14 +201,11 @@ class GridSet:
                 f"layouts with {fine} and {coarse} batch groups do not nest: no redistribution "
                 "between them; use grids whose Pc divide one another"
             )
-        pr_f, pr_c = self.world_size // fine, self.world_size // coarse
         rank, mine = dist.get_rank(), None
-        for c in range(coarse):
-            for r in range(pr_f):
-                members = [c * pr_c + j * pr_f + r for j in range(fine // coarse)]
-                g = new_group(members, self.timeout, f"hybridpar_regroup{tag}", tag, self.shm)
-                if rank in members:
-                    mine = g
+        for members in regroup_groups(self.world_size, fine, coarse):
+            g = new_group(members, self.timeout, f"hybridpar_regroup{tag}", tag, self.shm)
+            if rank in members:
+                mine = g
         return mine
 
     def regroup(self, a: int, b: int) -> Group:
@@ -224,9 +225,8 @@ class GridSet:
         the same (pc, tag) in the same order; it creates the twin of every batch group of that
         grid."""
         g = self.grid(pc)
-        ranks = torch.arange(g.pr * g.pc).reshape(g.pc, g.pr).t().tolist()
         mine = None
-        for members in ranks:
+        for members in batch_groups(g.pr, g.pc):
             grp = new_group(
                 members, self.timeout, f"hybridpar_{tag}", tag=tag, shm=shm and self.shm
             )

@@ -4,6 +4,13 @@ Each size is all-reduced `repeats` times on `nproc` local ranks (gloo on CPU); t
 fitted by least squares to the model the planner uses, t = 2 ceil(log p) alpha + 2 (p-1)/p n beta.
 A sustained FLOP rate per process is measured with a matrix multiply at the thread count a rank
 gets. The result is written to the cache as the cluster `localhost`.
+
+Two levels. When the ranks sit on several hosts (a job under torchrun across nodes, or ranks named
+onto hosts by HYBRIDPAR_HOST), each level is measured on its own: the ranks of every host
+all-reduce among themselves at once (the host's alpha and beta, and its shared memory), then one
+rank per host all-reduces over the network (the network's alpha and beta, one flow: the cost
+model multiplies its beta by the groups that share a host's link). The file then has a second
+level, `[network]` with `ranks_per_host` (hybridpar.planning.cluster).
 """
 
 from __future__ import annotations
@@ -21,24 +28,74 @@ __all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta"]
 SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes
 
 
-def _time_allreduce(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict[int, float]:
+def _time_allreduce(
+    sizes: tuple[int, ...], repeats: int, device: str = "cpu", group=None, timed: bool = True
+) -> dict[int, float]:
+    """Median seconds of an all-reduce of each size over `group` (the world where None), every
+    repeat started together (a barrier of the world). A rank outside the group (`timed` False)
+    only joins the barriers."""
     import torch
     import torch.distributed as dist
 
     out = {}
     for n in sizes:
         t = torch.ones(n // 4, device=device)
-        dist.all_reduce(t)  # warm up the connection for this size
+        if timed:
+            dist.all_reduce(t, group=group)  # warm up the connection for this size
         ts = []
         # small sizes take microseconds and their spread (a rank woken late) is of the same
         # order: more repeats, and the fit weighs every size by its relative error
         for _ in range(repeats if n > 2**17 else max(repeats, 50)):
             dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(t)
+            if timed:
+                dist.all_reduce(t, group=group)
             ts.append(time.perf_counter() - t0)
         out[n] = statistics.median(ts)
     return out
+
+
+def _hosts() -> list[str]:
+    """Each rank's host name (comm.host.host_name: HYBRIDPAR_HOST or the machine's), by rank."""
+    import torch.distributed as dist
+
+    from hybridpar.runtime.comm.host import host_name
+
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, host_name())
+    return names
+
+
+def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict:
+    """The two levels of a job whose ranks sit on several hosts (`names`: each rank's host):
+    every host's ranks all-reduce among themselves at once, then the first rank of each host
+    all-reduces with the others' first ranks over the network. Collective over the world."""
+    import torch.distributed as dist
+
+    from hybridpar.runtime.comm.grid import new_group
+
+    me, hosts = dist.get_rank(), sorted(set(names), key=names.index)
+    members = {h: [r for r, n in enumerate(names) if n == h] for h in hosts}
+    local = None
+    for h in hosts:  # every rank creates every group, in the same order
+        g = new_group(members[h], None, "hybridpar_calibrate_host", "calibrate-host", shm=True)
+        if me in members[h]:
+            local = g
+    leaders = [members[h][0] for h in hosts]
+    net = new_group(leaders, None, "hybridpar_calibrate_net", "calibrate-net")
+    sizes_local = {len(m) for m in members.values()}
+    intra = _time_allreduce(sizes, repeats, group=local.pg) if min(sizes_local) > 1 else None
+    small, shm_beta = _time_shm(local) if min(sizes_local) > 1 else (None, None)
+    inter = _time_allreduce(sizes, repeats, group=net.pg, timed=me in leaders)
+    return {
+        "hosts": len(hosts),
+        "ranks_per_host": max(sizes_local),
+        "uneven": len(sizes_local) > 1,
+        "intra": intra,
+        "inter": inter,
+        "small": small,
+        "shm_beta": shm_beta,
+    }
 
 
 def _median_s(fn, warmup: int, repeats: int) -> float:
@@ -53,35 +110,40 @@ def _median_s(fn, warmup: int, repeats: int) -> float:
     return statistics.median(ts)
 
 
-def _time_shm(piece: int = 1 << 18) -> tuple[float | None, float | None]:
+def _time_shm(group=None, piece: int = 1 << 18) -> tuple[float | None, float | None]:
     """The shared-memory path (comm.small) on this host: `small_alpha`, the median seconds of a
     33-element float64 all-reduce (what BN statistics take), and `shm_beta`, seconds per byte of
     an all-gather of `piece` float32 per rank (what the activations of model-parallel layers
     take): its median less small_alpha, over the bytes each rank receives. (None, None) where
-    the path does not apply (several hosts)."""
+    the path does not apply (several hosts). `group`: a host's ranks (comm.grid.new_group with
+    shared memory), else the world."""
     import torch
     import torch.distributed as dist
 
     from hybridpar.runtime.comm.grid import new_group
 
-    everyone = list(range(dist.get_world_size()))
-    r = new_group(everyone, None, "hybridpar_world", "world", shm=True).shm
+    if group is None:
+        everyone = list(range(dist.get_world_size()))
+        group = new_group(everyone, None, "hybridpar_world", "world", shm=True)
+    r = group.shm
     if r is None:
         return None, None
     stats = torch.ones(33, dtype=torch.float64)
     alpha = _median_s(lambda: r.small_all_reduce(stats), warmup=10, repeats=200)
-    p, acts = dist.get_world_size(), torch.ones(piece)
+    p, acts = dist.get_world_size(group.pg), torch.ones(piece)
     gather = _median_s(lambda: r.all_gather(acts, [piece] * p, 0), warmup=3, repeats=20)
     received = (p - 1) * 4 * piece  # the cost model's all-gather volume, (p-1)/p of the whole
     return alpha, max(0.0, gather - alpha) / received
 
 
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
+    names = _hosts()
     small, shm_beta = _time_shm()
     return {
         "allreduce": _time_allreduce(sizes, repeats, device),
         "small": small,
         "shm_beta": shm_beta,
+        "levels": _time_levels(names, sizes, repeats) if len(set(names)) > 1 else None,
     }
 
 
@@ -156,27 +218,43 @@ def _save(data: dict) -> Path:
     return path
 
 
-def calibrate(nproc: int | list[int] = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict:
+def calibrate(nproc: int | list[int] = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict | None:
     """Spawn `nproc` local ranks (or each count of a list in turn), time their all-reduces, fit
     and save `localhost`: the first count's fit is the cluster's alpha and beta, and every
     count's fit is kept under `by_procs`, for pricing a job of that many ranks (ranks sharing
-    cores make the collectives slower)."""
+    cores make the collectives slower). Under torchrun it times the job's own ranks (every rank
+    calls it; rank 0 saves, the others return None): across nodes, both levels."""
     from hybridpar.errors import ConfigError
-    from hybridpar.runtime.launcher import launch
+    from hybridpar.runtime.launcher import launch, under_torchrun
 
     counts = [nproc] if isinstance(nproc, int) else list(nproc)
+    if under_torchrun():
+        counts = [int(os.environ["WORLD_SIZE"])]
     if not counts or min(counts) < 2:
         raise ConfigError("calibrate times all-reduces between processes: use --nproc 2 or more")
-    fits, measured = {}, {}
+    fits, measured, levels, single = {}, {}, None, None
     for p in counts:
         got = launch(_time_all, p, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
         fits[p] = _fitted(got["allreduce"], p, got["small"], got["shm_beta"])
         measured[p] = {str(k): v for k, v in got["allreduce"].items()}
+        if got["levels"] is not None:
+            levels = got["levels"]  # the largest count on several hosts
+        else:
+            single = p
     data = dict(fits[counts[0]])
-    data["by_procs"] = {str(p): _level(f) for p, f in fits.items()}
+    data["by_procs"] = {str(p): _level(f) for p, f in fits.items() if levels is None or p == single}
+    data = with_levels(data, levels)
+    if os.environ.get("RANK", "0") != "0" and under_torchrun():
+        return None
     path = _save(data)
     return {
         **data,
+        "measured_levels_s": None
+        if levels is None
+        else {
+            "intra": {str(k): v for k, v in (levels["intra"] or {}).items()},
+            "inter": {str(k): v for k, v in levels["inter"].items()},
+        },
         "measured_s": measured[counts[0]],
         "by_procs_measured_s": measured,
         "path": str(path),
@@ -187,14 +265,58 @@ def _level(fit: dict) -> dict:
     return {k: fit[k] for k in ("alpha", "beta", "small_alpha", "shm_beta")}
 
 
+def with_levels(data: dict, levels: dict | None) -> dict:
+    """The calibration `data` with its second level where the ranks sat on several hosts
+    (`_time_levels`): the host's fit becomes alpha, beta and the shared-memory numbers (and its
+    `by_procs` entry at the ranks a host has), the leaders' fit the `[network]`."""
+    if levels is None:
+        return data
+    from hybridpar.errors import ConfigError
+
+    L, H = levels["ranks_per_host"], levels["hosts"]
+    if levels["uneven"]:
+        raise ConfigError(
+            "the hosts run different numbers of ranks; a two-level cluster needs as many on "
+            "each (use --nproc-per-node alike on every node)"
+        )
+    out = dict(data)
+    if levels["intra"] is not None:
+        intra = _fitted(levels["intra"], L, levels["small"], levels["shm_beta"])
+        out.update(_level(intra))
+        out["by_procs"] = {**data.get("by_procs", {}), str(L): _level(intra)}
+    alpha, beta = fit_alpha_beta(levels["inter"], H)
+    out["network"] = {"ranks_per_host": L, "alpha": alpha, "beta": beta}
+    out["source"] = (
+        f"hybridpar calibrate: gloo all-reduce within each of {H} hosts ({L} rank(s) each) and "
+        f"between one rank per host, sizes {SIZES[0]}..{SIZES[-1]} B"
+    )
+    return out
+
+
 def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
     """Calibrate on the ranks of a running job (every rank calls it): they all take part in the
     all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
     import torch.distributed as dist
 
+    names = _hosts()
     times = _time_allreduce(SIZES, repeats, device)
     small, shm_beta = _time_shm() if device == "cpu" else (None, None)
+    levels = _time_levels(names, SIZES, repeats) if len(set(names)) > 1 else None
+    error = None
     if dist.get_rank() == 0:
         fit = _fitted(times, dist.get_world_size(), small, shm_beta)
-        _save({**fit, "by_procs": {str(dist.get_world_size()): _level(fit)}})
-    dist.barrier()
+        try:
+            data = with_levels(
+                {**fit, "by_procs": {str(dist.get_world_size()): _level(fit)}}, levels
+            )
+            if levels is not None:  # the whole job's fit mixes the levels: not kept
+                data["by_procs"].pop(str(dist.get_world_size()), None)
+            _save(data)
+        except Exception as exc:  # every rank raises it, none waits at the barrier for rank 0
+            error = str(exc)
+    got: list = [error]
+    dist.broadcast_object_list(got, src=0)
+    if got[0] is not None:
+        from hybridpar.errors import ConfigError
+
+        raise ConfigError(got[0])

@@ -174,7 +174,9 @@ def _quiet_rank(P: int) -> None:
     tqdm.set_lock(threading.RLock())
     # DDP warns once per run when a 1-channel conv's gradient has unusual strides: harmless
     warnings.filterwarnings("ignore", message="Grad strides do not match bucket view strides")
-    torch.set_num_threads(rank_threads(os.cpu_count() or 1, P))
+    # the ranks on this host share its cores (torchrun across nodes: LOCAL_WORLD_SIZE of them)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", P))
+    torch.set_num_threads(rank_threads(os.cpu_count() or 1, min(P, local)))
 
 
 def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hybridpar.plan import ParallelPlan
+from hybridpar.planning.groups import batch_groups
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.terms import Term
 
@@ -89,7 +90,7 @@ def predicted(plan: ParallelPlan, hosts: list[str] | None = None) -> tuple[dict,
             pr, pc = 1, plan.procs  # whole weights on every rank: one group of all P
         if pc <= 1:
             return 0.0
-        spans = [len({names[c * pr + r] for c in range(pc)}) for r in range(pr)]
+        spans = [len({names[k] for k in g}) for g in batch_groups(pr, pc)]
         return sum(h - 1 for h in spans) / len(spans) / (pc - 1)
 
     by_layer = {
