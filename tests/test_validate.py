@@ -141,6 +141,34 @@ def test_validate_runs_each_plan_and_writes_the_table(tmp_path):
     assert len(profiles) == 1
 
 
+def test_validate_under_torchrun_runs_across_the_jobs_hosts(tmp_path):
+    """Under torchrun validate runs in the job (issue 24, item 4): rank 0 plans on a two-level
+    cluster (two hosts of one rank, named by HYBRIDPAR_HOST, the network slower than the host)
+    and every rank runs each candidate in turn; rank 0 writes the table."""
+    cache = tmp_path / "cache"
+    env = _calibrated(cache, cores=os.cpu_count() or 1)
+    data = json.loads((cache / "localhost.json").read_text())
+    data["network"] = {"ranks_per_host": 1, "alpha": 1e-4, "beta": 8e-9}
+    (cache / "localhost.json").write_text(json.dumps(data))
+    out = tmp_path / "v"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "hybridpar", "validate", "--model", "digits-wide", "--batch", "16"]
+        + ["--procs", "2", "--top", "1", "--steps", "2", "--repeat", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**env, "HYBRIDPAR_HOST": "h0,h1"},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    d = json.loads((out / "validate.json").read_text())
+    assert [p["label"] for p in d["plans"]][-1] == "ddp" and d["plans"][0]["picked"]
+    assert all(p["rounds"] == 1 and p["measured"]["total_s"] > 0 for p in d["plans"])
+    assert d["cluster"]["network"]["ranks_per_host"] == 1
+    assert "(torchrun, 2 host(s))" in r.stdout
+    assert r.stdout.count("plans: |error| median") == 1  # rank 0 alone prints the table
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

@@ -16,6 +16,7 @@ it is slower when it is not). The table is written as JSON with a PNG scatter be
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -170,12 +171,19 @@ def summarize(cands: list[Candidate]) -> dict:
     }
 
 
-def _run_one(cand: Candidate, path: Path, base, weights: Path) -> dict:
+def _file_name(i: int, c: Candidate) -> str:
+    return f"{i:02d}-{c.label.replace(' ', '-').replace(':', '-')}.json"
+
+
+def _run_one(cand: Candidate, path: Path, base, weights: Path) -> dict | None:
+    """One run of the candidate: rank 0's iteration times (None on the other ranks of a
+    torchrun job)."""
     from hybridpar.runtime.train.run import run
 
     cand.plan.save(path)
     cfg = base.with_(plan=str(path), save=str(weights / f"{path.stem}.pt"))
-    return run(cfg)["iteration"]  # validate refuses torchrun: this process is rank 0's parent
+    report = run(cfg)
+    return None if report is None else report["iteration"]
 
 
 def validate(cands: list[Candidate], base, out: Path, repeat: int, progress: bool = True) -> None:
@@ -192,12 +200,13 @@ def validate(cands: list[Candidate], base, out: Path, repeat: int, progress: boo
             for i, c in enumerate(cands):
                 if c.failure:
                     continue
-                name = f"{i:02d}-{c.label.replace(' ', '-').replace(':', '-')}.json"
                 try:
-                    it = _run_one(c, plans_dir / name, base, weights)
+                    it = _run_one(c, plans_dir / _file_name(i, c), base, weights)
                 except RankFailure as exc:
                     c.failure = str(exc)
                     print(f"{c.label}: failed: {exc}", file=sys.stderr, flush=True)
+                    continue
+                if it is None:  # a rank other than 0 under torchrun: rank 0 has the report
                     continue
                 c.runs.append(it)
                 if progress:
@@ -297,24 +306,21 @@ def plot(cands: list[Candidate], path: Path, title: str) -> Path | None:
 
 def cmd_validate(args) -> int:
     """`hybridpar validate`: every input checked before a process starts."""
-    import json
 
     from hybridpar.commands.plans import plan_kwargs
-    from hybridpar.config import build, from_namespace, writable
+    from hybridpar.config import from_namespace, writable
     from hybridpar.planning.cluster import load_cluster
     from hybridpar.planning.config import PlanConfig
     from hybridpar.planning.presets import parse_preset
     from hybridpar.planning.search import make_plan
     from hybridpar.runtime.launcher import under_torchrun
-    from hybridpar.runtime.train.config import TrainConfig
-    from hybridpar.runtime.train.report import strict
 
-    if under_torchrun():
-        raise ConfigError(
-            "validate spawns its own ranks on this machine: run it without torchrun (across "
-            "hosts it is not built yet)"
-        )
     cfg = from_namespace(PlanConfig, args)
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != args.procs:
+        raise ConfigError(
+            f"--procs {args.procs} but torchrun started {os.environ['WORLD_SIZE']} ranks; "
+            "give --procs the job's size"
+        )
     if args.procs < 2:
         raise ConfigError("validate compares parallel plans: use --procs 2 or more")
     if args.steps < 2:
@@ -329,12 +335,33 @@ def cmd_validate(args) -> int:
                 "searched ones are the planner's candidates already"
             )
     cluster = load_cluster(cfg.cluster)
-    kwargs = plan_kwargs(cfg, cluster, args.procs)
-    result = make_plan(cfg.model, args.procs, cfg.batch, cluster, **kwargs)
-    result.best  # noqa: B018  one line when nothing fits
-    presets = {n: _preset(result, n) for n in names}
-    cands = candidates(result, args.top, presets)
-    base = build(
+
+    def plan_candidates() -> list[Candidate]:
+        kwargs = plan_kwargs(cfg, cluster, args.procs)
+        result = make_plan(cfg.model, args.procs, cfg.batch, cluster, **kwargs)
+        result.best  # noqa: B018  one line when nothing fits
+        presets = {n: _preset(result, n) for n in names}
+        return candidates(result, args.top, presets)
+
+    if under_torchrun():
+        return _in_job(args, cfg, cluster, plan_candidates)
+    cands = plan_candidates()
+    base = _base(args, cfg)
+    head = (
+        f"{cfg.model}, P={args.procs}, B={cfg.batch} on {cluster.name}: {len(cands)} plans, "
+        f"{args.steps - 1} timed iterations each, median of {args.repeat} interleaved rounds"
+    )
+    print(head, file=sys.stderr, flush=True)
+    validate(cands, base, out, args.repeat, progress=not args.quiet)
+    return _finish(args, cfg, cluster, cands, head, out)
+
+
+def _base(args, cfg):
+    """The training config every candidate runs with (its plan file added per run)."""
+    from hybridpar.config import build
+    from hybridpar.runtime.train.config import TrainConfig
+
+    return build(
         TrainConfig,
         model=cfg.model,
         data=args.data or f"synthetic:{cfg.batch * args.steps}",
@@ -346,12 +373,79 @@ def cmd_validate(args) -> int:
         quiet=True,
         progress=False,
     ).validate()
-    head = (
-        f"{cfg.model}, P={args.procs}, B={cfg.batch} on {cluster.name}: {len(cands)} plans, "
-        f"{args.steps - 1} timed iterations each, median of {args.repeat} interleaved rounds"
-    )
-    print(head, file=sys.stderr, flush=True)
-    validate(cands, base, out, args.repeat, progress=not args.quiet)
+
+
+def _in_job(args, cfg, cluster, plan_candidates) -> int:
+    """validate under torchrun, across the hosts of the job: rank 0 plans (and measures the
+    compute profile) and sends the candidates to every rank; all ranks run each candidate in
+    this job, in turn (the job's process group serves every run); rank 0 prints and writes."""
+    import json
+
+    import torch.distributed as dist
+
+    from hybridpar.runtime.comm import shutdown
+    from hybridpar.runtime.comm.group import DEFAULT_TIMEOUT_S
+    from hybridpar.runtime.launcher import init_distributed
+
+    out = Path(args.out)
+    init_distributed(DEFAULT_TIMEOUT_S)
+    try:
+        rank = dist.get_rank()
+        sent: list = [None]
+        if rank == 0:
+            try:
+                cands = plan_candidates()
+                sent[0] = ("ok", [(c.label, c.plan.to_json(), c.picked) for c in cands])
+            except ConfigError as exc:
+                sent[0] = ("error", str(exc))
+        dist.broadcast_object_list(sent, src=0)
+        kind, body = sent[0]
+        if kind == "error":
+            raise ConfigError(body)
+        cands = [
+            Candidate(label, ParallelPlan.from_dict(json.loads(text)), picked=picked)
+            for label, text, picked in body
+        ]
+        head = (
+            f"{cfg.model}, P={args.procs}, B={cfg.batch} on {cluster.name} (torchrun, "
+            f"{_hosts_of_job()} host(s)): {len(cands)} plans, {args.steps - 1} timed iterations "
+            f"each, median of {args.repeat} interleaved rounds"
+        )
+        if rank == 0:
+            print(head, file=sys.stderr, flush=True)
+        local = Path(tempfile.mkdtemp(prefix="hybridpar-validate-"))  # each rank's plan files
+        try:
+            progress = rank == 0 and not args.quiet
+            validate(cands, _base(args, cfg), local, args.repeat, progress=progress)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        if rank != 0:  # only rank 0's runs return reports
+            return 0
+        plans = out / "plans"
+        plans.mkdir(parents=True, exist_ok=True)
+        for i, c in enumerate(cands):
+            c.plan.save(plans / _file_name(i, c))
+        return _finish(args, cfg, cluster, cands, head, out)
+    finally:
+        shutdown()
+
+
+def _hosts_of_job() -> int:
+    import torch.distributed as dist
+
+    from hybridpar.runtime.comm.host import host_name
+
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, host_name())
+    return len(set(names))
+
+
+def _finish(args, cfg, cluster, cands, head, out: Path) -> int:
+    """Print the table, write validate.json and the scatter plot; 1 where a plan failed."""
+    import json
+
+    from hybridpar.runtime.train.report import strict
+
     summary = summarize(cands)
     if not summary:
         for c in cands:

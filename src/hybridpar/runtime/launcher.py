@@ -216,12 +216,17 @@ def launch(
     os._exit once it has reported (see `_leave`): fn's atexit handlers do not run, so fn closes
     (flushes) what it opens."""
     if under_torchrun():
+        import torch.distributed as dist
+
         from hybridpar.runtime.comm import shutdown
 
-        _warn_shared_store()
-        init_distributed(timeout_s, backend)
+        owned = not dist.is_initialized()  # a caller that runs several jobs keeps its group
+        if owned:
+            _warn_shared_store()
+            init_distributed(timeout_s, backend)
         result = fn(*args)
-        shutdown()
+        if owned:
+            shutdown()
         return [result]
     ctx, server = _server()
     queue = ctx.Queue()
