@@ -4,7 +4,15 @@ filter, and torchrun run in each namespace (--nnodes 2, gloo over the veth). In 
 runs torch DDP in a plain loop (benchmarks/plain_ddp.py) and hybridpar's contenders on the same
 model, data and batch, and prints one table: ms per iteration and the ratio to plain DDP.
 
-    sudo python benchmarks/cluster.py [--rate 1gbit] [--nproc-per-node 1] [--steps 6]
+    sudo python benchmarks/cluster.py [--rate 1gbit] [--nproc-per-node 1] [--steps 6] [--repeat 3]
+    sudo python benchmarks/cluster.py --table composition --nproc-per-node 2 [--rate 10gbit]
+
+`--table codecs` (the default): 8-bit gradients and activations against DDP. `--table
+composition` (issue 24): torch DDP, the planner's plan on this cluster (calibrated first, under
+torchrun on both hosts, as docs/cluster.md's step 1), the plan with 8-bit gradients and
+activations, with the hierarchical host reducer, and with everything at once (host reducer,
+8-bit, hand-off scheme (c)); the planner re-plans for each set of choices. Contenders run in
+turn, `--repeat` rounds (interleaved); the table gives each one's median and range.
 
 It needs root (ip netns, tc). Where namespaces cannot be created it says so and exits 0 without
 running anything. What it creates (two namespaces and one veth pair, named after this process) it
@@ -151,12 +159,25 @@ def start_hosts(rate: str) -> TwoHosts | None:
 
 
 def contenders(args, report: Path) -> list[tuple[str, list[str]]]:
+    cluster = "localhost" if args.table == "composition" else "cori-knl"
     common = [
         "--model", "alexnet-owt", "--input-size", str(args.input_size), "--data", "synthetic:512",
         "--batch", str(args.batch), "--epochs", "1", "--max-steps", str(args.steps),
-        "--cluster", "cori-knl", "--quiet", "--report", str(report), "--lr", "0.01",
+        "--cluster", cluster, "--quiet", "--report", str(report), "--lr", "0.01",
     ]  # fmt: skip
     train = ["-m", "hybridpar", "train", *common]
+    if args.table == "composition":
+        eight = ["--codec", "dynamic-tree", "--compress", "grads,activations"]
+        return [
+            ("torch DDP in trainer", [*train, "--preset", "ddp"]),
+            ("planner's plan", [*train, "--preset", "auto"]),
+            ("+ 8-bit grads+acts", [*train, "--preset", "auto", *eight]),
+            ("+ host reducer", [*train, "--preset", "auto", "--reducer", "host"]),
+            (
+                "all composed",
+                [*train, "--preset", "auto", "--reducer", "host", *eight, "--handoff", "auto"],
+            ),
+        ]
     return [
         ("hybridpar batch, fp32", [*train, "--preset", "batch"]),
         (
@@ -192,10 +213,14 @@ def main() -> int:
     ap.add_argument("--input-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds of every contender")
+    ap.add_argument("--table", choices=("codecs", "composition"), default="codecs")
     args = ap.parse_args()
     c = start_hosts(args.rate)
     if c is None:
         return 0
+    cache = tempfile.TemporaryDirectory()
+    os.environ["HYBRIDPAR_CACHE"] = cache.name  # both hosts read what rank 0 writes
     try:
         t64 = c.transfer_s(64)
         print(
@@ -203,44 +228,89 @@ def main() -> int:
             f"at {args.rate} (tbf); 64 MB in {t64:.2f} s; {args.nproc_per_node} rank(s) per host"
         )
         P = 2 * args.nproc_per_node
-        rows = []
+        if args.table == "composition":  # the planner plans on this cluster: measure it first
+            c.torchrun(["-m", "hybridpar", "calibrate"], args.nproc_per_node, args.timeout)
+            path = Path(cache.name) / "localhost.json"
+            data = json.loads(path.read_text())
+            data["cores"] = max(1, (os.cpu_count() or 2) // 2)  # each emulated host: half
+            path.write_text(json.dumps(data, indent=1))
+            net = data["network"]
+            print(
+                f"calibrated: within a host alpha {data['alpha'] * 1e6:.0f} us, "
+                f"{1 / data['beta'] / 1e9:.2f} GB/s; between hosts alpha "
+                f"{net['alpha'] * 1e6:.0f} us, {1 / net['beta'] / 1e9:.3f} GB/s",
+                flush=True,
+            )
         plain_args = [
             str(ROOT / "benchmarks" / "plain_ddp.py"), "--model", "alexnet-owt",
             "--input-size", str(args.input_size), "--batch", str(args.batch),
             "--steps", str(args.steps),
         ]  # fmt: skip
-        outs = c.torchrun(plain_args, args.nproc_per_node, args.timeout)
-        plain = json.loads(next(o for o in outs if o.strip()).strip().splitlines()[-1])
-        rows.append(("torch DDP, plain loop (baseline)", plain["time_s"], None, None))
+        names = ["torch DDP, plain loop (baseline)"]
+        runs: dict[str, list[tuple]] = {names[0]: []}
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "r.json"
-            for name, cmd in contenders(args, report):
-                c.torchrun(cmd, args.nproc_per_node, args.timeout)
-                r = json.loads(report.read_text())
-                b = r["bytes"]["measured"]
-                it = r["iteration"]
-                rows.append((name, it["time_s"], sum(b.values()), it.get("comm_wait_s")))
-                report.unlink()
-        base = rows[0][1]
+            todo = contenders(args, report)
+            names += [n for n, _ in todo]
+            for r_ in range(args.repeat):  # interleaved: a drift of the machine hits everyone
+                outs = c.torchrun(plain_args, args.nproc_per_node, args.timeout)
+                plain = json.loads(next(o for o in outs if o.strip()).strip().splitlines()[-1])
+                runs[names[0]].append((plain["time_s"], None, None, None, None))
+                for name, cmd in todo:
+                    c.torchrun(cmd, args.nproc_per_node, args.timeout)
+                    r = json.loads(report.read_text())
+                    it = r["iteration"]
+                    runs.setdefault(name, []).append(
+                        (
+                            it["time_s"],
+                            sum(r["bytes"]["measured"].values()),
+                            it.get("comm_wait_s"),
+                            it.get("predicted_s"),
+                            ",".join(sorted(set(r["plan"]["styles"].values()))),
+                        )
+                    )
+                    report.unlink()
+                print(f"round {r_ + 1}/{args.repeat} done", flush=True)
+        rows = []
+        for name in names:
+            got = sorted(runs[name], key=lambda x: x[0])
+            mid = got[(len(got) - 1) // 2]
+            rows.append((name, mid, got[0][0], got[-1][0]))
+        base = rows[0][1][0]
         print(
-            f"alexnet-owt {args.input_size}x{args.input_size}, global batch {args.batch}, P = {P}, "
-            f"median of {args.steps - 1} iterations"
+            f"alexnet-owt {args.input_size}x{args.input_size}, global batch {args.batch}, P = {P} "
+            f"({args.nproc_per_node} per host) at {args.rate}; median of {args.repeat} "
+            f"interleaved rounds, each the median of {args.steps - 1} iterations"
         )
         print(
-            f"{'contender':<36} {'ms/iter':>8} {'MB/iter/rank':>13} {'speed vs plain DDP':>19} "
-            f"{'comm wait ms':>13}"
+            f"{'contender':<36} {'ms/iter':>8} {'range':>15} {'pred ms':>8} {'MB/iter/rank':>13} "
+            f"{'vs plain DDP':>13} {'comm ms':>8}  styles"
         )
-        for name, t, nbytes, wait in rows:
+        for name, (t, nbytes, wait, pred, styles), lo, hi in rows:
             mb = f"{nbytes / 1e6:13.1f}" if nbytes is not None else f"{'':>13}"
-            w = f"{wait * 1e3:13.1f}" if wait is not None else ""
-            print(f"{name:<36} {t * 1e3:8.1f} {mb} {base / t:18.2f}x {w}")
-        best8 = min(t for n, t, _, _ in rows if "dynamic" in n and "batch" in n)
-        print(
-            f"pure batch with dynamic-tree gradients vs plain DDP: {base / best8:.2f}x "
-            f"(goal >= 2.5x: {'met' if base / best8 >= 2.5 else 'NOT met'})"
-        )
+            w = f"{wait * 1e3:8.1f}" if wait is not None else f"{'':>8}"
+            p = f"{pred * 1e3:8.1f}" if pred else f"{'':>8}"
+            print(
+                f"{name:<36} {t * 1e3:8.1f} {lo * 1e3:7.1f}-{hi * 1e3:<7.1f} {p} {mb} "
+                f"{base / t:12.2f}x {w}  {styles or ''}"
+            )
+        if args.table == "composition":
+            t = {name: mid[0] for name, mid, _, _ in rows}
+            single = min(t["planner's plan"], t["+ 8-bit grads+acts"], t["+ host reducer"])
+            ok = t["all composed"] <= single
+            print(
+                f"all composed vs the best single idea: {single / t['all composed']:.2f}x "
+                f"(goal: at least as fast: {'met' if ok else 'NOT met'})"
+            )
+        else:
+            best8 = min(mid[0] for n, mid, _, _ in rows if "dynamic" in n and "batch" in n)
+            print(
+                f"pure batch with dynamic-tree gradients vs plain DDP: {base / best8:.2f}x "
+                f"(goal >= 2.5x: {'met' if base / best8 >= 2.5 else 'NOT met'})"
+            )
     finally:
         c.down()
+        cache.cleanup()
     return 0
 
 

@@ -173,7 +173,8 @@ def test_the_planner_uses_what_it_knows_of_the_hosts():
     """digits-wide, P = 8 on four hosts of two ranks joined at 1 Gbit/s, B = 256. Planned
     knowing the hosts, the pick is at least as fast as every scenario's plan made for one level
     (all evaluated on the two levels), and over 10 % faster there than the one-level pick: a
-    4x2 grid for the FC layers whose model groups of four cross the network."""
+    4x2 grid for the FC layers, whose batch groups sum a quarter of the FC weights' gradients
+    each over the network (the two-level pick, 8x1, sums none)."""
     from hybridpar.planning.analysis_cache import zoo_cost_layers
     from hybridpar.planning.search import evaluate, plan_layers
 
@@ -191,3 +192,35 @@ def test_the_planner_uses_what_it_knows_of_the_hosts():
     blind_there = evaluate(layers, P, B, two, [x.style for x in blind.best.layers])
     assert best.total_s < 0.9 * blind_there.total_s
     assert [x.style for x in blind.best.layers] != styles
+
+
+def test_the_network_fit_takes_its_bandwidth_from_the_large_sizes():
+    """A link that lets a burst through at once and the rest at its rate (a token bucket): the
+    network's fit finds the rate; the relative-error fit of one level would find a faster one."""
+    from hybridpar.runtime.train.calibration import SIZES, fit_alpha_beta, fit_network
+
+    rate, burst = 1.25e8, 256 * 1024
+    times = {n: 1e-4 + max(0, n - burst) / rate for n in SIZES}  # 2 ranks: each sends n bytes
+    alpha, beta = fit_network(times, 2)
+    assert 1 / beta == pytest.approx(rate)
+    # the smallest size less its bytes at the rate, over the two latencies of a 2-rank sum
+    assert alpha == pytest.approx((1e-4 - SIZES[0] / rate) / 2)
+    _, flat = fit_alpha_beta(times, 2)
+    assert 1 / flat > 1.2 * rate
+
+
+def test_the_cluster_files_the_docs_show_load(tmp_path):
+    """Every TOML cluster file in the README and docs/cluster.md loads as it is pasted."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found = 0
+    for doc in (root / "README.md", root / "docs" / "cluster.md", root / "docs" / "cost-model.md"):
+        for block in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S):
+            path = tmp_path / f"c{found}.toml"
+            path.write_text(block)
+            c = load_cluster(str(path))
+            found += 1
+            assert c.alpha >= 0 and c.beta > 0
+    assert found >= 3

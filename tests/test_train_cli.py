@@ -285,6 +285,33 @@ def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path, monkeypatch):
     assert d["procs"] == 2 and d["preset"] == "auto"
 
 
+def test_a_fixed_preset_under_torchrun_is_priced_by_rank_0(tmp_path):
+    """Under torchrun every rank resolves a fixed preset itself, but only rank 0 prices it on a
+    calibrated host (measuring the compute profile alone: one profile file, not one a rank) and
+    sends it; before, each rank priced it with a profile of its own and the ranks' plans
+    differed ("hold a different plan than rank 0")."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "localhost.json").write_text(
+        json.dumps({"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2})
+    )
+    report = tmp_path / "r.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "hybridpar", "train", "--quiet", "--no-progress", "--model", "digits-cnn"]
+        + ["--preset", "grid:1x2", "--cluster", "localhost", "--epochs", "1", "--max-steps"]
+        + ["2", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HYBRIDPAR_CACHE": str(cache)},
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(list((cache / "profiles").glob("digits-cnn-*.json"))) == 1
+    d = json.loads(report.read_text())
+    assert d["plan"]["cluster"] == "localhost" and d["iteration"]["predicted_s"] > 1e-4
+
+
 def test_malformed_npz_via_cli(tmp_path):
     bad = tmp_path / "bad.npz"
     np.savez(bad, inputs=np.zeros((4, 1, 8, 8)), labels=np.zeros(4))

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
+from hybridpar.planning.groups import check_placement, why_not_placement
 from hybridpar.terms import Term
 
 __all__ = [
@@ -194,6 +195,9 @@ class ParallelPlan:
     """the cluster the predicted seconds are for"""
     totals: dict[str, float] = field(default_factory=dict)
     """predicted comm_s, compute_s and total_s per iteration"""
+    placement: tuple[int, int] | None = None
+    """grid (Pr, Pc) whose batch groups sit on consecutive ranks (hybridpar.planning.groups);
+    None: rank = position, model groups on consecutive ranks"""
 
     def __post_init__(self) -> None:
         for name in ("procs", "batch"):
@@ -211,6 +215,15 @@ class ParallelPlan:
                 raise ConfigError(f"plan entry {pattern!r}: style {s} does not fit P={self.procs}")
         if self.engine == "ddp" and any(not s.is_batch for s in self.styles.values()):
             raise ConfigError("plan: engine ddp runs batch parallelism only; drop the other styles")
+        if self.placement is not None:
+            self.placement = tuple(self.placement)  # type: ignore[assignment]
+            if self.engine == "ddp":
+                raise ConfigError("plan: engine ddp places ranks as torch does; drop placement")
+        why = check_placement(self.placement, self.procs) or why_not_placement(
+            self.placement, [(s.pr, s.pc) for s in self.styles.values()]
+        )
+        if why:
+            raise ConfigError(f"plan: {why}")
 
     # --- what the runtime and the report ask ---------------------------------------------------
 
@@ -243,6 +256,7 @@ class ParallelPlan:
             "redistributions": [r.to_dict() for r in self.redistributions],
             "cluster": self.cluster,
             "totals": self.totals,
+            **({"placement": list(self.placement)} if self.placement else {}),
             "predicted": [
                 {"layer": p.layer, "term": p.term, "bytes": p.bytes, "seconds": p.seconds}
                 for p in self.predicted
@@ -287,6 +301,7 @@ class ParallelPlan:
                 predicted=[_prediction(p) for p in d.get("predicted", [])],
                 cluster=str(d.get("cluster", "")),
                 totals={str(k): float(v) for k, v in d.get("totals", {}).items()},
+                placement=_placement(d.get("placement")),
             )
         except ConfigError as exc:
             raise ConfigError(f"{origin}: {str(exc).replace('--', '')}") from None
@@ -355,6 +370,15 @@ class ParallelPlan:
                 )
             )
         return "\n".join(lines)
+
+
+def _placement(v: Any) -> tuple[int, int] | None:
+    """A plan file's placement: [Pr, Pc] or absent (checked by ParallelPlan itself)."""
+    if v is None:
+        return None
+    if not isinstance(v, list | tuple) or len(v) != 2:
+        raise ConfigError(f"placement must be [Pr, Pc], got {v!r}")
+    return (v[0], v[1])
 
 
 def _shape(v: Any, origin: str) -> tuple[int, ...] | None:

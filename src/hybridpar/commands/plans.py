@@ -79,6 +79,12 @@ def _print_plan(result: PlanResult, shown: list) -> None:
             h = x.handoff
             how = "one all-gather" if h.scheme == "a" else f"{h.rounds} rounds, overlapped"
             print(f"hand-off before {x.layer.name}: scheme ({h.scheme}), {how}")
+    if best.placement is not None:
+        pr, pc = best.placement
+        print(
+            f"placement: the batch groups of grid {pr}x{pc} on consecutive ranks (within a host), "
+            f"its model groups across hosts (rank r*{pc}+c holds position c*{pr}+r)"
+        )
 
 
 def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:

@@ -110,6 +110,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"above; between hosts alpha {net['alpha'] * 1e6:.2f} us, bandwidth "
             f"{1 / net['beta'] / 1e9:.3f} GB/s"
         )
+        for level, times in d["measured_levels_s"].items():
+            for n, t in times.items():
+                print(f"    {level} all-reduce {int(n):>10} B: {t * 1e3:8.3f} ms")
     for p, times in d["by_procs_measured_s"].items():
         level = d["by_procs"].get(str(p))
         if level is None:  # the whole job over several hosts: its fit mixes the two levels

@@ -85,7 +85,8 @@ class Candidate:
 
 def _label(plan) -> str:
     grid = f" {plan.grid[0]}x{plan.grid[1]}" if plan.grid else ""
-    return f"{plan.scenario}{grid}"
+    placed = f" @{plan.placement[0]}x{plan.placement[1]}" if plan.placement else ""
+    return f"{plan.scenario}{grid}{placed}"
 
 
 def candidates(result, top: int, presets: dict[str, ParallelPlan]) -> list[Candidate]:
@@ -99,7 +100,7 @@ def candidates(result, top: int, presets: dict[str, ParallelPlan]) -> list[Candi
     for p in feasible:
         if len(out) == top:
             break
-        key = ("hybridpar", tuple(x.style for x in p.layers))
+        key = ("hybridpar", tuple(x.style for x in p.layers), p.placement)
         if key in seen:
             continue
         try:
@@ -109,7 +110,7 @@ def candidates(result, top: int, presets: dict[str, ParallelPlan]) -> list[Candi
         seen.add(key)
         out.append(Candidate(_label(p), plan, picked=p is best))
     for name, plan in presets.items():
-        key = (plan.engine, tuple(plan.styles.values()))
+        key = (plan.engine, tuple(plan.styles.values()), plan.placement)
         if key not in seen:
             seen.add(key)
             out.append(Candidate(name, plan))

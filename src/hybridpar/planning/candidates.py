@@ -70,6 +70,7 @@ class Plan:
     layers: list[LayerPlan] = field(default_factory=list)
     overlap: bool = False
     reason: str = ""  # why it is infeasible; empty when feasible
+    placement: tuple[int, int] | None = None  # how its positions sit on ranks (planning.groups)
 
     @property
     def feasible(self) -> bool:
@@ -249,6 +250,7 @@ def export(
             for k, c in x.terms.items()
         ],
         cluster=cluster,
+        placement=chosen.placement if engine == "hybridpar" else None,
         totals={
             "comm_s": chosen.exposed_comm_s,
             "compute_s": chosen.compute_s,

@@ -28,6 +28,7 @@ from hybridpar.planning.groups import (
     batch_groups,
     hosts_by_rank,
     model_groups,
+    placed,
     regroup_groups,
     span,
 )
@@ -71,6 +72,9 @@ class Cluster:
     ranks_per_host: int | None = None
     net_alpha: float | None = None
     net_beta: float | None = None
+    # how a plan places its positions on the ranks (hybridpar.planning.groups): set by the
+    # planner (`placed`), not by cluster files
+    placement: tuple[int, int] | None = None
 
     @property
     def two_level(self) -> bool:
@@ -88,13 +92,18 @@ class Cluster:
                 return replace(self, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
         return self
 
+    def placed(self, placement: tuple[int, int] | None) -> Cluster:
+        """This cluster for a plan that places its positions by `placement`."""
+        return self if placement == self.placement else replace(self, placement=placement)
+
     def over(self, groups: list[list[int]]) -> Cluster:
-        """This cluster as the collectives of `groups` see them (lists of ranks, every group
-        running its collective at once, hybridpar.planning.groups): itself where each group
-        sits on one host; where one spans hosts, the network's alpha, its beta times the groups
-        that cross from one host at once, and no shared memory."""
+        """This cluster as the collectives of `groups` see them (lists of positions, every group
+        running its collective at once, hybridpar.planning.groups; on ranks by `placement`):
+        itself where each group sits on one host; where one spans hosts, the network's alpha,
+        its beta times the groups that cross from one host at once, and no shared memory."""
         if self.ranks_per_host is None or self.net_alpha is None or self.net_beta is None:
             return self
+        groups = placed(groups, self.placement)
         P = 1 + max((k for g in groups for k in g), default=0)
         s = span(groups, hosts_by_rank(P, self.ranks_per_host))
         if s.hosts <= 1:
@@ -119,7 +128,7 @@ class Cluster:
         one-level cluster)."""
         if self.ranks_per_host is None:
             return Span(1, 0, pc if kind == "batch" else pr)
-        return _span(kind, pr, pc, self.ranks_per_host)
+        return _span(kind, pr, pc, self.ranks_per_host, self.placement)
 
     def regroup(self, P: int, fine: int, coarse: int) -> Cluster:
         """`over` the groups that move an activation between layouts of `fine` and `coarse`
@@ -190,7 +199,7 @@ class Cluster:
             for p, a, b, sa, sb in self.by_procs
         }
         out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
-        for k in ("ranks_per_host", "net_alpha", "net_beta"):
+        for k in ("ranks_per_host", "net_alpha", "net_beta", "placement"):
             out.pop(k)
         if self.two_level:
             out["network"] = {
@@ -242,9 +251,11 @@ PRESETS: dict[str, Cluster] = {
 
 
 @lru_cache(maxsize=4096)
-def _span(kind: str, pr: int, pc: int, ranks_per_host: int) -> Span:
+def _span(
+    kind: str, pr: int, pc: int, ranks_per_host: int, placement: tuple[int, int] | None
+) -> Span:
     groups = model_groups(pr, pc) if kind == "model" else batch_groups(pr, pc)
-    return span(groups, hosts_by_rank(pr * pc, ranks_per_host))
+    return span(placed(groups, placement), hosts_by_rank(pr * pc, ranks_per_host))
 
 
 @lru_cache(maxsize=4096)
@@ -289,7 +300,7 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         raise ConfigError(
             f"{origin}: expected a table/object with alpha, beta (or bandwidth) and flops"
         )
-    known = {f.name for f in fields(Cluster)} - {"net_alpha", "net_beta"}
+    known = {f.name for f in fields(Cluster)} - {"net_alpha", "net_beta", "placement"}
     known |= {"bandwidth", "bandwidth_GBps", "network"}
     unknown = set(data) - known
     if unknown:

@@ -7,6 +7,16 @@ consecutive ranks and a batch group is the Pc ranks with the same r. Launchers n
 by host (torchrun: node_rank * nproc_per_node + local_rank), so model groups of at most a host's
 ranks stay within a host and batch groups cross hosts: the placement Krizhevsky and Gholami et
 al. assume (the activation traffic on the fast links, the gradient sums over the network).
+
+Placement. The lists above number *positions*: the position of a rank decides its place in every
+grid and the examples it holds. A plan's `placement` (Pr, Pc) puts position c * Pr + r on rank
+r * Pc + c instead: grid Pr x Pc's batch groups become consecutive ranks (within a host) and its
+model groups stride across hosts, for plans whose gradient sums outweigh their activations.
+None keeps position = rank. torch.distributed orders a group's members by rank, so a group
+whose pieces are ordered (a model group's all-gather, a regroup's, a domain band's neighbours)
+must hold its positions in increasing rank order; the transpose keeps that along both axes of its
+own grid, not always for other grids of the plan (`why_not_placement`, the one rule the planner
+and the runtime both apply). Batch groups only sum, in any order.
 """
 
 from __future__ import annotations
@@ -16,10 +26,15 @@ from collections.abc import Sequence
 __all__ = [
     "Span",
     "batch_groups",
+    "check_placement",
     "hosts_by_rank",
     "model_groups",
+    "placed",
+    "position_of",
+    "rank_of",
     "regroup_groups",
     "span",
+    "why_not_placement",
 ]
 
 
@@ -39,6 +54,71 @@ def regroup_groups(P: int, fine: int, coarse: int) -> list[list[int]]:
     coarse batch group, at the same place within their model groups."""
     pr_f, pr_c, m = P // fine, P // coarse, fine // coarse
     return [[c * pr_c + j * pr_f + r for j in range(m)] for c in range(coarse) for r in range(pr_f)]
+
+
+def rank_of(position: int, placement: tuple[int, int] | None) -> int:
+    """The rank at `position` under `placement` (see the module's docstring)."""
+    if placement is None:
+        return position
+    pr, pc = placement
+    c, r = divmod(position, pr)
+    return r * pc + c
+
+
+def position_of(rank: int, placement: tuple[int, int] | None) -> int:
+    """The position of `rank` under `placement` (rank_of's inverse)."""
+    if placement is None:
+        return rank
+    pr, pc = placement
+    r, c = divmod(rank, pc)
+    return c * pr + r
+
+
+def placed(groups: list[list[int]], placement: tuple[int, int] | None) -> list[list[int]]:
+    """`groups` of positions as the ranks that hold them."""
+    if placement is None:
+        return groups
+    return [[rank_of(k, placement) for k in g] for g in groups]
+
+
+def check_placement(placement: object, P: int) -> str:
+    """Why `placement` cannot place P ranks ('' when it can)."""
+    if placement is None:
+        return ""
+    ok = (
+        isinstance(placement, tuple | list)
+        and len(placement) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 1 for v in placement)
+    )
+    if not ok or placement[0] * placement[1] != P:  # type: ignore[index]
+        return (
+            f"placement {placement!r} must be a grid Pr x Pc with Pr, Pc > 1 and Pr * Pc = {P} "
+            "(batch groups of that grid on consecutive ranks)"
+        )
+    return ""
+
+
+def why_not_placement(placement: tuple[int, int] | None, grids: list[tuple[int, int]]) -> str:
+    """Why a plan whose layers use `grids` (Pr, Pc) cannot be placed by `placement` ('' when it
+    can): some model group, or some group moving an activation between two of its layouts, would
+    not hold its positions in rank order."""
+    if placement is None:
+        return ""
+    P = placement[0] * placement[1]
+    groups = [g for pr, pc in sorted(set(grids)) for g in model_groups(pr, pc)]
+    pcs = sorted({pc for _, pc in grids})
+    for i, a in enumerate(pcs):
+        for b in pcs[i + 1 :]:
+            if b % a == 0:
+                groups += regroup_groups(P, b, a)
+    for g, ranks in zip(groups, placed(groups, placement), strict=True):
+        if ranks != sorted(ranks):
+            return (
+                f"placement {placement[0]}x{placement[1]} puts positions {g} on ranks {ranks}, "
+                "out of order for a group whose pieces are ordered; plan without a placement "
+                "or with grids that nest in it"
+            )
+    return ""
 
 
 def hosts_by_rank(P: int, ranks_per_host: int) -> list[int]:

@@ -48,6 +48,7 @@ from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
 from hybridpar.planning.cost.terms import Wire, layer_comms, on_host, redistribute
+from hybridpar.planning.groups import why_not_placement
 from hybridpar.planning.handoff import Handoff, is_gather, why_not_handoff
 from hybridpar.planning.handoff import fused as handoff_fused
 from hybridpar.planning.layers import CostLayer, cost_layers
@@ -531,23 +532,43 @@ def plan_layers(
     cluster = cluster.at(P)
     choices = choices or Choices()
     base = cluster.word_bytes if elem_bytes is None else elem_bytes
-    ctx = _Context(
-        layers,
-        P,
-        B,
-        cluster,
-        compute or FlopsModel(cluster.rank_flops(P)),
-        wire(base, choices),
-        choices,
-        overlap,
-        grad_bucket,
-        handoff,
-        rounds,
-        fuse_handoff=fuse_handoff,
-    )
-    candidates = {n: _candidates(ctx, n, all_grids, memory_limit) for n in scenarios}
+    compute = compute or FlopsModel(cluster.rank_flops(P))
+    candidates: dict[str, list[Plan]] = {n: [] for n in scenarios}
+    for placement in placements(cluster, all_grids):
+        grids_here = [g for g in all_grids if not why_not_placement(placement, [g])]
+        ctx = _Context(
+            layers,
+            P,
+            B,
+            cluster.placed(placement),
+            compute,
+            wire(base, choices),
+            choices,
+            overlap,
+            grad_bucket,
+            handoff,
+            rounds,
+            fuse_handoff=fuse_handoff,
+        )
+        for n in scenarios:
+            for plan in _candidates(ctx, n, grids_here, memory_limit):
+                plan.placement = placement
+                grids = [(x.style.pr, x.style.pc) for x in plan.layers]
+                why = plan.feasible and why_not_placement(placement, grids)
+                if why:
+                    plan.reason = why
+                if plan.feasible or placement is None:
+                    candidates[n].append(plan)
     best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in scenarios]
     return PlanResult(model, P, B, cluster, best, candidates, base, choices, input_shape)
+
+
+def placements(cluster: Cluster, grids: list[tuple[int, int]]) -> list[tuple[int, int] | None]:
+    """The placements the planner tries: rank = position, and on a cluster of several hosts each
+    grid with Pr, Pc > 1 transposed (its batch groups on consecutive ranks, so within a host)."""
+    if not cluster.two_level:
+        return [None]
+    return [None, *[(pr, pc) for pr, pc in grids if pr > 1 and pc > 1]]
 
 
 def make_plan(
@@ -627,14 +648,18 @@ def evaluate(
     compute: ComputeModel | None = None,
     grad_bucket: float | None = GRAD_BUCKET_BYTES,
     handoffs: dict[str, Handoff] | None = None,
+    placement: tuple[int, int] | None = None,
 ) -> Plan:
     """The predicted cost of one given chain of styles (what the runtime is about to execute),
-    with the hand-off schemes it names by the layer they enter (scheme (a) elsewhere)."""
+    with the hand-off schemes it names by the layer they enter (scheme (a) elsewhere), its
+    positions placed on the ranks by `placement`."""
     choices = choices or Choices()
-    cluster = cluster.at(P)
+    cluster = cluster.at(P).placed(placement)
     e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices)
     compute = compute or FlopsModel(cluster.rank_flops(P))
     ctx = _Context(
         layers, P, B, cluster, compute, e, choices, bucket=grad_bucket, fixed=handoffs or {}
     )
-    return ctx.evaluate(name, None, styles)
+    plan = ctx.evaluate(name, None, styles)
+    plan.placement = placement
+    return plan

@@ -30,7 +30,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.errors import ConfigError
-from hybridpar.planning.groups import batch_groups, model_groups, regroup_groups
+from hybridpar.planning.groups import (
+    batch_groups,
+    model_groups,
+    placed,
+    position_of,
+    regroup_groups,
+)
 from hybridpar.runtime.comm.group import Group, group_timeout
 from hybridpar.runtime.comm.small import shared_memory
 
@@ -110,6 +116,8 @@ class ProcessGrid:
     """collective timeout of the grid's groups (default: the default group's)"""
     shm: bool = False
     """the model and batch groups through host shared memory where they share a host"""
+    placement: tuple[int, int] | None = None
+    """how positions sit on ranks (hybridpar.planning.groups); None: position = rank"""
     mesh: DeviceMesh = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,8 +126,9 @@ class ProcessGrid:
         check_grid(self.pr, self.pc, dist.get_world_size())
         self.timeout = self.timeout or group_timeout()
         self.rank = dist.get_rank()
-        self.r = self.rank % self.pr  # position in the model group (which weight shard)
-        self.c = self.rank // self.pr  # position in the batch group (which examples)
+        self.position = position_of(self.rank, self.placement)
+        self.r = self.position % self.pr  # place in the model group (which weight shard)
+        self.c = self.position // self.pr  # place in the batch group (which examples)
         self.groups: dict[str, Group] = {}
         self.mesh = self._mesh()
 
@@ -127,10 +136,11 @@ class ProcessGrid:
         """init_device_mesh creates its sub-groups with torch's default 30-minute timeout, so a dead
         rank would hang the others that long; we create them with the job's timeout and build the
         same mesh from them."""
-        ranks = torch.tensor(model_groups(self.pr, self.pc))  # (Pc, Pr): rank c * Pr + r
+        # (Pc, Pr): the rank at position c * Pr + r
+        ranks = torch.tensor(placed(model_groups(self.pr, self.pc), self.placement))
         for name, rows in (
-            ("model", model_groups(self.pr, self.pc)),
-            ("batch", batch_groups(self.pr, self.pc)),
+            ("model", placed(model_groups(self.pr, self.pc), self.placement)),
+            ("batch", placed(batch_groups(self.pr, self.pc), self.placement)),
         ):
             for members in rows:  # every rank creates every group, in the same order
                 g = new_group(members, self.timeout, f"hybridpar_{name}", shm=self.shm)
@@ -175,15 +185,18 @@ class GridSet:
         device: str = "cpu",
         timeout: datetime.timedelta | None = None,
         shm: bool = True,
+        placement: tuple[int, int] | None = None,
     ) -> None:
         self.world_size = dist.get_world_size()
+        self.placement = placement
+        self.position = position_of(dist.get_rank(), placement)
         self.timeout = timeout or group_timeout()
         self.device = device
         self.shm = shm and device == "cpu"
         everyone = list(range(self.world_size))
         self.world = new_group(everyone, self.timeout, "hybridpar_world", "world", self.shm)
         self.grids = {
-            pc: ProcessGrid(self.world_size // pc, pc, device, self.timeout, self.shm)
+            pc: ProcessGrid(self.world_size // pc, pc, device, self.timeout, self.shm, placement)
             for pc in sorted(set(pcs))
         }
         self._moves: dict[tuple[int, int], Group] = {}
@@ -202,7 +215,7 @@ class GridSet:
                 "between them; use grids whose Pc divide one another"
             )
         rank, mine = dist.get_rank(), None
-        for members in regroup_groups(self.world_size, fine, coarse):
+        for members in placed(regroup_groups(self.world_size, fine, coarse), self.placement):
             g = new_group(members, self.timeout, f"hybridpar_regroup{tag}", tag, self.shm)
             if rank in members:
                 mine = g
@@ -226,7 +239,7 @@ class GridSet:
         grid."""
         g = self.grid(pc)
         mine = None
-        for members in batch_groups(g.pr, g.pc):
+        for members in placed(batch_groups(g.pr, g.pc), self.placement):
             grp = new_group(
                 members, self.timeout, f"hybridpar_{tag}", tag=tag, shm=shm and self.shm
             )

@@ -55,7 +55,7 @@ def context(
     pcs = [s.pc for s in layout.segments] + [plan.procs]
     moves = [(a.pc, b.pc) for _, a, b in layout.moves()]
     timeout = datetime.timedelta(seconds=options.timeout_s) if options.timeout_s else None
-    grids = GridSet(pcs, moves, device, timeout, shm=options.shared_memory)
+    grids = GridSet(pcs, moves, device, timeout, options.shared_memory, plan.placement)
     codec = get_codec(plan.choices.codec, options.block) if plan.choices.codec != "none" else None
     return BuildContext(grids, plan.choices, options, ledger, codec=codec)
 

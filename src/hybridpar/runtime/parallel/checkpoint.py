@@ -291,7 +291,11 @@ def load(engine: Engine, optimizer: torch.optim.Optimizer, path: str | Path) -> 
     path = Path(latest(path) or path)
     meta = read_meta(path)
     styles = {k: v.label for k, v in engine.plan.styles.items()}
-    same = meta["procs"] == dist.get_world_size() and meta["plan"]["styles"] == styles
+    same = (
+        meta["procs"] == dist.get_world_size()
+        and meta["plan"]["styles"] == styles
+        and meta["plan"].get("placement") == (list(engine.plan.placement or []) or None)
+    )
     state = _stateful(engine, optimizer, per_rank=same)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     state["optim"].make_room([k[len("optim.") :] for k in stored if k.startswith("optim.")])

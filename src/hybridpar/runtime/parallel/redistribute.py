@@ -132,12 +132,14 @@ class StepRows:
         """inside a hand-off round: the global index of each example the round carries"""
 
 
-def regroup_place(world: int, src: int, dst: int) -> tuple[int, int, int]:
+def regroup_place(grids, src: int, dst: int) -> tuple[int, int, int]:
     """Between layouts of `src` and `dst` batch groups: the ranks of a fine batch group, how many
-    fine groups make up a coarse one (m), and the first fine group of this rank's coarse one."""
+    fine groups make up a coarse one (m), and the first fine group of this rank's coarse one
+    (by this rank's position: comm.grid.GridSet.position)."""
+    world = grids.world_size
     fine, coarse = max(src, dst), min(src, dst)
     m = fine // coarse
-    return world // fine, m, (dist.get_rank() // (world // coarse)) * m
+    return world // fine, m, (grids.position // (world // coarse)) * m
 
 
 class Redistribute:
@@ -158,7 +160,7 @@ class Redistribute:
         self.group = grids.regroup(src, dst)
         self.src, self.dst, self.rows = src, dst, rows
         self.ledger, self.layer, self.codec, self.fused = ledger, layer, codec, fused
-        self.pr_fine, self.m, self.first = regroup_place(grids.world_size, src, dst)
+        self.pr_fine, self.m, self.first = regroup_place(grids, src, dst)
 
     def sizes(self) -> list[int]:
         """Examples held by each rank of the regroup: the fine batch groups of my coarse one."""

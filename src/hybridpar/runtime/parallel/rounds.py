@@ -117,7 +117,7 @@ class Rounds:
         steps the head's optimizer (HybridTrainer sets it)"""
         self.head_params: list[torch.nn.Parameter] = []
         self.output: torch.Tensor | None = None
-        self.pr_fine, self.m, self.first = regroup_place(grids.world_size, src, dst)
+        self.pr_fine, self.m, self.first = regroup_place(grids, src, dst)
         self.me = group_rank(self.group)
 
     # --- one round's traffic -------------------------------------------------------------------

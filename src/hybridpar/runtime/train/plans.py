@@ -6,6 +6,7 @@ the job, after a collective calibration of `localhost` if there is none yet, and
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.presets import plan_preset
 from hybridpar.planning.profile import planning_compute
 from hybridpar.planning.search import evaluate, export
+from hybridpar.runtime.launcher import under_torchrun
 from hybridpar.runtime.train.calibration import calibrate_in_job
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.job import Job
@@ -27,7 +29,11 @@ __all__ = ["agreed_plan", "checked_file_plan", "preset_plan", "pricing_cluster"]
 
 def pricing_cluster(spec: str, required: bool) -> Cluster:
     """The cluster presets are planned and priced on. An uncalibrated `localhost` prices bytes
-    only (seconds ~0) for a fixed preset, and is calibrated in the job for a searched one."""
+    only (seconds ~0) for a fixed preset, and is calibrated in the job for a searched one. Under
+    torchrun, ranks other than 0 price bytes only: rank 0 prices the plan in the job and sends
+    it (`agreed_plan`), so only it measures the compute profile, and every rank runs its plan."""
+    if not required and under_torchrun() and os.environ.get("RANK", "0") != "0":
+        return BYTES_ONLY
     if spec == "localhost" and not localhost_path().exists() and not required:
         return BYTES_ONLY
     return load_cluster(spec)
@@ -82,6 +88,7 @@ def checked_file_plan(
         compute=compute,
         grad_bucket=cfg.runtime.bucket_bytes,
         handoffs={r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions},
+        placement=plan.placement,
     )
     if not priced.feasible:
         raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")
@@ -117,10 +124,16 @@ def _broadcast(value: object) -> object:
 
 def agreed_plan(job: Job) -> ParallelPlan:
     """The plan every rank runs. A searched preset is decided by rank 0 alone (after a collective
-    calibration of `localhost` if there is none yet) and broadcast (DESIGN.md invariant 3)."""
-    if job.plan is not None:
-        return job.plan
+    calibration of `localhost` if there is none yet) and broadcast (DESIGN.md invariant 3); so
+    is a fixed preset's or a plan file's pricing under torchrun."""
     cfg, rank = job.cfg, dist.get_rank()
+    if job.plan is not None:
+        if not under_torchrun():  # the launcher's one plan, sent to every rank
+            return job.plan
+        # each rank resolved the preset or file itself: the styles agree, the predictions are
+        # rank 0's (the others priced bytes only, `pricing_cluster`)
+        text = _broadcast(job.plan.to_json() if rank == 0 else None)
+        return job.plan if text == job.plan.to_json() else ParallelPlan.from_dict(json.loads(text))
     # one process has nothing to calibrate (no all-reduce to time) and one plan: it is priced on
     # whatever `localhost` holds, bytes only when it was never calibrated
     searched = job.procs > 1

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hybridpar.plan import ParallelPlan
-from hybridpar.planning.groups import batch_groups
+from hybridpar.planning.groups import batch_groups, placed
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.terms import Term
 
@@ -90,7 +90,7 @@ def predicted(plan: ParallelPlan, hosts: list[str] | None = None) -> tuple[dict,
             pr, pc = 1, plan.procs  # whole weights on every rank: one group of all P
         if pc <= 1:
             return 0.0
-        spans = [len({names[k] for k in g}) for g in batch_groups(pr, pc)]
+        spans = [len({names[k] for k in g}) for g in placed(batch_groups(pr, pc), plan.placement)]
         return sum(h - 1 for h in spans) / len(spans) / (pc - 1)
 
     by_layer = {
