@@ -36,7 +36,19 @@ from hybridpar.terms import Term
 
 __all__ = ["HybridTrainer", "StepResult"]
 
-BLOCKING_TERMS = (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.DX_ALLGATHER, Term.REDISTRIBUTE)
+# the collectives a rank waits in during its forward and backward (the time split's "comm"): the
+# activations' and the hand-offs', and the global batch norms' and the halos' (they block too:
+# left out, resnet20's batch-norm sums across two hosts were counted as compute, docs/cluster.md)
+BLOCKING_TERMS = (
+    Term.ALLGATHER,
+    Term.DX_ALLREDUCE,
+    Term.DX_ALLGATHER,
+    Term.REDISTRIBUTE,
+    Term.BN_STATS,
+    Term.BN_GRAD,
+    Term.HALO_FWD,
+    Term.HALO_BWD,
+)
 
 
 @dataclass(frozen=True)
