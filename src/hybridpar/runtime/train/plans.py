@@ -32,11 +32,12 @@ def pricing_cluster(spec: str, required: bool) -> Cluster:
     only (seconds ~0) for a fixed preset, and is calibrated in the job for a searched one. Under
     torchrun, ranks other than 0 price bytes only: rank 0 prices the plan in the job and sends
     it (`agreed_plan`), so only it measures the compute profile, and every rank runs its plan."""
-    if not required and under_torchrun() and os.environ.get("RANK", "0") != "0":
-        return BYTES_ONLY
     if spec == "localhost" and not localhost_path().exists() and not required:
         return BYTES_ONLY
-    return load_cluster(spec)
+    cluster = load_cluster(spec)  # every rank checks the spec: a bad one is named everywhere
+    if not required and under_torchrun() and os.environ.get("RANK", "0") != "0":
+        return BYTES_ONLY
+    return cluster
 
 
 def preset_plan(
