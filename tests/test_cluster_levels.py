@@ -227,3 +227,17 @@ def test_the_cluster_files_the_docs_show_load(tmp_path):
             found += 1
             assert c.alpha >= 0 and c.beta > 0
     assert found >= 3
+
+
+def test_the_report_says_how_the_ranks_sat_on_hosts():
+    from hybridpar.runtime.train.report import host_layout
+
+    assert host_layout(["a", "a", "b", "b"]) == {
+        "count": 2,
+        "ranks": {"a": 2, "b": 2},
+        "node_by_node": True,
+        "even": True,
+    }
+    dealt = host_layout(["a", "b", "a", "b"])  # round-robin: the groups' hosts are not priced so
+    assert dealt["count"] == 2 and not dealt["node_by_node"]
+    assert not host_layout(["a", "a", "b"])["even"] and host_layout(["a", "a", "b"])["node_by_node"]

@@ -283,6 +283,12 @@ def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path, monkeypatch):
     assert c.two_level and c.ranks_per_host == 1 and c.net_beta == saved["network"]["beta"]
     d = json.loads(report.read_text())
     assert d["procs"] == 2 and d["preset"] == "auto"
+    assert d["hosts"] == {
+        "count": 2,
+        "ranks": {"h0": 1, "h1": 1},
+        "node_by_node": True,
+        "even": True,
+    }
 
 
 def test_a_fixed_preset_under_torchrun_is_priced_by_rank_0(tmp_path):

@@ -29,7 +29,14 @@ from hybridpar.runtime.train.data import Dataset, epoch_steps, load_data
 from hybridpar.runtime.train.job import Job
 from hybridpar.runtime.train.optim import KrizhevskySGD, lr_factor, scale_hparams
 from hybridpar.runtime.train.plans import agreed_plan
-from hybridpar.runtime.train.report import measured, report, strict, waiting, write_report
+from hybridpar.runtime.train.report import (
+    host_layout,
+    measured,
+    report,
+    strict,
+    waiting,
+    write_report,
+)
 from hybridpar.terms import Term
 
 __all__ = ["Position", "Progress", "fit", "train_worker"]
@@ -249,7 +256,8 @@ def train_worker(job: Job) -> dict | None:
     timed = full_steps - {min(full_steps, default=0)}  # as `times`: the first step is left out
     split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
     split["handoff"] = waiting(trainer.ledger, timed, (Term.REDISTRIBUTE,))
-    hosts = _hostnames() if plan.choices.reducer == "host" else None  # each rank's, in order
+    names = _hostnames()  # each rank's host, in rank order
+    hosts = names if plan.choices.reducer == "host" else None
     if rank != 0:
         return None
     save_weights(weights, cfg.save)
@@ -267,6 +275,15 @@ def train_worker(job: Job) -> dict | None:
             "head_lr": head.defaults["lr"],
             "head_weight_decay": head.param_groups[0]["weight_decay"],
         }
+    out["hosts"] = host_layout(names)
+    if not out["hosts"]["node_by_node"]:
+        print(
+            "hybridpar: the ranks are not numbered host by host (e.g. dealt round-robin); the "
+            "plan's groups and a two-level cluster's prices assume they are: launch with "
+            "torchrun's numbering (--nnodes, --node-rank)",
+            file=sys.stderr,
+            flush=True,
+        )
     out["written"] = [str(cfg.save)]
     if cfg.report:
         json_path, png = write_report(out, cfg.report)

@@ -71,6 +71,25 @@ def waiting(ledger: Ledger, steps: set[int], terms: tuple[str, ...]) -> dict[str
     return {"transfer_s": transfer, "slowest_s": slowest}
 
 
+def host_layout(names: list[str]) -> dict:
+    """How the ranks sat on hosts (`names`: each rank's host, in rank order): how many hosts,
+    the ranks on each, whether they were numbered host by host (as torchrun numbers them and as
+    planning.groups and a two-level cluster assume) and whether every host ran as many."""
+    blocks: list[list[str]] = []
+    for n in names:
+        if blocks and blocks[-1][0] == n:
+            blocks[-1].append(n)
+        else:
+            blocks.append([n])
+    counts = {n: names.count(n) for n in dict.fromkeys(names)}
+    return {
+        "count": len(counts),
+        "ranks": counts,
+        "node_by_node": len(blocks) == len(counts),
+        "even": len(set(counts.values())) == 1,
+    }
+
+
 def predicted(plan: ParallelPlan, hosts: list[str] | None = None) -> tuple[dict, dict]:
     """The plan's bytes by term and by (layer, term). With the host reducer (`hosts`: each rank's
     host, in rank order) a layer's gradient sum goes through shared memory within a host, and the
