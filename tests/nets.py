@@ -124,6 +124,22 @@ def train_parallel(hp, data) -> dict[str, torch.Tensor]:
     return hp.full_state_dict()
 
 
+def straight_and_resumed(t, rebuild, data, k: int, folder) -> tuple[dict, dict]:
+    """Train the HybridTrainer `t` on `data`, checkpointing into `folder` after k steps; a fresh
+    trainer from `rebuild()` loads that checkpoint and trains the remaining steps. Returns both
+    full state dicts (the run straight through, the resumed one)."""
+    for x, y in data[:k]:
+        t.train_step(x, y)
+    t.save(folder)
+    for x, y in data[k:]:
+        t.train_step(x, y)
+    again = rebuild()
+    again.load(folder)
+    for x, y in data[k:]:
+        again.train_step(x, y)
+    return t.full_state_dict(), again.full_state_dict()
+
+
 def assert_same_state(got: dict, want: dict, label: str) -> None:
     assert list(got) == list(want), f"{label}: state_dict keys differ"
     for k, v in want.items():

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from nets import CLASSES, MAKERS, optimizer
+from nets import CLASSES, MAKERS, optimizer, straight_and_resumed
 from torch.nn import functional as F
 
 from hybridpar.choices import Choices
@@ -121,17 +121,9 @@ def _resume(folder: str) -> bool:
     options = RuntimeOptions(host_stage_mb=0.0, bn_window=1, bn_threshold=10.0)  # BN turns global
     data = _data(12, 6)
     t = HybridTrainer(_model(), plan, optimizer, options=options)
-    for x, y in data[:3]:
-        t.train_step(x, y)
-    t.save(folder)
-    for x, y in data[3:]:
-        t.train_step(x, y)
-    want = t.full_state_dict()
-    again = HybridTrainer(_model(), plan, optimizer, options=options)
-    again.load(folder)
-    for x, y in data[3:]:
-        again.train_step(x, y)
-    got = again.full_state_dict()
+    want, got = straight_and_resumed(
+        t, lambda: HybridTrainer(_model(), plan, optimizer, options=options), data, 3, folder
+    )
     assert t.model.bn_switch.record()["switched_at_step"] is not None
     for k, v in want.items():
         assert torch.equal(got[k], v), k

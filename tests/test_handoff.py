@@ -20,7 +20,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from nets import CLASSES, MAKERS, TVAlexNet, assert_same_state, batches, optimizer
+from nets import (
+    CLASSES,
+    MAKERS,
+    TVAlexNet,
+    assert_same_state,
+    batches,
+    optimizer,
+    straight_and_resumed,
+)
 from test_equivalence import _measured
 from torch import nn
 from torch.nn import functional as F
@@ -425,17 +433,9 @@ def _variable(P: int, B: int, K: int, folder: str) -> dict:
             return _step(*a, **kw)
 
         opt.step = counted
-    for x, y in data[:2]:
-        t.train_step(x, y)
-    t.save(folder)
-    for x, y in data[2:]:
-        t.train_step(x, y)
-    got = t.full_state_dict()
-    again = HybridTrainer(_tv(), plan, optimizer, options=options)
-    again.load(folder)
-    for x, y in data[2:]:
-        again.train_step(x, y)
-    resumed = again.full_state_dict()
+    got, resumed = straight_and_resumed(
+        t, lambda: HybridTrainer(_tv(), plan, optimizer, options=options), data, 2, folder
+    )
     out = {"counts": counts}
     if dist.get_rank() == 0:
         want = _variable_reference(data, P, K)

@@ -432,13 +432,9 @@ def _in_job(args, cfg, cluster, plan_candidates) -> int:
 
 
 def _hosts_of_job() -> int:
-    import torch.distributed as dist
+    from hybridpar.runtime.comm.host import host_names
 
-    from hybridpar.runtime.comm.host import host_name
-
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, host_name())
-    return len(set(names))
+    return len(set(host_names()))
 
 
 def _finish(args, cfg, cluster, cands, head, out: Path) -> int:

@@ -49,7 +49,15 @@ from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
 from hybridpar.terms import Term
 
-__all__ = ["HostReducer", "HostState", "StagedReduce", "discover", "host_name", "leader_groups"]
+__all__ = [
+    "HostReducer",
+    "HostState",
+    "StagedReduce",
+    "discover",
+    "host_name",
+    "host_names",
+    "leader_groups",
+]
 
 _FLAGS = 4  # per rank, parity and stage: arrived, done, final (+1 spare, keeps 32-byte rows)
 ARRIVED, DONE, FINAL = 0, 1, 2
@@ -129,6 +137,13 @@ def host_name(host: str | None = None) -> str:
     return names[dist.get_rank() % len(names)] if len(names) > 1 else given
 
 
+def host_names(host: str | None = None) -> list[str]:
+    """Every rank's host (`host_name`), in rank order. Collective over the whole world."""
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, host_name(host))
+    return [str(n) for n in names]
+
+
 def discover(
     group: Group | dist.ProcessGroup | None = None,
     host: str | None = None,
@@ -163,8 +178,7 @@ def leader_groups(
     leaders' group, in the order given, as torch.distributed.new_group requires, so sibling groups
     (the batch groups of a grid with Pr > 1, each its own host reducer) get theirs without a
     rank ever waiting on a group it is not in."""
-    names: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, host_name(host))
+    names = host_names(host)
     out: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     for ranks in members:
         key = tuple(ranks)

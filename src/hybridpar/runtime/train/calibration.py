@@ -55,17 +55,6 @@ def _time_allreduce(
     return out
 
 
-def _hosts() -> list[str]:
-    """Each rank's host name (comm.host.host_name: HYBRIDPAR_HOST or the machine's), by rank."""
-    import torch.distributed as dist
-
-    from hybridpar.runtime.comm.host import host_name
-
-    names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, host_name())
-    return names
-
-
 def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict:
     """The two levels of a job whose ranks sit on several hosts (`names`: each rank's host):
     every host's ranks all-reduce among themselves at once, then the first rank of each host
@@ -137,7 +126,9 @@ def _time_shm(group=None, piece: int = 1 << 18) -> tuple[float | None, float | N
 
 
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
-    names = _hosts()
+    from hybridpar.runtime.comm.host import host_names
+
+    names = host_names()
     small, shm_beta = _time_shm()
     return {
         "allreduce": _time_allreduce(sizes, repeats, device),
@@ -318,7 +309,9 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
     all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
     import torch.distributed as dist
 
-    names = _hosts()
+    from hybridpar.runtime.comm.host import host_names
+
+    names = host_names()
     times = _time_allreduce(SIZES, repeats, device)
     small, shm_beta = _time_shm() if device == "cpu" else (None, None)
     levels = _time_levels(names, SIZES, repeats) if len(set(names)) > 1 else None

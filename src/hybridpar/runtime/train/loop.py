@@ -20,7 +20,7 @@ from hybridpar.plan import ParallelPlan
 from hybridpar.planning.cluster import rank_threads
 from hybridpar.planning.models import build_any
 from hybridpar.runtime.comm.collectives import all_reduce
-from hybridpar.runtime.comm.host import host_name
+from hybridpar.runtime.comm.host import host_names
 from hybridpar.runtime.parallel.checkpoint import save_weights
 from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS, HybridTrainer
@@ -256,7 +256,7 @@ def train_worker(job: Job) -> dict | None:
     timed = full_steps - {min(full_steps, default=0)}  # as `times`: the first step is left out
     split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
     split["handoff"] = waiting(trainer.ledger, timed, (Term.REDISTRIBUTE,))
-    names = _hostnames()  # each rank's host, in rank order
+    names = host_names()  # each rank's host, in rank order
     hosts = names if plan.choices.reducer == "host" else None
     if rank != 0:
         return None
@@ -289,9 +289,3 @@ def train_worker(job: Job) -> dict | None:
         json_path, png = write_report(out, cfg.report)
         out["written"] += [str(json_path), str(log.log)] + ([str(png)] if png else [])
     return out
-
-
-def _hostnames() -> list[str]:
-    names: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, host_name())
-    return [str(n) for n in names]
