@@ -218,7 +218,7 @@ def _small(sizes):
         dist.all_gather(gathered, x)
         same.append(all(torch.equal(gathered[0], g) for g in gathered))
     booked = ledger.bytes_by_term()["bn_stats"]
-    return all(ok), all(same), r.calls, booked
+    return all(ok), all(same), r.calls, booked, [e.seconds for e in ledger.entries]
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])
@@ -226,9 +226,12 @@ def test_small_all_reduce_through_shared_memory(P):
     sizes = [(33, torch.float64), (7, torch.float32), (1, torch.float64), (65, torch.float64)]
     sizes += [(20000, torch.float32), (3, torch.float32)]  # 80 KB: the segment grows
     sizes += [(70000, torch.float32)]  # 280 KB: over MAX_BYTES (set to 256 KB), gloo
-    for ok, same, calls, booked in run_ranks(_small, P, sizes):
+    for ok, same, calls, booked, seconds in run_ranks(_small, P, sizes):
         assert ok and same
         assert calls == 6  # all but the last went through shared memory
+        # each call's time is booked, whichever path ran: the report's time split counts the
+        # shared-memory sums (dX, batch norms) as communication, not as compute
+        assert len(seconds) == len(sizes) and all(s > 0 for s in seconds), seconds
         # the ledger books what an all-reduce would, whichever path ran
         from hybridpar.runtime.comm.ledger import bus_bytes
 

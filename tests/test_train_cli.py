@@ -1,6 +1,7 @@
 """`hybridpar train` as a user meets it: a real run, bad input caught before spawning, and a rank
 that dies or hangs ending the job with a message naming it, leaving no processes behind."""
 
+import itertools
 import json
 import os
 import re
@@ -74,6 +75,13 @@ def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path):
     assert time.monotonic() - t0 < 180
     assert (tmp_path / "localhost.json").exists()
     assert "bytes per iteration per rank" in r.stdout and "dx_allreduce" in r.stdout
+    # the calibration measured where 4 ranks meet on this host (planning.cost.sync) and the
+    # model plan's prediction charges its meetings: the predicted split adds up to the total
+    sync = json.loads((tmp_path / "localhost.json").read_text())["by_procs"]["4"]["sync"]
+    assert len(sync) == 7 and all(b[0] > a[0] for a, b in itertools.pairwise(sync))
+    it = d["iteration"]
+    assert it["predicted_waiting_s"] > 0, it
+    assert it["predicted_compute_s"] + it["predicted_comm_s"] == pytest.approx(it["predicted_s"])
 
 
 @pytest.mark.parametrize(

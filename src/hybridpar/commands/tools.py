@@ -123,4 +123,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
         for n, t in times.items():
             print(f"    all-reduce {int(n):>10} B: {t * 1e3:8.3f} ms")
+    for p, level in d["by_procs"].items():
+        if level.get("sync"):
+            print(
+                f"  {p} ranks on a host, where they meet after compute of (ms): "
+                "excess beyond it / wait for the slowest rank"
+            )
+            print(
+                "    "
+                + "  ".join(
+                    f"{c * 1e3:.2f}: {e * 1e3:.2f}/{w * 1e3:.2f}" for c, e, w in level["sync"]
+                )
+            )
     return 0

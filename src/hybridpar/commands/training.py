@@ -46,6 +46,11 @@ def _print_report(report: dict) -> None:
             else ")"
         )
         + (f"; predicted {it['predicted_s'] * 1e3:.1f} ms" if it.get("predicted_s") else "")
+        + (
+            f" (waiting {it['predicted_waiting_s'] * 1e3:.1f})"
+            if it.get("predicted_waiting_s")
+            else ""
+        )
     )
     bn = report.get("bn", {})
     if bn.get("requested") == "adaptive":

@@ -43,7 +43,7 @@ class Candidate:
     @property
     def predicted(self) -> dict:
         t = self.plan.totals
-        return {k: t.get(k) for k in ("total_s", "compute_s", "comm_s")}
+        return {k: t.get(k) for k in ("total_s", "compute_s", "comm_s", "waiting_s")}
 
     @property
     def measured(self) -> dict:
@@ -230,7 +230,7 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
     print(head)
     cols = (
         f"{'plan':<24} {'pred ms':>8} {'meas ms':>8} {'error':>7}   "
-        f"{'compute p/m':>13} {'comm p/m':>13} {'wait':>5} {'range ms':>13}"
+        f"{'compute p/m':>13} {'comm p/m':>13} {'wait p/m':>11} {'range ms':>13}"
     )
     print(cols)
     for c in cands:
@@ -246,7 +246,7 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
         print(
             f"{mark}{c.label:<23} {ms['total_s']:8.1f} {mm['total_s']:8.1f} {_pct(c.error):>7}   "
             f"{ms['compute_s']:6.1f}/{mm['compute_s']:<6.1f} {ms['comm_s']:6.1f}/{mm['comm_s']:<6.1f} "
-            f"{mm['waiting_s']:5.1f} {mm['lo_s']:6.1f}-{mm['hi_s']:<6.1f}"
+            f"{ms['waiting_s']:5.1f}/{mm['waiting_s']:<5.1f} {mm['lo_s']:6.1f}-{mm['hi_s']:<6.1f}"
         )
     if not summary:
         return

@@ -12,6 +12,7 @@ from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Prediction, Redistribution, Style
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm
+from hybridpar.planning.cost.sync import Sync
 from hybridpar.planning.handoff import Handoff
 from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.rules import EXECUTED, why_not_choices
@@ -71,6 +72,7 @@ class Plan:
     overlap: bool = False
     reason: str = ""  # why it is infeasible; empty when feasible
     placement: tuple[int, int] | None = None  # how its positions sit on ranks (planning.groups)
+    sync: Sync = field(default_factory=Sync)  # where the ranks meet (planning.cost.sync)
 
     @property
     def feasible(self) -> bool:
@@ -98,7 +100,24 @@ class Plan:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s if self.feasible else math.inf
+        """Compute, exposed communication, and what the ranks lose where they meet beyond both
+        (the sync term's excess; its wait moves time between the two and adds nothing)."""
+        if not self.feasible:
+            return math.inf
+        return self.compute_s + self.exposed_comm_s + self.sync.excess_s
+
+    def split(self) -> dict[str, float]:
+        """The iteration as the report measures it: compute (each rank's time outside the
+        collectives: the compute model's, plus the sync excess, less the time the ranks wait at
+        meetings), comm (the exposed communication and those waits) and of it `waiting_s`, the
+        wait for the slowest rank at the blocking collectives; `total_s` their sum."""
+        waits = self.sync.wait_s + self.sync.grad_wait_s
+        return {
+            "comm_s": self.exposed_comm_s + waits,
+            "compute_s": self.compute_s + self.sync.excess_s - waits,
+            "total_s": self.total_s,
+            "waiting_s": self.sync.wait_s,
+        }
 
     @property
     def memory_bytes(self) -> float:
@@ -132,6 +151,12 @@ class Plan:
             "compute_s": self.compute_s,
             "total_s": self.total_s,
             "exposed_comm_s": self.exposed_comm_s,
+            "sync": {
+                "excess_s": self.sync.excess_s,
+                "wait_s": self.sync.wait_s,
+                "grad_wait_s": self.sync.grad_wait_s,
+                "meetings": self.sync.meetings,
+            },
             "memory_bytes": self.memory_bytes,
             "layers": [x.to_dict() for x in self.layers],
         }
@@ -251,9 +276,5 @@ def export(
         ],
         cluster=cluster,
         placement=chosen.placement if engine == "hybridpar" else None,
-        totals={
-            "comm_s": chosen.exposed_comm_s,
-            "compute_s": chosen.compute_s,
-            "total_s": chosen.total_s,
-        },
+        totals=chosen.split(),
     )

@@ -38,7 +38,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["BYTES_ONLY", "PRESETS", "SHM_MAX_BYTES", "Cluster", "load_cluster", "rank_threads"]
+__all__ = [
+    "BYTES_ONLY",
+    "PRESETS",
+    "SHM_MAX_BYTES",
+    "Cluster",
+    "contention",
+    "load_cluster",
+    "rank_threads",
+]
 
 # the largest collective, per rank, that the runtime sends through host shared memory (comm.small);
 # larger ones go on torch.distributed, and the cost model prices them there
@@ -75,6 +83,11 @@ class Cluster:
     # how a plan places its positions on the ranks (hybridpar.planning.groups): set by the
     # planner (`placed`), not by cluster files
     placement: tuple[int, int] | None = None
+    # what the ranks of one host lose where they meet, measured by `hybridpar calibrate` for each
+    # number of ranks on a host: (P, ((compute s, excess s, wait s), ...)) (planning.cost.sync);
+    # `sync` is the table of the job `at` prices, () where nothing was measured
+    sync_by_procs: tuple[tuple[int, tuple[tuple[float, float, float], ...]], ...] = ()
+    sync: tuple[tuple[float, float, float], ...] = ()
 
     @property
     def two_level(self) -> bool:
@@ -87,10 +100,36 @@ class Cluster:
     def at(self, P: int) -> Cluster:
         """This cluster as a job of P ranks sees it: the collectives measured with as many ranks
         on a host where `hybridpar calibrate` measured them, else these."""
+        here = self
+        for p, rows in self.sync_by_procs:
+            if p == self.local(P) and rows != self.sync:
+                here = replace(here, sync=rows)
         for p, alpha, beta, small, shm in self.by_procs:
             if p == self.local(P):
-                return replace(self, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
-        return self
+                return replace(here, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
+        return here
+
+    def sync_cost(self, seconds: float) -> tuple[float, float]:
+        """(excess, wait) seconds of one meeting of the ranks after `seconds` of compute (as the
+        compute model prices it), from the `sync` table (planning.cost.sync): the excess a
+        least-squares share of the compute through 0 (what the ranks lose grows with the work
+        the scheduler interleaves; a share is robust to the noise of single points), the wait
+        interpolated between the measured points from (0, 0), growing as the square root of the
+        compute beyond the last (the spread of a sum of time slices)."""
+        rows = sorted(self.sync)
+        if not rows or seconds <= 0:
+            return 0.0, 0.0
+        sxx = math.fsum(c * c for c, _, _ in rows)
+        share = max(0.0, math.fsum(c * e for c, e, _ in rows) / sxx) if sxx > 0 else 0.0
+        points = [(0.0, 0.0), *((c, max(0.0, w)) for c, _, w in rows if c > 0)]
+        last_c, last_w = points[-1]
+        if seconds >= last_c:
+            wait = last_w * math.sqrt(seconds / last_c) if last_c > 0 else 0.0
+        else:
+            k = next(i for i, (c, _) in enumerate(points) if c > seconds)
+            (c0, w0), (c1, w1) = points[k - 1], points[k]
+            wait = w0 + (w1 - w0) * (seconds - c0) / (c1 - c0)
+        return share * seconds, wait
 
     def placed(self, placement: tuple[int, int] | None) -> Cluster:
         """This cluster for a plan that places its positions by `placement`."""
@@ -194,12 +233,14 @@ class Cluster:
         return 1.0 / self.beta
 
     def to_dict(self) -> dict:
-        by_procs = {
+        by_procs: dict[str, dict] = {
             str(p): {"alpha": a, "beta": b, "small_alpha": sa, "shm_beta": sb}
             for p, a, b, sa, sb in self.by_procs
         }
+        for p, rows in self.sync_by_procs:
+            by_procs.setdefault(str(p), {})["sync"] = [list(r) for r in rows]
         out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
-        for k in ("ranks_per_host", "net_alpha", "net_beta", "placement"):
+        for k in ("ranks_per_host", "net_alpha", "net_beta", "placement", "sync_by_procs", "sync"):
             out.pop(k)
         if self.two_level:
             out["network"] = {
@@ -286,6 +327,13 @@ def rank_threads(cores: int, P: int) -> int:
     return max(1, cores // P)
 
 
+def contention(cores: int, P: int, threads: int) -> float:
+    """How much slower each of P ranks of `threads` threads runs when they share `cores` cores:
+    ceil(P threads / cores), at least 1 (the compute model's factor; the `sync` term adds what
+    the ranks lose at each synchronisation beyond it)."""
+    return float(max(1, math.ceil(P * threads / cores)))
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDPAR_CACHE", Path.home() / ".cache" / "hybridpar"))
 
@@ -300,7 +348,13 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         raise ConfigError(
             f"{origin}: expected a table/object with alpha, beta (or bandwidth) and flops"
         )
-    known = {f.name for f in fields(Cluster)} - {"net_alpha", "net_beta", "placement"}
+    known = {f.name for f in fields(Cluster)} - {
+        "net_alpha",
+        "net_beta",
+        "placement",
+        "sync_by_procs",
+        "sync",
+    }
     known |= {"bandwidth", "bandwidth_GBps", "network"}
     unknown = set(data) - known
     if unknown:
@@ -319,7 +373,11 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
     if missing:
         raise ConfigError(f"{origin}: missing key(s) {missing}")
     if "by_procs" in data:
-        data["by_procs"] = _by_procs(data["by_procs"], origin)
+        data["sync_by_procs"] = _sync_by_procs(data["by_procs"], origin)
+        table = data["by_procs"]
+        if isinstance(table, dict):  # an entry of sync rows alone has no collectives' fit
+            table = {p: v for p, v in table.items() if not _only_sync(v)}
+        data["by_procs"] = _by_procs(table, origin)
     if "network" in data:
         net = data.pop("network")
         if isinstance(net, dict) and "ranks_per_host" in data:  # at the top level or in it
@@ -385,6 +443,36 @@ def _by_procs(table: object, origin: str) -> tuple:
         if p < 2 or not (math.isfinite(alpha) and alpha >= 0 and math.isfinite(beta) and beta > 0):
             raise ConfigError(f"{origin}: by_procs {p}: needs P >= 2, alpha >= 0 and beta > 0")
     return out
+
+
+def _only_sync(entry: object) -> bool:
+    return isinstance(entry, dict) and set(entry) == {"sync"}
+
+
+def _sync_by_procs(table: object, origin: str) -> tuple:
+    """The `sync` rows of each by_procs entry that has them: [[compute s, excess s, wait s], ...]
+    as Cluster.sync_by_procs holds them."""
+    if not isinstance(table, dict):
+        return ()  # _by_procs names the problem
+    out = []
+    for p, v in table.items():
+        rows = v.get("sync") if isinstance(v, dict) else None
+        if rows is None:
+            continue
+        try:
+            got = tuple(sorted((float(c), float(e), float(w)) for c, e, w in rows))
+            n = int(p)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{origin}: by_procs {p}: sync must be a list of [compute s, excess s, wait s] "
+                f"rows ({exc.__class__.__name__}); run `hybridpar calibrate` again"
+            ) from None
+        if any(not all(map(math.isfinite, r)) or r[0] < 0 or r[2] < 0 for r in got):
+            raise ConfigError(
+                f"{origin}: by_procs {p}: sync rows need finite numbers, compute and wait >= 0"
+            )
+        out.append((n, got))
+    return tuple(sorted(out))
 
 
 def load_cluster(spec: str) -> Cluster:

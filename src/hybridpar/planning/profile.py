@@ -15,7 +15,6 @@ with the sample counts a later plan needs; a new calibration of the host measure
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import statistics
@@ -23,7 +22,7 @@ import time
 import warnings
 from pathlib import Path
 
-from hybridpar.planning.cluster import Cluster, cache_dir, rank_threads
+from hybridpar.planning.cluster import Cluster, cache_dir, contention, rank_threads
 from hybridpar.planning.cost.compute import ProfileModel
 
 __all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute"]
@@ -185,7 +184,7 @@ def profile_compute(
         # ranks that meet at every collective run at the pace of the most crowded core: 3 ranks
         # on 2 cores take as long as 4 (measured: a lockstep loop of 3 ranks ran 2.2x slower
         # than one alone, 4 ranks 2.3x)
-        contention=float(max(1, math.ceil(local * threads / cluster.cores))),
+        contention=contention(cluster.cores, local, threads),
         source=str(path),
     )
 

@@ -47,6 +47,7 @@ from hybridpar.planning.candidates import (
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
+from hybridpar.planning.cost.sync import sync_of
 from hybridpar.planning.cost.terms import Wire, layer_comms, on_host, redistribute
 from hybridpar.planning.groups import why_not_placement
 from hybridpar.planning.handoff import Handoff, is_gather, why_not_handoff
@@ -335,6 +336,7 @@ class _Context:
                 return Plan(scenario, grid, overlap=self.overlap, reason=lp)
             plan.layers.append(lp)
             prev = s
+        plan.sync = sync_of(plan.layers, self.net.sync_cost if self.net.sync else None)
         return plan
 
     def chain(self, options: list[list[Style]], lam: float) -> list[Style] | str:

@@ -76,7 +76,12 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     intra = _time_allreduce(sizes, repeats, group=local.pg) if min(sizes_local) > 1 else None
     small, shm_beta = _time_shm(local) if min(sizes_local) > 1 else (None, None)
     inter = _time_allreduce(sizes, repeats, group=net.pg, timed=me in leaders)
+    # where the ranks share cores: each host's ranks among themselves, all hosts at once
+    sync = _time_sync(local) if min(sizes_local) > 1 else None
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sync)
     return {
+        "sync": every[0],
         "hosts": len(hosts),
         "ranks_per_host": max(sizes_local),
         "uneven": len(sizes_local) > 1,
@@ -125,16 +130,104 @@ def _time_shm(group=None, piece: int = 1 << 18) -> tuple[float | None, float | N
     return alpha, max(0.0, gather - alpha) / received
 
 
+# the compute between two synchronisations that `_time_sync` measures, as a number of 256 x 256
+# matrix products on one rank's threads (0: back to back; the largest is tens of milliseconds)
+SYNC_WORK = (0, 1, 2, 4, 8, 16, 32, 64)
+
+
+def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
+    """What the ranks of one host lose at each synchronisation when they share its cores, beyond
+    their compute and the collective's own cost: the table the cost model's `sync` term
+    interpolates (hybridpar.planning.cluster.Cluster.sync_cost).
+
+    For each amount of work W (`SYNC_WORK`), every rank computes W and joins a small all-reduce
+    (through the host's shared memory where it has it, as the runtime's blocking collectives
+    do), `repeats` times in a row. The wall time per round, less W's time on one rank alone
+    times the contention factor the compute model charges (hybridpar.planning.cluster.
+    contention) and less the rounds' time without work, is the `excess`; the mean over ranks
+    and rounds of each call's time less the shortest any rank saw in it (the wait for the last
+    rank to arrive, as the report measures it), less the same without work, is the `wait`.
+    Returns [[compute_s, excess_s, wait_s], ...]: compute_s the work's time as the compute
+    model prices it. Collective over `group` (the world where None)."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.planning.cluster import contention, rank_threads
+    from hybridpar.runtime.comm.grid import new_group
+
+    if group is None:
+        everyone = list(range(dist.get_world_size()))
+        group = new_group(everyone, None, "hybridpar_world", "world", shm=True)
+    p, me = dist.get_world_size(group.pg), dist.get_rank(group.pg)
+    cores = os.cpu_count() or 1
+    before = torch.get_num_threads()
+    threads = rank_threads(cores, p)
+    torch.set_num_threads(threads)
+    flag = torch.zeros(1, dtype=torch.float64)
+
+    def sync():
+        if group.shm is not None:
+            group.shm.small_all_reduce(flag)
+        else:
+            dist.all_reduce(flag, group=group.pg)
+
+    try:
+        a = torch.randn(256, 256)
+        alone: dict[int, float] = {}
+        for w in SYNC_WORK:  # one rank at a time: its work with the cores to itself
+            for r in range(p):
+                dist.barrier(group=group.pg)
+                if r == me:
+                    ts = []
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        for _ in range(w):
+                            a @ a
+                        ts.append(time.perf_counter() - t0)
+                    alone[w] = statistics.median(ts)
+        mine = {}
+        for w in SYNC_WORK:
+            for _ in range(3):  # warm up
+                for _ in range(w):
+                    a @ a
+                sync()
+            calls = []
+            dist.barrier(group=group.pg)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                for _ in range(w):
+                    a @ a
+                c = time.perf_counter()
+                sync()
+                calls.append(time.perf_counter() - c)
+            mine[w] = ((time.perf_counter() - t0) / repeats, alone[w], calls)
+    finally:
+        torch.set_num_threads(before)
+    every: list = [None] * p
+    dist.all_gather_object(every, mine, group=group.pg)
+    c = contention(cores, p, threads)
+    rows = []
+    for w in SYNC_WORK:
+        wall = statistics.fmean(t[w][0] for t in every)
+        single = statistics.fmean(t[w][1] for t in every)
+        waits = [t[w][2][k] - min(u[w][2][k] for u in every) for t in every for k in range(repeats)]
+        rows.append([c * single, wall - c * single, statistics.fmean(waits)])
+    base = rows[0]
+    return [[s, e - base[1], max(0.0, x - base[2])] for s, e, x in rows[1:]]
+
+
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
     from hybridpar.runtime.comm.host import host_names
 
     names = host_names()
     small, shm_beta = _time_shm()
+    one_host = len(set(names)) == 1
     return {
         "allreduce": _time_allreduce(sizes, repeats, device),
         "small": small,
         "shm_beta": shm_beta,
-        "levels": _time_levels(names, sizes, repeats) if len(set(names)) > 1 else None,
+        "sync": _time_sync() if one_host else None,
+        "levels": None if one_host else _time_levels(names, sizes, repeats),
     }
 
 
@@ -194,7 +287,11 @@ def fit_network(times: dict[int, float], p: int) -> tuple[float, float]:
 
 
 def _fitted(
-    times: dict[int, float], nproc: int, small: float | None = None, shm_beta: float | None = None
+    times: dict[int, float],
+    nproc: int,
+    small: float | None = None,
+    shm_beta: float | None = None,
+    sync: list | None = None,
 ) -> dict:
     import math
 
@@ -216,11 +313,13 @@ def _fitted(
         "source": f"hybridpar calibrate: gloo all-reduce on {nproc} ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
         "small_alpha": small,
         "shm_beta": shm_beta,
+        **({"sync": sync} if sync else {}),
     }
 
 
 def _save(data: dict) -> Path:
     """Write the cluster `localhost` atomically: a reader never sees half a file."""
+    data = {k: v for k, v in data.items() if k != "sync"}  # it lives in by_procs, per count
     path = localhost_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -246,7 +345,7 @@ def calibrate(nproc: int | list[int] = 2, repeats: int = 5, timeout_s: float = 6
     fits, measured, levels, single = {}, {}, None, None
     for p in counts:
         got = launch(_time_all, p, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
-        fits[p] = _fitted(got["allreduce"], p, got["small"], got["shm_beta"])
+        fits[p] = _fitted(got["allreduce"], p, got["small"], got["shm_beta"], got["sync"])
         measured[p] = {str(k): v for k, v in got["allreduce"].items()}
         if got["levels"] is not None:
             levels = got["levels"]  # the largest count on several hosts
@@ -273,7 +372,7 @@ def calibrate(nproc: int | list[int] = 2, repeats: int = 5, timeout_s: float = 6
 
 
 def _level(fit: dict) -> dict:
-    return {k: fit[k] for k in ("alpha", "beta", "small_alpha", "shm_beta")}
+    return {k: fit[k] for k in ("alpha", "beta", "small_alpha", "shm_beta", "sync") if k in fit}
 
 
 def with_levels(data: dict, levels: dict | None) -> dict:
@@ -292,7 +391,7 @@ def with_levels(data: dict, levels: dict | None) -> dict:
         )
     out = dict(data)
     if levels["intra"] is not None:
-        intra = _fitted(levels["intra"], L, levels["small"], levels["shm_beta"])
+        intra = _fitted(levels["intra"], L, levels["small"], levels["shm_beta"], levels["sync"])
         out.update(_level(intra))
         out["by_procs"] = {**data.get("by_procs", {}), str(L): _level(intra)}
     alpha, beta = fit_network(levels["inter"], H)
@@ -315,9 +414,10 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
     times = _time_allreduce(SIZES, repeats, device)
     small, shm_beta = _time_shm() if device == "cpu" else (None, None)
     levels = _time_levels(names, SIZES, repeats) if len(set(names)) > 1 else None
+    sync = _time_sync() if levels is None and device == "cpu" else None
     error = None
     if dist.get_rank() == 0:
-        fit = _fitted(times, dist.get_world_size(), small, shm_beta)
+        fit = _fitted(times, dist.get_world_size(), small, shm_beta, sync)
         try:
             data = with_levels(
                 {**fit, "by_procs": {str(dist.get_world_size()): _level(fit)}}, levels

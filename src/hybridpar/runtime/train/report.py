@@ -175,6 +175,7 @@ def report(
             "predicted_s": plan.totals.get("total_s"),
             "predicted_compute_s": plan.totals.get("compute_s"),
             "predicted_comm_s": plan.totals.get("comm_s"),
+            "predicted_waiting_s": plan.totals.get("waiting_s"),
         },
         "bytes": {"measured": bytes_measured["by_term"], "predicted": pred_term},
         # seconds per iteration each term kept a rank in its collectives, averaged over the ranks

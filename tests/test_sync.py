@@ -1,0 +1,130 @@
+"""The wait for the slowest rank (planning.cost.sync, issue 24 item 2): where an iteration's ranks
+meet, what a calibrated `sync` table charges for each meeting, and that the planner and the
+predicted split carry it."""
+
+import dataclasses
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from hybridpar.errors import ConfigError
+from hybridpar.planning.cluster import Cluster, load_cluster
+from hybridpar.planning.cost.collectives import Comm
+from hybridpar.planning.cost.sync import segments
+from hybridpar.planning.search import make_plan
+from hybridpar.terms import Term
+
+# (compute s, excess s, wait s): the shape `hybridpar calibrate` measured at 4 ranks on 2 cores
+ROWS = ((0.001, 0.0, 0.0005), (0.004, 0.0001, 0.0012), (0.016, 0.0004, 0.002))
+BASE = Cluster("t", alpha=1e-4, beta=1e-9, flops=1e11, cores=2)
+
+
+def _layer(f, b, u=0.0, **terms):
+    return SimpleNamespace(
+        terms={Term(k): Comm(Term(k), 2, n, 0.0) for k, n in terms.items()},
+        forward_s=f,
+        backward_s=b,
+        update_s=u,
+    )
+
+
+def test_the_meetings_of_an_iteration_in_the_order_the_runtime_runs_them():
+    """A batch-parallel trunk (its weights summed after the backward), a hand-off into a split
+    layer that all-gathers its output and sums dX, and a last layer with nothing to send: the
+    forward meets at the hand-off and at the all-gather, the backward at the dX sum and at the
+    hand-off's return (back to back: no compute between), then at the gradient sums with the
+    trunk's backward and every update before them."""
+    layers = [
+        _layer(0.010, 0.020, 0.001, dw_allreduce=100),
+        _layer(0.003, 0.006, 0.002, redistribute=50, allgather=40, dx_allreduce=40),
+        _layer(0.001, 0.002, 0.0),
+    ]
+    got = segments(layers)
+    assert got == [
+        (0.010, True),  # the trunk's forward, then the hand-off
+        (0.003, True),  # the split layer's forward, then its all-gather
+        (pytest.approx(0.001 + 0.002 + 0.006), True),  # last layer both ways, then dX
+        (0.0, True),  # the hand-off's return right after
+        (pytest.approx(0.020 + 0.003), False),  # the trunk's backward and the updates
+    ]
+    # without gradient sums (one model group: nothing replicated) the iteration is a loop: the
+    # compute after the last meeting ends at the next iteration's first
+    loop = segments([_layer(0.010, 0.020, 0.001), layers[1], layers[2]])
+    assert loop[0] == (pytest.approx(0.010 + 0.020 + 0.001 + 0.002), True)
+    assert all(blocking for _, blocking in loop) and len(loop) == 4
+    # zero bytes (a group of one) is no meeting
+    assert segments([_layer(0.01, 0.02, allgather=0)]) == []
+
+
+def test_sync_cost_interpolates_the_calibrated_table():
+    c = dataclasses.replace(BASE, sync=ROWS)
+    assert c.sync_cost(0.0) == (0.0, 0.0)
+    share = sum(x * e for x, e, _ in ROWS) / sum(x * x for x, _, _ in ROWS)
+    e, w = c.sync_cost(0.0025)  # between the first two points
+    assert e == pytest.approx(share * 0.0025)
+    assert w == pytest.approx(0.0005 + (0.0012 - 0.0005) * 0.5)
+    assert c.sync_cost(0.0005)[1] == pytest.approx(0.00025)  # from (0, 0) to the first
+    assert c.sync_cost(0.064)[1] == pytest.approx(0.002 * 2)  # beyond: the square root
+    # a table whose excess came out negative (noise) charges none, and waits stay >= 0
+    neg = dataclasses.replace(BASE, sync=((0.004, -0.001, 0.001),))
+    assert neg.sync_cost(0.004) == (0.0, pytest.approx(0.001))
+    assert BASE.sync_cost(0.01) == (0.0, 0.0)  # nothing measured: nothing charged
+
+
+def test_the_table_loads_per_rank_count_and_round_trips(tmp_path):
+    """`hybridpar calibrate` writes a table under each count of ranks it measured; a job of P
+    ranks is priced with the table of the ranks on its host (`at`). A malformed table is
+    refused in one line."""
+    entry = {"alpha": 1e-4, "beta": 1e-9, "sync": [list(r) for r in ROWS]}
+    data = {"alpha": 1e-4, "beta": 1e-9, "flops": 1e11, "cores": 2}
+    data["by_procs"] = {"4": entry, "3": {"sync": [[0.002, 0.0, 0.001]]}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    c = load_cluster(str(path))
+    assert c.at(4).sync == ROWS and c.at(3).sync == ((0.002, 0.0, 0.001),)
+    assert c.at(2).sync == () and c.at(3).alpha == c.alpha  # 3 has no collectives' fit
+    again = tmp_path / "again.json"
+    d = c.to_dict()
+    d.pop("bandwidth_GBps")
+    again.write_text(json.dumps(d))
+    assert load_cluster(str(again)).sync_by_procs == c.sync_by_procs
+    for bad in ([[0.001, 0.0]], [[0.001, "x", 0.0]], [[-1.0, 0.0, 0.0]], [[0.001, 0.0, math.inf]]):
+        path.write_text(json.dumps({**data, "by_procs": {"4": {**entry, "sync": bad}}}))
+        with pytest.raises(ConfigError, match="sync") as err:
+            load_cluster(str(path))
+        assert "\n" not in str(err.value)
+
+
+def test_the_planner_charges_meetings_and_the_split_adds_up():
+    """digits-wide at P = 4 on a host whose ranks lose time where they meet: every plan's total
+    is its compute, its exposed communication and the excess; the predicted split (the report's
+    and validate's) moves the waits from compute to communication and adds up to the total;
+    a batch plan waits only at the gradient sums, a model plan at its blocking collectives too.
+    The excess is a share of the compute between meetings, so it adds that share of the whole
+    iteration's compute whatever the number of meetings."""
+    plain = make_plan("digits-wide", 4, 64, BASE, scenarios=["batch", "model"])
+    timed = make_plan(
+        "digits-wide", 4, 64, dataclasses.replace(BASE, sync=ROWS), scenarios=["batch", "model"]
+    )
+    for name in ("batch", "model"):
+        p, t = plain.scenario(name), timed.scenario(name)
+        assert p.sync.meetings == 0 and p.total_s == pytest.approx(p.compute_s + p.exposed_comm_s)
+        assert t.sync.meetings > 0
+        assert t.total_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.sync.excess_s)
+        split = t.split()
+        assert split["compute_s"] + split["comm_s"] == pytest.approx(split["total_s"])
+        assert split["waiting_s"] == t.sync.wait_s
+        assert split["comm_s"] == pytest.approx(
+            t.exposed_comm_s + t.sync.wait_s + t.sync.grad_wait_s
+        )
+    batch, model = timed.scenario("batch"), timed.scenario("model")
+    assert batch.sync.wait_s == 0 and batch.sync.grad_wait_s > 0 and batch.sync.meetings == 1
+    assert model.sync.wait_s > 0 and model.sync.meetings > batch.sync.meetings
+    exported = timed.export(model).totals
+    assert exported["waiting_s"] == model.sync.wait_s
+    assert exported["total_s"] == pytest.approx(model.total_s)
+    share = sum(x * e for x, e, _ in ROWS) / sum(x * x for x, _, _ in ROWS)
+    for t in (batch, model):
+        assert t.sync.excess_s == pytest.approx(share * t.compute_s)
