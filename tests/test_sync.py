@@ -16,9 +16,16 @@ from hybridpar.planning.cost.sync import segments
 from hybridpar.planning.search import make_plan
 from hybridpar.terms import Term
 
-# (compute s, excess s, wait s): the shape `hybridpar calibrate` measured at 4 ranks on 2 cores
-ROWS = ((0.001, 0.0, 0.0005), (0.004, 0.0001, 0.0012), (0.016, 0.0004, 0.002))
+# (alone s, wall s, wait s): the shape `hybridpar calibrate` measured at 4 ranks on 2 cores,
+# where the compute model charges 2x a rank's time alone
+ROWS = ((0.0005, 0.0010, 0.0005), (0.002, 0.0041, 0.0012), (0.008, 0.0164, 0.002))
 BASE = Cluster("t", alpha=1e-4, beta=1e-9, flops=1e11, cores=2)
+TIMED = dataclasses.replace(BASE, sync=ROWS, sync_ranks=4)
+
+
+def _share(rows, c):
+    """The least-squares share of the priced compute (c x alone) that the wall time exceeds it by."""
+    return sum((w - c * a) * c * a for a, w, _ in rows) / sum((c * a) ** 2 for a, _, _ in rows)
 
 
 def _layer(f, b, u=0.0, **terms):
@@ -59,17 +66,24 @@ def test_the_meetings_of_an_iteration_in_the_order_the_runtime_runs_them():
 
 
 def test_sync_cost_interpolates_the_calibrated_table():
-    c = dataclasses.replace(BASE, sync=ROWS)
+    """The rows are a rank's work alone and the round's wall and wait with all 4 ranks; the cost
+    model prices that work at 2x alone (4 ranks on 2 cores), so a meeting after 2.5 ms of priced
+    compute sits between the first two rows (1.25 ms alone)."""
+    c = TIMED
     assert c.sync_cost(0.0) == (0.0, 0.0)
-    share = sum(x * e for x, e, _ in ROWS) / sum(x * x for x, _, _ in ROWS)
-    e, w = c.sync_cost(0.0025)  # between the first two points
-    assert e == pytest.approx(share * 0.0025)
+    e, w = c.sync_cost(0.0025)
+    assert e == pytest.approx(_share(ROWS, 2) * 0.0025) and _share(ROWS, 2) > 0
     assert w == pytest.approx(0.0005 + (0.0012 - 0.0005) * 0.5)
     assert c.sync_cost(0.0005)[1] == pytest.approx(0.00025)  # from (0, 0) to the first
     assert c.sync_cost(0.064)[1] == pytest.approx(0.002 * 2)  # beyond: the square root
-    # a table whose excess came out negative (noise) charges none, and waits stay >= 0
-    neg = dataclasses.replace(BASE, sync=((0.004, -0.001, 0.001),))
+    # a wall below the priced compute (noise) charges no excess, and waits stay >= 0
+    neg = dataclasses.replace(TIMED, sync=((0.002, 0.003, 0.001),))
     assert neg.sync_cost(0.004) == (0.0, pytest.approx(0.001))
+    # the cores given by hand (an emulated host with 4 cores of its own): no time slicing is
+    # priced, so the wall's whole excess over the work alone is
+    four = dataclasses.replace(TIMED, cores=4)
+    assert four.sync_cost(0.002)[0] == pytest.approx(_share(ROWS, 1) * 0.002)
+    assert four.sync_cost(0.002)[1] == pytest.approx(0.0012)  # 2 ms alone: the second row
     assert BASE.sync_cost(0.01) == (0.0, 0.0)  # nothing measured: nothing charged
 
 
@@ -84,7 +98,9 @@ def test_the_table_loads_per_rank_count_and_round_trips(tmp_path):
     path.write_text(json.dumps(data))
     c = load_cluster(str(path))
     assert c.at(4).sync == ROWS and c.at(3).sync == ((0.002, 0.0, 0.001),)
+    assert c.at(4).sync_ranks == 4
     assert c.at(2).sync == () and c.at(3).alpha == c.alpha  # 3 has no collectives' fit
+    assert c.at(4).at(2).sync == ()  # a job of 2 never keeps the table of 4
     again = tmp_path / "again.json"
     d = c.to_dict()
     d.pop("bandwidth_GBps")
@@ -105,9 +121,7 @@ def test_the_planner_charges_meetings_and_the_split_adds_up():
     The excess is a share of the compute between meetings, so it adds that share of the whole
     iteration's compute whatever the number of meetings."""
     plain = make_plan("digits-wide", 4, 64, BASE, scenarios=["batch", "model"])
-    timed = make_plan(
-        "digits-wide", 4, 64, dataclasses.replace(BASE, sync=ROWS), scenarios=["batch", "model"]
-    )
+    timed = make_plan("digits-wide", 4, 64, TIMED, scenarios=["batch", "model"])
     for name in ("batch", "model"):
         p, t = plain.scenario(name), timed.scenario(name)
         assert p.sync.meetings == 0 and p.total_s == pytest.approx(p.compute_s + p.exposed_comm_s)
@@ -125,6 +139,5 @@ def test_the_planner_charges_meetings_and_the_split_adds_up():
     exported = timed.export(model).totals
     assert exported["waiting_s"] == model.sync.wait_s
     assert exported["total_s"] == pytest.approx(model.total_s)
-    share = sum(x * e for x, e, _ in ROWS) / sum(x * x for x, _, _ in ROWS)
     for t in (batch, model):
-        assert t.sync.excess_s == pytest.approx(share * t.compute_s)
+        assert t.sync.excess_s == pytest.approx(_share(ROWS, 2) * t.compute_s)

@@ -126,13 +126,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for p, level in d["by_procs"].items():
         if level.get("sync"):
             print(
-                f"  {p} ranks on a host, where they meet after compute of (ms): "
-                "excess beyond it / wait for the slowest rank"
+                f"  {p} ranks on a host meeting after work of (ms alone): the round's wall time "
+                "beyond a round without work / the wait for the slowest rank"
             )
+            rows = level["sync"]
             print(
                 "    "
-                + "  ".join(
-                    f"{c * 1e3:.2f}: {e * 1e3:.2f}/{w * 1e3:.2f}" for c, e, w in level["sync"]
-                )
+                + "  ".join(f"{a * 1e3:.2f}: {w * 1e3:.2f}/{x * 1e3:.2f}" for a, w, x in rows)
             )
     return 0

@@ -84,10 +84,11 @@ class Cluster:
     # planner (`placed`), not by cluster files
     placement: tuple[int, int] | None = None
     # what the ranks of one host lose where they meet, measured by `hybridpar calibrate` for each
-    # number of ranks on a host: (P, ((compute s, excess s, wait s), ...)) (planning.cost.sync);
-    # `sync` is the table of the job `at` prices, () where nothing was measured
+    # number of ranks on a host: (P, ((alone s, wall s, wait s), ...)) (planning.cost.sync);
+    # `sync` is the table of the job `at` prices and `sync_ranks` its ranks on a host
     sync_by_procs: tuple[tuple[int, tuple[tuple[float, float, float], ...]], ...] = ()
     sync: tuple[tuple[float, float, float], ...] = ()
+    sync_ranks: int | None = None
 
     @property
     def two_level(self) -> bool:
@@ -101,34 +102,44 @@ class Cluster:
         """This cluster as a job of P ranks sees it: the collectives measured with as many ranks
         on a host where `hybridpar calibrate` measured them, else these."""
         here = self
-        for p, rows in self.sync_by_procs:
-            if p == self.local(P) and rows != self.sync:
-                here = replace(here, sync=rows)
+        if self.sync_by_procs:  # the table of as many ranks on a host, or none
+            rows = dict(self.sync_by_procs).get(self.local(P), ())
+            if (rows, self.local(P)) != (self.sync, self.sync_ranks):
+                here = replace(self, sync=rows, sync_ranks=self.local(P))
         for p, alpha, beta, small, shm in self.by_procs:
             if p == self.local(P):
                 return replace(here, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
         return here
 
     def sync_cost(self, seconds: float) -> tuple[float, float]:
-        """(excess, wait) seconds of one meeting of the ranks after `seconds` of compute (as the
-        compute model prices it), from the `sync` table (planning.cost.sync): the excess a
-        least-squares share of the compute through 0 (what the ranks lose grows with the work
-        the scheduler interleaves; a share is robust to the noise of single points), the wait
-        interpolated between the measured points from (0, 0), growing as the square root of the
-        compute beyond the last (the spread of a sum of time slices)."""
+        """(excess, wait) seconds of one meeting of the ranks after `seconds` of compute as the
+        compute model prices it (a rank's time alone times the contention factor of this
+        cluster's cores, `contention`), from the `sync` table (planning.cost.sync). Its rows are
+        (alone, wall, wait): a rank's work alone, and the round's wall time and mean wait with
+        all `sync_ranks` ranks at once, each beyond the same without work. The excess, wall less
+        the priced compute, is charged as a least-squares share of the compute through 0 (it
+        grows with the work the scheduler interleaves; one share is robust to the noise of
+        single rows); the wait is interpolated between the rows from (0, 0), growing as the
+        square root of the work beyond the last (the spread of a sum of time slices). With the
+        cores given by hand (an emulated host), the factor and so the excess follow them."""
         rows = sorted(self.sync)
         if not rows or seconds <= 0:
             return 0.0, 0.0
-        sxx = math.fsum(c * c for c, _, _ in rows)
-        share = max(0.0, math.fsum(c * e for c, e, _ in rows) / sxx) if sxx > 0 else 0.0
-        points = [(0.0, 0.0), *((c, max(0.0, w)) for c, _, w in rows if c > 0)]
-        last_c, last_w = points[-1]
-        if seconds >= last_c:
-            wait = last_w * math.sqrt(seconds / last_c) if last_c > 0 else 0.0
+        c = 1.0
+        if self.cores is not None and self.sync_ranks:
+            c = contention(self.cores, self.sync_ranks, rank_threads(self.cores, self.sync_ranks))
+        sxx = math.fsum((c * a) ** 2 for a, _, _ in rows)
+        num = math.fsum((wall - c * a) * c * a for a, wall, _ in rows)
+        share = max(0.0, num / sxx) if sxx > 0 else 0.0
+        points = [(0.0, 0.0), *((a, max(0.0, w)) for a, _, w in rows if a > 0)]
+        alone = seconds / c
+        last_a, last_w = points[-1]
+        if alone >= last_a:
+            wait = last_w * math.sqrt(alone / last_a) if last_a > 0 else 0.0
         else:
-            k = next(i for i, (c, _) in enumerate(points) if c > seconds)
-            (c0, w0), (c1, w1) = points[k - 1], points[k]
-            wait = w0 + (w1 - w0) * (seconds - c0) / (c1 - c0)
+            k = next(i for i, (a, _) in enumerate(points) if a > alone)
+            (a0, w0), (a1, w1) = points[k - 1], points[k]
+            wait = w0 + (w1 - w0) * (alone - a0) / (a1 - a0)
         return share * seconds, wait
 
     def placed(self, placement: tuple[int, int] | None) -> Cluster:
@@ -240,7 +251,8 @@ class Cluster:
         for p, rows in self.sync_by_procs:
             by_procs.setdefault(str(p), {})["sync"] = [list(r) for r in rows]
         out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
-        for k in ("ranks_per_host", "net_alpha", "net_beta", "placement", "sync_by_procs", "sync"):
+        drop = ("ranks_per_host", "net_alpha", "net_beta", "placement", "sync_by_procs", "sync")
+        for k in (*drop, "sync_ranks"):
             out.pop(k)
         if self.two_level:
             out["network"] = {
@@ -354,6 +366,7 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         "placement",
         "sync_by_procs",
         "sync",
+        "sync_ranks",
     }
     known |= {"bandwidth", "bandwidth_GBps", "network"}
     unknown = set(data) - known
@@ -450,7 +463,7 @@ def _only_sync(entry: object) -> bool:
 
 
 def _sync_by_procs(table: object, origin: str) -> tuple:
-    """The `sync` rows of each by_procs entry that has them: [[compute s, excess s, wait s], ...]
+    """The `sync` rows of each by_procs entry that has them: [[alone s, wall s, wait s], ...]
     as Cluster.sync_by_procs holds them."""
     if not isinstance(table, dict):
         return ()  # _by_procs names the problem
@@ -464,12 +477,12 @@ def _sync_by_procs(table: object, origin: str) -> tuple:
             n = int(p)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
-                f"{origin}: by_procs {p}: sync must be a list of [compute s, excess s, wait s] "
+                f"{origin}: by_procs {p}: sync must be a list of [alone s, wall s, wait s] "
                 f"rows ({exc.__class__.__name__}); run `hybridpar calibrate` again"
             ) from None
         if any(not all(map(math.isfinite, r)) or r[0] < 0 or r[2] < 0 for r in got):
             raise ConfigError(
-                f"{origin}: by_procs {p}: sync rows need finite numbers, compute and wait >= 0"
+                f"{origin}: by_procs {p}: sync rows need finite numbers, alone and wait >= 0"
             )
         out.append((n, got))
     return tuple(sorted(out))

@@ -136,23 +136,23 @@ SYNC_WORK = (0, 1, 2, 4, 8, 16, 32, 64)
 
 
 def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
-    """What the ranks of one host lose at each synchronisation when they share its cores, beyond
-    their compute and the collective's own cost: the table the cost model's `sync` term
-    interpolates (hybridpar.planning.cluster.Cluster.sync_cost).
+    """What the ranks of one host lose at each synchronisation when they share its cores: the
+    table the cost model's sync term prices from (hybridpar.planning.cluster.Cluster.sync_cost,
+    planning.cost.sync).
 
     For each amount of work W (`SYNC_WORK`), every rank computes W and joins a small all-reduce
     (through the host's shared memory where it has it, as the runtime's blocking collectives
-    do), `repeats` times in a row. The wall time per round, less W's time on one rank alone
-    times the contention factor the compute model charges (hybridpar.planning.cluster.
-    contention) and less the rounds' time without work, is the `excess`; the mean over ranks
-    and rounds of each call's time less the shortest any rank saw in it (the wait for the last
-    rank to arrive, as the report measures it), less the same without work, is the `wait`.
-    Returns [[compute_s, excess_s, wait_s], ...]: compute_s the work's time as the compute
-    model prices it. Collective over `group` (the world where None)."""
+    do), `repeats` times in a row; each rank also runs W alone, the others waiting. Per W: the
+    work's time alone (a rank's mean), the wall time per round, and the mean over ranks and
+    rounds of each call's time less the shortest any rank saw in it (the wait for the last rank
+    to arrive, as the report measures it); the wall and the wait less their values without work
+    (the collective's own cost, which alpha prices). Returns [[alone s, wall s, wait s], ...]
+    for W > 0; the cost model applies its contention factor to the alone time. Collective over
+    `group` (the world where None)."""
     import torch
     import torch.distributed as dist
 
-    from hybridpar.planning.cluster import contention, rank_threads
+    from hybridpar.planning.cluster import rank_threads
     from hybridpar.runtime.comm.grid import new_group
 
     if group is None:
@@ -205,15 +205,14 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
         torch.set_num_threads(before)
     every: list = [None] * p
     dist.all_gather_object(every, mine, group=group.pg)
-    c = contention(cores, p, threads)
     rows = []
     for w in SYNC_WORK:
         wall = statistics.fmean(t[w][0] for t in every)
-        single = statistics.fmean(t[w][1] for t in every)
+        alone = statistics.fmean(t[w][1] for t in every)
         waits = [t[w][2][k] - min(u[w][2][k] for u in every) for t in every for k in range(repeats)]
-        rows.append([c * single, wall - c * single, statistics.fmean(waits)])
-    base = rows[0]
-    return [[s, e - base[1], max(0.0, x - base[2])] for s, e, x in rows[1:]]
+        rows.append([alone, wall, statistics.fmean(waits)])
+    _, wall0, wait0 = rows[0]
+    return [[a, wall - wall0, max(0.0, x - wait0)] for a, wall, x in rows[1:]]
 
 
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
