@@ -173,7 +173,7 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
 
     try:
         a = torch.randn(256, 256)
-        alone: dict[int, float] = {}
+        solo: dict[int, float] = {}
         for w in SYNC_WORK:  # one rank at a time: its work with the cores to itself
             for r in range(p):
                 dist.barrier(group=group.pg)
@@ -184,7 +184,7 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
                         for _ in range(w):
                             a @ a
                         ts.append(time.perf_counter() - t0)
-                    alone[w] = statistics.median(ts)
+                    solo[w] = statistics.median(ts)
         mine = {}
         for w in SYNC_WORK:
             for _ in range(3):  # warm up
@@ -200,7 +200,7 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
                 c = time.perf_counter()
                 sync()
                 calls.append(time.perf_counter() - c)
-            mine[w] = ((time.perf_counter() - t0) / repeats, alone[w], calls)
+            mine[w] = ((time.perf_counter() - t0) / repeats, solo[w], calls)
     finally:
         torch.set_num_threads(before)
     every: list = [None] * p
@@ -212,7 +212,7 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
         waits = [t[w][2][k] - min(u[w][2][k] for u in every) for t in every for k in range(repeats)]
         rows.append([alone, wall, statistics.fmean(waits)])
     _, wall0, wait0 = rows[0]
-    return [[a, wall - wall0, max(0.0, x - wait0)] for a, wall, x in rows[1:]]
+    return [[s, wall - wall0, max(0.0, x - wait0)] for s, wall, x in rows[1:]]
 
 
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
