@@ -1,7 +1,8 @@
 """`hybridpar calibrate`: time real all-reduces on this machine, fit alpha and beta, cache them.
 
 Each size is all-reduced `repeats` times on `nproc` local ranks (gloo on CPU); the median times are
-fitted by least squares to the model the planner uses, t = 2 ceil(log p) alpha + 2 (p-1)/p n beta.
+fitted to the model the planner uses, t = 2 ceil(log p) alpha + 2 (p-1)/p n beta: beta from the
+two largest sizes, alpha from the smallest (`fit_network`).
 A sustained FLOP rate per process is measured with a matrix multiply at the thread count a rank
 gets. The result is written to the cache as the cluster `localhost`.
 
@@ -11,6 +12,10 @@ all-reduce among themselves at once (the host's alpha and beta, and its shared m
 rank per host all-reduces over the network (the network's alpha and beta, one flow: the cost
 model multiplies its beta by the groups that share a host's link). The file then has a second
 level, `[network]` with `ranks_per_host` (hybridpar.planning.cluster).
+
+Where the ranks of a host meet (`_time_sync`): for each count of ranks, the time of a round of
+work and a small all-reduce with all of them, the wait for the slowest, and the work alone; the
+cost model's sync term prices each blocking collective of a plan from them (planning.cost.sync).
 """
 
 from __future__ import annotations
