@@ -87,6 +87,14 @@ def _simulate_parser(sub) -> None:
     s.add_argument("--out", default="simulate-out", help="output folder")
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.add_argument(
+        "--handoffs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="also price Krizhevsky's hand-off schemes (a), (b), (c) with N examples per worker "
+        "for K = each --procs (handoff_ratio.csv/.png: exposed hand-off over compute)",
+    )
     s.set_defaults(func=cmd_simulate)
 
 

@@ -156,6 +156,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for p in args.procs:  # every P checked before anything is written
         make_plan(cfg.model, p, cfg.batch, cluster, scenarios=("batch",), **kwargs)
     t0 = time.perf_counter()
+    handoffs = None
+    if args.handoffs:
+        from hybridpar.planning.handoff_sweep import sweep_handoffs
+
+        handoffs = sweep_handoffs(cfg.model, args.procs, args.handoffs, cluster, **kwargs)
     results = run_sweep(
         args.procs,
         lambda p: make_plan(cfg.model, p, cfg.batch, cluster, **kwargs),
@@ -176,5 +181,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         grid = f"{b.grid[0]}x{b.grid[1]}" if b.grid else "per layer"
         vs = f"{sp['total']:.2f}x ({sp['comm']:.1f}x)" if sp else "batch infeasible"
         print(f"{r.procs:>6} {b.scenario:<10} {grid:>9} {_ms(b.comm_s)} {_ms(b.total_s)} {vs:>16}")
+    if handoffs is not None:
+        written += _write_handoffs(handoffs, out, args, f"{cfg.model} on {cluster.name}")
     print(f"wrote {', '.join(str(p) for p in written)} in {time.perf_counter() - t0:.2f} s")
     return 0
+
+
+def _write_handoffs(points, out: Path, args: argparse.Namespace, what: str) -> list[Path]:
+    """Print and write the hand-off sweep (planning.handoff_sweep)."""
+    from hybridpar.planning.handoff_sweep import plot_handoffs, write_handoffs
+
+    print(
+        f"\nexposed hand-off / compute per iteration, {args.handoffs} examples per worker "
+        "(the paper's links | hybridpar's collectives):"
+    )
+    print(f"{'K':>4} " + " ".join(f"{'(' + s + ')':>15}" for s in "abc"))
+    for k in sorted({p.workers for p in points}):
+        row = {p.scheme: p for p in points if p.workers == k}
+        cells = [f"{row[s].paper_ratio:6.3f} | {row[s].ratio:6.3f}" for s in "abc"]
+        print(f"{k:>4} " + " ".join(f"{c:>15}" for c in cells))
+    write_handoffs(points, out / "handoff_ratio.csv")
+    written = [out / "handoff_ratio.csv"]
+    if not args.no_plots:
+        title = f"{what}: Krizhevsky's hand-off schemes, {args.handoffs} examples per worker"
+        written.append(plot_handoffs(points, out / "handoff_ratio.png", title))
+    return written

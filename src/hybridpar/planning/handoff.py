@@ -39,6 +39,7 @@ from hybridpar.planning.layers import CostLayer
 __all__ = [
     "SCHEMES",
     "Handoff",
+    "exposed",
     "fused",
     "is_gather",
     "round_rows",
@@ -87,6 +88,15 @@ def fused(layer: CostLayer, prev: Style | None, s: Style, acts_encoded: bool) ->
         and layer.calls == 1
         and not acts_encoded
     )
+
+
+def exposed(g: float, r: float, f: float, b: float, rounds: int) -> float:
+    """Seconds of a hand-off in `rounds` rounds that the head's compute cannot hide: the first
+    round's transfer forward (g) and the last round's return backward (r) wait, and every later
+    round waits for what its transfer takes beyond the head's compute of a round (f forward, b
+    backward). One round (scheme (a)) hides nothing: g + r."""
+    k = rounds - 1
+    return g + k * max(0.0, g - f) + r + k * max(0.0, r - b)
 
 
 def round_rows(rows: int, scheme: str, rounds: int, member: int) -> list[int]:

@@ -50,7 +50,7 @@ from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_time
 from hybridpar.planning.cost.sync import sync_of
 from hybridpar.planning.cost.terms import Wire, layer_comms, on_host, redistribute
 from hybridpar.planning.groups import why_not_placement
-from hybridpar.planning.handoff import Handoff, is_gather, why_not_handoff
+from hybridpar.planning.handoff import Handoff, exposed, is_gather, why_not_handoff
 from hybridpar.planning.handoff import fused as handoff_fused
 from hybridpar.planning.layers import CostLayer, cost_layers
 from hybridpar.planning.rules import why_not, why_not_choices
@@ -188,9 +188,8 @@ class _Context:
         heads = self.head(i)
         f = math.fsum(self.time(j, s)[0] for j in heads) / K
         b = math.fsum(self.time(j, s)[1] for j in heads) / K
-        exposed = g.seconds + (K - 1) * max(0.0, g.seconds - f)
-        exposed += r.seconds + (K - 1) * max(0.0, r.seconds - b)
-        comm = Comm(Term.REDISTRIBUTE, m, K * (g.bytes + r.bytes), exposed)
+        hidden_not = exposed(g.seconds, r.seconds, f, b, K)
+        comm = Comm(Term.REDISTRIBUTE, m, K * (g.bytes + r.bytes), hidden_not)
         changed: dict[str, dict[str, Comm]] = {}
         for j in heads:
             y = self.layers[j]
