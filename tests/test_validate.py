@@ -273,6 +273,12 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path,
     again = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=2e10, cores=2)
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
     assert sorted(calls) == [2, 4, 4, 8, 8]  # a new calibration measures again
+    # a profile cached by an older release (the fastest iteration, no `method`) is measured again
+    (cached,) = (tmp_path / "profiles").glob("digits-wide-*-t1.json")
+    old = json.loads(cached.read_text())
+    cached.write_text(json.dumps({k: v for k, v in old.items() if k != "method"}))
+    prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
+    assert sorted(calls) == [2, 4, 4, 4, 8, 8, 8]
     assert prof.planning_compute(PRESETS["cori-knl"], "digits-wide", (1, 8, 8), 2, 8) is None
 
 
