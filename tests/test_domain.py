@@ -102,11 +102,28 @@ def _measured(ledger: Ledger) -> dict:
     return total
 
 
+def _counting_calls(monkeypatch_target: dict) -> None:
+    """Count the calls of every windowed module's computation, per module (id)."""
+    from hybridpar.runtime.parallel.domain import DomainConv2d, DomainPool2d
+
+    for cls in (DomainConv2d, DomainPool2d):
+        real = cls.compute
+
+        def counted(self, rows, lo, real=real):
+            monkeypatch_target[id(self)] = monkeypatch_target.get(id(self), 0) + 1
+            return real(self, rows, lo)
+
+        cls.compute = counted
+
+
 def _train(P: int, shm: bool = True) -> list[str]:
     want = _reference()
     done = []
     options = RuntimeOptions(shared_memory=shm)
+    calls: dict[int, int] = {}
+    _counting_calls(calls)  # in this rank's process only
     for label, styles in _plans(P).items():
+        calls.clear()
         plan = priced(styles, P)
         ledger = Ledger()
         hp = parallelize(_model(), plan, options, ledger=ledger)
@@ -127,6 +144,10 @@ def _train(P: int, shm: bool = True) -> list[str]:
         for k, v in predicted.items():
             assert measured[k] == pytest.approx(v, rel=1e-12), f"{label}: {k}"
         assert not any(layer == "point" and "halo" in term for layer, term in measured), label
+        # a band is one call where its halo comes through shared memory; over messages the
+        # interior rows are computed while the halo travels, then the rows at each border
+        most = max(calls.values()) / STEPS
+        assert most == 1 if shm else most > 1, f"{label}: {most} calls per forward"
         done.append(label)
     return done
 
