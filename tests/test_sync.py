@@ -141,3 +141,13 @@ def test_the_planner_charges_meetings_and_the_split_adds_up():
     assert exported["total_s"] == pytest.approx(model.total_s)
     for t in (batch, model):
         assert t.sync.excess_s == pytest.approx(_share(ROWS, 2) * t.compute_s)
+
+
+def test_waits_split_at_the_fastest_rank_of_each_call():
+    """The report's split and the calibration's sync table share one rule: per call, the
+    shortest time any rank saw is the transfer and the rest of each rank's is waiting."""
+    from hybridpar.runtime.train.report import split_waits
+
+    transfer, waiting = split_waits([{0: 1.0, 1: 3.0}, {0: 2.0, 1: 1.0}, {0: 1.5}])
+    assert transfer == pytest.approx(1.0 + 1.0 + 1.0 + 1.0 + 1.0)
+    assert waiting == pytest.approx(0.0 + 2.0 + 1.0 + 0.0 + 0.5)

@@ -159,6 +159,7 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
 
     from hybridpar.planning.cluster import rank_threads
     from hybridpar.runtime.comm.grid import new_group
+    from hybridpar.runtime.train.report import split_waits
 
     if group is None:
         everyone = list(range(dist.get_world_size()))
@@ -214,8 +215,8 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
     for w in SYNC_WORK:
         wall = statistics.fmean(t[w][0] for t in every)
         alone = statistics.fmean(t[w][1] for t in every)
-        waits = [t[w][2][k] - min(u[w][2][k] for u in every) for t in every for k in range(repeats)]
-        rows.append([alone, wall, statistics.fmean(waits)])
+        _, waits = split_waits([dict(enumerate(t[w][2])) for t in every])
+        rows.append([alone, wall, waits / (len(every) * repeats)])
     _, wall0, wait0 = rows[0]
     return [[s, wall - wall0, max(0.0, x - wait0)] for s, wall, x in rows[1:]]
 

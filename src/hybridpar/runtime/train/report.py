@@ -61,14 +61,23 @@ def waiting(ledger: Ledger, steps: set[int], terms: tuple[str, ...]) -> dict[str
             mine[(e.step, k)] = e.seconds
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    fastest: dict[tuple[int, int], float] = {}
+    transfer, slowest = split_waits(every)
+    n = max(1, len(steps)) * len(every)
+    return {"transfer_s": transfer / n, "slowest_s": slowest / n}
+
+
+def split_waits(every: list[dict]) -> tuple[float, float]:
+    """(transfer, waiting) seconds summed over the ranks and calls of a collective timed on every
+    rank (`every`: each rank's {call: seconds}): for each call, the shortest duration any rank
+    saw is the transfer (the last rank to arrive waits for nobody), the rest of each rank's is
+    waiting for the slowest. The report's split and the calibration's sync table both take it."""
+    fastest: dict = {}
     for table in every:
         for key, sec in table.items():
             fastest[key] = min(sec, fastest.get(key, sec))
-    n = max(1, len(steps)) * len(every)
-    transfer = sum(fastest[key] for table in every for key in table) / n
-    slowest = sum(sec - fastest[key] for table in every for key, sec in table.items()) / n
-    return {"transfer_s": transfer, "slowest_s": slowest}
+    transfer = sum(fastest[key] for table in every for key in table)
+    slowest = sum(sec - fastest[key] for table in every for key, sec in table.items())
+    return transfer, slowest
 
 
 def host_layout(names: list[str]) -> dict:
