@@ -113,6 +113,43 @@ def test_the_table_loads_per_rank_count_and_round_trips(tmp_path):
         assert "\n" not in str(err.value)
 
 
+def test_a_job_across_hosts_takes_the_table_measured_across_them(tmp_path):
+    """A two-level file has the sync table of a host's ranks (by_procs) and the one measured with
+    all of the job's ranks meeting across the hosts ([network] sync): a job within one host
+    takes the first, a job that spans the hosts the second, priced with the contention of the
+    ranks on one host. The second round-trips; malformed, it is refused in one line."""
+    across = ((0.001, 0.004, 0.003), (0.004, 0.012, 0.006))
+    data = {"alpha": 1e-4, "beta": 1e-9, "flops": 1e11, "cores": 1}
+    data["by_procs"] = {"2": {"alpha": 1e-4, "beta": 1e-9, "sync": [list(r) for r in ROWS]}}
+    data["network"] = {"ranks_per_host": 2, "alpha": 3e-4, "bandwidth_GBps": 0.12}
+    data["network"]["sync"] = [list(r) for r in across]
+    data["network"]["small_alpha"] = 0.003  # a small all-reduce of all ranks across the hosts
+    data["small_alpha"] = 2e-5  # the same within a host, through shared memory
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(data))
+    c = load_cluster(str(path))
+    # batch-norm sums over 4 ranks on 2 hosts take the measured 3 ms; within a host 20 us
+    assert c.group("batch", 1, 4).small_alpha == 0.003
+    assert c.group("model", 2, 2).small_alpha == 2e-5  # model groups {0, 1}, {2, 3}: one host
+    from hybridpar.planning.cost.terms import t_global_bn
+
+    assert t_global_bn(64, 4, c.group("batch", 1, 4))[Term.BN_STATS].seconds == 0.003
+    assert c.at(2).sync == ROWS and c.at(4).sync == across
+    assert c.at(4).sync_ranks == 2 and c.at(4).at(2).sync == ROWS
+    assert c.at(4).sync_cost(0.008)[1] == pytest.approx(0.006)  # 2 ranks on one core: 2x alone
+    d = c.to_dict()
+    d.pop("bandwidth_GBps")
+    d["network"].pop("bandwidth_GBps")
+    path.write_text(json.dumps(d))
+    assert load_cluster(str(path)).net_sync == across
+    assert load_cluster(str(path)).net_small == 0.003
+    data["network"]["sync"] = [[0.001, 0.0]]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"\[network\]: sync must be") as err:
+        load_cluster(str(path))
+    assert "\n" not in str(err.value)
+
+
 def test_the_planner_charges_meetings_and_the_split_adds_up():
     """digits-wide at P = 4 on a host whose ranks lose time where they meet: every plan's total
     is its compute, its exposed communication and the excess; the predicted split (the report's

@@ -89,6 +89,13 @@ class Cluster:
     sync_by_procs: tuple[tuple[int, tuple[tuple[float, float, float], ...]], ...] = ()
     sync: tuple[tuple[float, float, float], ...] = ()
     sync_ranks: int | None = None
+    # the same table measured with all of a two-level job's ranks meeting across the hosts
+    # (`[network]`'s `sync`): `at` takes it for a job that spans them
+    net_sync: tuple[tuple[float, float, float], ...] = ()
+    # seconds of a small all-reduce (batch-norm statistics) over all of a two-level job's ranks
+    # across the hosts, measured by `hybridpar calibrate` (`[network]`'s `small_alpha`); a group
+    # that spans hosts prices its small sums so (`over`); None: alpha-beta
+    net_small: float | None = None
 
     @property
     def two_level(self) -> bool:
@@ -100,10 +107,13 @@ class Cluster:
 
     def at(self, P: int) -> Cluster:
         """This cluster as a job of P ranks sees it: the collectives measured with as many ranks
-        on a host where `hybridpar calibrate` measured them, else these."""
+        on a host where `hybridpar calibrate` measured them, else these; the sync table of as
+        many ranks on a host, or, for a job that spans the hosts of a two-level cluster, the one
+        measured with the ranks meeting across them."""
         here = self
-        if self.sync_by_procs:  # the table of as many ranks on a host, or none
-            rows = dict(self.sync_by_procs).get(self.local(P), ())
+        spans = self.two_level and bool(self.net_sync) and self.local(P) < P
+        if self.sync_by_procs or spans:  # the table of as many ranks on a host, or none
+            rows = self.net_sync if spans else dict(self.sync_by_procs).get(self.local(P), ())
             if (rows, self.local(P)) != (self.sync, self.sync_ranks):
                 here = replace(self, sync=rows, sync_ranks=self.local(P))
         for p, alpha, beta, small, shm in self.by_procs:
@@ -162,7 +172,7 @@ class Cluster:
             self,
             alpha=self.net_alpha,
             beta=self.net_beta * s.flows,
-            small_alpha=None,
+            small_alpha=self.net_small,  # small sums across the hosts, as measured there
             shm_beta=None,
             by_procs=(),
         )
@@ -230,6 +240,7 @@ class Cluster:
             ("small_alpha", "seconds"),
             ("shm_beta", "seconds per byte"),
             ("net_alpha", "seconds"),
+            ("net_small", "seconds"),
             ("net_beta", "seconds per byte"),
         ):
             v = getattr(self, f)
@@ -252,7 +263,7 @@ class Cluster:
             by_procs.setdefault(str(p), {})["sync"] = [list(r) for r in rows]
         out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
         drop = ("ranks_per_host", "net_alpha", "net_beta", "placement", "sync_by_procs", "sync")
-        for k in (*drop, "sync_ranks"):
+        for k in (*drop, "sync_ranks", "net_sync", "net_small"):
             out.pop(k)
         if self.two_level:
             out["network"] = {
@@ -261,6 +272,10 @@ class Cluster:
                 "beta": self.net_beta,
                 "bandwidth_GBps": 1 / self.net_beta / 1e9 if self.net_beta else None,
             }
+            if self.net_sync:
+                out["network"]["sync"] = [list(r) for r in self.net_sync]
+            if self.net_small is not None:
+                out["network"]["small_alpha"] = self.net_small
         return out
 
 
@@ -367,6 +382,8 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         "sync_by_procs",
         "sync",
         "sync_ranks",
+        "net_sync",
+        "net_small",
     }
     known |= {"bandwidth", "bandwidth_GBps", "network"}
     unknown = set(data) - known
@@ -407,7 +424,7 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
 def _network(table: object, origin: str) -> dict:
     """The [network] table of a two-level cluster: ranks_per_host, alpha, and beta (s/byte) or
     bandwidth (bytes/s) or bandwidth_GBps, as Cluster's second level."""
-    keys = {"ranks_per_host", "alpha", "beta", "bandwidth", "bandwidth_GBps"}
+    keys = {"ranks_per_host", "alpha", "beta", "bandwidth", "bandwidth_GBps", "sync", "small_alpha"}
     if not isinstance(table, dict) or not {"ranks_per_host", "alpha"} <= set(table):
         raise ConfigError(
             f"{origin}: [network] needs ranks_per_host, alpha and beta (or bandwidth): the "
@@ -425,11 +442,16 @@ def _network(table: object, origin: str) -> dict:
         if not isinstance(bw, int | float) or isinstance(bw, bool) or bw <= 0:
             raise ConfigError(f"{origin}: [network]: give beta (s/byte) or a positive bandwidth")
         beta = 1.0 / (bw if "bandwidth" in table else bw * 1e9)
-    return {
+    out = {
         "ranks_per_host": table["ranks_per_host"],
         "net_alpha": table["alpha"],
         "net_beta": beta,
     }
+    if table.get("sync") is not None:
+        out["net_sync"] = _sync_rows(table["sync"], f"{origin}: [network]")
+    if table.get("small_alpha") is not None:
+        out["net_small"] = table["small_alpha"]
+    return out
 
 
 def _by_procs(table: object, origin: str) -> tuple:
@@ -473,19 +495,26 @@ def _sync_by_procs(table: object, origin: str) -> tuple:
         if rows is None:
             continue
         try:
-            got = tuple(sorted((float(c), float(e), float(w)) for c, e, w in rows))
             n = int(p)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"{origin}: by_procs {p}: sync must be a list of [alone s, wall s, wait s] "
-                f"rows ({exc.__class__.__name__}); run `hybridpar calibrate` again"
-            ) from None
-        if any(not all(map(math.isfinite, r)) or r[0] < 0 or r[2] < 0 for r in got):
-            raise ConfigError(
-                f"{origin}: by_procs {p}: sync rows need finite numbers, alone and wait >= 0"
-            )
-        out.append((n, got))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{origin}: by_procs {p!r}: not a number of ranks") from None
+        out.append((n, _sync_rows(rows, f"{origin}: by_procs {p}")))
     return tuple(sorted(out))
+
+
+def _sync_rows(rows: object, where: str) -> tuple:
+    """[[alone s, wall s, wait s], ...] as the Cluster holds a sync table; one line where it is
+    malformed."""
+    try:
+        got = tuple(sorted((float(c), float(e), float(w)) for c, e, w in rows))  # type: ignore[union-attr]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{where}: sync must be a list of [alone s, wall s, wait s] rows "
+            f"({exc.__class__.__name__}); run `hybridpar calibrate` again"
+        ) from None
+    if any(not all(map(math.isfinite, r)) or r[0] < 0 or r[2] < 0 for r in got):
+        raise ConfigError(f"{where}: sync rows need finite numbers, alone and wait >= 0")
+    return got
 
 
 def load_cluster(spec: str) -> Cluster:

@@ -16,6 +16,8 @@ level, `[network]` with `ranks_per_host` (hybridpar.planning.cluster).
 Where the ranks of a host meet (`_time_sync`): for each count of ranks, the time of a round of
 work and a small all-reduce with all of them, the wait for the slowest, and the work alone; the
 cost model's sync term prices each blocking collective of a plan from them (planning.cost.sync).
+Across hosts the same table is measured once more with all of the job's ranks meeting over the
+network (`[network]`'s `sync`), for the jobs whose groups span the hosts.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     """The two levels of a job whose ranks sit on several hosts (`names`: each rank's host):
     every host's ranks all-reduce among themselves at once, then the first rank of each host
     all-reduces with the others' first ranks over the network. Collective over the world."""
+    import torch
     import torch.distributed as dist
 
     from hybridpar.runtime.comm.grid import new_group
@@ -85,8 +88,23 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     sync = _time_sync(local) if min(sizes_local) > 1 else None
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, sync)
+    # and all of the job's ranks at once, meeting across the hosts: what a group that spans
+    # them loses (the skew between hosts adds to the skew between a host's ranks)
+    world = new_group(
+        list(range(dist.get_world_size())), None, "hybridpar_calibrate_world", "calibrate-world"
+    )
+    across = _time_sync(world)
+    # a small all-reduce (what batch-norm statistics take) over all of them, across the hosts:
+    # on the emulated hosts 10x what the leaders' fit gives one (the ranks share cores with the
+    # link's packet processing, and each waits for the slowest)
+    stats = torch.zeros(33, dtype=torch.float64)
+    mine = _median_s(lambda: dist.all_reduce(stats, group=world.pg), warmup=10, repeats=60)
+    small_net: list = [None] * dist.get_world_size()
+    dist.all_gather_object(small_net, mine)
     return {
         "sync": every[0],
+        "net_sync": across,
+        "net_small": statistics.fmean(small_net),
         "hosts": len(hosts),
         "ranks_per_host": max(sizes_local),
         "uneven": len(sizes_local) > 1,
@@ -406,6 +424,10 @@ def with_levels(data: dict, levels: dict | None) -> dict:
         out["by_procs"] = {**data.get("by_procs", {}), str(L): _level(intra)}
     alpha, beta = fit_network(levels["inter"], H)
     out["network"] = {"ranks_per_host": L, "alpha": alpha, "beta": beta}
+    if levels.get("net_sync"):
+        out["network"]["sync"] = levels["net_sync"]
+    if levels.get("net_small"):
+        out["network"]["small_alpha"] = levels["net_small"]
     out["source"] = (
         f"hybridpar calibrate: gloo all-reduce within each of {H} hosts ({L} rank(s) each) and "
         f"between one rank per host, sizes {SIZES[0]}..{SIZES[-1]} B"
