@@ -359,3 +359,49 @@ def test_gholami_p512_under_the_combined_reading():
     fc = {pr: batch / comm(pr, True) for pr in (2, 4, 8, 16, 32, 64, 128)}
     assert same[16] == pytest.approx(5.22, abs=0.01) and fc[16] == pytest.approx(9.61, abs=0.01)
     assert max(same, key=same.get) == 8 and max(fc, key=fc.get) == 64
+
+
+def test_encoded_collectives_pay_the_codec_measured_on_the_cluster(tmp_path):
+    """A calibrated cluster's codec times (one thread, per element) price the encoding and
+    decoding of every encoded collective: a gradient sum encodes each element once and decodes
+    (2p-1)/p of them, an all-gather encodes its 1/p and decodes the (p-1)/p it receives; ranks
+    sharing cores pay the contention factor; unencoded traffic and unmeasured codecs pay none."""
+    import json
+
+    from hybridpar.choices import Choices
+    from hybridpar.errors import ConfigError
+    from hybridpar.planning.cluster import load_cluster
+    from hybridpar.terms import Term
+
+    enc, dec = 1e-9, 4e-10
+    base = {"alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({**base, "codecs": {"dynamic-tree": [enc, dec]}}))
+    c = load_cluster(str(path))
+    assert c.codec_times("dynamic-tree", 2) == (enc, dec)
+    assert c.codec_times("dynamic-tree", 4) == (2 * enc, 2 * dec)  # 4 ranks on 2 cores
+    assert c.codec_times("linear", 4) == (0.0, 0.0)
+    plain = Cluster(**{**c.__dict__, "codecs": ()})
+    eight = Choices(codec="dynamic-tree", compress=("activations", "grads"))
+    kw = {"input_size": 64, "choices": eight, "grad_bucket": None}
+
+    def terms(cluster, scenario):
+        r = make_plan("alexnet-owt", 4, 32, cluster, scenarios=[scenario], **kw)
+        return {x.layer.name: x for x in r.scenario(scenario).layers}
+
+    timed, untimed = terms(c, "batch"), terms(plain, "batch")
+    for name, x in timed.items():
+        elems = x.layer.params  # 1 byte a gradient element on the wire
+        got = x.terms[Term.DW_ALLREDUCE].seconds - untimed[name].terms[Term.DW_ALLREDUCE].seconds
+        assert got == pytest.approx(elems * 2 * enc + 7 / 4 * elems * 2 * dec, rel=1e-9)
+    timed, untimed = terms(c, "model"), terms(plain, "model")
+    for name, x in timed.items():
+        n = 32 * x.layer.d_out  # the gathered output, 1 byte an element
+        got = x.terms[Term.ALLGATHER].seconds - untimed[name].terms[Term.ALLGATHER].seconds
+        assert got == pytest.approx(n / 4 * 2 * enc + 3 / 4 * n * 2 * dec, rel=1e-9)
+    assert terms(c, "batch").keys() and c.to_dict()["codecs"] == {"dynamic-tree": [enc, dec]}
+    for bad in ({"dynamic-tree": [enc]}, {"dynamic-tree": [-1.0, 0.0]}, ["dynamic-tree"]):
+        path.write_text(json.dumps({**base, "codecs": bad}))
+        with pytest.raises(ConfigError, match="codecs") as err:
+            load_cluster(str(path))
+        assert "\n" not in str(err.value)

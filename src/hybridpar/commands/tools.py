@@ -134,4 +134,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 "    "
                 + "  ".join(f"{a * 1e3:.2f}: {w * 1e3:.2f}/{x * 1e3:.2f}" for a, w, x in rows)
             )
+    if net is not None and net.get("small_alpha") is not None:
+        print(
+            f"  small all-reduce of all ranks across the hosts: {net['small_alpha'] * 1e3:.3f} ms"
+        )
+    if d.get("codecs"):
+        print("  codecs, one thread, ns per element (encode/decode):")
+        print(
+            "    "
+            + "  ".join(f"{k} {e * 1e9:.2f}/{x * 1e9:.2f}" for k, (e, x) in d["codecs"].items())
+        )
     return 0

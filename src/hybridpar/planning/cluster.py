@@ -96,6 +96,9 @@ class Cluster:
     # across the hosts, measured by `hybridpar calibrate` (`[network]`'s `small_alpha`); a group
     # that spans hosts prices its small sums so (`over`); None: alpha-beta
     net_small: float | None = None
+    # seconds per element one thread takes to encode and decode with each codec, measured by
+    # `hybridpar calibrate`: (codec, encode s, decode s); `codec_times` prices a rank's share
+    codecs: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def two_level(self) -> bool:
@@ -120,6 +123,19 @@ class Cluster:
             if p == self.local(P):
                 return replace(here, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
         return here
+
+    def codec_times(self, codec: str, P: int) -> tuple[float, float]:
+        """(encode, decode) seconds per element for a rank of a P-rank job on this cluster: as one
+        thread measured them, times the contention factor of the ranks sharing a host's cores;
+        (0, 0) where the codec was not measured."""
+        for name, enc, dec in self.codecs:
+            if name == codec:
+                c = 1.0
+                if self.cores is not None:
+                    local = self.local(P)
+                    c = contention(self.cores, local, rank_threads(self.cores, local))
+                return enc * c, dec * c
+        return 0.0, 0.0
 
     def sync_cost(self, seconds: float) -> tuple[float, float]:
         """(excess, wait) seconds of one meeting of the ranks after `seconds` of compute as the
@@ -262,6 +278,7 @@ class Cluster:
         for p, rows in self.sync_by_procs:
             by_procs.setdefault(str(p), {})["sync"] = [list(r) for r in rows]
         out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
+        out["codecs"] = {name: [enc, dec] for name, enc, dec in self.codecs}
         drop = ("ranks_per_host", "net_alpha", "net_beta", "placement", "sync_by_procs", "sync")
         for k in (*drop, "sync_ranks", "net_sync", "net_small"):
             out.pop(k)
@@ -408,6 +425,8 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         if isinstance(table, dict):  # an entry of sync rows alone has no collectives' fit
             table = {p: v for p, v in table.items() if not _only_sync(v)}
         data["by_procs"] = _by_procs(table, origin)
+    if "codecs" in data:
+        data["codecs"] = _codecs(data["codecs"], origin)
     if "network" in data:
         net = data.pop("network")
         if isinstance(net, dict) and "ranks_per_host" in data:  # at the top level or in it
@@ -500,6 +519,20 @@ def _sync_by_procs(table: object, origin: str) -> tuple:
             raise ConfigError(f"{origin}: by_procs {p!r}: not a number of ranks") from None
         out.append((n, _sync_rows(rows, f"{origin}: by_procs {p}")))
     return tuple(sorted(out))
+
+
+def _codecs(table: object, origin: str) -> tuple:
+    """{"dynamic-tree": [encode s, decode s], ...} per element, as Cluster.codecs holds it."""
+    try:
+        out = tuple(sorted((str(k), float(v[0]), float(v[1])) for k, v in table.items()))  # type: ignore[union-attr]
+    except (AttributeError, TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ConfigError(
+            f"{origin}: codecs must map a codec to [encode s, decode s] per element "
+            f"({exc.__class__.__name__}); run `hybridpar calibrate` again"
+        ) from None
+    if any(not (math.isfinite(e) and math.isfinite(d) and e >= 0 and d >= 0) for _, e, d in out):
+        raise ConfigError(f"{origin}: codecs need finite seconds per element >= 0")
+    return out
 
 
 def _sync_rows(rows: object, where: str) -> tuple:

@@ -48,7 +48,7 @@ from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
 from hybridpar.planning.cost.sync import sync_of
-from hybridpar.planning.cost.terms import Wire, layer_comms, on_host, redistribute
+from hybridpar.planning.cost.terms import Wire, codec_s, layer_comms, on_host, plus, redistribute
 from hybridpar.planning.groups import why_not_placement
 from hybridpar.planning.handoff import Handoff, exposed, is_gather, why_not_handoff
 from hybridpar.planning.handoff import fused as handoff_fused
@@ -183,6 +183,7 @@ class _Context:
             r = Comm("reduce", m, v, r.seconds) if fused else Comm.zero("reduce", m)
         else:
             g = on_host(all_gather(n, m, net), net, wire.acts_compressed, n / m)
+            g = plus(g, codec_s(n, m, wire, grads=False, reduce=False))
             r = on_host(reduce_scatter(n, m, net), net, wire.acts_compressed, n)
             r = r if fused else Comm.zero("reduce_scatter", m)
         heads = self.head(i)
@@ -543,7 +544,7 @@ def plan_layers(
             B,
             cluster.placed(placement),
             compute,
-            wire(base, choices),
+            wire(base, choices, cluster, P),
             choices,
             overlap,
             grad_bucket,
@@ -624,16 +625,20 @@ def plan_for(
     return plan_layers(layers, P, B, cluster, model=name, input_shape=tuple(input_shape), **kwargs)  # type: ignore[arg-type]
 
 
-def wire(elem_bytes: float, choices: Choices) -> float | Wire:
+def wire(
+    elem_bytes: float, choices: Choices, cluster: Cluster | None = None, P: int = 1
+) -> float | Wire:
     """Bytes per element by kind of traffic: `elem_bytes` everywhere; the codec's payload size for
-    the traffic it encodes (grads and/or activations); bf16 activations (2 bytes) under amp bf16
-    autocast, where no codec encodes them."""
+    the traffic it encodes (grads and/or activations), and its seconds per element to encode and
+    decode a P-rank job's rank where `cluster` was calibrated with it (`Cluster.codec_times`);
+    bf16 activations (2 bytes) under amp bf16 autocast, where no codec encodes them."""
     acts_amp = 2 if choices.amp == "bf16" else elem_bytes
     if choices.codec == "none":
         return elem_bytes if acts_amp == elem_bytes else Wire(elem_bytes, acts_amp)
     b = payload_bytes(choices.codec)
     g, a = choices.grads_encoded, choices.activations_encoded
-    return Wire(b if g else elem_bytes, b if a else acts_amp, g, a, raw_acts=acts_amp)
+    enc, dec = cluster.codec_times(choices.codec, P) if cluster is not None else (0.0, 0.0)
+    return Wire(b if g else elem_bytes, b if a else acts_amp, g, a, acts_amp, enc, dec)
 
 
 def evaluate(
@@ -656,7 +661,7 @@ def evaluate(
     positions placed on the ranks by `placement`."""
     choices = choices or Choices()
     cluster = cluster.at(P).placed(placement)
-    e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices)
+    e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices, cluster, P)
     compute = compute or FlopsModel(cluster.rank_flops(P))
     ctx = _Context(
         layers, P, B, cluster, compute, e, choices, bucket=grad_bucket, fixed=handoffs or {}

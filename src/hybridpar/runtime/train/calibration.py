@@ -254,6 +254,39 @@ def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict
     }
 
 
+def _time_codecs(n: int = 1 << 20, repeats: int = 5) -> dict[str, list[float]]:
+    """{codec: [encode s, decode s] per element} on one thread, into reused buffers (as the
+    reducers run them), median of `repeats`: what the cost model charges a rank for the elements
+    it encodes and decodes (planning.cost.terms.codec_s)."""
+    import torch
+
+    from hybridpar.choices import CODECS
+    from hybridpar.runtime.comm.codecs import get_codec
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, out = torch.randn(n), {}
+        for name in CODECS:
+            if name == "none":
+                continue
+            codec = get_codec(name)
+            e = codec.encode(x)
+            y = codec.decode(e)  # warm up
+            enc, dec = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                codec.encode(x, out=e)
+                t1 = time.perf_counter()
+                codec.decode(e, out=y)
+                dec.append(time.perf_counter() - t1)
+                enc.append(t1 - t0)
+            out[name] = [statistics.median(enc) / n, statistics.median(dec) / n]
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
 def _flops(threads: int) -> float:
     import torch
 
@@ -380,6 +413,7 @@ def calibrate(nproc: int | list[int] = 2, repeats: int = 5, timeout_s: float = 6
         else:
             single = p
     data = dict(fits[counts[0]])
+    data["codecs"] = _time_codecs()
     data["by_procs"] = {str(p): _level(f) for p, f in fits.items() if levels is None or p == single}
     data = with_levels(data, levels)
     if os.environ.get("RANK", "0") != "0" and under_torchrun():
@@ -454,6 +488,7 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
             data = with_levels(
                 {**fit, "by_procs": {str(dist.get_world_size()): _level(fit)}}, levels
             )
+            data["codecs"] = _time_codecs()
             if levels is not None:  # the whole job's fit mixes the levels: not kept
                 data["by_procs"].pop(str(dist.get_world_size()), None)
             _save(data)
