@@ -143,6 +143,11 @@ def test_a_job_across_hosts_takes_the_table_measured_across_them(tmp_path):
     path.write_text(json.dumps(d))
     assert load_cluster(str(path)).net_sync == across
     assert load_cluster(str(path)).net_small == 0.003
+    data["network"]["small_alpha"] = -1.0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"\[network\] small_alpha must be a number"):
+        load_cluster(str(path))
+    data["network"]["small_alpha"] = 0.003
     data["network"]["sync"] = [[0.001, 0.0]]
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=r"\[network\]: sync must be") as err:

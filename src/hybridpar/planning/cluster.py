@@ -261,8 +261,10 @@ class Cluster:
         ):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
+                key = {"net_alpha": "[network] alpha", "net_small": "[network] small_alpha"}
                 raise ConfigError(
-                    f"cluster {self.name!r}: {f} must be a number of {unit} >= 0, got {v!r}"
+                    f"cluster {self.name!r}: {key.get(f, f)} must be a number of {unit} >= 0, "
+                    f"got {v!r}"
                 )
 
     @property

@@ -93,10 +93,10 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     world = new_group(
         list(range(dist.get_world_size())), None, "hybridpar_calibrate_world", "calibrate-world"
     )
-    across = _time_sync(world)
+    across = _time_sync(world, ranks_here=len(members[names[me]]))
     # a small all-reduce (what batch-norm statistics take) over all of them, across the hosts:
-    # on the emulated hosts 10x what the leaders' fit gives one (the ranks share cores with the
-    # link's packet processing, and each waits for the slowest)
+    # 3.5-4.1 ms on the emulated hosts, 1.5-4.5x what the leaders' alpha gives (the ranks share
+    # cores with the link's packet processing, and each waits for the slowest)
     stats = torch.zeros(33, dtype=torch.float64)
     mine = _median_s(lambda: dist.all_reduce(stats, group=world.pg), warmup=10, repeats=60)
     small_net: list = [None] * dist.get_world_size()
@@ -158,7 +158,7 @@ def _time_shm(group=None, piece: int = 1 << 18) -> tuple[float | None, float | N
 SYNC_WORK = (0, 1, 2, 4, 8, 16, 32, 64)
 
 
-def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
+def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> list[list[float]]:
     """What the ranks of one host lose at each synchronisation when they share its cores: the
     table the cost model's sync term prices from (hybridpar.planning.cluster.Cluster.sync_cost,
     planning.cost.sync).
@@ -171,7 +171,8 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
     to arrive, as the report measures it); the wall and the wait less their values without work
     (the collective's own cost, which alpha prices). Returns [[alone s, wall s, wait s], ...]
     for W > 0; the cost model applies its contention factor to the alone time. Collective over
-    `group` (the world where None)."""
+    `group` (the world where None); each rank runs with the threads a rank of `ranks_here` on
+    its host gets (the group's size where None: a group of one host)."""
     import torch
     import torch.distributed as dist
 
@@ -185,7 +186,7 @@ def _time_sync(group=None, repeats: int = 20) -> list[list[float]]:
     p, me = dist.get_world_size(group.pg), dist.get_rank(group.pg)
     cores = os.cpu_count() or 1
     before = torch.get_num_threads()
-    threads = rank_threads(cores, p)
+    threads = rank_threads(cores, ranks_here or p)  # as many threads as a rank trains with
     torch.set_num_threads(threads)
     flag = torch.zeros(1, dtype=torch.float64)
 
