@@ -286,9 +286,13 @@ def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "localhost.json").read_text())
     assert "within each of 2 hosts (1 rank(s) each)" in saved["source"], saved["source"]
     assert saved["network"]["ranks_per_host"] == 1 and saved["network"]["beta"] > 0
+    # the ranks meeting across the hosts: 7 sync rows and a small all-reduce; the codecs' times
+    assert len(saved["network"]["sync"]) == 7 and saved["network"]["small_alpha"] > 0
+    assert saved["codecs"]["dynamic-tree"][0] > 0
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
     c = load_cluster("localhost")
     assert c.two_level and c.ranks_per_host == 1 and c.net_beta == saved["network"]["beta"]
+    assert c.at(2).sync == c.net_sync and c.net_small == saved["network"]["small_alpha"]
     d = json.loads(report.read_text())
     assert d["procs"] == 2 and d["preset"] == "auto"
     assert d["hosts"] == {
