@@ -189,8 +189,8 @@ class _Context:
         heads = self.head(i)
         f = math.fsum(self.time(j, s)[0] for j in heads) / K
         b = math.fsum(self.time(j, s)[1] for j in heads) / K
-        hidden_not = exposed(g.seconds, r.seconds, f, b, K)
-        comm = Comm(Term.REDISTRIBUTE, m, K * (g.bytes + r.bytes), hidden_not)
+        waits = exposed(g.seconds, r.seconds, f, b, K)  # what the rounds cannot hide
+        comm = Comm(Term.REDISTRIBUTE, m, K * (g.bytes + r.bytes), waits)
         changed: dict[str, dict[str, Comm]] = {}
         for j in heads:
             y = self.layers[j]
