@@ -11,12 +11,10 @@ throughput on one thread, in GB/s of float32 going in (encode) or coming out (de
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from hybridpar.choices import EIGHT_BIT
-from hybridpar.runtime.comm.codecs import get_codec
+from hybridpar.runtime.comm.codecs import get_codec, time_codec
 
 __all__ = ["PAPER_EXAMPLES", "PAPER_TABLE2", "datasets", "error_table", "mlp_tensors", "throughput"]
 
@@ -175,25 +173,9 @@ def throughput(
 ) -> tuple[float, float]:
     """(encode, decode) GB/s of float32 on one thread, best of `repeats` after a warm-up, into
     output buffers allocated once (as a reducer reuses them, and as bitsandbytes' `out=`), or
-    fresh ones each call with reuse=False."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        codec = get_codec(name, block)
-        x = torch.randn(n)
-        e = codec.encode(x)
-        y = codec.decode(e)  # warm-up (and compilation)
-        enc = dec = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            e = codec.encode(x, out=e if reuse else None)
-            t1 = time.perf_counter()
-            codec.decode(e, out=y if reuse else None)
-            t2 = time.perf_counter()
-            enc, dec = min(enc, t1 - t0), min(dec, t2 - t1)
-        return 4 * n / enc / 1e9, 4 * n / dec / 1e9
-    finally:
-        torch.set_num_threads(threads)
+    fresh ones each call with reuse=False (runtime.comm.codecs.time_codec)."""
+    enc, dec = time_codec(name, n, repeats, block, reuse)
+    return 4 * n / min(enc) / 1e9, 4 * n / min(dec) / 1e9
 
 
 def print_table(rows: list[dict], speeds: dict[str, tuple[float, float]] | None) -> None:

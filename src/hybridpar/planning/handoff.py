@@ -41,6 +41,7 @@ __all__ = [
     "Handoff",
     "exposed",
     "fused",
+    "head",
     "is_gather",
     "round_rows",
     "why_not_handoff",
@@ -88,6 +89,14 @@ def fused(layer: CostLayer, prev: Style | None, s: Style, acts_encoded: bool) ->
         and layer.calls == 1
         and not acts_encoded
     )
+
+
+def head(segments: Sequence[object], i: int) -> list[int]:
+    """The hand-off's head as indices: layer i and the layers after it in its segment (`segments`:
+    each layer's segment, None where a layer is a segment of its own)."""
+    if segments[i] is None:
+        return [i]
+    return [j for j in range(i, len(segments)) if segments[j] == segments[i]]
 
 
 def exposed(g: float, r: float, f: float, b: float, rounds: int) -> float:

@@ -41,7 +41,7 @@ from pathlib import Path
 from hybridpar.errors import ConfigError
 from hybridpar.planning.candidates import LayerPlan, Plan
 from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.handoff import exposed
+from hybridpar.planning.handoff import exposed, head
 from hybridpar.terms import Term
 
 __all__ = ["HandoffPoint", "paper_exposed", "plot_handoffs", "sweep_handoffs", "write_handoffs"]
@@ -101,11 +101,8 @@ def _handoff(plan: Plan) -> tuple[int, LayerPlan] | None:
 
 
 def _head(plan: Plan, i: int) -> list[LayerPlan]:
-    """The hand-off's head as the cost model takes it (search._Context.head)."""
-    seg = plan.layers[i].layer.segment
-    if seg is None:
-        return [plan.layers[i]]
-    return [lp for lp in plan.layers[i:] if lp.layer.segment == seg]
+    """The hand-off's head as the cost model takes it (planning.handoff.head)."""
+    return [plan.layers[j] for j in head([x.layer.segment for x in plan.layers], i)]
 
 
 def sweep_handoffs(

@@ -50,7 +50,7 @@ from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_time
 from hybridpar.planning.cost.sync import sync_of
 from hybridpar.planning.cost.terms import Wire, codec_s, layer_comms, on_host, plus, redistribute
 from hybridpar.planning.groups import why_not_placement
-from hybridpar.planning.handoff import Handoff, exposed, is_gather, why_not_handoff
+from hybridpar.planning.handoff import Handoff, exposed, head, is_gather, why_not_handoff
 from hybridpar.planning.handoff import fused as handoff_fused
 from hybridpar.planning.layers import CostLayer, cost_layers
 from hybridpar.planning.rules import why_not, why_not_choices
@@ -136,10 +136,7 @@ class _Context:
 
     def head(self, i: int) -> list[int]:
         """Layer i and the layers after it in its segment (a hand-off's head)."""
-        seg = self.layers[i].segment
-        if seg is None:
-            return [i]
-        return [j for j in range(i, len(self.layers)) if self.layers[j].segment == seg]
+        return head([x.segment for x in self.layers], i)
 
     def schemes(self, i: int, prev: Style, s: Style) -> list[Handoff]:
         """The hand-off schemes the move into layer i may take (`handoff`: a, b, c or auto)."""

@@ -42,6 +42,7 @@ import dataclasses
 import math
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from functools import cache
@@ -59,6 +60,7 @@ __all__ = [
     "get_codec",
     "magnitude_levels",
     "reference_encode",
+    "time_codec",
 ]
 
 _SHIFT = 15  # bucket = top 17 bits of a non-negative float32
@@ -445,3 +447,30 @@ def reference_encode(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch
         codes.append((t.canon[i] + ((piece < 0) & (i > 0)).int() * 128).to(torch.uint8))
         scales.append(absmax.reshape(1))
     return torch.cat(codes), torch.cat(scales)
+
+
+def time_codec(
+    name: str, n: int, repeats: int, block: int | None = DEFAULT_BLOCK, reuse: bool = True
+) -> tuple[list[float], list[float]]:
+    """Seconds of each of `repeats` encodes and decodes of n random float32 on one thread, after
+    a warm-up (and compilation), into output buffers allocated once (as a reducer reuses them)
+    or, with reuse=False, fresh ones each call. `hybridpar codecs` reports the best of them and
+    `hybridpar calibrate` keeps the median per element."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        codec = get_codec(name, block)
+        x = torch.randn(n)
+        e = codec.encode(x)
+        y = codec.decode(e)
+        enc, dec = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            e = codec.encode(x, out=e if reuse else None)
+            t1 = time.perf_counter()
+            codec.decode(e, out=y if reuse else None)
+            dec.append(time.perf_counter() - t1)
+            enc.append(t1 - t0)
+        return enc, dec
+    finally:
+        torch.set_num_threads(threads)

@@ -259,33 +259,15 @@ def _time_codecs(n: int = 1 << 20, repeats: int = 5) -> dict[str, list[float]]:
     """{codec: [encode s, decode s] per element} on one thread, into reused buffers (as the
     reducers run them), median of `repeats`: what the cost model charges a rank for the elements
     it encodes and decodes (planning.cost.terms.codec_s)."""
-    import torch
-
     from hybridpar.choices import CODECS
-    from hybridpar.runtime.comm.codecs import get_codec
+    from hybridpar.runtime.comm.codecs import time_codec
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        x, out = torch.randn(n), {}
-        for name in CODECS:
-            if name == "none":
-                continue
-            codec = get_codec(name)
-            e = codec.encode(x)
-            y = codec.decode(e)  # warm up
-            enc, dec = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                codec.encode(x, out=e)
-                t1 = time.perf_counter()
-                codec.decode(e, out=y)
-                dec.append(time.perf_counter() - t1)
-                enc.append(t1 - t0)
+    out = {}
+    for name in CODECS:
+        if name != "none":
+            enc, dec = time_codec(name, n, repeats)
             out[name] = [statistics.median(enc) / n, statistics.median(dec) / n]
-        return out
-    finally:
-        torch.set_num_threads(before)
+    return out
 
 
 def _flops(threads: int) -> float:
