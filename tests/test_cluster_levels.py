@@ -238,6 +238,6 @@ def test_the_report_says_how_the_ranks_sat_on_hosts():
         "node_by_node": True,
         "even": True,
     }
-    dealt = host_layout(["a", "b", "a", "b"])  # round-robin: the groups' hosts are not priced so
+    dealt = host_layout(["a", "b", "a", "b"])  # round-robin: the groups follow the hosts
     assert dealt["count"] == 2 and not dealt["node_by_node"]
     assert not host_layout(["a", "a", "b"])["even"] and host_layout(["a", "a", "b"])["node_by_node"]

@@ -5,6 +5,7 @@ from the placed positions; a placed plan trains as one process does and books wh
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -21,6 +22,7 @@ from hybridpar.planning.analysis import analyze
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.groups import (
     batch_groups,
+    host_order,
     model_groups,
     placed,
     position_of,
@@ -29,7 +31,7 @@ from hybridpar.planning.groups import (
 )
 from hybridpar.planning.layers import cost_layers
 from hybridpar.planning.rules import why_not
-from hybridpar.planning.search import evaluate, plan_layers
+from hybridpar.planning.search import evaluate, export, plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import parallelize
@@ -57,6 +59,69 @@ def test_the_placement_rule():
     assert "out of order" in why_not_placement((2, 4), [(1, 8), (2, 4), (4, 2)])
     assert "out of order" in why_not_placement((2, 2), [(4, 1)])  # one model group of all
     assert "out of order" in why_not_placement((2, 4), [(1, 8), (2, 4), (8, 1)])
+
+
+def test_ranks_dealt_round_robin_are_put_back_host_by_host():
+    assert host_order(["a", "a", "b", "b"]) is None  # torchrun's numbering: nothing to follow
+    assert host_order(["a", "a", "b"]) is None
+    order = host_order(["a", "b", "a", "b"])  # SLURM --distribution=cyclic
+    assert order == [0, 2, 1, 3]
+    assert host_order(["b", "a", "a", "b", "c", "c"]) == [0, 3, 1, 2, 4, 5]
+    # the 2x2 grid's model groups (consecutive positions) land within a host, batch groups across
+    assert placed(model_groups(2, 2), None, order) == [[0, 2], [1, 3]]
+    assert placed(batch_groups(2, 2), None, order) == [[0, 1], [2, 3]]
+    # placed so that the batch groups stay within a host: they do, on the dealt ranks too
+    assert placed(batch_groups(2, 2), (2, 2), order) == [[0, 2], [1, 3]]
+    for at in [(None, order), ((2, 2), order)]:
+        assert [position_of(rank_of(k, *at), *at) for k in range(4)] == [0, 1, 2, 3]
+    assert why_not_placement(None, [(1, 4), (2, 2)], order) == ""
+    assert why_not_placement((2, 2), [(1, 4), (2, 2)], order) == ""
+    # one model group of all four in host order is [0, 2, 1, 3]: out of rank order
+    assert "number the ranks host by host" in why_not_placement(None, [(4, 1)], order)
+
+
+def _follows_hosts(P: int) -> list[str]:
+    """Ranks dealt to two emulated hosts round-robin: the 2x2 grid's model groups sit within a
+    host (as placed, its batch groups), the run equals one process and books what its plan
+    predicts; a 4x1 model group cannot follow the hosts, and says so."""
+    rank = dist.get_rank()
+    os.environ["HYBRIDPAR_HOST"] = "h0,h1,h0,h1"
+    name = "digits-wide"
+    data = batches(MAKERS[name][1])
+    want = train_reference(make(name), data) if rank == 0 else None
+    _, layers = _plan(name, P)
+    done = []
+    for grid, placement in [((2, 2), None), ((2, 2), (2, 2)), ((4, 1), None)]:
+        styles = [Style.model(*grid) if x.kind == "linear" else Style.batch(P) for x in layers]
+        plan = evaluate(layers, P, B, TWO, styles, placement=placement)
+        assert plan.feasible, plan.reason
+        plan = export(plan, procs=P, batch=B, choices=Choices(), input_shape=MAKERS[name][1])
+        ledger = Ledger()
+        hp = parallelize(make(name), plan, RuntimeOptions(), ledger=ledger)
+        g = hp.ctx.grids.grid(grid[1])
+        model = dist.get_process_group_ranks(g.model_group.pg)
+        batch = dist.get_process_group_ranks(g.batch_group.pg)
+        if grid == (4, 1):
+            assert hp.order is None and "host by host" in hp.why_not_hosts
+        elif placement is None:  # model groups within a host: h0 holds ranks 0 and 2
+            assert hp.order == [0, 2, 1, 3] and not hp.why_not_hosts
+            assert model == [rank % 2, rank % 2 + 2], model
+            assert batch == [rank - rank % 2, rank - rank % 2 + 1], batch
+        else:  # placed: batch groups within a host
+            assert batch == [rank % 2, rank % 2 + 2], batch
+        got = train_parallel(hp, data)
+        measured = _measured(ledger, len(data))
+        if rank == 0:
+            label = f"{grid} {placement}"
+            assert_same_state(got, want, label)
+            for k, v in plan.predicted_bytes(by_layer=True).items():
+                assert measured[k] == pytest.approx(v, rel=1e-12), f"{label}: {k}"
+            done.append(label)
+    return done
+
+
+def test_ranks_dealt_round_robin_train_in_groups_that_follow_the_hosts():
+    assert len(run_ranks(_follows_hosts, 4, 4, timeout_s=240)[0]) == 3
 
 
 def _plan(name: str, P: int, cluster=TWO) -> ParallelPlan:

@@ -300,6 +300,7 @@ def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path, monkeypatch):
         "ranks": {"h0": 1, "h1": 1},
         "node_by_node": True,
         "even": True,
+        "followed": False,  # nothing to follow: torchrun numbers the ranks host by host
     }
 
 
@@ -485,3 +486,27 @@ def test_a_users_own_model_plans_and_trains_from_the_command_line(tmp_path):
     assert "dx_allgather" in rows["body.3"], rows
     _measured_is_predicted(rows)
     assert (tmp_path / "runs" / "user_models.small.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("preset", "followed"), [("grid:2x2", True), ("model", False)], ids=["2x2", "4x1"]
+)
+def test_ranks_dealt_round_robin_follow_the_hosts_or_say_why_not(tmp_path, preset, followed):
+    """Four ranks dealt to two hosts round-robin (h0 h1 h0 h1, as SLURM's cyclic distribution
+    deals them): the 2x2 grid's groups follow the hosts; a model group of all four cannot (its
+    pieces are ordered by rank), and the job says so on stderr."""
+    report = tmp_path / "r.json"
+    env = {**os.environ, "HYBRIDPAR_HOST": "h0,h1,h0,h1", "HYBRIDPAR_CACHE": str(tmp_path)}
+    r = subprocess.run(
+        CMD
+        + ["--quiet", "--nproc", "4", "--model", "digits-wide", "--preset", preset]
+        + ["--epochs", "1", "--max-steps", "2", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    hosts = json.loads(report.read_text())["hosts"]
+    assert not hosts["node_by_node"] and hosts["followed"] is followed
+    assert ("cannot follow the hosts" in r.stderr) is not followed, r.stderr

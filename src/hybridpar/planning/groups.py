@@ -17,6 +17,14 @@ whose pieces are ordered (a model group's all-gather, a regroup's, a domain band
 must hold its positions in increasing rank order; the transpose keeps that along both axes of its
 own grid, not always for other grids of the plan (`why_not_placement`, the one rule the planner
 and the runtime both apply). Batch groups only sum, in any order.
+
+Hosts. The positions above assume ranks numbered host by host. A launcher may deal them otherwise
+(SLURM's cyclic distribution deals rank k to node k mod H); the runtime then follows the hosts:
+`host_order(names)` lists the ranks host by host, and a position's rank is that list's entry at
+the rank the placement gives, so the groups sit on the hosts the plan was priced for. The same
+order rule applies (`why_not_placement` with `order`): where following the hosts would put an
+ordered group's positions out of rank order, the runtime keeps the ranks' own numbering and says
+why.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ __all__ = [
     "Span",
     "batch_groups",
     "check_placement",
+    "host_order",
     "hosts_by_rank",
     "model_groups",
     "placed",
@@ -56,17 +65,24 @@ def regroup_groups(P: int, fine: int, coarse: int) -> list[list[int]]:
     return [[c * pr_c + j * pr_f + r for j in range(m)] for c in range(coarse) for r in range(pr_f)]
 
 
-def rank_of(position: int, placement: tuple[int, int] | None) -> int:
-    """The rank at `position` under `placement` (see the module's docstring)."""
-    if placement is None:
-        return position
-    pr, pc = placement
-    c, r = divmod(position, pr)
-    return r * pc + c
+def rank_of(
+    position: int, placement: tuple[int, int] | None, order: Sequence[int] | None = None
+) -> int:
+    """The rank at `position` under `placement`, on ranks listed host by host in `order`
+    (`host_order`; None: the ranks are numbered host by host)."""
+    if placement is not None:
+        pr, pc = placement
+        c, r = divmod(position, pr)
+        position = r * pc + c
+    return order[position] if order is not None else position
 
 
-def position_of(rank: int, placement: tuple[int, int] | None) -> int:
-    """The position of `rank` under `placement` (rank_of's inverse)."""
+def position_of(
+    rank: int, placement: tuple[int, int] | None, order: Sequence[int] | None = None
+) -> int:
+    """The position of `rank` under `placement` and `order` (rank_of's inverse)."""
+    if order is not None:
+        rank = list(order).index(rank)
     if placement is None:
         return rank
     pr, pc = placement
@@ -74,11 +90,24 @@ def position_of(rank: int, placement: tuple[int, int] | None) -> int:
     return c * pr + r
 
 
-def placed(groups: list[list[int]], placement: tuple[int, int] | None) -> list[list[int]]:
+def placed(
+    groups: list[list[int]],
+    placement: tuple[int, int] | None,
+    order: Sequence[int] | None = None,
+) -> list[list[int]]:
     """`groups` of positions as the ranks that hold them."""
-    if placement is None:
+    if placement is None and order is None:
         return groups
-    return [[rank_of(k, placement) for k in g] for g in groups]
+    return [[rank_of(k, placement, order) for k in g] for g in groups]
+
+
+def host_order(names: Sequence[str]) -> list[int] | None:
+    """The ranks host by host, given each rank's host in rank order: hosts in the order their
+    first rank comes, a host's ranks in increasing order. None where the ranks are numbered so
+    already (torchrun numbers them node by node)."""
+    hosts = list(dict.fromkeys(names))
+    order = [k for h in hosts for k, n in enumerate(names) if n == h]
+    return None if order == list(range(len(names))) else order
 
 
 def check_placement(placement: object, P: int) -> str:
@@ -98,23 +127,33 @@ def check_placement(placement: object, P: int) -> str:
     return ""
 
 
-def why_not_placement(placement: tuple[int, int] | None, grids: list[tuple[int, int]]) -> str:
-    """Why a plan whose layers use `grids` (Pr, Pc) cannot be placed by `placement` ('' when it
-    can): some model group, or some group moving an activation between two of its layouts, would
-    not hold its positions in rank order."""
-    if placement is None:
+def why_not_placement(
+    placement: tuple[int, int] | None,
+    grids: list[tuple[int, int]],
+    order: Sequence[int] | None = None,
+) -> str:
+    """Why a plan whose layers use `grids` (Pr, Pc) cannot be placed by `placement` on ranks
+    listed host by host in `order` ('' when it can): some model group, or some group moving an
+    activation between two of its layouts, would not hold its positions in rank order."""
+    if placement is None and order is None:
         return ""
-    P = placement[0] * placement[1]
+    P = len(order) if order is not None else placement[0] * placement[1]  # type: ignore[index]
     groups = [g for pr, pc in sorted(set(grids)) for g in model_groups(pr, pc)]
     pcs = sorted({pc for _, pc in grids})
     for i, a in enumerate(pcs):
         for b in pcs[i + 1 :]:
             if b % a == 0:
                 groups += regroup_groups(P, b, a)
-    for g, ranks in zip(groups, placed(groups, placement), strict=True):
+    for g, ranks in zip(groups, placed(groups, placement, order), strict=True):
         if ranks != sorted(ranks):
+            if order is not None:
+                return (
+                    f"following the hosts puts positions {g} on ranks {ranks}, out of order for "
+                    "a group whose pieces are ordered; number the ranks host by host (torchrun "
+                    "--nnodes/--node-rank, SLURM --distribution=block)"
+                )
             return (
-                f"placement {placement[0]}x{placement[1]} puts positions {g} on ranks {ranks}, "
+                f"placement {placement[0]}x{placement[1]} puts positions {g} on ranks {ranks}, "  # type: ignore[index]
                 "out of order for a group whose pieces are ordered; plan without a placement "
                 "or with grids that nest in it"
             )

@@ -32,12 +32,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybridpar.errors import ConfigError
 from hybridpar.planning.groups import (
     batch_groups,
+    host_order,
     model_groups,
     placed,
     position_of,
     regroup_groups,
+    why_not_placement,
 )
 from hybridpar.runtime.comm.group import Group, group_timeout
+from hybridpar.runtime.comm.host import host_names
 from hybridpar.runtime.comm.small import shared_memory
 
 __all__ = ["GridSet", "ProcessGrid", "check_grid", "close_groups", "new_group", "rows_of_group"]
@@ -118,6 +121,8 @@ class ProcessGrid:
     """the model and batch groups through host shared memory where they share a host"""
     placement: tuple[int, int] | None = None
     """how positions sit on ranks (hybridpar.planning.groups); None: position = rank"""
+    order: list[int] | None = None
+    """the ranks host by host (planning.groups.host_order); None: numbered host by host"""
     mesh: DeviceMesh = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -126,7 +131,7 @@ class ProcessGrid:
         check_grid(self.pr, self.pc, dist.get_world_size())
         self.timeout = self.timeout or group_timeout()
         self.rank = dist.get_rank()
-        self.position = position_of(self.rank, self.placement)
+        self.position = position_of(self.rank, self.placement, self.order)
         self.r = self.position % self.pr  # place in the model group (which weight shard)
         self.c = self.position // self.pr  # place in the batch group (which examples)
         self.groups: dict[str, Group] = {}
@@ -137,10 +142,11 @@ class ProcessGrid:
         rank would hang the others that long; we create them with the job's timeout and build the
         same mesh from them."""
         # (Pc, Pr): the rank at position c * Pr + r
-        ranks = torch.tensor(placed(model_groups(self.pr, self.pc), self.placement))
+        at = self.placement, self.order
+        ranks = torch.tensor(placed(model_groups(self.pr, self.pc), *at))
         for name, rows in (
-            ("model", placed(model_groups(self.pr, self.pc), self.placement)),
-            ("batch", placed(batch_groups(self.pr, self.pc), self.placement)),
+            ("model", placed(model_groups(self.pr, self.pc), *at)),
+            ("batch", placed(batch_groups(self.pr, self.pc), *at)),
         ):
             for members in rows:  # every rank creates every group, in the same order
                 g = new_group(members, self.timeout, f"hybridpar_{name}", shm=self.shm)
@@ -172,6 +178,16 @@ class ProcessGrid:
         return slice(lo, lo + rows_of_group(sizes, self.pr, self.c))
 
 
+def _follow_hosts(
+    names: list[str], placement: tuple[int, int] | None, grids: list[tuple[int, int]]
+) -> tuple[list[int] | None, str]:
+    """The order that puts positions on ranks host by host (None: the ranks' own numbering),
+    and, where the hosts cannot be followed, why."""
+    order = host_order(names)
+    why = why_not_placement(placement, grids, order) if order is not None else ""
+    return (None, why) if why else (order, "")
+
+
 class GridSet:
     """The grids of one plan, keyed by Pc (a layout is its number of batch groups), the groups
     that move an activation between two of their layouts, and the job's world group; every group
@@ -189,15 +205,21 @@ class GridSet:
     ) -> None:
         self.world_size = dist.get_world_size()
         self.placement = placement
-        self.position = position_of(dist.get_rank(), placement)
+        pcs = sorted(set(pcs))
+        self.order, self.why_not_hosts = _follow_hosts(
+            host_names(), placement, [(self.world_size // pc, pc) for pc in pcs]
+        )
+        self.position = position_of(dist.get_rank(), placement, self.order)
         self.timeout = timeout or group_timeout()
         self.device = device
         self.shm = shm and device == "cpu"
         everyone = list(range(self.world_size))
         self.world = new_group(everyone, self.timeout, "hybridpar_world", "world", self.shm)
         self.grids = {
-            pc: ProcessGrid(self.world_size // pc, pc, device, self.timeout, self.shm, placement)
-            for pc in sorted(set(pcs))
+            pc: ProcessGrid(
+                self.world_size // pc, pc, device, self.timeout, self.shm, placement, self.order
+            )
+            for pc in pcs
         }
         self._moves: dict[tuple[int, int], Group] = {}
         for a, b in sorted({(max(a, b), min(a, b)) for a, b in moves if a != b}):
@@ -215,7 +237,9 @@ class GridSet:
                 "between them; use grids whose Pc divide one another"
             )
         rank, mine = dist.get_rank(), None
-        for members in placed(regroup_groups(self.world_size, fine, coarse), self.placement):
+        for members in placed(
+            regroup_groups(self.world_size, fine, coarse), self.placement, self.order
+        ):
             g = new_group(members, self.timeout, f"hybridpar_regroup{tag}", tag, self.shm)
             if rank in members:
                 mine = g
@@ -239,7 +263,7 @@ class GridSet:
         grid."""
         g = self.grid(pc)
         mine = None
-        for members in placed(batch_groups(g.pr, g.pc), self.placement):
+        for members in placed(batch_groups(g.pr, g.pc), self.placement, self.order):
             grp = new_group(
                 members, self.timeout, f"hybridpar_{tag}", tag=tag, shm=shm and self.shm
             )

@@ -47,7 +47,7 @@ __all__ = ["FORMAT", "latest", "load", "read_meta", "save", "save_weights"]
 
 FORMAT = "hybridpar-checkpoint/1"
 META = "hybridpar.json"
-RESERVED = ("format", "procs", "step", "plan", "bn_switch")
+RESERVED = ("format", "procs", "step", "plan", "bn_switch", "order")
 
 
 class _Model:  # a DCP Stateful (a protocol: state_dict and load_state_dict)
@@ -266,6 +266,7 @@ def save(
             "step": engine.step,
             "plan": engine.plan.to_dict(),
             "bn_switch": switch,
+            "order": engine.order,  # ranks dealt to hosts otherwise: the positions they held
             **(meta or {}),
         }
         (tmp / META).write_text(json.dumps(record, indent=1, allow_nan=False))
@@ -295,6 +296,7 @@ def load(engine: Engine, optimizer: torch.optim.Optimizer, path: str | Path) -> 
         meta["procs"] == dist.get_world_size()
         and meta["plan"]["styles"] == styles
         and meta["plan"].get("placement") == (list(engine.plan.placement or []) or None)
+        and meta.get("order") == engine.order
     )
     state = _stateful(engine, optimizer, per_rank=same)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata

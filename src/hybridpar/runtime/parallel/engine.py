@@ -45,6 +45,10 @@ class Engine(nn.Module):
     bn_switch: BNSwitch | None = None
     world: Group  # every rank, for metrics and agreed decisions
     variable = None  # the hand-off whose layers after it step per round (variable batch)
+    # the ranks host by host where the launcher numbered them otherwise and the plan's groups
+    # follow the hosts (planning.groups.host_order), and why not where they cannot
+    order: list[int] | None = None
+    why_not_hosts: str = ""
 
     def __init__(
         self,

@@ -46,6 +46,7 @@ class HybridParallel(Engine):
         self.module = model
         self.ctx = apply.context(plan, layout, options, ledger, device)
         self.world = self.ctx.grids.world
+        self.order, self.why_not_hosts = self.ctx.grids.order, self.ctx.grids.why_not_hosts
         # every segment's style applies itself, in the same order on every rank (groups are made)
         self.styles = [runtime_style(s, self.ctx) for s in layout.segments]
         apply.shard(model, layout, self.styles)

@@ -261,8 +261,18 @@ def train_worker(job: Job) -> dict | None:
     if rank != 0:
         return None
     save_weights(weights, cfg.save)
+    engine = trainer.model
     out = report(
-        job, plan, data.name, epochs, times, bytes_measured, hosts, trainer.model.bn_switch, split
+        job,
+        plan,
+        data.name,
+        epochs,
+        times,
+        bytes_measured,
+        hosts,
+        engine.bn_switch,
+        split,
+        engine.order,
     )
     # what the optimizer ran with: --lr and --weight-decay after --scale-rule
     group = trainer.optimizer.param_groups[0]
@@ -276,11 +286,13 @@ def train_worker(job: Job) -> dict | None:
             "head_weight_decay": head.param_groups[0]["weight_decay"],
         }
     out["hosts"] = host_layout(names)
-    if not out["hosts"]["node_by_node"]:
+    # ranks dealt to hosts otherwise than host by host: the groups follow the hosts (engine.order)
+    # where the plan's ordered groups allow it, else the prices assume what did not happen
+    out["hosts"]["followed"] = engine.order is not None
+    if engine.why_not_hosts:
         print(
-            "hybridpar: the ranks are not numbered host by host (e.g. dealt round-robin); the "
-            "plan's groups and a two-level cluster's prices assume they are: launch with "
-            "torchrun's numbering (--nnodes, --node-rank)",
+            "hybridpar: the ranks are not numbered host by host (e.g. dealt round-robin) and "
+            f"the plan's groups cannot follow the hosts: {engine.why_not_hosts}",
             file=sys.stderr,
             flush=True,
         )

@@ -99,12 +99,15 @@ def host_layout(names: list[str]) -> dict:
     }
 
 
-def predicted(plan: ParallelPlan, hosts: list[str] | None = None) -> tuple[dict, dict]:
+def predicted(
+    plan: ParallelPlan, hosts: list[str] | None = None, order: list[int] | None = None
+) -> tuple[dict, dict]:
     """The plan's bytes by term and by (layer, term). With the host reducer (`hosts`: each rank's
     host, in rank order) a layer's gradient sum goes through shared memory within a host, and the
     first rank of its group on each of the H hosts the group spans all-reduces: per rank of a
     group of G, on average 2(H-1)/H n * H/G instead of 2(G-1)/G n, averaged over the layer's
-    groups (the batch groups of its grid: ranks c Pr + r for one r)."""
+    groups (the batch groups of its grid: ranks c Pr + r for one r, on the ranks listed host by
+    host in `order` where the runtime followed the hosts: planning.groups.host_order)."""
     by_term, by_layer = plan.predicted_bytes(), plan.predicted_bytes(by_layer=True)
     if plan.choices.reducer != "host":
         return by_term, by_layer
@@ -118,7 +121,8 @@ def predicted(plan: ParallelPlan, hosts: list[str] | None = None) -> tuple[dict,
             pr, pc = 1, plan.procs  # whole weights on every rank: one group of all P
         if pc <= 1:
             return 0.0
-        spans = [len({names[k] for k in g}) for g in placed(batch_groups(pr, pc), plan.placement)]
+        groups = placed(batch_groups(pr, pc), plan.placement, order)
+        spans = [len({names[k] for k in g}) for g in groups]
         return sum(h - 1 for h in spans) / len(spans) / (pc - 1)
 
     by_layer = {
@@ -139,11 +143,12 @@ def report(
     hosts: list[str] | None,
     bn_switch,
     split: dict | None = None,
+    order: list[int] | None = None,
 ) -> dict:
     cfg = job.cfg
     med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
     comm = med["wait_s"] + med["blocking_s"]
-    pred_term, pred_layer = predicted(plan, hosts)
+    pred_term, pred_layer = predicted(plan, hosts, order)
     layers: dict[str, dict[str, dict[str, float]]] = {}
     tables = (("measured", bytes_measured["by_layer"]), ("predicted", pred_layer))
     for source, table in tables if plan.engine != "ddp" else ():  # DDP's buckets name no layers
