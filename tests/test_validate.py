@@ -274,12 +274,25 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path,
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
     assert sorted(calls) == [2, 4, 4, 8, 8]  # a new calibration measures again
     # a profile cached by an older release (the fastest iteration, no `method`) is measured again
-    (cached,) = (tmp_path / "profiles").glob("digits-wide-*-t1.json")
+    # 2 ranks of one thread fill 2 cores: measured beside one neighbour ("-b2"), also for 4
+    (cached,) = (tmp_path / "profiles").glob("digits-wide-*-t1-b2.json")
     old = json.loads(cached.read_text())
     cached.write_text(json.dumps({k: v for k, v in old.items() if k != "method"}))
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
     assert sorted(calls) == [2, 4, 4, 4, 8, 8, 8]
     assert prof.planning_compute(PRESETS["cori-knl"], "digits-wide", (1, 8, 8), 2, 8) is None
+
+
+def test_the_profile_runs_beside_the_ranks_that_share_its_cores_and_leaves_none_behind():
+    assert prof.busy_ranks(2, 2, 1) == 2 and prof.busy_ranks(2, 4, 1) == 2
+    assert prof.busy_ranks(2, 3, 1) == 2 and prof.busy_ranks(4, 2, 2) == 2
+    assert prof.busy_ranks(2, 1, 2) == 1 and prof.busy_ranks(16, 4, 4) == 4
+    with prof._Neighbours("digits-wide", (1, 8, 8), 1, 3) as beside:
+        assert len(beside.procs) == 2
+        beside.run(8)  # both neighbours train the model at 8 samples (each acknowledges it)
+        beside.run(prof.UPDATE)
+        procs = beside.procs
+    assert all(p.returncode == 0 for p in procs)  # they end with the profile
 
 
 def test_one_stalled_call_does_not_make_a_leaf_slow_in_the_profile():

@@ -3,12 +3,16 @@
 A rank of a P-rank job on a host with C cores runs with max(1, C // P) threads (the launcher sets
 it) and shares the cores with the other ranks. The profile times, in this process with that many
 threads, the median of five training iterations of the model (forward, loss, backward) at each
-batch a rank runs (B / Pc for every grid), splits it over the leaf layers by hooks (the hooks' own
-overhead is taken out by scaling the leaves to the iteration measured without them), and times
-the optimizer's step per parameter element. The planner then prices every style from what a rank runs under it
-(planning.cost.compute.ProfileModel), with the slowdown of ranks sharing cores.
+batch a rank runs (B / Pc for every grid), splits it over the leaf layers by hooks (each leaf's
+median iteration; the hooks' own overhead is taken out by scaling the leaves to the iteration
+measured without them), and times the optimizer's step per parameter element. It measures beside
+the host's other ranks: as many processes as the ranks that run at once on the host's cores
+(`busy_ranks`) run the same thing meanwhile, since they share its memory bandwidth and caches
+(an SGD step took 2x as long beside another on this 2-core machine). The planner then prices
+every style from what a rank runs under it (planning.cost.compute.ProfileModel), with the
+slowdown of ranks sharing cores.
 
-Profiles are cached per model, input shape and thread count under the cache folder and extended
+Profiles are cached per model, input shape, thread count and neighbours under the cache folder and extended
 with the sample counts a later plan needs; a new calibration of the host measures them again.
 """
 
@@ -28,7 +32,7 @@ from hybridpar.planning.cost.compute import ProfileModel
 __all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute"]
 
 # how an iteration's time is taken; a cached profile taken another way is measured again
-METHOD = "median of the repeats, per leaf"
+METHOD = "median of the repeats, per leaf, beside the host's other ranks"
 
 
 def no_inplace(model) -> None:
@@ -136,11 +140,140 @@ def _measure_update(threads: int, n: int = 1 << 22, repeats: int = 5) -> float:
     return statistics.median(ts) / n
 
 
-def _path(model: str, shape: tuple[int, ...], threads: int) -> Path:
+def _path(model: str, shape: tuple[int, ...], threads: int, busy: int = 1) -> Path:
     from hybridpar.planning.zoo import file_label
 
     dims = "x".join(map(str, shape))
-    return cache_dir() / "profiles" / f"{file_label(model)}-{dims}-t{threads}.json"
+    beside = f"-b{busy}" if busy > 1 else ""
+    return cache_dir() / "profiles" / f"{file_label(model)}-{dims}-t{threads}{beside}.json"
+
+
+def busy_ranks(cores: int, local: int, threads: int) -> int:
+    """How many of a host's `local` ranks of `threads` threads run at once: all of them, up to
+    the cores they fill (the rest wait for a core: the contention factor prices that)."""
+    return max(1, min(local, cores // threads))
+
+
+UPDATE = -1  # a neighbour's phase: the optimizer's step (a positive phase: the model at that count)
+
+
+def _neighbour(model: str, shape: tuple[int, ...], threads: int) -> None:
+    """A neighbour of the profile (`python -m hybridpar.planning.profile`): runs what the profile
+    measures over and over, as the host's other ranks would beside it. Each line on stdin is the
+    next phase (the model's training iteration at that many samples, or `UPDATE`: the optimizer's
+    step), acknowledged on stdout once running; end of input (the profile done, or gone) ends it."""
+    import sys
+    import threading
+
+    import torch
+
+    from hybridpar.planning.models import build_any
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    net = build_any(model, shape, None)
+    no_inplace(net)
+    w = torch.nn.Parameter(torch.randn(1 << 22))
+    w.grad = torch.randn(1 << 22)
+    opt = torch.optim.SGD([w], lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+    phase = [None]
+
+    def read() -> None:
+        for line in sys.stdin:
+            phase[0] = int(line)
+        phase[0] = 0
+
+    threading.Thread(target=read, daemon=True).start()
+    print("ready", flush=True)
+    current, x, y = None, None, None
+    while True:
+        p = phase[0]
+        if p == 0:
+            return
+        if p is None:
+            time.sleep(0.001)
+            continue
+        if p != current:
+            if p > 0:
+                x = torch.randn(p, *shape)
+                with torch.no_grad():
+                    classes = net(x[:1]).shape[-1]
+                y = torch.randint(0, classes, (p,))
+            current = p
+            print(p, flush=True)
+        if p > 0:
+            _iteration(net, x, y)
+        else:
+            opt.step()
+
+
+class _Neighbours:
+    """`busy - 1` processes that keep the host's other cores doing what the profile measures
+    (`_neighbour`): ranks that share a host share its memory bandwidth and caches, and an SGD
+    step over 4M elements took 0.66-0.70 ns an element alone and 1.25-1.33 beside another (this
+    2-core machine), as the ranks of a job step their optimizers together. Plain subprocesses:
+    multiprocessing would run the caller's main module again in each."""
+
+    def __init__(self, model: str, shape: tuple[int, ...], threads: int, busy: int) -> None:
+        self.args = [model, "x".join(map(str, shape)), str(threads)]
+        self.busy = busy
+        self.procs: list = []
+
+    def __enter__(self) -> _Neighbours:
+        import subprocess
+        import sys
+
+        for _ in range(self.busy - 1):
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "hybridpar.planning.profile", *self.args],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        try:
+            for p in self.procs:
+                self._expect(p, "ready")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    @staticmethod
+    def _expect(p, what: str, timeout_s: float = 120.0) -> None:
+        import select
+
+        ready, _, _ = select.select([p.stdout], [], [], timeout_s)
+        line = p.stdout.readline().strip() if ready else ""
+        if line != what:
+            raise RuntimeError(
+                f"compute profile: a neighbour process said {line!r}, not {what!r} "
+                f"(exit {p.poll()}); try again, or plan with --cluster by FLOPs"
+            )
+
+    def run(self, phase: int) -> None:
+        """Every neighbour doing `phase` before this returns."""
+        for p in self.procs:
+            p.stdin.write(f"{phase}\n")
+            p.stdin.flush()
+        for p in self.procs:
+            self._expect(p, str(phase))
+
+    def __exit__(self, *exc) -> None:
+        import contextlib
+        import subprocess
+
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.stdin.close()  # end of input: the neighbour returns
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
 
 
 def _load(path: Path, cluster: Cluster) -> dict:
@@ -180,7 +313,8 @@ def profile_compute(
 
     local = cluster.local(P)  # the ranks that share one host's cores
     threads = rank_threads(cluster.cores, local)
-    path = _path(model, shape, threads)
+    busy = busy_ranks(cluster.cores, local, threads)
+    path = _path(model, shape, threads, busy)
     data = _load(path, cluster)
     missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
     if missing or "update_s" not in data:
@@ -189,9 +323,13 @@ def profile_compute(
         try:
             torch.manual_seed(0)
             net = build_any(model, shape, None)
-            for n in missing:
-                data["per_count"][str(n)] = _measure_count(net, shape, n, repeats)
-            data.setdefault("update_s", _measure_update(threads))
+            with _Neighbours(model, shape, threads, busy) as beside:
+                for n in missing:
+                    beside.run(n)
+                    data["per_count"][str(n)] = _measure_count(net, shape, n, repeats)
+                if "update_s" not in data:
+                    beside.run(UPDATE)
+                    data["update_s"] = _measure_update(threads)
         finally:
             torch.set_num_threads(before)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,3 +363,9 @@ def planning_compute(
     if device == "cuda":
         return None
     return profile_compute(cluster, model, shape, P, sorted({B // pc for _, pc in grids(P, B)}))
+
+
+if __name__ == "__main__":  # a neighbour of a profile (`_Neighbours`)
+    import sys
+
+    _neighbour(sys.argv[1], tuple(int(d) for d in sys.argv[2].split("x")), int(sys.argv[3]))
