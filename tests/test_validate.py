@@ -293,6 +293,21 @@ def test_the_profile_runs_beside_the_ranks_that_share_its_cores_and_leaves_none_
         beside.run(prof.UPDATE)
         procs = beside.procs
     assert all(p.returncode == 0 for p in procs)  # they end with the profile
+    # a model that prints lines of its own does not confuse the handshake; a neighbour that dies
+    # ends the profile with a clear error instead of a hang
+    import subprocess
+    import sys
+
+    talk = "print('building the model...'); print('ready')"
+    for code, ok in [(talk, True), ("raise SystemExit(3)", False)]:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            prof._Neighbours._expect(p, "ready", timeout_s=60)
+            assert ok
+        except RuntimeError as e:
+            assert not ok and "did not say 'ready'" in str(e)
+        p.wait()
+        p.stdout.close()
 
 
 def test_one_stalled_call_does_not_make_a_leaf_slow_in_the_profile():

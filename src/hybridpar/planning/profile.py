@@ -12,8 +12,9 @@ the host's other ranks: as many processes as the ranks that run at once on the h
 every style from what a rank runs under it (planning.cost.compute.ProfileModel), with the
 slowdown of ranks sharing cores.
 
-Profiles are cached per model, input shape, thread count and neighbours under the cache folder and extended
-with the sample counts a later plan needs; a new calibration of the host measures them again.
+Profiles are cached per model, input shape, thread count and neighbours under the cache folder
+and extended with the sample counts a later plan needs; a new calibration of the host measures
+them again.
 """
 
 from __future__ import annotations
@@ -242,15 +243,19 @@ class _Neighbours:
 
     @staticmethod
     def _expect(p, what: str, timeout_s: float = 120.0) -> None:
+        """Read the neighbour's lines until it says `what` (a model may print lines of its own)."""
         import select
 
-        ready, _, _ = select.select([p.stdout], [], [], timeout_s)
-        line = p.stdout.readline().strip() if ready else ""
-        if line != what:
-            raise RuntimeError(
-                f"compute profile: a neighbour process said {line!r}, not {what!r} "
-                f"(exit {p.poll()}); try again, or plan with --cluster by FLOPs"
-            )
+        deadline, line = time.monotonic() + timeout_s, ""
+        while line != what:
+            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = p.stdout.readline() if ready else ""
+            if not line:  # end of output (the neighbour died) or out of time
+                raise RuntimeError(
+                    f"compute profile: a neighbour process did not say {what!r} "
+                    f"(exit {p.poll()}); try again, or plan by FLOPs with a cluster preset"
+                )
+            line = line.strip()
 
     def run(self, phase: int) -> None:
         """Every neighbour doing `phase` before this returns."""
