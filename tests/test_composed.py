@@ -7,6 +7,9 @@ gradients across hosts (Dettmers).
   float32 shared memory), P = 4 on a 2x2 grid over two emulated hosts, and P = 3 on uneven hosts
   (2 + 1).
 - With the codecs and the adaptive batch norm, a checkpoint resumes bit for bit.
+- The same with the first stage's convolutions split by rows (domain 2 x 2, Gholami et al.), and
+  with ranks dealt to the hosts round-robin. With domain layers the activations stay 32-bit: a
+  band's halo rows travel unencoded, and the planner refuses 8-bit activations there.
 
 Hosts are emulated by name (HYBRIDPAR_HOST), so CI needs no network namespaces."""
 
@@ -27,6 +30,7 @@ from hybridpar.planning.analysis import analyze
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.handoff import Handoff
 from hybridpar.planning.layers import cost_layers
+from hybridpar.planning.rules import why_not
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.trainer import HybridTrainer
@@ -51,10 +55,22 @@ def _data(B: int, steps: int = 4):
     ]
 
 
-def _plan(P: int, B: int, grid: tuple[int, int], K: int, choices: Choices):
+def _plan(P: int, B: int, grid: tuple[int, int], K: int, choices: Choices, domain: bool = False):
+    """The FC layer on `grid` (its hand-off in K rounds of scheme (c)), the convolutions batch;
+    with `domain`, the first stage's (conv1 and layer1, 32 x 32 maps) split by rows on `grid`."""
     with torch.device("meta"):
         layers = cost_layers(analyze(_model(), SHAPE))
-    styles = [Style.model(*grid) if x.kind == "linear" else Style.batch(P) for x in layers]
+
+    def style(x) -> Style:
+        if x.kind == "linear":
+            return Style.model(*grid)
+        first = x.name == "conv1" or x.name.startswith("layer1.")
+        if domain and first:
+            assert not why_not(x, Style.domain(*grid), B), x.name
+            return Style.domain(*grid)
+        return Style.batch(P)
+
+    styles = [style(x) for x in layers]
     fc = next(x.name for x in layers if x.kind == "linear")
     priced = evaluate(layers, P, B, NET, styles, choices=choices, handoffs={fc: Handoff("c", K)})
     assert priced.feasible, priced.reason
@@ -65,11 +81,14 @@ def _host(hosts: list[int]) -> None:
     os.environ["HYBRIDPAR_HOST"] = f"host{hosts[dist.get_rank()]}"
 
 
-def _equal(P: int, B: int, grid: tuple[int, int], hosts: list[int]) -> bool:
+def _equal(
+    P: int, B: int, grid: tuple[int, int], hosts: list[int], domain: bool = False
+) -> bool:
     _host(hosts)
     choices = Choices(reducer="host", bn="global")
-    plan = _plan(P, B, grid, 2, choices)
-    assert [r.scheme for r in plan.redistributions] == ["c"]
+    plan = _plan(P, B, grid, 2, choices, domain)
+    into_fc = [r.scheme for r in plan.redistributions if r.layer == "fc"]
+    assert into_fc == ["c"] and ("domain" in str(plan.styles)) == domain
     t = HybridTrainer(_model(), plan, optimizer, options=RuntimeOptions(host_stage_mb=0.0))
     data = _data(B)
     for x, y in data:
@@ -102,11 +121,14 @@ def _equal(P: int, B: int, grid: tuple[int, int], hosts: list[int]) -> bool:
 
 
 def _both(folder: str) -> bool:
-    # torchrun's numbering, then ranks dealt to the hosts round-robin (SLURM's cyclic)
+    # torchrun's numbering, then ranks dealt to the hosts round-robin (SLURM's cyclic), then the
+    # first stage's convolutions split by rows (Gholami's domain parallelism) as well
     return (
         _equal(4, 12, (2, 2), [0, 0, 1, 1])
         and _equal(4, 12, (2, 2), [0, 1, 0, 1])
+        and _equal(4, 12, (2, 2), [0, 0, 1, 1], domain=True)
         and _resume(folder)
+        and _resume(folder + "-domain", domain=True)
     )
 
 
@@ -120,12 +142,13 @@ def test_the_composed_run_trains_as_one_process_on_uneven_hosts():
     assert all(run_ranks(_equal, 3, 3, 15, (3, 1), [0, 0, 1], timeout_s=240))
 
 
-def _resume(folder: str) -> bool:
+def _resume(folder: str, domain: bool = False) -> bool:
+    """With domain layers the activations stay 32-bit: a band's halo rows travel unencoded
+    (the planner and the runtime refuse 8-bit activations there), the gradients go 8-bit."""
     _host([0, 0, 1, 1])
-    choices = Choices(
-        reducer="host", bn="adaptive", codec="dynamic-tree", compress=("grads", "activations")
-    )
-    plan = _plan(4, 12, (2, 2), 2, choices)
+    compress = ("grads",) if domain else ("grads", "activations")
+    choices = Choices(reducer="host", bn="adaptive", codec="dynamic-tree", compress=compress)
+    plan = _plan(4, 12, (2, 2), 2, choices, domain)
     options = RuntimeOptions(host_stage_mb=0.0, bn_window=1, bn_threshold=10.0)  # BN turns global
     data = _data(12, 6)
     t = HybridTrainer(_model(), plan, optimizer, options=options)
