@@ -81,9 +81,7 @@ def _host(hosts: list[int]) -> None:
     os.environ["HYBRIDPAR_HOST"] = f"host{hosts[dist.get_rank()]}"
 
 
-def _equal(
-    P: int, B: int, grid: tuple[int, int], hosts: list[int], domain: bool = False
-) -> bool:
+def _equal(P: int, B: int, grid: tuple[int, int], hosts: list[int], domain: bool = False) -> bool:
     _host(hosts)
     choices = Choices(reducer="host", bn="global")
     plan = _plan(P, B, grid, 2, choices, domain)
