@@ -124,14 +124,20 @@ def _median_iteration(calls: list[float], repeats: int) -> float:
     return statistics.median(sum(calls[i * k : (i + 1) * k]) for i in range(repeats))
 
 
-def _measure_update(threads: int, n: int = 1 << 22, repeats: int = 5) -> float:
-    """Seconds per parameter element of an SGD step with momentum and weight decay over n
-    elements (the trainer's KrizhevskySGD does the same arithmetic, multi-tensor)."""
+def _sgd(n: int = 1 << 22):
+    """An SGD optimizer with momentum and weight decay over n elements with a gradient (the
+    trainer's KrizhevskySGD does the same arithmetic, multi-tensor): what the profile times and
+    its neighbours run beside it."""
     import torch
 
     w = torch.nn.Parameter(torch.randn(n))
     w.grad = torch.randn(n)
-    opt = torch.optim.SGD([w], lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+    return torch.optim.SGD([w], lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+
+
+def _measure_update(threads: int, n: int = 1 << 22, repeats: int = 5) -> float:
+    """Seconds per parameter element of an SGD step over n elements (`_sgd`)."""
+    opt = _sgd(n)
     opt.step()
     ts = []
     for _ in range(repeats):
@@ -174,9 +180,7 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int) -> None:
     torch.manual_seed(0)
     net = build_any(model, shape, None)
     no_inplace(net)
-    w = torch.nn.Parameter(torch.randn(1 << 22))
-    w.grad = torch.randn(1 << 22)
-    opt = torch.optim.SGD([w], lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+    opt = _sgd()
     phase = [None]
 
     def read() -> None:

@@ -46,7 +46,6 @@ class HybridParallel(Engine):
         self.module = model
         self.ctx = apply.context(plan, layout, options, ledger, device)
         self.world = self.ctx.grids.world
-        self.order, self.why_not_hosts = self.ctx.grids.order, self.ctx.grids.why_not_hosts
         # every segment's style applies itself, in the same order on every rank (groups are made)
         self.styles = [runtime_style(s, self.ctx) for s in layout.segments]
         apply.shard(model, layout, self.styles)
@@ -71,6 +70,14 @@ class HybridParallel(Engine):
             apply.broadcast_parameters(model, ledger, self.sync)
         if self.reducer.worker is not None:  # let the thread end with the engine
             weakref.finalize(self, self.reducer.worker.stop)
+
+    @property
+    def order(self) -> list[int] | None:  # type: ignore[override]
+        return self.ctx.grids.order
+
+    @property
+    def why_not_hosts(self) -> str:  # type: ignore[override]
+        return self.ctx.grids.why_not_hosts
 
     # --- per step ------------------------------------------------------------------------------
 
