@@ -236,6 +236,41 @@ def test_profile_prices_what_a_rank_runs_under_each_style():
     assert style_times(lean, LAYER, Style.domain(4, 1), 16, 4)[:2] == pytest.approx((5e-3, 2e-3))
 
 
+def test_domain_prices_its_windows_at_the_share_measured_on_the_busiest_band():
+    table = {16: {"fc": (16e-3, 8e-3), "act": (2e-3, 2e-3)}}
+    # fc measured at 0.7 / 0.8 of its whole-image time on the busiest of 2 bands, 16 samples
+    pm = ProfileModel(table, bands={(2, 16): {"fc": (0.7, 0.8)}}, contention=2.0)
+    f, b, _ = style_times(pm, LAYER, Style.domain(2, 1), 16, 2)
+    assert (f, b) == pytest.approx((2 * (0.7 * 16e-3 + 1e-3), 2 * (0.8 * 8e-3 + 1e-3)))
+    # another Pr or count has no share: half the rows (one count, no fixed part)
+    f, b, _ = style_times(pm, LAYER, Style.domain(2, 1), 32, 2)
+    assert (f, b) == pytest.approx((2 * (16e-3 + 2e-3), 2 * (8e-3 + 2e-3)))
+
+
+def test_the_busiest_band_follows_the_halo_geometry():
+    from hybridpar.planning.halo import Window
+
+    # 3x3, padding 1, 8 rows in 2 bands: each reads 6 (one padding row, 4 own, one halo row)
+    assert prof._busiest_band(Window(3, 1, 1, 1, 8), 2) == (1, 0, 4, 1, 0)
+    # in 4 bands a middle rank reads a halo row on each side of its 2 rows
+    assert prof._busiest_band(Window(3, 1, 1, 1, 8), 4) == (0, 1, 2, 1, 0)
+    # a 2x2 stride-2 pooling reads its own rows only; 5x5 over 2-row bands crosses two bands
+    assert prof._busiest_band(Window(2, 2, 0, 1, 8), 4) == (0, 0, 2, 0, 0)
+    assert prof._busiest_band(Window(5, 1, 2, 1, 8), 4) == (0, 2, 2, 2, 0)
+
+
+def test_the_profile_measures_each_window_on_its_band():
+    from torch import nn
+
+    net = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1)
+    )
+    shares = prof._measure_bands(net, (1, 8, 8), 2, 4, 2)
+    assert list(shares) == ["0", "2", "3"]  # the convolutions and the pooling, in forward order
+    assert all(f > 0 and b > 0 for f, b in shares.values())
+    assert all(p.grad is None for p in net.parameters())  # measured without leaving gradients
+
+
 def test_the_search_weighs_compute_by_style():
     """Where the gathered output's layers cost much (riders at B/Pc samples under model), the
     planner keeps the layer batch-parallel although model moves fewer bytes: it would not if
@@ -264,6 +299,7 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path,
     host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
     pm = prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)  # counts 4 (1x2), 8 (2x1)
     assert sorted(calls) == [4, 8] and sorted(pm.per_count) == [4, 8]
+    assert list(pm.bands) == [(2, 8)] and set(pm.bands[(2, 8)]) == {"0", "2", "4"}  # domain 2x1
     assert pm.contention == 1.0 and pm.update_s > 0
     assert set(pm.per_count[8]) >= {"0", "2", "6", "9", "11"}  # the leaves, by module name
     prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)

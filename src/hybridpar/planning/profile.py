@@ -124,6 +124,161 @@ def _median_iteration(calls: list[float], repeats: int) -> float:
     return statistics.median(sum(calls[i * k : (i + 1) * k]) for i in range(repeats))
 
 
+def _windows(model, shape: tuple[int, ...]) -> dict[str, tuple]:
+    """{leaf: (module, Window, (C, W) of its input)} of every 2-d convolution (zero padding) and
+    max or average pooling: the layers the domain style runs on a band of rows."""
+    import torch
+    from torch import nn
+
+    from hybridpar.planning.halo import Window
+
+    def pair(v) -> tuple[int, int]:
+        return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+    seen: dict[str, tuple] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        conv = isinstance(m, nn.Conv2d) and m.padding_mode == "zeros"
+        if not (conv or isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))) or isinstance(m.padding, str):
+            continue
+        k, st = pair(m.kernel_size), pair(m.stride or m.kernel_size)
+        pad, dil = pair(m.padding), pair(getattr(m, "dilation", 1))
+
+        def grab(mod, args, *_, name=name, k=k, st=st, pad=pad, dil=dil) -> None:
+            x = args[0]
+            if x.dim() == 4:
+                seen[name] = (
+                    mod,
+                    Window(k[0], st[0], pad[0], dil[0], x.shape[2]),
+                    x.shape[1],
+                    x.shape[3],
+                )
+
+        hooks.append(m.register_forward_hook(grab))
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *shape))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _busiest_band(window, pr: int) -> tuple[int, int, int, int, int]:
+    """The rows a domain layer's busiest rank computes on (Pr ranks): (padding above, halo rows
+    above, its own rows read, halo rows below, padding below), from planning.halo's geometry;
+    the busiest reads the most rows, then receives the most halo rows."""
+    from hybridpar.planning.halo import bands
+
+    ins, outs = bands(window.h_in, pr), bands(window.h_out, pr)
+    best = None
+    for (a, b), (o0, o1) in zip(ins, outs, strict=True):
+        if o0 >= o1:
+            continue
+        lo, hi = window.reads(o0, o1)
+        rows = (
+            max(0, -lo),
+            max(0, a - max(lo, 0)),
+            max(0, min(hi, b) - max(lo, a)),
+            max(0, min(hi, window.h_in) - b),
+            max(0, hi - window.h_in),
+        )
+        key = (sum(rows), rows[1] + rows[3])
+        if best is None or key > best[0]:
+            best = (key, rows)
+    return best[1] if best else (0, 0, 0, 0, 0)
+
+
+def _band_ratio(
+    module, window, c: int, w: int, n: int, pr: int, needs_dx: bool, repeats: int
+) -> tuple[float, float]:
+    """How much of its whole-image (forward, backward) time a convolution or pooling takes on
+    the busiest rank's band of `pr`, on n examples: the runtime's call on band and halo (the
+    received rows copied in and joined, the height padding as rows of fill, the gradients of the
+    rows sent added back to the band's) against the module on whole images, timed the same way
+    here. Small maps are not split evenly by work: resnet20's 8 x 8 maps in 2 bands read 6 rows
+    each, and a convolution's cost per row grows as its rows shrink."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    top_pad, top, own, bottom, bottom_pad = _busiest_band(window, pr)
+    fill = float("-inf") if isinstance(module, nn.MaxPool2d) else 0.0
+    if isinstance(module, nn.Conv2d):
+        wp = (0, module.padding[1])
+
+        def compute(rows):
+            st, dil, g = module.stride, module.dilation, module.groups
+            return F.conv2d(rows, module.weight, module.bias, st, wp, dil, g)
+    else:
+        k, st, pad = module.kernel_size, module.stride or module.kernel_size, module.padding
+        kw = (k if isinstance(k, int) else k[1], st if isinstance(st, int) else st[1])
+        pw = pad if isinstance(pad, int) else pad[1]
+        if isinstance(module, nn.MaxPool2d):
+
+            def compute(rows):
+                return F.max_pool2d(rows, (window.kernel, kw[0]), (window.stride, kw[1]), (0, pw))
+        else:
+
+            def compute(rows):
+                return F.avg_pool2d(rows, (window.kernel, kw[0]), (window.stride, kw[1]), (0, pw))
+
+    def timed(run) -> tuple[float, float]:
+        run()  # warm up
+        fs, bs = [], []
+        for _ in range(repeats):
+            f, b = run()
+            fs.append(f)
+            bs.append(b)
+        return statistics.median(fs), statistics.median(bs)
+
+    def whole() -> tuple[float, float]:
+        x = torch.randn(n, c, window.h_in, w, requires_grad=needs_dx)
+        t0 = time.perf_counter()
+        y = module(x)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        return t1 - t0, time.perf_counter() - t1
+
+    def band() -> tuple[float, float]:
+        x = torch.randn(n, c, own, w, requires_grad=needs_dx)
+        halos = [torch.randn(n, c, h, w) for h in (top, bottom) if h]
+        t0 = time.perf_counter()
+        got = [h.clone().requires_grad_(needs_dx) for h in halos]  # out of the shared segment
+        pieces = [*got]
+        pieces.insert(1 if top else 0, x)
+        if top_pad:
+            pieces.insert(0, x.new_full((n, c, top_pad, w), fill))
+        if bottom_pad:
+            pieces.append(x.new_full((n, c, bottom_pad, w), fill))
+        y = compute(torch.cat(pieces, dim=2) if len(pieces) > 1 else x)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        if needs_dx and got:  # the rows sent come back as gradients, added to the band's
+            k = min(own, got[0].shape[2])
+            g = x.grad.clone()
+            g[:, :, :k] += got[0].grad[:, :, :k]
+        return t1 - t0, time.perf_counter() - t1
+
+    if own <= 0:
+        return 0.0, 0.0
+    module.zero_grad(set_to_none=True)
+    wf, wb = timed(whole)
+    bf, bb = timed(band)
+    module.zero_grad(set_to_none=True)
+    return (bf / wf if wf > 0 else 1.0 / pr), (bb / wb if wb > 0 else 1.0 / pr)
+
+
+def _measure_bands(model, shape, pr: int, n: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """{leaf: (forward, backward) share of its time} on the busiest rank of `pr` bands, n
+    examples (`_band_ratio`); the first convolution computes no input gradient, as in training."""
+    out, first = {}, True
+    for name, (module, window, c, w) in _windows(model, shape).items():
+        out[name] = _band_ratio(module, window, c, w, n, pr, not first, repeats)
+        first = False
+    return out
+
+
 def _sgd(n: int = 1 << 22):
     """An SGD optimizer with momentum and weight decay over n elements with a gradient (the
     trainer's KrizhevskySGD does the same arithmetic, multi-tensor): what the profile times and
@@ -223,6 +378,7 @@ class _Neighbours:
         self.args = [model, "x".join(map(str, shape)), str(threads)]
         self.busy = busy
         self.procs: list = []
+        self.phase: int | None = None
 
     def __enter__(self) -> _Neighbours:
         import subprocess
@@ -262,7 +418,10 @@ class _Neighbours:
             line = line.strip()
 
     def run(self, phase: int) -> None:
-        """Every neighbour doing `phase` before this returns."""
+        """Every neighbour doing `phase` before this returns (they acknowledge a change)."""
+        if phase == self.phase:
+            return
+        self.phase = phase
         for p in self.procs:
             p.stdin.write(f"{phase}\n")
             p.stdin.flush()
@@ -311,9 +470,11 @@ def profile_compute(
     P: int,
     counts: list[int],
     repeats: int = 5,
+    bands: list[tuple[int, int]] = (),
 ) -> ProfileModel | None:
     """The ProfileModel of `model` for a P-rank job on this calibrated host at the sample counts
-    `counts`; None where the cluster is not this host (no `cores`: priced by FLOPs)."""
+    `counts`, and the band shares (`_measure_bands`) of its windows for each (Pr, samples) in
+    `bands`; None where the cluster is not this host (no `cores`: priced by FLOPs)."""
     if cluster.cores is None:
         return None
     import torch
@@ -326,7 +487,9 @@ def profile_compute(
     path = _path(model, shape, threads, busy)
     data = _load(path, cluster)
     missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
-    if missing or "update_s" not in data:
+    shares = data.setdefault("bands", {})
+    unbanded = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in shares})
+    if missing or unbanded or "update_s" not in data:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -336,6 +499,9 @@ def profile_compute(
                 for n in missing:
                     beside.run(n)
                     data["per_count"][str(n)] = _measure_count(net, shape, n, repeats)
+                for pr, n in unbanded:
+                    beside.run(n)
+                    shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats)
                 if "update_s" not in data:
                     beside.run(UPDATE)
                     data["update_s"] = _measure_update(threads)
@@ -351,6 +517,10 @@ def profile_compute(
     }
     return ProfileModel(
         per_count,
+        bands={
+            _key(k): {leaf: (float(v[0]), float(v[1])) for leaf, v in table.items()}
+            for k, table in shares.items()
+        },
         update_s=float(data["update_s"]),
         # ranks that meet at every collective run at the pace of the most crowded core: 3 ranks
         # on 2 cores take as long as 4 (measured: a lockstep loop of 3 ranks ran 2.2x slower
@@ -371,7 +541,17 @@ def planning_compute(
 
     if device == "cuda":
         return None
-    return profile_compute(cluster, model, shape, P, sorted({B // pc for _, pc in grids(P, B)}))
+    shapes = grids(P, B)
+    bands = sorted({(pr, B // pc) for pr, pc in shapes if pr > 1})
+    return profile_compute(
+        cluster, model, shape, P, sorted({B // pc for _, pc in shapes}), bands=bands
+    )
+
+
+def _key(k: str) -> tuple[int, int]:
+    """(Pr, samples) of a band table's key "PRxN"."""
+    pr, n = k.split("x")
+    return int(pr), int(n)
 
 
 if __name__ == "__main__":  # a neighbour of a profile (`_Neighbours`)

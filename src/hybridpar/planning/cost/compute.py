@@ -14,7 +14,7 @@ parameters and the slowdown of ranks sharing cores.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -66,6 +66,9 @@ class ProfileModel:
     share the cores (ceil(P x threads / cores), at least 1)."""
 
     per_count: dict[int, dict[str, tuple[float, float]]]
+    # {(Pr, samples): {leaf: (forward, backward) share of its time on the busiest band}}: the
+    # domain style's convolutions and poolings, measured on band and halo (planning.profile)
+    bands: dict[tuple[int, int], dict[str, tuple[float, float]]] = field(default_factory=dict)
     update_s: float = 0.0  # optimizer step, seconds per parameter element
     contention: float = 1.0
     source: str = ""
@@ -118,8 +121,10 @@ class ProfileModel:
         on B/Pc samples, 1/Pr of its time there (a wide layer's time on a small batch is mostly
         its weights': alexnet-owt's 4096-wide FC takes 53, 47 and 62 ms at 8, 16 and 32
         samples), and all of the layers riding along (they act on the gathered output); domain
-        runs everything on 1/Pr of the rows of B/Pc samples with whole weights: what does not
-        grow with the samples (the weight gradient's share, `_fixed`) whole, 1/Pr of the rest."""
+        runs everything on 1/Pr of the rows of B/Pc samples with whole weights: its convolutions
+        and poolings at the share of their time measured on the busiest rank's band and halo
+        (`bands`), where the profile has one; elsewhere what does not grow with the samples (the
+        weight gradient's share, `_fixed`) whole, 1/Pr of the rest."""
         n = B / s.pc
         params = layer.params
         if s.kind == "model":
@@ -130,7 +135,15 @@ class ProfileModel:
             f, b = wf / s.pr + rf, wb / s.pr + rb
             params = (layer.params - layer.extra_params) / s.pr + layer.extra_params
         elif s.kind == "domain":
-            f, b = self._sum(layer.members, n, 1.0 / s.pr)
+            # the windows at their measured share of the busiest band (halo rows, the joins);
+            # the rest on 1/Pr of the rows, what does not grow with the samples whole
+            shares = self.bands.get((s.pr, round(n)), {})
+            banded = [m for m in layer.members if m in shares]
+            f, b = self._sum([m for m in layer.members if m not in shares], n, 1.0 / s.pr)
+            for m in banded:
+                lf, lb = self._leaf(m, n)
+                f += lf * shares[m][0] * self.contention
+                b += lb * shares[m][1] * self.contention
         else:
             f, b = self._sum(layer.members, n)
         return f, b, params * self.update_s * self.contention
