@@ -87,6 +87,24 @@ def test_sync_cost_interpolates_the_calibrated_table():
     assert BASE.sync_cost(0.01) == (0.0, 0.0)  # nothing measured: nothing charged
 
 
+# a table whose every meeting costs 1 ms beyond the priced compute, plus 10 % of it: the shape
+# `hybridpar calibrate` measured at 4 ranks on 2 cores (1.35 ms and 8 %)
+MEETS = tuple((a, 2 * a + 0.001 + 0.2 * a, 0.0) for a in (0.0005, 0.002, 0.008))
+
+
+def test_each_meeting_pays_a_fixed_cost_and_a_share_where_the_table_shows_one():
+    c = dataclasses.replace(BASE, sync=MEETS, sync_ranks=4)
+    assert c.sync_cost(0.004)[0] == pytest.approx(0.001 + 0.1 * 0.004)
+    assert c.sync_cost(0.032)[0] == pytest.approx(0.001 + 0.1 * 0.032)  # beyond the last row
+    # below the first row (1 ms priced) in proportion from nothing: back to back costs nothing
+    assert c.sync_cost(0.0005)[0] == pytest.approx((0.001 + 0.1 * 0.001) * 0.5)
+    assert c.sync_cost(0.0) == (0.0, 0.0)
+    # ten short meetings cost more than one long one of the same compute
+    assert 10 * c.sync_cost(0.002)[0] > 2 * c.sync_cost(0.01)[0]
+    # a noisy table whose line falls below 0 at no compute: the share through 0 (ROWS' case)
+    assert TIMED.sync_cost(0.004)[0] == pytest.approx(_share(ROWS, 2) * 0.004)
+
+
 def test_the_table_loads_per_rank_count_and_round_trips(tmp_path):
     """`hybridpar calibrate` writes a table under each count of ranks it measured; a job of P
     ranks is priced with the table of the ranks on its host (`at`). A malformed table is
@@ -160,8 +178,9 @@ def test_the_planner_charges_meetings_and_the_split_adds_up():
     is its compute, its exposed communication and the excess; the predicted split (the report's
     and validate's) moves the waits from compute to communication and adds up to the total;
     a batch plan waits only at the gradient sums, a model plan at its blocking collectives too.
-    The excess is a share of the compute between meetings, so it adds that share of the whole
-    iteration's compute whatever the number of meetings."""
+    With a table whose line falls below 0 at no compute (ROWS) the excess is one share of the
+    compute whatever the number of meetings; with a fixed cost per meeting (MEETS), a plan pays
+    it at each."""
     plain = make_plan("digits-wide", 4, 64, BASE, scenarios=["batch", "model"])
     timed = make_plan("digits-wide", 4, 64, TIMED, scenarios=["batch", "model"])
     for name in ("batch", "model"):
@@ -183,6 +202,15 @@ def test_the_planner_charges_meetings_and_the_split_adds_up():
     assert exported["total_s"] == pytest.approx(model.total_s)
     for t in (batch, model):
         assert t.sync.excess_s == pytest.approx(_share(ROWS, 2) * t.compute_s)
+    # where every meeting costs a fixed time (MEETS), the plan that meets more often pays more
+    # of its compute, and the excess is the sum over its meetings
+    meets = dataclasses.replace(TIMED, sync=MEETS)
+    fixed = make_plan("digits-wide", 4, 64, meets, scenarios=["batch", "model"])
+    batch, model = fixed.scenario("batch"), fixed.scenario("model")
+    for t in (batch, model):
+        cuts = segments(t.layers)
+        assert t.sync.excess_s == pytest.approx(sum(meets.sync_cost(s)[0] for s, _ in cuts))
+    assert model.sync.excess_s / model.compute_s > batch.sync.excess_s / batch.compute_s
 
 
 def test_waits_split_at_the_fastest_rank_of_each_call():
