@@ -140,11 +140,13 @@ def straight_and_resumed(t, rebuild, data, k: int, folder) -> tuple[dict, dict]:
     return t.full_state_dict(), again.full_state_dict()
 
 
-def assert_same_state(got: dict, want: dict, label: str) -> None:
+def assert_same_state(
+    got: dict, want: dict, label: str, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
     assert list(got) == list(want), f"{label}: state_dict keys differ"
     for k, v in want.items():
         torch.testing.assert_close(
-            got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{label}: {k}: {m}"
+            got[k], v, rtol=rtol, atol=atol, msg=lambda m, k=k: f"{label}: {k}: {m}"
         )
 
 

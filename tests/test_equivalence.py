@@ -1,6 +1,6 @@
 """DESIGN.md invariant 1, the correctness oracle: training through `parallelize(model, plan)` on P
 gloo ranks gives the same parameters as single-process SGD on the same global batches (rtol 1e-5,
-atol 1e-6; 4 steps with momentum and weight decay), for every plan the planner's scenarios propose
+atol 1e-6; the large models in float64 at rtol 1e-7; 4 steps with momentum and weight decay), for every plan the planner's scenarios propose
 (domain aside): every grid of batch, model, same-grid and fc-grid, and the per-layer search. And
 invariant 2 on the same runs: the ledger's bytes per (layer, term) equal the plan's predictions.
 
@@ -28,7 +28,7 @@ NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
 SCENARIOS = ["batch", "model", "same-grid", "fc-grid", "domain", "per-layer"]
 
 
-def planner_plans(name: str, P: int, codec: str = "none") -> list:
+def planner_plans(name: str, P: int, codec: str = "none", elem_bytes: float | None = None) -> list:
     """Every distinct executable plan of every scenario, each grid candidate included."""
     builder, shape = MAKERS[name]
     with torch.device("meta"):
@@ -43,6 +43,7 @@ def planner_plans(name: str, P: int, codec: str = "none") -> list:
         model=name,
         scenarios=SCENARIOS,
         input_shape=shape,
+        elem_bytes=elem_bytes,
     )
     out, seen = [], set()
     for scenario in SCENARIOS:
@@ -73,21 +74,27 @@ def _measured(ledger: Ledger, steps: int) -> dict:
     return total
 
 
-def _matrix(name: str, P: int, codec: str = "none") -> list[str]:
+def _matrix(name: str, P: int, codec: str = "none", wide: bool = False) -> list[str]:
+    """Every planner plan of `name` on P ranks against one process; `wide`: in float64 at rtol
+    1e-7 (the large models: in float32 their sums in another order differed by up to 2.5e-6 in
+    alexnet-owt's first convolution on an AVX2 machine, above atol 1e-6, in a correct run)."""
     shape = MAKERS[name][1]
-    data = batches(shape)
+    dtype = torch.float64 if wide else torch.float32
+    data = [(x.to(dtype), y) for x, y in batches(shape)]
     rank = dist.get_rank()
-    want = train_reference(make(name), data) if rank == 0 else None
+    want = train_reference(make(name).to(dtype), data) if rank == 0 else None
     done = []
-    for p in planner_plans(name, P, codec):
+    tol = {"rtol": 1e-7, "atol": 1e-10} if wide else {}
+    for p in planner_plans(name, P, codec, elem_bytes=8 if wide else None):
         ledger = Ledger()
-        hp = parallelize(make(name), p, RuntimeOptions(codec_block=16), ledger=ledger)
+        model = make(name).to(dtype)
+        hp = parallelize(model, p, RuntimeOptions(codec_block=16), ledger=ledger)
         got = train_parallel(hp, data)
         measured = _measured(ledger, len(data))
         if rank == 0:
             label = _label(p)
             if codec == "none":
-                assert_same_state(got, want, label)
+                assert_same_state(got, want, label, **tol)
             predicted = p.predicted_bytes(by_layer=True)
             measured = {k: v for k, v in measured.items() if k[1] != "codec_overhead"}
             assert set(measured) == set(predicted), (
@@ -116,7 +123,7 @@ def test_every_plan_equals_single_process(name, P):
 
 @pytest.mark.parametrize("name", ["alexnet-owt", "alexnet", "vgg16"])
 def test_the_large_zoo_models_on_two_ranks(name):
-    assert len(run_ranks(_matrix, 2, name, 2, timeout_s=400)[0]) >= 2
+    assert len(run_ranks(_matrix, 2, name, 2, "none", True, timeout_s=400)[0]) >= 2
 
 
 @pytest.mark.parametrize("codec,P", [("dynamic-tree", 4), ("fp16", 4), ("dynamic-tree", 3)])
