@@ -466,7 +466,7 @@ def test_a_gpu_job_is_not_priced_with_the_cpu_profile(monkeypatch):
     from hybridpar.runtime.train import plans
     from hybridpar.runtime.train.config import TrainConfig
 
-    def refuse(*a):
+    def refuse(*a, **kw):
         raise AssertionError("profiled a GPU job on the CPU")
 
     monkeypatch.setattr(prof, "profile_compute", refuse)
