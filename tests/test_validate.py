@@ -316,6 +316,10 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path,
     cached.write_text(json.dumps({k: v for k, v in old.items() if k != "method"}))
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
     assert sorted(calls) == [2, 4, 4, 4, 8, 8, 8]
+    # a malformed table of band shares: measured again, not a crash
+    cached.write_text(json.dumps({**json.loads(cached.read_text()), "bands": ["2x8"]}))
+    pm = prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
+    assert sorted(calls) == [2, 4, 4, 4, 4, 8, 8, 8, 8] and list(pm.bands) == [(2, 8)]
     assert prof.planning_compute(PRESETS["cori-knl"], "digits-wide", (1, 8, 8), 2, 8) is None
 
 

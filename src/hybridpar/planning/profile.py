@@ -125,8 +125,9 @@ def _median_iteration(calls: list[float], repeats: int) -> float:
 
 
 def _windows(model, shape: tuple[int, ...]) -> dict[str, tuple]:
-    """{leaf: (module, Window, (C, W) of its input)} of every 2-d convolution (zero padding) and
-    max or average pooling: the layers the domain style runs on a band of rows."""
+    """{leaf: (module, Window, input channels, input width)} of every 2-d convolution (zero
+    padding) and max or average pooling, in forward order: the layers the domain style runs on
+    a band of rows."""
     import torch
     from torch import nn
 
@@ -271,7 +272,8 @@ def _band_ratio(
 
 def _measure_bands(model, shape, pr: int, n: int, repeats: int) -> dict[str, tuple[float, float]]:
     """{leaf: (forward, backward) share of its time} on the busiest rank of `pr` bands, n
-    examples (`_band_ratio`); the first convolution computes no input gradient, as in training."""
+    examples (`_band_ratio`); the first window computes no input gradient, as the profile's own
+    iterations (the model's input has none)."""
     out, first = {}, True
     for name, (module, window, c, w) in _windows(model, shape).items():
         out[name] = _band_ratio(module, window, c, w, n, pr, not first, repeats)
@@ -458,7 +460,7 @@ def _load(path: Path, cluster: Cluster) -> dict:
         return fresh
     if data.get("calibration") != cluster.flops or data.get("method") != METHOD:
         return fresh
-    if not isinstance(data.get("per_count"), dict):
+    if not isinstance(data.get("per_count"), dict) or not isinstance(data.get("bands", {}), dict):
         return fresh
     return data
 
