@@ -1,7 +1,7 @@
 """DESIGN.md invariant 1, the correctness oracle: training through `parallelize(model, plan)` on P
 gloo ranks gives the same parameters as single-process SGD on the same global batches (rtol 1e-5,
-atol 1e-6; the large models in float64 at rtol 1e-7 over 2 steps; 4 steps with momentum and weight decay), for every plan the planner's scenarios propose
-(domain aside): every grid of batch, model, same-grid and fc-grid, and the per-layer search. And
+atol 1e-6, 4 steps with momentum and weight decay; the large models in float64 at rtol 1e-7 over
+2 steps), for every plan the planner's scenarios propose (domain aside): every grid of batch, model, same-grid and fc-grid, and the per-layer search. And
 invariant 2 on the same runs: the ledger's bytes per (layer, term) equal the plan's predictions.
 
 Models: a torchvision-style AlexNet (sub-modules, torch.flatten in forward, widths no Pr divides),

@@ -133,17 +133,14 @@ def _windows(model, shape: tuple[int, ...]) -> dict[str, tuple]:
 
     from hybridpar.planning.halo import Window
 
-    def pair(v) -> tuple[int, int]:
-        return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
     seen: dict[str, tuple] = {}
     hooks = []
     for name, m in model.named_modules():
         conv = isinstance(m, nn.Conv2d) and m.padding_mode == "zeros"
         if not (conv or isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))) or isinstance(m.padding, str):
             continue
-        k, st = pair(m.kernel_size), pair(m.stride or m.kernel_size)
-        pad, dil = pair(m.padding), pair(getattr(m, "dilation", 1))
+        k, st = _pair(m.kernel_size), _pair(m.stride or m.kernel_size)
+        pad, dil = _pair(m.padding), _pair(getattr(m, "dilation", 1))
 
         def grab(mod, args, *_, name=name, k=k, st=st, pad=pad, dil=dil) -> None:
             x = args[0]
@@ -163,6 +160,11 @@ def _windows(model, shape: tuple[int, ...]) -> dict[str, tuple]:
         for h in hooks:
             h.remove()
     return seen
+
+
+def _pair(v) -> tuple[int, int]:
+    """A module's (height, width) argument from an int or a pair."""
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def _busiest_band(window, pr: int) -> tuple[int, int, int, int, int]:
@@ -212,17 +214,13 @@ def _band_ratio(
             st, dil, g = module.stride, module.dilation, module.groups
             return F.conv2d(rows, module.weight, module.bias, st, wp, dil, g)
     else:
-        k, st, pad = module.kernel_size, module.stride or module.kernel_size, module.padding
-        kw = (k if isinstance(k, int) else k[1], st if isinstance(st, int) else st[1])
-        pw = pad if isinstance(pad, int) else pad[1]
-        if isinstance(module, nn.MaxPool2d):
+        kw = _pair(module.kernel_size)[1]
+        sw = _pair(module.stride or module.kernel_size)[1]
+        pw = _pair(module.padding)[1]
+        pool = F.max_pool2d if isinstance(module, nn.MaxPool2d) else F.avg_pool2d
 
-            def compute(rows):
-                return F.max_pool2d(rows, (window.kernel, kw[0]), (window.stride, kw[1]), (0, pw))
-        else:
-
-            def compute(rows):
-                return F.avg_pool2d(rows, (window.kernel, kw[0]), (window.stride, kw[1]), (0, pw))
+        def compute(rows):
+            return pool(rows, (window.kernel, kw), (window.stride, sw), (0, pw))
 
     def timed(run) -> tuple[float, float]:
         run()  # warm up
