@@ -39,6 +39,11 @@ def ranks_of(parent: int) -> list[int]:
     return [pid for s in servers for pid, _ in children.get(s, [])]
 
 
+def fork_servers() -> set[int]:
+    """Every multiprocessing fork server on this machine (a launcher's, runtime.launcher)."""
+    return {pid for kids in _children().values() for pid, cmd in kids if "forkserver" in cmd}
+
+
 def cpu_ticks(pid: int) -> int:
     fields = read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])

