@@ -14,7 +14,7 @@ from nets import StochasticDepth, channel_shuffle
 from torch import nn
 
 from hybridpar.choices import Choices
-from hybridpar.planning.analysis import analyze
+from hybridpar.planning.analysis import analyze, trace
 from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.layers import cost_layers
 from hybridpar.planning.search import SCENARIOS, plan_layers
@@ -115,9 +115,11 @@ specs = st.lists(
 )
 
 
-def _plans(model: nn.Module, P: int, net: Cluster, choices: Choices):
-    with torch.device("meta"):
-        layers = cost_layers(analyze(model, SHAPE))
+def _plans(model: nn.Module, P: int, net: Cluster, choices: Choices, traced=None):
+    if traced is None:
+        with torch.device("meta"):
+            traced = trace(model, SHAPE)
+    layers = cost_layers(traced.specs)
     r = plan_layers(layers, P, B, net, choices=choices, scenarios=SCENARIOS, input_shape=SHAPE)
     for scenario in SCENARIOS:
         for candidate in r.candidates[scenario]:
@@ -129,11 +131,12 @@ def _plans(model: nn.Module, P: int, net: Cluster, choices: Choices):
 @given(stem=st.integers(2, 9), specs=specs, hidden=st.integers(2, 9))
 def test_every_exported_plan_is_accepted_by_the_runtime(stem, specs, hidden):
     model = RandomCNN(stem, specs, hidden)
+    traced = trace(model, SHAPE)  # once, as `hybridpar train` traces once for every check
     for P in (2, 3, 4):
         for net, choices in ((NET, Choices()), (SLOW, Choices()), (SLOW, Choices(reducer="host"))):
             n = 0
-            for plan in _plans(model, P, net, choices):
-                resolve(model, plan, SHAPE, P)  # raises ConfigError on a refused (layer, style)
+            for plan in _plans(model, P, net, choices, traced):
+                resolve(model, plan, SHAPE, P, traced)  # ConfigError on a refused (layer, style)
                 n += 1
             assert n, f"no plan at all for P={P}"
 

@@ -126,6 +126,21 @@ def test_a_fork_server_started_early_ends_with_a_command_that_never_launched():
     assert fork_servers() <= servers
 
 
+def test_a_measurement_waits_for_the_fork_server_to_finish_its_import():
+    """launcher.settle_server, called before the parent measures a compute profile, returns once
+    the server started early has imported torch (its libraries are mapped) and forks from its
+    loop, so the profile has the cores to itself; without a server it starts none."""
+    code = (
+        "import multiprocessing.forkserver as fs\n"
+        "from hybridpar.runtime.launcher import settle_server, start_server\n"
+        "settle_server(); assert fs._forkserver._forkserver_pid is None\n"
+        "start_server(); settle_server(); pid = fs._forkserver._forkserver_pid\n"
+        "print('libtorch_python' in open(f'/proc/{pid}/maps').read())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stdout + r.stderr
+
+
 def _localhost(cache):
     """A calibrated `localhost` without measuring: fixed numbers, so the plan is repeatable."""
     cache.mkdir(exist_ok=True)

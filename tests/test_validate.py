@@ -286,6 +286,22 @@ def test_the_search_weighs_compute_by_style():
     assert by_profile.best.compute_s == pytest.approx(2 * 8 * (1e-6 + 1e-2))
 
 
+class _Alone:
+    """A profile's neighbours (profile._Neighbours) where a test asks only what is cached."""
+
+    def __init__(self, *_):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+    def run(self, _):
+        pass
+
+
 def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
     calls = []
@@ -296,6 +312,9 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path,
         return real(model, shape, n, 1)
 
     monkeypatch.setattr(prof, "_measure_count", counting)
+    bands = prof._measure_bands
+    monkeypatch.setattr(prof, "_measure_bands", lambda m, s, pr, n, _: bands(m, s, pr, n, 1))
+    monkeypatch.setattr(prof, "_Neighbours", _Alone)  # what is cached when, not the neighbours
     host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
     pm = prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)  # counts 4 (1x2), 8 (2x1)
     assert sorted(calls) == [4, 8] and sorted(pm.per_count) == [4, 8]

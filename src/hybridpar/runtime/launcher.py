@@ -47,6 +47,7 @@ __all__ = [
     "RankFailure",
     "free_port",
     "launch",
+    "settle_server",
     "start_server",
     "stop_on_signals",
     "under_torchrun",
@@ -291,6 +292,19 @@ def start_server() -> None:
         return
     _server()
     atexit.register(_kill_server)
+
+
+def settle_server() -> None:
+    """Wait until a fork server started early (`start_server`) has finished its import: a
+    measurement (a compute profile) taken meanwhile would share a core with it. The server
+    answers a fork only from its main loop, after the import, so one trivial process started
+    and joined is the wait (40 ms once the server is idle)."""
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is None:
+        return
+    p = mp.get_context("forkserver").Process(target=int, daemon=True)
+    p.start()
+    p.join()
 
 
 def _kill_server() -> None:

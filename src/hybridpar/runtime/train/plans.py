@@ -14,17 +14,28 @@ import torch.distributed as dist
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style
 from hybridpar.planning.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
+from hybridpar.planning.cost.compute import ProfileModel
 from hybridpar.planning.handoff import Handoff
 from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.presets import plan_preset
 from hybridpar.planning.profile import planning_compute
 from hybridpar.planning.search import evaluate, export
-from hybridpar.runtime.launcher import under_torchrun
+from hybridpar.runtime.launcher import settle_server, under_torchrun
 from hybridpar.runtime.train.calibration import calibrate_in_job
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.job import Job
 
 __all__ = ["agreed_plan", "checked_file_plan", "preset_plan", "pricing_cluster"]
+
+
+def settled_compute(
+    cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int, device: str
+) -> ProfileModel | None:
+    """planning.profile.planning_compute, once the fork server `hybridpar train` started early
+    has finished importing (launcher.settle_server): a profile it measures would otherwise share
+    a core with that import, and be cached for every later plan."""
+    settle_server()
+    return planning_compute(cluster, model, shape, P, B, device)
 
 
 def pricing_cluster(spec: str, required: bool) -> Cluster:
@@ -52,7 +63,7 @@ def preset_plan(
         choices=cfg.choices,
         model=cfg.model,
         input_shape=shape,
-        compute=planning_compute(cluster, cfg.model, shape, P, cfg.batch, cfg.choices.device),
+        compute=settled_compute(cluster, cfg.model, shape, P, cfg.batch, cfg.choices.device),
         grad_bucket=cfg.runtime.bucket_bytes,
         handoff=cfg.handoff or "a",
         rounds=cfg.rounds,
@@ -76,9 +87,7 @@ def checked_file_plan(
         )
     cluster = pricing_cluster(cfg.cluster, required=False)
     chosen = [styles[x.name] for x in layers]
-    compute = planning_compute(
-        cluster, cfg.model, shape, plan.procs, plan.batch, cfg.choices.device
-    )
+    compute = settled_compute(cluster, cfg.model, shape, plan.procs, plan.batch, cfg.choices.device)
     priced = evaluate(
         layers,
         plan.procs,
