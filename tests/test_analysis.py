@@ -158,3 +158,42 @@ def test_batch_norm_rides_with_the_layer_of_its_segment():
     assert stem.members == ("conv1", "bn1", "relu") and stem.norms == ((16, True),)
     assert first.name == "layer1.0.conv1" and first.entry == "layer1.0"
     assert {x.segment for x in layers if x.name.startswith("layer2.1.")} == {first.segment + 4}
+
+
+@pytest.mark.parametrize("name", ["digits-cnn", "resnet20", "digits-wide"])
+def test_a_small_model_traced_on_the_cpu_gives_what_meta_tensors_give(name, monkeypatch):
+    """Small models are traced on zeros on the CPU (analysis.SMALL_STATE), large ones on meta
+    tensors: the layers, segments and parameter uses are the same either way."""
+    import hybridpar.planning.analysis as an
+
+    with torch.device("meta"):
+        model = build_model(name)
+    shape = input_shape(name)
+    assert an._trace_device(torch.float32, shape, 10**5) == "cpu"
+    assert an._trace_device(torch.float16, shape, 10**5) == "meta"
+    assert an._trace_device(torch.float32, (3, 224, 224), 10**5) == "meta"
+    assert an._trace_device(torch.float32, shape, 10**8) == "meta"
+    on_cpu = trace(model, shape)
+    monkeypatch.setattr(an, "SMALL_STATE", 0)
+    on_meta = trace(model, shape)
+    assert on_cpu.specs == on_meta.specs and on_cpu.specs
+    assert on_cpu.calls == on_meta.calls and on_cpu.param_segments == on_meta.param_segments
+
+
+def test_planning_a_small_model_does_not_import_torch_dynamo():
+    """What the CPU trace saves: torch imports torch._dynamo on the first meta kernel written in
+    Python (1.5-2 s on a 2-core machine), in every command that plans."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from hybridpar.planning.analysis import trace\n"
+        "from hybridpar.planning.models import build_model, input_shape\n"
+        "with torch.device('meta'):\n"
+        "    m = build_model('resnet20')\n"
+        "trace(m, input_shape('resnet20'))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stdout + r.stderr

@@ -216,7 +216,7 @@ def _spec(
 
 @dataclass
 class Trace:
-    """What one meta-device forward pass showed: the leaf calls in order (with their segments),
+    """What one traced forward pass showed: the leaf calls in order (with their segments),
     how often each module ran, and in which segments each parameter was used."""
 
     specs: list[LayerSpec]
@@ -350,10 +350,23 @@ class _Calls:
             rec.on = False
 
 
+# a model with at most this many elements of state and of input per sample is traced on zeros
+# on the CPU instead of on meta tensors: there it takes milliseconds, while the first call of a
+# meta kernel written in Python imports torch._dynamo (1.5-2 s on a 2-core machine, in every
+# command that plans)
+SMALL_STATE, SMALL_INPUT = 4_000_000, 3 * 64 * 64
+
+
+def _trace_device(dtype: torch.dtype, input_shape: tuple[int, ...], state: int) -> str:
+    small = state <= SMALL_STATE and math.prod(input_shape) <= SMALL_INPUT
+    return "cpu" if small and dtype in (torch.float32, torch.float64) else "meta"
+
+
 def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
-    """Run `model` once on meta tensors for one input of `input_shape` (per sample, no batch dim)
-    and return its leaf calls, segments and parameter uses. A 100-million-parameter model costs
-    nothing; the model itself is not modified."""
+    """Run `model` once for two inputs of `input_shape` (per sample, no batch dim) and return its
+    leaf calls, segments and parameter uses: on meta tensors, where a 100-million-parameter model
+    costs nothing, or on zeros on the CPU for a small one (`SMALL_STATE`, `SMALL_INPUT`). The
+    model itself is not modified."""
     input_shape = tuple(int(s) for s in input_shape)
     if not input_shape or any(s <= 0 for s in input_shape):
         raise ConfigError(
@@ -367,10 +380,13 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     try:
         floats = (p.dtype for p in model.parameters() if p.is_floating_point())
         dtype = next(floats, torch.get_default_dtype())  # a float64 model reads float64
-        x = torch.empty((2, *input_shape), device="meta", dtype=dtype)
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        device = _trace_device(dtype, input_shape, sum(v.numel() for _, v in tensors))
+        x = torch.zeros((2, *input_shape), device=device, dtype=dtype)
         state = {}
-        for k, v in [*model.named_parameters(), *model.named_buffers()]:
-            state[k] = torch.empty_like(v, device="meta").requires_grad_(v.requires_grad)
+        for k, v in tensors:
+            t = torch.zeros(v.shape, dtype=v.dtype, device=device)
+            state[k] = t.requires_grad_(v.requires_grad)
         rec.params = {id(v): k for k, v in state.items() if v.requires_grad}
         with rec, torch.no_grad():
             try:
