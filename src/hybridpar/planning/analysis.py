@@ -382,11 +382,14 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
         dtype = next(floats, torch.get_default_dtype())  # a float64 model reads float64
         tensors = [*model.named_parameters(), *model.named_buffers()]
         device = _trace_device(dtype, input_shape, sum(v.numel() for _, v in tensors))
-        x = torch.zeros((2, *input_shape), device=device, dtype=dtype)
+        meta = device == "meta"  # nothing to fill there; zeros on the CPU (no garbage)
+        blank, blank_like = (
+            (torch.empty, torch.empty_like) if meta else (torch.zeros, torch.zeros_like)
+        )
+        x = blank((2, *input_shape), device=device, dtype=dtype)
         state = {}
-        for k, v in tensors:
-            t = torch.zeros(v.shape, dtype=v.dtype, device=device)
-            state[k] = t.requires_grad_(v.requires_grad)
+        for k, v in tensors:  # the layouts kept (a channels-last weight stays channels-last)
+            state[k] = blank_like(v, device=device).requires_grad_(v.requires_grad)
         rec.params = {id(v): k for k, v in state.items() if v.requires_grad}
         with rec, torch.no_grad():
             try:

@@ -294,7 +294,12 @@ def start_server() -> None:
     if under_torchrun():
         return
     _server()
-    atexit.register(_kill_server)
+    if not _killed_at_exit:
+        _killed_at_exit.append(True)
+        atexit.register(_kill_server)
+
+
+_killed_at_exit: list[bool] = []  # `_kill_server` registered with atexit (once a process)
 
 
 def settle_server() -> None:
