@@ -39,6 +39,17 @@ def ranks_of(parent: int) -> list[int]:
     return [pid for s in servers for pid, _ in children.get(s, [])]
 
 
+def python_prints(code: str, timeout_s: float = 120) -> list[str]:
+    """The words a fresh interpreter prints running `code` (which must exit 0)."""
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.split()
+
+
 def fork_servers() -> set[int]:
     """Every multiprocessing fork server on this machine (a launcher's, runtime.launcher)."""
     return {pid for kids in _children().values() for pid, cmd in kids if "forkserver" in cmd}

@@ -115,10 +115,7 @@ specs = st.lists(
 )
 
 
-def _plans(model: nn.Module, P: int, net: Cluster, choices: Choices, traced=None):
-    if traced is None:
-        with torch.device("meta"):
-            traced = trace(model, SHAPE)
+def _plans(traced, P: int, net: Cluster, choices: Choices):
     layers = cost_layers(traced.specs)
     r = plan_layers(layers, P, B, net, choices=choices, scenarios=SCENARIOS, input_shape=SHAPE)
     for scenario in SCENARIOS:
@@ -135,7 +132,7 @@ def test_every_exported_plan_is_accepted_by_the_runtime(stem, specs, hidden):
     for P in (2, 3, 4):
         for net, choices in ((NET, Choices()), (SLOW, Choices()), (SLOW, Choices(reducer="host"))):
             n = 0
-            for plan in _plans(model, P, net, choices, traced):
+            for plan in _plans(traced, P, net, choices):
                 resolve(model, plan, SHAPE, P, traced)  # ConfigError on a refused (layer, style)
                 n += 1
             assert n, f"no plan at all for P={P}"

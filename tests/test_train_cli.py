@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from procs import assert_all_gone, fork_servers, shm, wait_for_ranks
+from procs import assert_all_gone, fork_servers, python_prints, shm, wait_for_ranks
 
 from hybridpar.config import build
 from hybridpar.errors import ConfigError
@@ -137,8 +137,7 @@ def test_a_measurement_waits_for_the_fork_server_to_finish_its_import():
         "start_server(); settle_server(); pid = fs._forkserver._forkserver_pid\n"
         "print('libtorch_python' in open(f'/proc/{pid}/maps').read())\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stdout + r.stderr
+    assert python_prints(code) == ["True"]
 
 
 def _dynamo_there() -> bool:

@@ -281,7 +281,17 @@ def _server() -> tuple[Any, int | None]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     fs.ensure_running()
-    return ctx, getattr(getattr(fs, "_forkserver", None), "_forkserver_pid", None)
+    return ctx, getattr(_fork_server(), "_forkserver_pid", None)
+
+
+def _fork_server() -> Any:
+    """multiprocessing's fork-server object in this process (None before
+    multiprocessing.forkserver is imported). Imports nothing: a signal handler calls it."""
+    return getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+
+
+# the pid of the server `start_server` started, until `settle_server` has seen it finish its import
+_importing: int | None = None
 
 
 def start_server() -> None:
@@ -291,35 +301,32 @@ def start_server() -> None:
     is no rank: it has imported torch and runs nothing until `launch` asks it to fork. If this
     process ends before then (a bad input, exit 2), the server is killed at exit rather than
     left to finish its import alone. Nothing to do under torchrun."""
+    global _importing
     if under_torchrun():
         return
-    _server()
-    if not _killed_at_exit:
-        _killed_at_exit.append(True)
-        atexit.register(_kill_server)
-
-
-_killed_at_exit: list[bool] = []  # `_kill_server` registered with atexit (once a process)
+    _importing = _server()[1]
+    atexit.unregister(_kill_server)  # registered once, however often a process calls this
+    atexit.register(_kill_server)
 
 
 def settle_server() -> None:
-    """Wait until a fork server started early (`start_server`) has finished its import: a
-    measurement (a compute profile) taken meanwhile would share a core with it. The server
-    answers a fork only from its main loop, after the import, so one trivial process started
-    and joined is the wait (40 ms once the server is idle)."""
-    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
-    if getattr(server, "_forkserver_pid", None) is None:
-        return
-    p = mp.get_context("forkserver").Process(target=int, daemon=True)
-    p.start()
-    p.join()
+    """Wait until the fork server `start_server` started has finished its import: a measurement
+    (a compute profile) taken meanwhile would share a core with it. The server answers a fork
+    only from its main loop, after the import, so one trivial process started and joined is the
+    wait; once per server started early, nothing otherwise."""
+    global _importing
+    if _importing is not None and _importing == getattr(_fork_server(), "_forkserver_pid", None):
+        p = mp.get_context("forkserver").Process(target=int, daemon=True)
+        p.start()
+        p.join()
+    _importing = None
 
 
 def _kill_server() -> None:
     """End the fork server at once (at exit, or on a signal before any rank started): its ranks,
     if any are still there, follow it (PR_SET_PDEATHSIG). Imports nothing: a signal handler
     calls it."""
-    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    server = _fork_server()
     pid = getattr(server, "_forkserver_pid", None)
     if pid is None:
         return
@@ -340,9 +347,7 @@ def _release_server() -> None:
     holding it would keep the server alive after the launcher is killed, and the server would
     keep the rank alive (its PR_SET_PDEATHSIG waits for the server): measured, the ranks of a
     launcher killed by SIGKILL ran on for 20 s, until a collective timed out."""
-    import multiprocessing.forkserver as fs
-
-    server = getattr(fs, "_forkserver", None)
+    server = _fork_server()
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         os.close(fd)

@@ -31,9 +31,9 @@ __all__ = ["agreed_plan", "checked_file_plan", "preset_plan", "pricing_cluster"]
 def settled_compute(
     cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int, device: str
 ) -> ProfileModel | None:
-    """planning.profile.planning_compute, once the fork server `hybridpar train` started early
-    has finished importing (launcher.settle_server): a profile it measures would otherwise share
-    a core with that import, and be cached for every later plan."""
+    """planning.profile.planning_compute, once a fork server `hybridpar train` started early has
+    finished importing (launcher.settle_server; at once otherwise): a profile it measures would
+    otherwise share a core with that import, and be cached for every later plan."""
     settle_server()
     return planning_compute(cluster, model, shape, P, B, device)
 
