@@ -82,15 +82,23 @@ def sum_in_order(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 
 class _Segment:
-    """One bucket's shared memory: 2 parities x (P slots + 1 sum) x n floats, then the flags:
-    2 parities x P ranks x (stages x _FLAGS); stage c covers floats bounds[c]:bounds[c + 1]."""
+    """One bucket's shared memory: 2 parities x (P slots + 1 sum) x n values of `dtype` (the
+    gradients': a float64 model sums in float64), then the flags: 2 parities x P ranks x
+    (stages x _FLAGS); stage c covers values bounds[c]:bounds[c + 1]."""
 
     def __init__(
-        self, path: str, local: int, nlocal: int, n: int, create: bool, stages: int = 1
+        self,
+        path: str,
+        local: int,
+        nlocal: int,
+        n: int,
+        create: bool,
+        stages: int = 1,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.n, self.nlocal, self.stages = n, nlocal, stages
+        self.n, self.nlocal, self.stages, self.dtype = n, nlocal, stages, dtype
         self.bounds = [n * c // stages for c in range(stages + 1)]
-        data = 2 * (nlocal + 1) * n * 4
+        data = 2 * (nlocal + 1) * n * dtype.itemsize
         self.flag_off = (data + 63) // 64 * 64
         size = self.flag_off + 2 * nlocal * stages * _FLAGS * 8
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -102,7 +110,7 @@ class _Segment:
         finally:
             os.close(fd)
         whole = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.floats = whole[:data].view(torch.float32).view(2, nlocal + 1, n)
+        self.floats = whole[:data].view(dtype).view(2, nlocal + 1, n)
         # flags through numpy: polling one is a plain memory read, ~20x cheaper than indexing a
         # tensor (the small all-reduces poll them in a loop)
         self.flags = np.frombuffer(
@@ -236,7 +244,7 @@ class HostReducer:
     ) -> None:
         self.codec = codec if codec is not None and codec.name != "none" else None
         """the leaders' step across hosts, encoded (Dettmers over the network, Sekiyama within
-        the host: the shared-memory sums stay float32)"""
+        the host: the shared-memory sums keep the gradients' dtype)"""
         self.group = pg_of(group)
         self.timeout_s = group_timeout(group).total_seconds()
         self.ledger = ledger
@@ -261,7 +269,7 @@ class HostReducer:
         caller does next (the rest of the backward pass). Buckets are reduced in the order they
         are submitted, which is the same on every rank. The segment of a new key is made here,
         on the caller's thread, because making it is collective."""
-        seg, step = self._next_step(key, t.numel())
+        seg, step = self._next_step(key, t.numel(), t.dtype)
         return self._worker.submit(lambda: self._reduce(t, seg, key, step, term, layers, False))
 
     def start(
@@ -292,25 +300,28 @@ class HostReducer:
         seg = self._segment(key, n)
         return seg.slot((self.steps[key] + 1) % 2, self.topo.local_rank)
 
-    def _next_step(self, key: object, n: int) -> tuple[_Segment, int]:
+    def _next_step(
+        self, key: object, n: int, dtype: torch.dtype = torch.float32
+    ) -> tuple[_Segment, int]:
         """The segment and number of the next all-reduce of `key`, counted on the caller's
         thread (the order every rank shares), so that `slot` and `start` agree with the worker."""
-        seg = self._segment(key, n)
+        seg = self._segment(key, n, dtype)
         step = self.steps[key] = self.steps[key] + 1
         return seg, step
 
-    def _segment(self, key: object, n: int) -> _Segment:
+    def _segment(self, key: object, n: int, dtype: torch.dtype = torch.float32) -> _Segment:
         seg = self.segments.get(key)
-        if seg is not None and seg.n == n:
+        if seg is not None and seg.n == n and seg.dtype == dtype:
             return seg
         t = self.topo
         path = f"/dev/shm/hybridpar-{self.token}-{t.local_ranks[0]}-{len(self.segments)}-{n}"
-        stages = max(1, min(n, -(-n * 4 // self.stage_bytes))) if self.stage_bytes else 1
+        size = n * dtype.itemsize
+        stages = max(1, min(n, -(-size // self.stage_bytes))) if self.stage_bytes else 1
         if t.leader:
-            seg = _Segment(path, t.local_rank, t.local_size, n, True, stages)
+            seg = _Segment(path, t.local_rank, t.local_size, n, True, stages, dtype)
         dist.barrier(group=self.group)  # created before anyone opens it
         if not t.leader:
-            seg = _Segment(path, t.local_rank, t.local_size, n, False, stages)
+            seg = _Segment(path, t.local_rank, t.local_size, n, False, stages, dtype)
         dist.barrier(group=self.group)  # everyone has it mapped: the name can go
         if t.leader:
             os.unlink(path)
@@ -358,7 +369,7 @@ class HostReducer:
         term: str = Term.DW_ALLREDUCE,
         layers: dict[str, float] | None = None,
     ) -> torch.Tensor:
-        seg, step = self._next_step(key, t.numel())
+        seg, step = self._next_step(key, t.numel(), t.dtype)
         return self._reduce(t, seg, key, step, term, layers, False)
 
     def _reduce(
@@ -421,7 +432,8 @@ class HostReducer:
         if self.ledger is not None:
             self.ledger.record("host_reduce", 1, 0.0, time.perf_counter() - t0, term, layers)
             if hosts and topo.leader and self.codec is None:
-                self.ledger.record("all_reduce", topo.hosts, seg.n * 4, 0.0, term, layers)
+                nbytes = seg.n * seg.dtype.itemsize
+                self.ledger.record("all_reduce", topo.hosts, nbytes, 0.0, term, layers)
         return total.view(t.shape) if in_slot else t
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -53,14 +54,14 @@ def parallelize(
     return ENGINES[plan.engine](model, plan, layout, options, device, ledger)
 
 
-def _device(model: nn.Module, plan: ParallelPlan) -> str:
-    """Where the model's parameters are: cpu or cuda."""
+def _device(model: nn.Module, plan: ParallelPlan) -> torch.device:
+    """Where the model's parameters are (cuda:k, cpu): every tensor the engine makes goes there."""
     p = next(model.parameters(), None)
-    where = p.device.type if p is not None else "cpu"
+    where = p.device if p is not None else torch.device("cpu")
     wanted = plan.choices.device
-    if wanted != "auto" and wanted != where:
+    if wanted != "auto" and wanted != where.type:
         raise ConfigError(
-            f"the plan says device {wanted} but the model's parameters are on {where}; "
+            f"the plan says device {wanted} but the model's parameters are on {where.type}; "
             f"move the model (model.to('{wanted}')) or re-plan"
         )
     return where

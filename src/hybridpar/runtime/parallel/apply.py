@@ -48,16 +48,20 @@ __all__ = [
 
 
 def context(
-    plan: ParallelPlan, layout: Layout, options: RuntimeOptions, ledger: Ledger | None, device: str
+    plan: ParallelPlan,
+    layout: Layout,
+    options: RuntimeOptions,
+    ledger: Ledger | None,
+    device: torch.device,
 ) -> BuildContext:
     """The grids of every segment's style (one per distinct Pc), with the groups that move
     activations between them and the job's timeout, and the plan's codec."""
     pcs = [s.pc for s in layout.segments] + [plan.procs]
     moves = [(a.pc, b.pc) for _, a, b in layout.moves()]
     timeout = datetime.timedelta(seconds=options.timeout_s) if options.timeout_s else None
-    grids = GridSet(pcs, moves, device, timeout, options.shared_memory, plan.placement)
+    grids = GridSet(pcs, moves, device.type, timeout, options.shared_memory, plan.placement)
     codec = get_codec(plan.choices.codec, options.block) if plan.choices.codec != "none" else None
-    return BuildContext(grids, plan.choices, options, ledger, codec=codec)
+    return BuildContext(grids, plan.choices, options, ledger, codec=codec, device=device)
 
 
 def _set(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -171,8 +175,7 @@ def switch(plan: ParallelPlan, ctx: BuildContext) -> BNSwitch:
     """The adaptive batch norm's switch (Liu et al. 4.3), deciding over the job's world group."""
     o = ctx.options
     rule = Plateau(o.bn_window, o.bn_threshold, o.bn_signal)
-    s = BNSwitch(o.bn_max_batch, rule, group=ctx.grids.world, ledger=ctx.ledger)
-    s.device = ctx.grids.device
+    s = BNSwitch(o.bn_max_batch, rule, group=ctx.grids.world, ledger=ctx.ledger, device=ctx.device)
     s.start(plan.batch)  # BZ: the global batch (Liu et al. section 5)
     return s
 
@@ -225,10 +228,10 @@ def grad_sync(
         named = (layout.layer_of.get(module, module), p)
         by_key.setdefault(style.grad_key, (style, []))[1].append(named)
     pairs = []
-    for _, (style, named) in sorted(by_key.items()):
+    for (_, pc), (style, named) in sorted(by_key.items()):
         group = style.grad_group
-        if reducer.own_groups:  # the reducer's thread: groups nobody else uses
-            group = ctx.grids.grad_group(style.spec.pc)
+        if reducer.own_groups:  # the reducer's thread: a twin of the key's group, not the
+            group = ctx.grids.grad_group(pc)  # style's own grid (domain sums over all P ranks)
         pairs.append((group, named))
     if reducer.host:  # every gradient group's leaders, made by every rank in one order
         reducer.leaders = host_leaders([g for g, _ in pairs], ctx.grids.timeout)

@@ -127,8 +127,10 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             dweight, dbias = torch.zeros_like(mean), torch.zeros_like(mean)
             sums.zero_()
         else:
+            # eval mode reads the running statistics (mean, var); CUDA's kernel asserts that
+            # save_mean and save_invstd are given all the same
             _, dweight, dbias = torch.ops.aten.native_batch_norm_backward(
-                dy, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+                dy, x, weight, mean, var, mean, invstd, False, ctx.eps, [False, True, True]
             )
             torch.cat([dbias, dweight], out=sums)
         dx = None
@@ -339,7 +341,7 @@ class BNSwitch:
     rule: Plateau | None = field(default_factory=Plateau)
     group: Group | dist.ProcessGroup | None = None
     ledger: Ledger | None = None
-    device: str = "cpu"  # where the agreed window sums are reduced (cuda under NCCL)
+    device: torch.device | str = "cpu"  # the model's: where the agreed window sums are reduced
     mode: str = "local"
     switched_at: int | None = None
     reason: str = ""

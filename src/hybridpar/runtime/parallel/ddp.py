@@ -36,7 +36,7 @@ class DDPEngine(Engine):
         self.rows: list[int] | None = None
         timeout = datetime.timedelta(seconds=options.timeout_s) if options.timeout_s else None
         everyone = list(range(self.P))
-        shm = options.shared_memory and device == "cpu"
+        shm = options.shared_memory and device.type == "cpu"
         self.world = new_group(everyone, timeout, "hybridpar_world", "world", shm)
         self.bn_switch = None
         if plan.choices.bn == "adaptive":

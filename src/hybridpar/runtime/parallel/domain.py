@@ -40,6 +40,7 @@ from hybridpar.plan import Style
 from hybridpar.planning.halo import Window, bands
 from hybridpar.planning.layers import CostLayer
 from hybridpar.runtime import faults
+from hybridpar.runtime.comm import p2p
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import Chain, Move, gather, replicated, split
@@ -51,15 +52,16 @@ __all__ = ["MOVES", "DomainConv2d", "DomainPool2d", "DomainStyle", "Exchange"]
 
 class Exchange:
     """The halo rows of one window on this rank: what it receives from whom and sends to whom,
-    over the model group (`ranks`: the group's global ranks, in band order).
+        over the model group (`ranks`: the group's global ranks, in band order).
 
-    On one host (the group built with shared memory, comm.small) the rows travel through the
-    group's shared segment: forward, each rank writes the rows others read into its slot and
-    raises its flag (`begin`), computes its interior rows, then waits for the others' flags and
-    copies out what it reads (`finish`); backward, one exchange of the gradients in `_Post`'s
-    backward, which every rank runs. Elsewhere (several hosts, CUDA, more than the segment's
-    limit) they travel as point-to-point `isend`/`irecv` on torch.distributed. Either way the
-    ledger books the bytes each rank sends to the others, what the cost model prices."""
+        On one host (the group built with shared memory, comm.small) the rows travel through the
+        group's shared segment: forward, each rank writes the rows others read into its slot and
+        raises its flag (`begin`), computes its interior rows, then waits for the others' flags and
+        copies out what it reads (`finish`); backward, one exchange of the gradients in `_Post`'s
+        backward, which every rank runs. Elsewhere (several hosts, CUDA, more than the segment's
+        limit) they travel as point-to-point sends and receives (comm.p2p: through host buffers where
+    gloo carries them, a GPU's rows included). Either way the
+        ledger books the bytes each rank sends to the others, what the cost model prices."""
 
     def __init__(self, window: Window, group: Group, ledger: Ledger | None, layer: str) -> None:
         self.window, self.group, self.ledger, self.layer = window, group, ledger, layer
@@ -108,10 +110,10 @@ class Exchange:
         else:
             works, bufs = [], {}
             for (q, _), piece in zip(sorted(self.sends.items()), pieces, strict=True):
-                works.append(dist.isend(piece.contiguous(), self.ranks[q], group=self.group.pg))
+                works.append(p2p.isend(piece, self.ranks[q], self.group.pg))
             for q, rows in self.receives.items():
                 bufs[q] = x.new_empty(self._shape(x, rows))
-                works.append(dist.irecv(bufs[q], self.ranks[q], group=self.group.pg))
+                works.append(p2p.irecv(bufs[q], self.ranks[q], self.group.pg))
             call["works"], call["bufs"] = works, bufs
         if self.ledger is not None:
             layers = {self.layer: 1.0}
@@ -141,9 +143,7 @@ class Exchange:
         call["back_bytes"] = sum(g.numel() * g.element_size() for g in grads.values())
         if "shm" not in call:
             ranks = self.ranks
-            call["back"] = [
-                dist.isend(g.contiguous(), ranks[q], group=self.group.pg) for q, g in grads.items()
-            ]
+            call["back"] = [p2p.isend(g, ranks[q], self.group.pg) for q, g in grads.items()]
 
     def take_back(self, g: torch.Tensor, call: dict) -> torch.Tensor:
         """Backward: the gradients other ranks computed for the rows this rank sent them come in
@@ -165,7 +165,7 @@ class Exchange:
             works = []
             for q, rows in self.sends.items():
                 inbound[q] = g.new_empty(self._shape(g, rows))
-                works.append(dist.irecv(inbound[q], self.ranks[q], group=self.group.pg))
+                works.append(p2p.irecv(inbound[q], self.ranks[q], self.group.pg))
             for w in [*call.get("back", []), *works]:
                 w.wait()
         if inbound:

@@ -56,7 +56,7 @@ class Engine(nn.Module):
         plan: ParallelPlan,
         layout: Layout,
         options: RuntimeOptions,
-        device: str,
+        device: torch.device,
         ledger: Ledger | None = None,
     ) -> None:
         super().__init__()

@@ -50,9 +50,10 @@ __all__ = ["Rounds", "install"]
 
 
 class _Plan:
-    """One step's rounds on this rank: who sends how many examples in which round."""
+    """One step's rounds on this rank: who sends how many examples in which round; its index
+    tensors on `device`, the activations' (they select rows of them)."""
 
-    def __init__(self, r: Rounds) -> None:
+    def __init__(self, r: Rounds, device: torch.device) -> None:
         finest = r.rows.sizes
         if finest is None:
             raise RuntimeError("call set_batch(n) with the step's global batch before the forward")
@@ -67,12 +68,9 @@ class _Plan:
             ex, pos = [], []
             for i in range(r.m):
                 off = sum(self.per_round[i][:j])
-                ex.append(torch.arange(starts[i] + off, starts[i] + off + self.per_round[i][j]))
-                pos.append(
-                    torch.arange(
-                        sum(self.rows[:i]) + off, sum(self.rows[:i]) + off + self.per_round[i][j]
-                    )
-                )
+                first, n = sum(self.rows[:i]) + off, self.per_round[i][j]
+                ex.append(torch.arange(starts[i] + off, starts[i] + off + n, device=device))
+                pos.append(torch.arange(first, first + n, device=device))
             self.examples.append(torch.cat(ex))
             order.append(torch.cat(pos))
         # y in round order -> (a)'s order (member by member): canonical row c sits at perm[c]
@@ -81,7 +79,7 @@ class _Plan:
         for j in range(K):
             self.bounds.append(self.bounds[-1] + sum(p[j] for p in self.per_round))
         self.perm = torch.empty_like(where)
-        self.perm[where] = torch.arange(where.numel())
+        self.perm[where] = torch.arange(where.numel(), device=device)
         self.where = where
 
     def sizes(self, j: int) -> list[int]:
@@ -160,7 +158,7 @@ class Rounds:
         return self.output
 
     def run_forward(self, x: torch.Tensor, head, grad: bool = True) -> torch.Tensor:
-        plan = self.plan = _Plan(self)
+        plan = self.plan = _Plan(self, x.device)
         K = self.h.rounds
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         variable = grad and self.per_round is not None

@@ -17,7 +17,7 @@ planner and `resolve` both call. The runtime looks the kind up (kinds.py) and ge
 Where two consecutive segments' layouts differ, the move between them is
 `hybridpar.runtime.parallel.redistribute.move` (a registry keyed by the two layouts' kinds).
 
-One file per kind holds its class (batch.py, model.py; domain.py when the domain issue lands), and
+One file per kind holds its class (batch.py, model.py, domain.py), and
 kinds.py lists them. docs/runtime.md, "How to add a style", walks through a new one.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from hybridpar.choices import Choices
@@ -52,6 +53,8 @@ class BuildContext:
     rows: StepRows = field(default_factory=StepRows)
     codec: Codec | None = None
     """the plan's codec (None: float32 on the wire)"""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """where the model's parameters are: what the runtime makes goes there"""
 
     @property
     def activation_codec(self) -> Codec | None:
