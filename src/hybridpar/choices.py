@@ -9,6 +9,7 @@ planner, `export`, the presets and both command-line configs share, with one def
 | `bn`       | local, global (Liu et al.), adaptive (local, then global)      | global              |
 | `amp`      | none, bf16 autocast (activations travel as bf16)               | none                |
 | `device`   | auto (cuda where every local rank has a GPU), cpu, cuda        | auto                |
+| `backend`  | auto (nccl with a GPU per rank, else gloo), gloo, nccl         | auto                |
 
 `bn` defaults to global because it is the one that keeps DESIGN.md invariant 1: batch norm over
 the global batch normalises exactly as one process does, whatever P and the grid.
@@ -43,6 +44,7 @@ BN = Literal["local", "global", "adaptive"]
 Reducer = Literal["process-group", "host"]
 Amp = Literal["none", "bf16"]
 Device = Literal["auto", "cpu", "cuda"]
+Backend = Literal["auto", "gloo", "nccl"]
 
 CODECS: tuple[str, ...] = typing.get_args(Codec)
 EIGHT_BIT = CODECS[3:]
@@ -102,6 +104,11 @@ class Choices:
         "auto",
         "where each rank computes: cuda (one GPU per rank, NCCL), cpu (gloo), or auto "
         "(cuda where there is a GPU for every local rank)",
+    )
+    backend: Backend = meta(
+        "auto",
+        "torch.distributed backend: nccl (one GPU per rank), gloo (the CPU; or several ranks "
+        "sharing a GPU, staged through pinned host memory), auto (nccl with a GPU per rank)",
     )
 
     def __post_init__(self) -> None:

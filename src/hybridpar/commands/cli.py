@@ -124,7 +124,20 @@ def _measuring_parsers(sub) -> None:
         help="ranks to time the collectives on, comma-separated: the first gives alpha and beta, "
         "each is kept for pricing jobs of that many ranks (default 2,4)",
     )
-    c.add_argument("--repeats", type=_positive_int, default=5)
+    c.add_argument("--repeats", type=_positive_int, default=5, help="timings per size")
+    c.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="calibrate the CPU, or the GPUs (a CUDA job is priced with that calibration only)",
+    )
+    c.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="the collectives to time on the GPUs: nccl (a GPU per rank), gloo (ranks sharing "
+        "GPUs), auto (nccl where every rank has a GPU)",
+    )
     c.set_defaults(func=cmd_calibrate)
 
 

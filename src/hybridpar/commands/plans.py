@@ -12,7 +12,7 @@ from pathlib import Path
 from hybridpar.config import from_namespace, writable
 from hybridpar.errors import ConfigError
 from hybridpar.planning.candidates import PlanResult, best_of
-from hybridpar.planning.cluster import load_cluster
+from hybridpar.planning.cluster import for_device, load_cluster
 from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.search import SCENARIOS, make_plan
 from hybridpar.terms import Term
@@ -87,6 +87,12 @@ def _print_plan(result: PlanResult, shown: list) -> None:
         )
 
 
+def job_cluster(spec: str, device: str):
+    """The cluster a job on `device` (auto: the CPU's, unless told) is priced on."""
+    device = "cuda" if device == "cuda" else "cpu"
+    return for_device(load_cluster(spec, device), device)
+
+
 def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:
     """The planner's keyword arguments for `cfg` on P ranks; on a calibrated host (localhost)
     without --compute, the compute times of a profile measured here (planning.profile)."""
@@ -122,7 +128,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     if args.scenario != "all" and "batch" not in scenarios:
         scenarios.insert(0, "batch")  # the baseline every speedup refers to
-    cluster = load_cluster(cfg.cluster)
+    cluster = job_cluster(cfg.cluster, cfg.choices.device)
     kwargs = plan_kwargs(cfg, cluster, args.procs)
     result = make_plan(cfg.model, args.procs, cfg.batch, cluster, scenarios=scenarios, **kwargs)
     result.best  # noqa: B018  raises the one-line error when nothing fits
@@ -149,7 +155,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hybridpar.planning.simulate import FIGURES, plot_sweep, run_sweep, write_csv
 
     cfg = from_namespace(PlanConfig, args)
-    cluster = load_cluster(cfg.cluster)
+    cluster = job_cluster(cfg.cluster, cfg.choices.device)
     kwargs = cfg.plan_kwargs()
     out = Path(args.out)
     writable("--out", out / "simulate.csv")

@@ -90,15 +90,26 @@ def cmd_codecs(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from hybridpar.runtime.launcher import under_torchrun
     from hybridpar.runtime.train.calibration import calibrate
+    from hybridpar.runtime.train.run import device_and_backend
 
-    d = calibrate(nproc=args.nproc, repeats=args.repeats)
+    local = max(args.nproc) if not under_torchrun() else int(os.environ["LOCAL_WORLD_SIZE"])
+    device, backend = device_and_backend(args.device, args.backend, local)
+    d = calibrate(nproc=args.nproc, repeats=args.repeats, device=device, backend=backend)
     if d is None:  # a rank of a torchrun job other than 0: rank 0 reports
         return 0
+    unit = "core" if device == "cpu" else "GPU"
     print(
-        f"localhost: alpha {d['alpha'] * 1e6:.2f} us, bandwidth {1 / d['beta'] / 1e9:.3f} GB/s, "
-        f"{d['flops'] / 1e9:.1f} GFLOP/s per core ({d['cores']} cores); saved to {d['path']}"
+        f"localhost ({device}, {backend}): alpha {d['alpha'] * 1e6:.2f} us, bandwidth "
+        f"{1 / d['beta'] / 1e9:.3f} GB/s, {d['flops'] / 1e9:.1f} GFLOP/s per {unit} "
+        f"({d['cores']} {unit}s); saved to {d['path']}"
     )
+    if d.get("h2d_beta"):
+        print(
+            f"  pinned host -> GPU {1 / d['h2d_beta'] / 1e9:.1f} GB/s, GPU -> pinned host "
+            f"{1 / d['d2h_beta'] / 1e9:.1f} GB/s"
+        )
     if d.get("small_alpha") is not None:
         print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")
     if d.get("shm_beta"):

@@ -47,7 +47,11 @@ def _print_report(report: dict) -> None:
             if "waiting_slowest_s" in it
             else ")"
         )
-        + (f"; predicted {it['predicted_s'] * 1e3:.1f} ms" if it.get("predicted_s") else "")
+        + (
+            f"; predicted {it['predicted_s'] * 1e3:.1f} ms"
+            if it.get("predicted_s")
+            else "; time not predicted (priced bytes only: run `hybridpar calibrate` for seconds)"
+        )
         + (
             f" (waiting {it['predicted_waiting_s'] * 1e3:.1f})"
             if it.get("predicted_waiting_s")

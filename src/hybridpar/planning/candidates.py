@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from hybridpar.choices import Choices
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Prediction, Redistribution, Style
-from hybridpar.planning.cluster import Cluster
+from hybridpar.planning.cluster import BYTES_ONLY, Cluster
 from hybridpar.planning.cost.collectives import Comm
 from hybridpar.planning.cost.sync import Sync
 from hybridpar.planning.handoff import Handoff
@@ -276,5 +276,24 @@ def export(
         ],
         cluster=cluster,
         placement=chosen.placement if engine == "hybridpar" else None,
-        totals=chosen.split(),
+        totals={} if cluster == BYTES_ONLY.name else priced_totals(chosen, cluster),
     )
+
+
+# an iteration predicted outside these seconds is not a time but a broken calibration
+PLAUSIBLE_S = (1e-9, 1e6)
+
+
+def priced_totals(chosen: Plan, cluster: str) -> dict[str, float]:
+    """The iteration's predicted split, or a one-line error where it is not a plausible time
+    (a GPU job once printed 6.4e-289 s, priced without a calibration of its device)."""
+    split = chosen.split()
+    t = split["total_s"]
+    lo, hi = PLAUSIBLE_S
+    if not all(math.isfinite(v) for v in split.values()) or not lo <= t <= hi:
+        raise ConfigError(
+            f"the {chosen.scenario} plan is predicted at {t:.3g} s per iteration on cluster "
+            f"{cluster!r}: not a plausible time, so its numbers are off; calibrate it again "
+            "(`hybridpar calibrate`) or fix the cluster file"
+        )
+    return split

@@ -44,6 +44,7 @@ __all__ = [
     "SHM_MAX_BYTES",
     "Cluster",
     "contention",
+    "for_device",
     "load_cluster",
     "rank_threads",
 ]
@@ -99,6 +100,9 @@ class Cluster:
     # seconds per element one thread takes to encode and decode with each codec, measured by
     # `hybridpar calibrate`: (codec, encode s, decode s); `codec_times` prices a rank's share
     codecs: tuple[tuple[str, float, float], ...] = ()
+    # the device a calibration measured its compute and collectives on (cpu, cuda): a job on
+    # another device is not priced with it; empty for a described cluster (a preset, a file)
+    device: str = ""
 
     @property
     def two_level(self) -> bool:
@@ -411,9 +415,22 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDPAR_CACHE", Path.home() / ".cache" / "hybridpar"))
 
 
-def localhost_path() -> Path:
-    """Where `hybridpar calibrate` caches the fitted alpha and beta of this machine."""
-    return cache_dir() / "localhost.json"
+def localhost_path(device: str = "cpu") -> Path:
+    """Where `hybridpar calibrate` caches what it measured of this machine, one file per device
+    (`--device cuda`: localhost-cuda.json)."""
+    return cache_dir() / ("localhost.json" if device == "cpu" else f"localhost-{device}.json")
+
+
+def for_device(cluster: Cluster, device: str) -> Cluster:
+    """`cluster`, if it may price a job on `device`: a calibration prices only the device it
+    measured (a CPU's for a GPU job once printed 6.4e-289 s per iteration)."""
+    if cluster.device and device in ("cpu", "cuda") and cluster.device != device:
+        flag = "" if device == "cpu" else f" --device {device}"
+        raise ConfigError(
+            f"cluster {cluster.name!r} was calibrated on {cluster.device}, but this job runs "
+            f"on {device}: run `hybridpar calibrate{flag}` and price it on localhost"
+        )
+    return cluster
 
 
 def _from_mapping(data: dict, origin: str) -> Cluster:
@@ -579,15 +596,18 @@ def _sync_rows(rows: object, where: str) -> tuple:
     return got
 
 
-def load_cluster(spec: str) -> Cluster:
-    """A preset name, `localhost` (after `hybridpar calibrate`), or a path to a .toml / .json file."""
+def load_cluster(spec: str, device: str = "cpu") -> Cluster:
+    """A preset name, `localhost` (after `hybridpar calibrate`: its calibration for `device`), or
+    a path to a .toml / .json file."""
     if spec in PRESETS:
         return PRESETS[spec]
     if spec == "localhost":
-        path = localhost_path()
+        path = localhost_path(device)
         if not path.exists():
+            flag = "" if device == "cpu" else f" --device {device}"
             raise ConfigError(
-                "cluster 'localhost' is not calibrated yet; run `hybridpar calibrate` first"
+                f"cluster 'localhost' is not calibrated for {device} yet; run "
+                f"`hybridpar calibrate{flag}` first"
             )
         try:
             return _from_mapping(json.loads(path.read_text()), str(path))

@@ -43,18 +43,29 @@ def no_inplace(model) -> None:
             m.inplace = False
 
 
-def hook_timers(model) -> tuple[dict[str, list[float]], dict[str, list[float]], list]:
-    """Hooks timing every leaf's forward and backward: (forward s, backward s, the handles)."""
+def _clock(device) -> float:
+    """time.perf_counter once `device`'s queued work is done (a GPU runs asynchronously: each
+    leaf's hooks wait for its kernels)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def hook_timers(model, device="cpu") -> tuple[dict[str, list[float]], dict[str, list[float]], list]:
+    """Hooks timing every leaf's forward and backward on `device`: (forward s, backward s, the
+    handles)."""
     leaves = {m: n for n, m in model.named_modules() if next(m.children(), None) is None and n}
     fwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
     bwd: dict[str, list[float]] = {n: [] for n in leaves.values()}
     starts: dict[tuple[str, str], float] = {}
 
     def start(n: str, what: str):
-        return lambda *_: starts.__setitem__((n, what), time.perf_counter())
+        return lambda *_: starts.__setitem__((n, what), _clock(device))
 
     def stop(n: str, what: str, into: dict[str, list[float]]):
-        return lambda *_: into[n].append(time.perf_counter() - starts[(n, what)])
+        return lambda *_: into[n].append(_clock(device) - starts[(n, what)])
 
     handles = []
     for m, n in leaves.items():
@@ -76,24 +87,26 @@ def _iteration(model, x, y) -> None:
     loss.backward()
 
 
-def _measure_count(model, shape, n: int, repeats: int) -> dict[str, tuple[float, float]]:
+def _measure_count(
+    model, shape, n: int, repeats: int, device="cpu"
+) -> dict[str, tuple[float, float]]:
     """{leaf: (forward s, backward s)} of one iteration on n samples; the leaves sum to the
     iteration measured without hooks (their remainder, loss and autograd glue, is spread over
     them in proportion)."""
     import torch
 
-    x = torch.randn(n, *shape)
+    x = torch.randn(n, *shape, device=device)
     with torch.no_grad():
         out = model(x[:1])
-    y = torch.randint(0, out.shape[-1], (n,))
+    y = torch.randint(0, out.shape[-1], (n,), device=device)
     no_inplace(model)
     _iteration(model, x, y)  # warm up
     whole = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock(device)
         _iteration(model, x, y)
-        whole.append(time.perf_counter() - t0)
-    fwd, bwd, handles = hook_timers(model)
+        whole.append(_clock(device) - t0)
+    fwd, bwd, handles = hook_timers(model, device)
     try:
         with warnings.catch_warnings():  # the first layer's input needs no gradient: fine here
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -193,7 +206,7 @@ def _busiest_band(window, pr: int) -> tuple[int, int, int, int, int]:
 
 
 def _band_ratio(
-    module, window, c: int, w: int, n: int, pr: int, needs_dx: bool, repeats: int
+    module, window, c: int, w: int, n: int, pr: int, needs_dx: bool, repeats: int, device="cpu"
 ) -> tuple[float, float]:
     """How much of its whole-image (forward, backward) time a convolution or pooling takes on
     the busiest rank's band of `pr`, on n examples: the runtime's call on band and halo (the
@@ -232,17 +245,17 @@ def _band_ratio(
         return statistics.median(fs), statistics.median(bs)
 
     def whole() -> tuple[float, float]:
-        x = torch.randn(n, c, window.h_in, w, requires_grad=needs_dx)
-        t0 = time.perf_counter()
+        x = torch.randn(n, c, window.h_in, w, device=device, requires_grad=needs_dx)
+        t0 = _clock(device)
         y = module(x)
-        t1 = time.perf_counter()
+        t1 = _clock(device)
         y.backward(torch.ones_like(y))
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, _clock(device) - t1
 
     def band() -> tuple[float, float]:
-        x = torch.randn(n, c, own, w, requires_grad=needs_dx)
-        halos = [torch.randn(n, c, h, w) for h in (top, bottom) if h]
-        t0 = time.perf_counter()
+        x = torch.randn(n, c, own, w, device=device, requires_grad=needs_dx)
+        halos = [torch.randn(n, c, h, w, device=device) for h in (top, bottom) if h]
+        t0 = _clock(device)
         got = [h.clone().requires_grad_(needs_dx) for h in halos]  # out of the shared segment
         pieces = [*got]
         pieces.insert(1 if top else 0, x)
@@ -251,13 +264,13 @@ def _band_ratio(
         if bottom_pad:
             pieces.append(x.new_full((n, c, bottom_pad, w), fill))
         y = compute(torch.cat(pieces, dim=2) if len(pieces) > 1 else x)
-        t1 = time.perf_counter()
+        t1 = _clock(device)
         y.backward(torch.ones_like(y))
         if needs_dx and got:  # the rows sent come back as gradients, added to the band's
             k = min(own, got[0].shape[2])
             g = x.grad.clone()
             g[:, :, :k] += got[0].grad[:, :, :k]
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, _clock(device) - t1
 
     if own <= 0:
         return 0.0, 0.0
@@ -268,46 +281,51 @@ def _band_ratio(
     return (bf / wf if wf > 0 else 1.0 / pr), (bb / wb if wb > 0 else 1.0 / pr)
 
 
-def _measure_bands(model, shape, pr: int, n: int, repeats: int) -> dict[str, tuple[float, float]]:
+def _measure_bands(
+    model, shape, pr: int, n: int, repeats: int, device="cpu"
+) -> dict[str, tuple[float, float]]:
     """{leaf: (forward, backward) share of its time} on the busiest rank of `pr` bands, n
     examples (`_band_ratio`); the first window computes no input gradient, as the profile's own
     iterations (the model's input has none)."""
     out, first = {}, True
     for name, (module, window, c, w) in _windows(model, shape).items():
-        out[name] = _band_ratio(module, window, c, w, n, pr, not first, repeats)
+        out[name] = _band_ratio(module, window, c, w, n, pr, not first, repeats, device)
         first = False
     return out
 
 
-def _sgd(n: int = 1 << 22):
+def _sgd(n: int = 1 << 22, device="cpu"):
     """An SGD optimizer with momentum and weight decay over n elements with a gradient (the
     trainer's KrizhevskySGD does the same arithmetic, multi-tensor): what the profile times and
     its neighbours run beside it."""
     import torch
 
-    w = torch.nn.Parameter(torch.randn(n))
-    w.grad = torch.randn(n)
+    w = torch.nn.Parameter(torch.randn(n, device=device))
+    w.grad = torch.randn(n, device=device)
     return torch.optim.SGD([w], lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
 
 
-def _measure_update(threads: int, n: int = 1 << 22, repeats: int = 5) -> float:
-    """Seconds per parameter element of an SGD step over n elements (`_sgd`)."""
-    opt = _sgd(n)
+def _measure_update(n: int = 1 << 22, repeats: int = 5, device="cpu") -> float:
+    """Seconds per parameter element of an SGD step over n elements (`_sgd`) on `device`."""
+    opt = _sgd(n, device)
     opt.step()
     ts = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock(device)
         opt.step()
-        ts.append(time.perf_counter() - t0)
+        ts.append(_clock(device) - t0)
     return statistics.median(ts) / n
 
 
-def _path(model: str, shape: tuple[int, ...], threads: int, busy: int = 1) -> Path:
+def _path(
+    model: str, shape: tuple[int, ...], threads: int, busy: int = 1, device: str = "cpu"
+) -> Path:
     from hybridpar.planning.zoo import file_label
 
     dims = "x".join(map(str, shape))
     beside = f"-b{busy}" if busy > 1 else ""
-    return cache_dir() / "profiles" / f"{file_label(model)}-{dims}-t{threads}{beside}.json"
+    where = "" if device == "cpu" else f"-{device}"
+    return cache_dir() / "profiles" / f"{file_label(model)}-{dims}-t{threads}{beside}{where}.json"
 
 
 def busy_ranks(cores: int, local: int, threads: int) -> int:
@@ -471,20 +489,23 @@ def profile_compute(
     counts: list[int],
     repeats: int = 5,
     bands: list[tuple[int, int]] = (),
+    device: str = "cpu",
 ) -> ProfileModel | None:
-    """The ProfileModel of `model` for a P-rank job on this calibrated host at the sample counts
-    `counts`, and the band shares (`_measure_bands`) of its windows for each (Pr, samples) in
-    `bands`; None where the cluster is not this host (no `cores`: priced by FLOPs)."""
+    """The ProfileModel of `model` for a P-rank job on `device` of this calibrated host at the
+    sample counts `counts`, and the band shares (`_measure_bands`) of its windows for each
+    (Pr, samples) in `bands`; None where the cluster is not this host (no `cores`: priced by
+    FLOPs). On a GPU (`cores`: the GPUs) the ranks that share one take turns: no neighbours."""
     if cluster.cores is None:
         return None
     import torch
 
     from hybridpar.planning.models import build_any
 
-    local = cluster.local(P)  # the ranks that share one host's cores
-    threads = rank_threads(cluster.cores, local)
-    busy = busy_ranks(cluster.cores, local, threads)
-    path = _path(model, shape, threads, busy)
+    local = cluster.local(P)  # the ranks that share one host's cores (or GPUs)
+    gpu = device != "cpu"
+    threads = 1 if gpu else rank_threads(cluster.cores, local)
+    busy = 1 if gpu else busy_ranks(cluster.cores, local, threads)
+    path = _path(model, shape, threads, busy, device)
     data = _load(path, cluster)
     missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
     shares = data.setdefault("bands", {})
@@ -494,17 +515,17 @@ def profile_compute(
         torch.set_num_threads(threads)
         try:
             torch.manual_seed(0)
-            net = build_any(model, shape, None)
+            net = build_any(model, shape, None).to(device)
             with _Neighbours(model, shape, threads, busy) as beside:
                 for n in missing:
                     beside.run(n)
-                    data["per_count"][str(n)] = _measure_count(net, shape, n, repeats)
+                    data["per_count"][str(n)] = _measure_count(net, shape, n, repeats, device)
                 for pr, n in unbanded:
                     beside.run(n)
-                    shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats)
+                    shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats, device)
                 if "update_s" not in data:
                     beside.run(UPDATE)
-                    data["update_s"] = _measure_update(threads)
+                    data["update_s"] = _measure_update(device=device)
         finally:
             torch.set_num_threads(before)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -534,18 +555,16 @@ def planning_compute(
     cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int, device: str = "cpu"
 ) -> ProfileModel | None:
     """The compute model a plan for P ranks and global batch B is priced with on `cluster`: a
-    profile of `model` at every batch a rank can run (B / Pc over the grids) on a calibrated
-    host; None (FLOPs at the cluster's rate) elsewhere and for a CUDA job (the profile times the
-    CPU)."""
+    profile of `model` at every batch a rank can run (B / Pc over the grids), timed on the job's
+    device (cuda: a GPU, synchronised) of a calibrated host; None (FLOPs at the cluster's rate)
+    elsewhere."""
     from hybridpar.planning.search import grids
 
-    if device == "cuda":
-        return None
     shapes = grids(P, B)
     bands = sorted({(pr, B // pc) for pr, pc in shapes if pr > 1})
-    return profile_compute(
-        cluster, model, shape, P, sorted({B // pc for _, pc in shapes}), bands=bands
-    )
+    counts = sorted({B // pc for _, pc in shapes})
+    where = "cuda" if device == "cuda" else "cpu"
+    return profile_compute(cluster, model, shape, P, counts, bands=bands, device=where)
 
 
 def _key(k: str) -> tuple[int, int]:

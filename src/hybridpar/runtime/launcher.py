@@ -75,14 +75,16 @@ def free_port() -> int:
 
 
 def init_distributed(timeout_s: float, backend: str | None = None) -> None:
+    """gloo, or NCCL with gloo beside it for host tensors (metrics, agreed decisions)."""
     import torch
     import torch.distributed as dist
 
+    from hybridpar.runtime.comm.devices import local_gpu
+
     backend = backend or "gloo"  # NCCL when the caller places the ranks on GPUs
     if backend == "nccl":
-        torch.cuda.set_device(
-            int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count()
-        )
+        torch.cuda.set_device(local_gpu())
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -42,7 +42,6 @@ import dataclasses
 import math
 import os
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from functools import cache
@@ -52,6 +51,7 @@ import torch
 
 from hybridpar.choices import CODECS, DEFAULT_BLOCK, EIGHT_BIT, check_codec, payload_bytes
 from hybridpar.runtime.comm import kernels
+from hybridpar.runtime.comm.devices import clock
 
 __all__ = [
     "CODECS",
@@ -450,26 +450,32 @@ def reference_encode(codec: Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def time_codec(
-    name: str, n: int, repeats: int, block: int | None = DEFAULT_BLOCK, reuse: bool = True
+    name: str,
+    n: int,
+    repeats: int,
+    block: int | None = DEFAULT_BLOCK,
+    reuse: bool = True,
+    device: torch.device | str = "cpu",
 ) -> tuple[list[float], list[float]]:
-    """Seconds of each of `repeats` encodes and decodes of n random float32 on one thread, after
-    a warm-up (and compilation), into output buffers allocated once (as a reducer reuses them)
-    or, with reuse=False, fresh ones each call. `hybridpar codecs` reports the best of them and
-    `hybridpar calibrate` keeps the median per element."""
+    """Seconds of each of `repeats` encodes and decodes of n random float32 on `device` (one
+    thread of the CPU), after a warm-up (and compilation), into output buffers allocated once
+    (as a reducer reuses them) or, with reuse=False, fresh ones each call. `hybridpar codecs`
+    reports the best of them and `hybridpar calibrate` keeps the median per element."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    device = torch.device(device)
     try:
         codec = get_codec(name, block)
-        x = torch.randn(n)
+        x = torch.randn(n, device=device)
         e = codec.encode(x)
         y = codec.decode(e)
         enc, dec = [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock(device)
             e = codec.encode(x, out=e if reuse else None)
-            t1 = time.perf_counter()
+            t1 = clock(device)
             codec.decode(e, out=y if reuse else None)
-            dec.append(time.perf_counter() - t1)
+            dec.append(clock(device) - t1)
             enc.append(t1 - t0)
         return enc, dec
     finally:

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from hybridpar.planning.cluster import localhost_path
+from hybridpar.runtime.comm.devices import clock, local_gpu
 
 __all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta", "fit_network"]
 
@@ -45,8 +46,9 @@ def _time_allreduce(
     import torch.distributed as dist
 
     out = {}
+    where = _rank_device(device)
     for n in sizes:
-        t = torch.ones(n // 4, device=device)
+        t = torch.ones(n // 4, device=where)
         if timed:
             dist.all_reduce(t, group=group)  # warm up the connection for this size
         ts = []
@@ -54,10 +56,10 @@ def _time_allreduce(
         # order: more repeats, and the fit weighs every size by its relative error
         for _ in range(repeats if n > 2**17 else max(repeats, 50)):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0 = clock(where)
             if timed:
                 dist.all_reduce(t, group=group)
-            ts.append(time.perf_counter() - t0)
+            ts.append(clock(where) - t0)
         out[n] = statistics.median(ts)
     return out
 
@@ -240,51 +242,89 @@ def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> 
     return [[s, wall - wall0, max(0.0, x - wait0)] for s, wall, x in rows[1:]]
 
 
+def _rank_device(device: str):
+    """This rank's device for `device` (cuda: its GPU, shared with others under gloo)."""
+    import torch
+
+    if device != "cuda":
+        return torch.device(device)
+    where = torch.device("cuda", local_gpu())
+    torch.cuda.set_device(where)
+    return where
+
+
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
+    """Everything a calibration measures between ranks. The shared-memory paths and the
+    meetings' table are the CPU's (a GPU's collectives go through its backend, and its ranks
+    do not share cores): measured for a CPU calibration only."""
     from hybridpar.runtime.comm.host import host_names
 
     names = host_names()
-    small, shm_beta = _time_shm()
+    cpu = device == "cpu"
+    small, shm_beta = _time_shm() if cpu else (None, None)
     one_host = len(set(names)) == 1
     return {
         "allreduce": _time_allreduce(sizes, repeats, device),
         "small": small,
         "shm_beta": shm_beta,
-        "sync": _time_sync() if one_host else None,
+        "sync": _time_sync() if one_host and cpu else None,
         "levels": None if one_host else _time_levels(names, sizes, repeats),
     }
 
 
-def _time_codecs(n: int = 1 << 20, repeats: int = 5) -> dict[str, list[float]]:
-    """{codec: [encode s, decode s] per element} on one thread, into reused buffers (as the
-    reducers run them), median of `repeats`: what the cost model charges a rank for the elements
-    it encodes and decodes (planning.cost.terms.codec_s)."""
+def _time_codecs(n: int = 1 << 20, repeats: int = 5, device: str = "cpu") -> dict[str, list[float]]:
+    """{codec: [encode s, decode s] per element} on `device` (one thread of a CPU), into reused
+    buffers (as the reducers run them), median of `repeats`: what the cost model charges a rank
+    for the elements it encodes and decodes (planning.cost.terms.codec_s)."""
     from hybridpar.choices import CODECS
     from hybridpar.runtime.comm.codecs import time_codec
 
     out = {}
     for name in CODECS:
         if name != "none":
-            enc, dec = time_codec(name, n, repeats)
+            enc, dec = time_codec(name, n, repeats, device=device)
             out[name] = [statistics.median(enc) / n, statistics.median(dec) / n]
     return out
 
 
-def _flops(threads: int) -> float:
+def _flops(threads: int, device: str = "cpu") -> float:
+    """FLOP/s of float32 matrix products: one CPU core's (`threads` 1), or one GPU's."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # put back after: a rank of a job calibrates in it
+    where = torch.device(device)
+    n = 512 if where.type == "cpu" else 4096  # a GPU needs a product that fills it
     try:
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        a, b = torch.randn(n, n, device=where), torch.randn(n, n, device=where)
         a @ b
-        t0 = time.perf_counter()
+        t0 = clock(where)
         k = 10
         for _ in range(k):
             a @ b
-        return 2 * 512**3 * k / (time.perf_counter() - t0)
+        return 2 * n**3 * k / (clock(where) - t0)
     finally:
         torch.set_num_threads(before)
+
+
+def _time_copies(device: str, nbytes: int = 1 << 26, repeats: int = 5) -> dict[str, float]:
+    """Seconds per byte of a copy from pinned host memory to `device` and back: what the host
+    reducer and gloo's staging pay for a GPU's tensors (recorded; not yet priced)."""
+    import torch
+
+    where = torch.device(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=where)
+    out = {}
+    for name, dst, src in (("h2d_beta", dev, host), ("d2h_beta", host, dev)):
+        dst.copy_(src)
+        ts = []
+        for _ in range(repeats):
+            t0 = clock(where)
+            dst.copy_(src, non_blocking=True)
+            ts.append(clock(where) - t0)
+        out[name] = statistics.median(ts) / nbytes
+    return out
 
 
 def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
@@ -336,6 +376,8 @@ def _fitted(
     small: float | None = None,
     shm_beta: float | None = None,
     sync: list | None = None,
+    device: str = "cpu",
+    backend: str = "gloo",
 ) -> dict:
     import math
 
@@ -347,14 +389,23 @@ def _fitted(
             f"the all-reduce timings do not fit alpha + beta * bytes (alpha {alpha}, beta {beta}); "
             "nothing was saved: run `hybridpar calibrate` again on a quieter machine"
         )
+    gpu = device == "cuda"
+    if gpu:
+        import torch
+
+        units = torch.cuda.device_count()  # a GPU's FLOP/s, shared by the ranks on it
     return {
         "name": "localhost",
         "alpha": alpha,
         "beta": beta,
-        "flops": _flops(1),  # one core's: a job's ranks share `cores` (Cluster.rank_flops)
-        "cores": os.cpu_count() or 1,
+        # one core's, or one GPU's: a job's ranks share `cores` of them (Cluster.rank_flops)
+        "flops": _flops(1, device),  # on a GPU: the current one (a rank's, or the first)
+        "cores": units if gpu else os.cpu_count() or 1,
         "word_bytes": 4,
-        "source": f"hybridpar calibrate: gloo all-reduce on {nproc} ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
+        "device": device,
+        **(_time_copies(device) if gpu else {}),
+        "source": f"hybridpar calibrate: {backend} all-reduce of {device} tensors on {nproc} "
+        f"ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
         "small_alpha": small,
         "shm_beta": shm_beta,
         **({"sync": sync} if sync else {}),
@@ -362,9 +413,10 @@ def _fitted(
 
 
 def _save(data: dict) -> Path:
-    """Write the cluster `localhost` atomically: a reader never sees half a file."""
+    """Write the cluster `localhost` of the device it measured atomically: a reader never sees
+    half a file."""
     data = {k: v for k, v in data.items() if k != "sync"}  # it lives in by_procs, per count
-    path = localhost_path()
+    path = localhost_path(data.get("device", "cpu"))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
@@ -372,12 +424,21 @@ def _save(data: dict) -> Path:
     return path
 
 
-def calibrate(nproc: int | list[int] = 2, repeats: int = 5, timeout_s: float = 60.0) -> dict | None:
+def calibrate(
+    nproc: int | list[int] = 2,
+    repeats: int = 5,
+    timeout_s: float = 60.0,
+    device: str = "cpu",
+    backend: str = "gloo",
+) -> dict | None:
     """Spawn `nproc` local ranks (or each count of a list in turn), time their all-reduces, fit
     and save `localhost`: the first count's fit is the cluster's alpha and beta, and every
     count's fit is kept under `by_procs`, for pricing a job of that many ranks (ranks sharing
     cores make the collectives slower). Under torchrun it times the job's own ranks (every rank
-    calls it; rank 0 saves, the others return None): across nodes, both levels."""
+    calls it; rank 0 saves, the others return None): across nodes, both levels. `device` cuda:
+    the collectives of GPU tensors over `backend` (nccl: a GPU per rank; gloo: ranks sharing
+    GPUs), a GPU's FLOP/s, the codecs and the host <-> device copies on a GPU, saved apart from
+    the CPU's calibration (`localhost` then prices a CUDA job with it)."""
     from hybridpar.errors import ConfigError
     from hybridpar.runtime.launcher import launch, under_torchrun
 
@@ -388,15 +449,17 @@ def calibrate(nproc: int | list[int] = 2, repeats: int = 5, timeout_s: float = 6
         raise ConfigError("calibrate times all-reduces between processes: use --nproc 2 or more")
     fits, measured, levels, single = {}, {}, None, None
     for p in counts:
-        got = launch(_time_all, p, SIZES, repeats, timeout_s=timeout_s, backend="gloo")[0]
-        fits[p] = _fitted(got["allreduce"], p, got["small"], got["shm_beta"], got["sync"])
+        got = launch(_time_all, p, SIZES, repeats, device, timeout_s=timeout_s, backend=backend)[0]
+        fits[p] = _fitted(
+            got["allreduce"], p, got["small"], got["shm_beta"], got["sync"], device, backend
+        )
         measured[p] = {str(k): v for k, v in got["allreduce"].items()}
         if got["levels"] is not None:
             levels = got["levels"]  # the largest count on several hosts
         else:
             single = p
     data = dict(fits[counts[0]])
-    data["codecs"] = _time_codecs()
+    data["codecs"] = _time_codecs(device=device)
     data["by_procs"] = {str(p): _level(f) for p, f in fits.items() if levels is None or p == single}
     data = with_levels(data, levels)
     if os.environ.get("RANK", "0") != "0" and under_torchrun():
@@ -452,7 +515,7 @@ def with_levels(data: dict, levels: dict | None) -> dict:
     return out
 
 
-def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
+def calibrate_in_job(repeats: int = 5, device: str = "cpu", backend: str = "gloo") -> None:
     """Calibrate on the ranks of a running job (every rank calls it): they all take part in the
     all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
     import torch.distributed as dist
@@ -466,12 +529,12 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu") -> None:
     sync = _time_sync() if levels is None and device == "cpu" else None
     error = None
     if dist.get_rank() == 0:
-        fit = _fitted(times, dist.get_world_size(), small, shm_beta, sync)
+        fit = _fitted(times, dist.get_world_size(), small, shm_beta, sync, device, backend)
         try:
             data = with_levels(
                 {**fit, "by_procs": {str(dist.get_world_size()): _level(fit)}}, levels
             )
-            data["codecs"] = _time_codecs()
+            data["codecs"] = _time_codecs(device=device)
             if levels is not None:  # the whole job's fit mixes the levels: not kept
                 data["by_procs"].pop(str(dist.get_world_size()), None)
             _save(data)

@@ -20,6 +20,7 @@ from hybridpar.plan import ParallelPlan
 from hybridpar.planning.cluster import rank_threads
 from hybridpar.planning.models import build_any
 from hybridpar.runtime.comm.collectives import all_reduce
+from hybridpar.runtime.comm.devices import local_gpu
 from hybridpar.runtime.comm.host import host_names
 from hybridpar.runtime.parallel.checkpoint import save_weights
 from hybridpar.runtime.parallel.layout import Layout, resolve
@@ -191,9 +192,10 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
     and weight decay scaled from --base-batch by --scale-rule, Krizhevsky section 5)."""
     cfg, shape = job.cfg, job.input_shape
     torch.manual_seed(cfg.runtime.seed)
-    device = "cpu"
-    if cfg.choices.device == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cpu")
+    if cfg.choices.device == "cuda":  # NCCL: its own GPU; gloo: ranks may share one
+        device = torch.device("cuda", local_gpu())
+        torch.cuda.set_device(device)
     model = build_any(cfg.model, shape, job.num_classes).to(device)
     k = plan.batch / cfg.base_batch if cfg.base_batch else 1.0
     lr, wd = scale_hparams(cfg.lr, cfg.weight_decay, k, cfg.scale_rule)

@@ -13,7 +13,13 @@ import torch.distributed as dist
 
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
+from hybridpar.planning.cluster import (
+    BYTES_ONLY,
+    Cluster,
+    for_device,
+    load_cluster,
+    localhost_path,
+)
 from hybridpar.planning.cost.compute import ProfileModel
 from hybridpar.planning.handoff import Handoff
 from hybridpar.planning.layers import CostLayer
@@ -38,14 +44,16 @@ def settled_compute(
     return planning_compute(cluster, model, shape, P, B, device)
 
 
-def pricing_cluster(spec: str, required: bool) -> Cluster:
-    """The cluster presets are planned and priced on. An uncalibrated `localhost` prices bytes
-    only (seconds ~0) for a fixed preset, and is calibrated in the job for a searched one. Under
+def pricing_cluster(spec: str, required: bool, device: str) -> Cluster:
+    """The cluster presets are planned and priced on, for a job on `device`. An uncalibrated
+    `localhost` prices bytes only (no seconds: the report says so) for a fixed preset, and is
+    calibrated in the job for a searched one; a calibration of another device is refused. Under
     torchrun, ranks other than 0 price bytes only: rank 0 prices the plan in the job and sends
     it (`agreed_plan`), so only it measures the compute profile, and every rank runs its plan."""
-    if spec == "localhost" and not localhost_path().exists() and not required:
+    if spec == "localhost" and not localhost_path(device).exists() and not required:
         return BYTES_ONLY
-    cluster = load_cluster(spec)  # every rank checks the spec: a bad one is named everywhere
+    # every rank checks the spec: a bad one is named everywhere
+    cluster = for_device(load_cluster(spec, device), device)
     if not required and under_torchrun() and os.environ.get("RANK", "0") != "0":
         return BYTES_ONLY
     return cluster
@@ -85,7 +93,7 @@ def checked_file_plan(
             f"the plan was made for input {tuple(plan.input_shape)} but the data gives "
             f"{tuple(shape)}; re-plan with the data's --input-size"
         )
-    cluster = pricing_cluster(cfg.cluster, required=False)
+    cluster = pricing_cluster(cfg.cluster, False, cfg.choices.device)
     chosen = [styles[x.name] for x in layers]
     compute = settled_compute(cluster, cfg.model, shape, plan.procs, plan.batch, cfg.choices.device)
     priced = evaluate(
@@ -148,7 +156,9 @@ def agreed_plan(job: Job) -> ParallelPlan:
     # whatever `localhost` holds, bytes only when it was never calibrated
     searched = job.procs > 1
     missing = (
-        searched and cfg.cluster == "localhost" and not (rank == 0 and localhost_path().exists())
+        searched
+        and cfg.cluster == "localhost"
+        and not (rank == 0 and localhost_path(cfg.choices.device).exists())
     )
     if _broadcast(missing):
         if rank == 0:
@@ -157,11 +167,11 @@ def agreed_plan(job: Job) -> ParallelPlan:
                 "`hybridpar calibrate` redoes it) ...",
                 flush=True,
             )
-        calibrate_in_job(device=cfg.choices.device)
+        calibrate_in_job(device=cfg.choices.device, backend=cfg.choices.backend)
     answer: object = None
     if rank == 0:
         try:
-            cluster = pricing_cluster(cfg.cluster, searched)
+            cluster = pricing_cluster(cfg.cluster, searched, cfg.choices.device)
             plan = preset_plan(cfg, job.procs, job.layers, job.input_shape, cluster)
             answer = ("plan", plan.to_json())
         except ConfigError as exc:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from hybridpar.choices import Choices
 from hybridpar.config import writable
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan
@@ -58,21 +59,22 @@ def prepare(cfg: TrainConfig) -> Job:
     if classes is None:  # a user's model on synthetic data: as many classes as it outputs
         classes = traced.specs[-1].out_shape[-1]
     layers = cost_layers(traced.specs)
-    cfg = cfg.with_(choices=cfg.choices.with_(device=_device(cfg, P)))
-    device = cfg.choices.device
+    cfg = cfg.with_(choices=_device(cfg, P))
+    placed = {"device": cfg.choices.device, "backend": cfg.choices.backend}
     layout = None
     if loaded is not None:  # names, styles, layouts: every check before spawning
-        layout = resolve(model, loaded.with_choices(device=device), shape, P, traced)
+        layout = resolve(model, loaded.with_choices(**placed), shape, P, traced)
         if cfg.handoff is not None:  # the file's hand-offs sent by another scheme: re-priced
             moved = replace(with_handoff(layout, cfg.handoff, cfg.rounds), predicted=[])
             layout = resolve(model, moved, shape, P, traced)
         plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
         layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
     elif not cfg.searched:
-        plan = preset_plan(cfg, P, layers, shape, pricing_cluster(cfg.cluster, required=False))
-        layout = resolve(model, plan.with_choices(device=device), shape, P, traced)
+        cluster = pricing_cluster(cfg.cluster, False, cfg.choices.device)
+        plan = preset_plan(cfg, P, layers, shape, cluster)
+        layout = resolve(model, plan.with_choices(**placed), shape, P, traced)
     else:  # rank 0 plans in the job; the cluster and that a plan fits are checked now
-        pricing_cluster(cfg.cluster, required=False)
+        pricing_cluster(cfg.cluster, False, cfg.choices.device)
         preset_plan(cfg, P, layers, shape, BYTES_ONLY)
     if layout is not None and cfg.handoff in ("b", "c"):
         _check_handoff(cfg.handoff, cfg.rounds, layout)
@@ -133,19 +135,32 @@ def _signature(cfg: TrainConfig) -> tuple[tuple[int, ...], int | None]:
     return tuple(shape), classes
 
 
-def _device(cfg: TrainConfig, P: int) -> str:
-    """cpu or cuda. CUDA runs one rank per GPU (NCCL refuses two ranks on one device)."""
+def device_and_backend(device: str, backend: str, local: int) -> tuple[str, str]:
+    """(cpu, gloo), (cuda, nccl): a GPU per local rank, or (cuda, gloo): ranks sharing GPUs (NCCL
+    refuses two ranks on one device; gloo stages CUDA tensors through pinned host memory)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", P)) if under_torchrun() else P
-    device = cfg.choices.device
     if device == "auto":
-        return "cuda" if gpus >= local else "cpu"
-    if device == "cuda" and gpus < local:
+        device = "cuda" if gpus and (gpus >= local or backend == "gloo") else "cpu"
+    if device == "cpu":
+        if backend == "nccl":
+            raise ConfigError("--backend nccl runs on GPUs: add --device cuda, or use gloo")
+        return "cpu", "gloo"
+    if backend == "gloo":
+        if not gpus:
+            raise ConfigError("--device cuda: no GPU here; use --device cpu")
+        return "cuda", "gloo"
+    if gpus < local:
         raise ConfigError(
-            f"--device cuda runs one rank per GPU: {local} local ranks but {gpus} GPUs here; "
-            "use fewer ranks or --device cpu"
+            f"--device cuda with NCCL runs one rank per GPU: {local} local ranks but {gpus} GPUs "
+            "here; use fewer ranks, --backend gloo (ranks share the GPUs), or --device cpu"
         )
-    return device
+    return "cuda", "nccl"
+
+
+def _device(cfg: TrainConfig, P: int) -> Choices:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", P)) if under_torchrun() else P
+    device, backend = device_and_backend(cfg.choices.device, cfg.choices.backend, local)
+    return cfg.choices.with_(device=device, backend=backend)
 
 
 def _resume(cfg: TrainConfig) -> Path | None:
@@ -220,7 +235,7 @@ def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
             )
     explicit = TrainConfig().choices.differences(cfg.choices)  # what the command line changed
     for name, (wanted, given) in plan.choices.differences(cfg.choices).items():
-        if name in explicit and name != "device":
+        if name in explicit and name not in ("device", "backend"):
             raise ConfigError(
                 f"the plan says {name} {wanted}, got --{name} {given}; drop it or re-plan"
             )
@@ -232,14 +247,16 @@ def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
     if is_factory(model) and shape is None and plan.input_shape:
         shape = ",".join(map(str, plan.input_shape))
         size = None
-    device = cfg.choices.device if cfg.choices.device != "auto" else plan.choices.device
+    # where it runs: the command line's, else the plan's
+    placed = {k: getattr(cfg.choices, k) for k in ("device", "backend")}
+    placed = {k: v if v != "auto" else getattr(plan.choices, k) for k, v in placed.items()}
     return cfg.with_(
         model=model,
         nproc=plan.procs,
         batch=plan.batch,
         input_size=size,
         input_shape=shape,
-        choices=plan.choices.with_(device=device),
+        choices=plan.choices.with_(**placed),
     )
 
 
@@ -253,6 +270,7 @@ def meta_model(name: str, shape: tuple[int, ...], classes: int | None) -> torch.
 def run(cfg: TrainConfig) -> dict | None:
     """Train; rank 0's report (None on the other ranks under torchrun)."""
     job = prepare(cfg)
-    backend = "nccl" if job.cfg.choices.device == "cuda" else "gloo"
     timeout = job.cfg.runtime.timeout_s or DEFAULT_TIMEOUT_S
-    return launch(train_worker, job.procs, job, timeout_s=timeout, backend=backend)[0]
+    return launch(train_worker, job.procs, job, timeout_s=timeout, backend=job.cfg.choices.backend)[
+        0
+    ]
