@@ -241,3 +241,30 @@ def _backend_for(group, t: torch.Tensor) -> str:
 
 def _name(func) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", str(func))
+
+
+READS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__bool__,
+    torch.Tensor.__index__,
+    torch.Tensor.numpy,
+}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the reads of tensor values into Python (`float(t)`, `t.item()`, `t.tolist()`, ...)
+    that hybridpar's own code makes: on a GPU each one waits for every kernel queued before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            frames = [f for f in traceback.extract_stack()[:-1] if "/hybridpar/" in f.filename]
+            if frames:
+                self.where.append(f"{frames[-1].filename.split('src/')[-1]}:{frames[-1].lineno}")
+        return func(*args, **(kwargs or {}))

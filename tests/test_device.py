@@ -165,3 +165,75 @@ def _host_on_cuda():
 @needs_cuda
 def test_host_reducer_stages_cuda_tensors_through_pinned_memory():
     assert run_ranks(_host_on_cuda, 2) == [3.0, 3.0]
+
+
+# --- which GPU, which backend, which calibration (issue 38): decided without a GPU -----------
+
+
+@pytest.mark.parametrize(
+    "gpus, device, backend, local, want",
+    [
+        (0, "auto", "auto", 4, ("cpu", "gloo")),
+        (1, "auto", "auto", 4, ("cpu", "gloo")),  # auto: a GPU for every rank, or none
+        (4, "auto", "auto", 4, ("cuda", "nccl")),
+        (1, "cuda", "gloo", 4, ("cuda", "gloo")),  # a developer's one-GPU box: 4 ranks share it
+        (1, "auto", "gloo", 4, ("cuda", "gloo")),
+        (2, "cuda", "auto", 2, ("cuda", "nccl")),
+        (1, "cuda", "auto", 2, "--backend gloo"),  # NCCL: one rank per GPU
+        (0, "cuda", "gloo", 2, "no GPU here"),
+        (4, "cpu", "nccl", 2, "--device cuda"),
+    ],
+)
+def test_device_and_backend(monkeypatch, gpus, device, backend, local, want):
+    from hybridpar.runtime.train.run import device_and_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want):
+            device_and_backend(device, backend, local)
+    else:
+        assert device_and_backend(device, backend, local) == want
+
+
+def test_a_calibration_prices_only_the_device_it_measured(tmp_path, monkeypatch):
+    import json
+
+    from hybridpar.planning.cluster import for_device, load_cluster, localhost_path
+
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
+    cpu = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "device": "cpu"}
+    localhost_path("cpu").parent.mkdir(parents=True, exist_ok=True)
+    localhost_path("cpu").write_text(json.dumps(cpu))
+    with pytest.raises(ConfigError, match="calibrate --device cuda"):
+        load_cluster("localhost", "cuda")  # one file per device: the GPU's is not there
+    assert for_device(load_cluster("localhost", "cpu"), "cpu").device == "cpu"
+    # a CPU calibration where the GPU's should be (copied, or written by an old version)
+    localhost_path("cuda").write_text(json.dumps(cpu))
+    with pytest.raises(ConfigError, match="calibrated on cpu, but this job runs on cuda"):
+        for_device(load_cluster("localhost", "cuda"), "cuda")
+    assert for_device(load_cluster("cori-knl"), "cuda").name == "cori-knl"  # described: any
+
+
+def test_a_plan_priced_bytes_only_carries_no_seconds_and_a_wild_one_is_refused():
+    from hybridpar.planning.cluster import BYTES_ONLY, Cluster
+    from hybridpar.planning.search import make_plan
+
+    bytes_only = make_plan("digits-cnn", 4, 64, BYTES_ONLY)
+    plan = bytes_only.export()
+    assert plan.totals == {} and plan.predicted_bytes()  # the bytes stay exact
+    fine = make_plan("digits-cnn", 4, 64, Cluster("ok", alpha=1e-5, beta=1e-9, flops=1e10))
+    assert 1e-9 < fine.export().totals["total_s"] < 1.0
+    broken = Cluster("broken", alpha=1e-5, beta=1e-9, flops=1e-6)  # a millionth of a FLOP/s
+    with pytest.raises(ConfigError, match="not a plausible time"):
+        make_plan("digits-cnn", 4, 64, broken).export()
+
+
+def test_point_to_point_is_staged_where_gloo_carries_the_device(monkeypatch):
+    from hybridpar.runtime.comm import p2p
+
+    monkeypatch.setattr(dist, "get_backend", lambda pg=None: "cpu:gloo,cuda:nccl")
+    assert p2p.carrier(None, torch.device("cuda")) == "nccl"
+    assert p2p.carrier(None, torch.device("cpu")) == "gloo"
+    monkeypatch.setattr(dist, "get_backend", lambda pg=None: "gloo")
+    assert p2p.carrier(None, torch.device("cuda")) == "gloo"  # ranks sharing a GPU

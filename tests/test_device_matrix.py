@@ -89,3 +89,27 @@ def test_the_rules_look_inside_backward():
     with DeviceRules() as rules:
         Scale.apply(x).sum().backward()
     assert any("mul" in v for v in rules.violations), rules.violations
+
+
+def _reads_per_step() -> list[str]:
+    from device_rules import HostReads
+
+    from hybridpar.plan import ParallelPlan
+    from hybridpar.runtime.parallel.trainer import HybridTrainer
+
+    model_ = model(torch.float32, torch.device("cpu"))
+    plan = ParallelPlan(1, 12, {}, input_shape=(1, 8, 8))
+    t = HybridTrainer(model_, plan, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    (x, y), *_ = data(torch.float32, torch.device("cpu"))
+    t.train_step(x, y)  # the first step builds what later steps reuse
+    with HostReads() as reads:
+        t.train_step(x, y)
+    return reads.where
+
+
+def test_a_one_rank_step_reads_the_device_once():
+    """On a GPU every read of a value waits for the kernels queued before it: one per step, the
+    loss and the correct count together, after the backward is queued (5135867 read the loss
+    right after the forward and the count after the optimizer step: two)."""
+    where = run_ranks(_reads_per_step, 1)[0]
+    assert len(where) == 1, where

@@ -156,22 +156,25 @@ class HybridTrainer:
                 "--variable-batch takes each round's loss on the output of the layers after the "
                 "hand-off, but the model's forward changes it after them; drop --variable-batch"
             )
-        value = float(loss_sum.detach())
-        if not math.isfinite(value) and not self.options.allow_nonfinite:
-            raise FloatingPointError(
-                f"the loss is {value} at step {step}: lower --lr or check the data "
-                "(or pass --allow-nonfinite)"
-            )
         if out.requires_grad:
             out.register_hook(lambda g: faults.at("backward"))
         self.optimizer.zero_grad(set_to_none=True)
         (loss_sum / n).backward()
         wait = m.finish_backward()
+        # the step's one read of the device, once its backward is queued (on a GPU a read waits
+        # for the work before it: read after the forward, it kept the backward from being
+        # queued meanwhile), and before the parameters change
+        value, correct = torch.stack([loss_sum.detach().double(), _correct(out, target)]).tolist()
+        if not math.isfinite(value) and not self.options.allow_nonfinite:
+            raise FloatingPointError(
+                f"the loss is {value} at step {step}: lower --lr or check the data "
+                "(or pass --allow-nonfinite)"
+            )
         faults.at("optimizer")
         self.optimizer.step()
         entries = self.ledger.entries[first_entry:]
         blocking = sum(e.seconds for e in entries if e.term in BLOCKING_TERMS)
-        counted = (value, _correct(out, target), len(target)) if m.counts_outputs else (0.0, 0, 0)
+        counted = (value, int(correct), len(target)) if m.counts_outputs else (0.0, 0, 0)
         self.last = StepResult(*counted, time.perf_counter() - t0, wait, blocking)
         if m.bn_switch is not None:
             m.bn_switch.observe(counted[0], counted[2], counted[1])
@@ -222,7 +225,7 @@ class HybridTrainer:
                 out = m(xb[m.input_rows(n)])
             if m.counts_outputs:
                 target = yb[m.output_rows(n)]
-                correct += _correct(out, target)
+                correct += int(_correct(out, target))
                 total += len(target)
         return correct, total
 
@@ -262,8 +265,9 @@ class HybridTrainer:
         return meta
 
 
-def _correct(out: torch.Tensor, target: torch.Tensor) -> int:
-    """How many rows' argmax is their class label (0 where the targets are not class labels)."""
+def _correct(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """How many rows' argmax is their class label (0 where the targets are not class labels), as
+    a float64 tensor on the outputs' device (read with the loss, in one go)."""
     if out.dim() != 2 or target.dim() != 1 or target.is_floating_point():
-        return 0
-    return int((out.argmax(1) == target).sum())
+        return torch.zeros((), dtype=torch.float64, device=out.device)
+    return (out.argmax(1) == target).sum().double()
