@@ -24,9 +24,11 @@ Under torchrun (WORLD_SIZE is set) it initialises from the environment and runs 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import datetime
 import faulthandler
+import glob
 import importlib
 import multiprocessing as mp
 import os
@@ -244,7 +246,11 @@ def launch(
     ctx, server = _server()
     queue = ctx.Queue()
     port = free_port()
-    ref, here = _reference(fn), (dict(os.environ), os.getcwd(), list(sys.path))
+    # the job's name in the shared-memory segments its ranks make (comm.host): a rank stopped
+    # between making one and unlinking it leaves it behind, and this launcher removes it
+    job = f"j{os.getpid()}p{port}"
+    env = {**os.environ, "HYBRIDPAR_JOB": job}
+    ref, here = _reference(fn), (env, os.getcwd(), list(sys.path))
     procs = [
         ctx.Process(
             target=_child,
@@ -263,6 +269,9 @@ def launch(
     finally:
         _watching.clear()
         _stop(procs)
+        for path in glob.glob(f"/dev/shm/hybridpar-{job}-*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         queue.close()
         restore()
 

@@ -250,7 +250,10 @@ class HostReducer:
         self.ledger = ledger
         self.stage_bytes = stage_bytes
         self.topo = discover(group, host, make_leaders, leaders)
-        token = [secrets.token_hex(6) if dist.get_rank(self.group) == 0 else None]
+        # the launcher's job first (it removes what a stopped rank left): HYBRIDPAR_JOB
+        job = os.environ.get("HYBRIDPAR_JOB")
+        mine = f"{job}-{secrets.token_hex(6)}" if job else secrets.token_hex(6)
+        token = [mine if dist.get_rank(self.group) == 0 else None]
         dist.broadcast_object_list(token, group_src=0, group=self.group)
         self.token = token[0]
         self.segments: dict[object, _Segment] = {}
