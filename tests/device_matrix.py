@@ -96,6 +96,7 @@ class Cell:
     kind: str = "exact"
     dropout: float = 0.0
     hosts: bool = False  # each rank on a host of its own (emulated by name: HYBRIDPAR_HOST)
+    engine: str = "hybridpar"  # or torch DDP (the `ddp` preset)
 
 
 def _every(patterns: tuple[str, ...], style: str) -> dict[str, str]:
@@ -106,6 +107,7 @@ MODEL_HEAD = _every(HEAD, "model(2x1)")
 DOMAIN = _every(TRUNK, "domain(2x1)")
 CELLS = [
     Cell("all batch, global BN"),
+    Cell("torch DDP engine, global BN", engine="ddp"),
     Cell("FC model(2x1), hand-off (a)", MODEL_HEAD),
     Cell("model(2x1) everywhere", _every((*TRUNK, *HEAD), "model(2x1)")),
     Cell("domain(2x1) trunk", DOMAIN),
@@ -191,7 +193,7 @@ def plan_of(cell: Cell, P: int, dtype: torch.dtype):
     )
     if not priced.feasible:
         return priced.reason
-    return export(priced, procs=P, batch=B, choices=choices, input_shape=SHAPE)
+    return export(priced, procs=P, batch=B, choices=choices, input_shape=SHAPE, engine=cell.engine)
 
 
 # --- one process, on the same device ------------------------------------------------------------

@@ -213,6 +213,19 @@ def test_a_calibration_prices_only_the_device_it_measured(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match="calibrated on cpu, but this job runs on cuda"):
         for_device(load_cluster("localhost", "cuda"), "cuda")
     assert for_device(load_cluster("cori-knl"), "cuda").name == "cori-knl"  # described: any
+    # what `hybridpar train --device cuda` prices a fixed preset on: not the CPU's calibration
+    from hybridpar.config import build
+    from hybridpar.planning.analysis_cache import zoo_cost_layers
+    from hybridpar.planning.cluster import BYTES_ONLY
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.plans import preset_plan, pricing_cluster
+
+    localhost_path("cuda").unlink()
+    assert pricing_cluster("localhost", False, "cuda") is BYTES_ONLY
+    cfg = build(TrainConfig, model="digits-wide", batch=16, preset="batch", device="cuda")
+    plan = preset_plan(cfg, 2, zoo_cost_layers("digits-wide"), (1, 8, 8), BYTES_ONLY)
+    assert plan.totals == {}  # no seconds printed: "time not predicted"
+    assert pricing_cluster("localhost", False, "cpu").device == "cpu"
 
 
 def test_a_plan_priced_bytes_only_carries_no_seconds_and_a_wild_one_is_refused():

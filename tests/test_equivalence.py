@@ -8,9 +8,12 @@ Models: a torchvision-style AlexNet (sub-modules, torch.flatten in forward, widt
 the zoo's resnet20 (a module tree of BasicBlocks with batch norm, global over each layout's batch
 group), and the other zoo models. One spawn per (model, P) runs all of that model's plans."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
+from device_rules import DeviceRules
 from dist_helpers import run_ranks
 from nets import (
     MAKERS,
@@ -83,11 +86,15 @@ def _measured(ledger: Ledger, steps: int) -> dict:
     return total
 
 
-def _matrix(name: str, P: int, codec: str = "none", wide: int = 0) -> list[str]:
+def _matrix(
+    name: str, P: int, codec: str = "none", wide: int = 0, gpu_paths: bool = False
+) -> list[str]:
     """Every planner plan of `name` on P ranks against one process; `wide` > 0: in float64 at
     rtol 1e-7, that many steps (the large models: in float32 their sums in another order
     differed by up to 2.5e-6 in alexnet-owt's first convolution on an AVX2 machine, above atol
-    1e-6, in a correct run; a second step carries momentum and weight decay)."""
+    1e-6, in a correct run; a second step carries momentum and weight decay). `gpu_paths`: on
+    the paths a GPU takes (no shared-memory fast path) under CUDA's device rules
+    (tests/device_rules.py)."""
     shape = MAKERS[name][1]
     dtype = torch.float64 if wide else torch.float32
     data = [(x.to(dtype), y) for x, y in batches(shape, steps=wide or STEPS)]
@@ -98,8 +105,12 @@ def _matrix(name: str, P: int, codec: str = "none", wide: int = 0) -> list[str]:
     for p in planner_plans(name, P, codec, elem_bytes=8 if wide else None):
         ledger = Ledger()
         model = make(name).to(dtype)
-        hp = parallelize(model, p, RuntimeOptions(codec_block=16), ledger=ledger)
-        got = train_parallel(hp, data)
+        options = RuntimeOptions(codec_block=16, shared_memory=not gpu_paths)
+        with DeviceRules() if gpu_paths else contextlib.nullcontext() as rules:
+            hp = parallelize(model, p, options, ledger=ledger)
+            got = train_parallel(hp, data)
+        if rules is not None:
+            rules.check()
         measured = _measured(ledger, len(data))
         if rank == 0:
             label = _label(p)
@@ -129,6 +140,13 @@ def test_every_plan_equals_single_process(name, P):
         grids = {(s.pr, s.pc) for s in per_layer.styles.values()}
         split_convs = [k for k, s in per_layer.styles.items() if "conv" in k and s.pr > 1]
         assert len(grids) >= 2 and split_convs, per_layer.styles
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_every_plan_keeps_cudas_device_rules_on_the_paths_a_gpu_takes(name):
+    """Issue 38: the planner's plans on 3 ranks (uneven splits) with no shared-memory fast path,
+    every op checked against CUDA's device rules, still equal to one process."""
+    assert run_ranks(_matrix, 3, name, 3, "none", 0, True, timeout_s=240)[0]
 
 
 # vgg16 takes one step: its 13 convolutions are what it adds (the second step's momentum and
