@@ -440,9 +440,11 @@ def convert_global_batchnorm(
     AdaptiveGlobalBatchNorm when a `switch` is given, copying parameters, running statistics and
     the training flag; like torch's convert_sync_batchnorm, children are replaced in place and the
     converted module is returned. `layer_of` maps module names (`prefix` is the name of `module`
-    itself) to the layer names the ledger uses."""
+    itself) to the layer names the ledger uses. A batch norm over a given group of one rank is
+    torch's own and stays so (group None: the world when it runs, converted)."""
     out = module
-    if isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm):
+    alone = group is not None and group_size(group) == 1
+    if isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm) and not alone:
         kw = {"group": group, "ledger": ledger, "layer": (layer_of or {}).get(prefix, prefix)}
         cls = GlobalBatchNorm
         if switch is not None:

@@ -144,7 +144,8 @@ class HybridTrainer:
         self.ledger.step = step
         faults.set_step(step)
         first_entry = len(self.ledger.entries)
-        m.train()
+        if not m.training:  # after `evaluate` only: train() walks every module
+            m.train()
         m.set_batch(n)
         faults.at("forward")
         self._target = target = y[m.output_rows(n)]
