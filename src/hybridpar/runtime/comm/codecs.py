@@ -33,7 +33,8 @@ rounding (every codec's levels are at least 2^-8 apart relative to their size, s
 most one midpoint: checked when the tables are built). Decoding is a 256-entry table lookup times
 the block's scale. Both are compiled with torch.compile for large tensors and run eagerly for
 small ones (same arithmetic, same bytes); `reference_encode` is the plain nearest-level search the
-tests compare against.
+tests compare against. On a GPU the Triton kernels (`triton_codecs`, where triton imports) take
+the place of the compiled path: one read and one write per element.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import numpy as np
 import torch
 
 from hybridpar.choices import CODECS, DEFAULT_BLOCK, EIGHT_BIT, check_codec, payload_bytes
-from hybridpar.runtime.comm import kernels
+from hybridpar.runtime.comm import kernels, triton_codecs
 from hybridpar.runtime.comm.devices import clock
 
 __all__ = [
@@ -309,10 +310,14 @@ class Codec:
         return codes, torch.empty(self.blocks(n), dtype=torch.float32, device=flat.device)
 
     def _encode_8bit(self, flat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """The 8-bit codes and per-block scales of flat (the C kernel on CPU, torch elsewhere)."""
+        """The 8-bit codes and per-block scales of flat (the C kernel on CPU, the Triton kernel on
+        a GPU, torch elsewhere)."""
         t = _tables_for(self.name, flat.device)
         n = flat.numel()
         block = n if self.block is None else self.block
+        gpu = flat.is_cuda and triton_codecs.available()
+        if gpu and triton_codecs.encode(flat.contiguous(), block, t.packed, codes, scales):
+            return
         if flat.device.type == "cpu" and n >= _KERNEL_MIN and kernels.available():
             flat = flat.contiguous()
             if kernels.encode(flat, block, t.packed, codes, scales):
@@ -353,6 +358,10 @@ class Codec:
         ):
             out = torch.empty(n, dtype=torch.float32, device=e.payload.device)
         out = out.view(-1)
+        if e.payload.is_cuda and triton_codecs.available():
+            payload, scales = e.payload.contiguous(), e.scales.contiguous()
+            triton_codecs.decode(payload, block, scales, t.decode, out, add=False)
+            return out.view(e.shape)
         if e.payload.device.type == "cpu" and n >= _KERNEL_MIN and kernels.available():
             kernels.decode(e.payload.contiguous(), block, e.scales.contiguous(), t.decode, out)
             return out.view(e.shape)
@@ -368,22 +377,20 @@ class Codec:
         return out.view(e.shape)
 
     def decode_add(self, e: Encoded, acc: torch.Tensor) -> torch.Tensor:
-        """acc += decode(e), bit for bit, for a contiguous float32 `acc` of e's size; on CPU one
-        pass (no decoded temporary) where the C kernels run."""
+        """acc += decode(e), bit for bit, for a contiguous float32 `acc` of e's size; one pass (no
+        decoded temporary) where the C kernels (CPU) or the Triton kernel (GPU) run."""
         n = e.payload.numel()
-        if (
-            e.scales is not None
-            and e.payload.device.type == "cpu"
-            and n >= _KERNEL_MIN
-            and acc.is_contiguous()
-            and acc.dtype == torch.float32
-            and acc.numel() == n
-            and kernels.available()
-        ):
+        fits = e.scales is not None and n and acc.is_contiguous() and acc.dtype == torch.float32
+        if fits and acc.numel() == n:
             t = _tables_for(self.name, e.payload.device)
             block = n if self.block is None else self.block
-            kernels.decode_add(e.payload.contiguous(), block, e.scales.contiguous(), t.decode, acc)
-            return acc
+            payload, scales = e.payload.contiguous(), e.scales.contiguous()
+            if e.payload.is_cuda and triton_codecs.available():
+                triton_codecs.decode(payload, block, scales, t.decode, acc.view(-1), add=True)
+                return acc
+            if e.payload.device.type == "cpu" and n >= _KERNEL_MIN and kernels.available():
+                kernels.decode_add(payload, block, scales, t.decode, acc)
+                return acc
         return acc.add_(self.decode(e).view(acc.shape))
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
