@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from nets import variable_batch_step
 from torch import nn
 from torch.nn import functional as F
 
@@ -244,18 +245,7 @@ def _variable_reference(dtype, device, batches, P: int, K: int) -> dict:
         rounds.append(ex)
     for x, y in batches:
         h = torch.flatten(net.pool(net.mix(net.block(torch.relu(net.bn(net.conv(x)))))), 1)
-        grad = torch.zeros_like(h)
-        for ex in rounds:
-            hj = h[ex].detach().requires_grad_()
-            out = head(hj)
-            loss = F.cross_entropy(out, y[ex], reduction="sum") / len(ex)
-            head_opt.zero_grad()
-            loss.backward()
-            head_opt.step()
-            grad[ex] = hj.grad * len(ex) / B
-        trunk_opt.zero_grad()
-        h.backward(grad)
-        trunk_opt.step()
+        variable_batch_step(h, y, rounds, head, head_opt, trunk_opt)
     return net.state_dict()
 
 

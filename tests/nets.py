@@ -124,6 +124,24 @@ def train_parallel(hp, data) -> dict[str, torch.Tensor]:
     return hp.full_state_dict()
 
 
+def variable_batch_step(h, y, rounds, head, head_opt, trunk_opt) -> None:
+    """Krizhevsky 4.2 in one process, one iteration, from the trunk's output `h` on the whole
+    batch: per round (a list of example indices) the head's mean loss over its examples, its
+    backward and its own step; then the trunk's gradient, the rounds' each weighted by its share
+    of the batch, and the trunk's step."""
+    grad = torch.zeros_like(h)
+    for ex in rounds:
+        hj = h[ex].detach().requires_grad_()
+        loss = F.cross_entropy(head(hj), y[ex], reduction="sum") / len(ex)
+        head_opt.zero_grad()
+        loss.backward()
+        head_opt.step()
+        grad[ex] = hj.grad * len(ex) / len(h)
+    trunk_opt.zero_grad()
+    h.backward(grad)
+    trunk_opt.step()
+
+
 def straight_and_resumed(t, rebuild, data, k: int, folder) -> tuple[dict, dict]:
     """Train the HybridTrainer `t` on `data`, checkpointing into `folder` after k steps; a fresh
     trainer from `rebuild()` loads that checkpoint and trains the remaining steps. Returns both

@@ -28,6 +28,7 @@ from nets import (
     batches,
     optimizer,
     straight_and_resumed,
+    variable_batch_step,
 )
 from test_equivalence import _measured
 from torch import nn
@@ -401,19 +402,8 @@ def _variable_reference(data, P: int, K: int) -> dict:
     trunk_opt = optimizer([p for p in model.parameters() if id(p) not in head_ids])
     head_opt = optimizer(head_mods.parameters())
     for x, y in data:
-        B = len(x)
         h = model.classifier[0](torch.flatten(model.avgpool(model.features(x)), 1))
-        grad = torch.zeros_like(h)
-        for ex in _round_examples(B, P, K):
-            hj = h[ex].detach().requires_grad_()
-            loss = F.cross_entropy(head_mods(hj), y[ex], reduction="sum") / len(ex)
-            head_opt.zero_grad()
-            loss.backward()
-            head_opt.step()
-            grad[ex] = hj.grad * len(ex) / B
-        trunk_opt.zero_grad()
-        h.backward(grad)
-        trunk_opt.step()
+        variable_batch_step(h, y, _round_examples(len(x), P, K), head_mods, head_opt, trunk_opt)
     return model.state_dict()
 
 
