@@ -141,6 +141,7 @@ CASES = [
     ("plan and preset", lambda t: [*TRAIN, "--plan", plan_file(t), "--preset", "owt"], "not both"),
     ("plan for another P", lambda t: [*TRAIN, "--plan", plan_file(t), "--nproc", "4"], "the plan is for --nproc 2"),
     ("plan naming no module", lambda t: [*TRAIN, "--plan", plan_file(t, styles={"fc9": "batch"})], "names no module"),
+    ("plan for another model", lambda t: [*TRAIN, "--plan", plan_file(t), "--model", "resnet20"], "the plan was made for digits-cnn, not resnet20"),
     ("plan and another codec", lambda t: [*TRAIN, "--plan", plan_file(t), "--codec", "fp16"], "the plan says codec none"),
     ("style of another P", lambda t: [*TRAIN, "--plan", plan_file(t, styles={"6": "model(3x1)"})], "the plan is for P=2"),
     ("style on a ReLU", lambda t: [*TRAIN, "--plan", plan_file(t, styles={"1": "model(2x1)"})], "has no Linear or Conv2d"),

@@ -171,3 +171,15 @@ def test_every_command_prints_its_help(capsys):
             main([name, "--help"])
         assert exit_.value.code == 0, name
         assert "usage: hybridpar " + name in capsys.readouterr().out
+
+
+def test_a_bare_hybridpar_lists_the_commands_and_version_answers(capsys):
+    from hybridpar import __version__
+    from hybridpar.commands.cli import main
+
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in ("plan", "train", "validate", "calibrate"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"hybridpar {__version__}"

@@ -165,10 +165,13 @@ def _validate_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hybridpar import __version__
+
     parser = _Parser(
         prog="hybridpar",
         description="Hybrid batch/model/domain parallel training: plan it, then run it.",
     )
+    parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _plan_parser(sub)
     _simulate_parser(sub)
@@ -184,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     restore = stop_on_signals()  # from here on SIGTERM unwinds like Ctrl-C: ranks are stopped
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `hybridpar`: what it can do
+        parser.print_help(sys.stderr)
+        restore()
+        return 2
     args = parser.parse_args(argv)
     try:
         return args.func(args)

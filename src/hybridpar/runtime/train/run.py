@@ -63,7 +63,7 @@ def prepare(cfg: TrainConfig) -> Job:
     placed = {"device": cfg.choices.device, "backend": cfg.choices.backend}
     layout = None
     if loaded is not None:  # names, styles, layouts: every check before spawning
-        layout = resolve(model, loaded.with_choices(**placed), shape, P, traced)
+        layout = _resolve_file(model, loaded.with_choices(**placed), shape, P, traced, cfg.model)
         if cfg.handoff is not None:  # the file's hand-offs sent by another scheme: re-priced
             moved = replace(with_handoff(layout, cfg.handoff, cfg.rounds), predicted=[])
             layout = resolve(model, moved, shape, P, traced)
@@ -85,6 +85,20 @@ def prepare(cfg: TrainConfig) -> Job:
     if resume is not None:
         _check_resume(resume, cfg, shape)
     return Job(cfg, P, shape, classes, traced, layers, layout, resume)
+
+
+def _resolve_file(model, plan: ParallelPlan, shape, P: int, traced, name: str):
+    """`resolve` for a plan file; where it does not fit and was made for another model, the
+    error says which."""
+    try:
+        return resolve(model, plan, shape, P, traced)
+    except ConfigError as exc:
+        if plan.model and plan.model != name:
+            raise ConfigError(
+                f"the plan was made for {plan.model}, not {name} ({exc}): re-plan for this "
+                f"model (`hybridpar plan --model {name} ... --out`) or drop --model"
+            ) from None
+        raise
 
 
 def _check_handoff(scheme: str, rounds: int | None, layout) -> None:
