@@ -129,6 +129,7 @@ CASES = [
     ("synthetic:abc", lambda t: [*TRAIN, "--data", "synthetic:abc"], "write synthetic:N"),
     ("unknown data", lambda t: [*TRAIN, "--data", "imagenet"], "unknown data"),
     ("image folder of one class", lambda t: [*TRAIN, "--data", _folder(t, 1)], "one sub-folder per class"),
+    ("image folder with an empty class", lambda t: [*TRAIN, "--data", _folder(t, 2)], "'class0' holds no image"),
     ("unwritable report", lambda t: [*TRAIN, "--report", "/proc/hybridpar/r.json"], "cannot write"),
     ("unwritable weights", lambda t: [*TRAIN, "--save", "/proc/hybridpar/w.pt"], "cannot write"),
     ("unwritable checkpoint dir", lambda t: [*TRAIN, "--checkpoint-dir", "/proc/hybridpar"], "cannot write"),
@@ -326,3 +327,19 @@ def test_a_result_with_tensors_arrives_after_its_rank_is_gone(monkeypatch):
     monkeypatch.setattr(launcher, "_watch", late)
     got = launcher.launch(_tensors, 2, backend="gloo", timeout_s=30)
     assert [float(r["w"][-1]) for r in got] == [0.0, 999.0]
+
+
+def test_a_refusal_the_arguments_decide_comes_before_any_profile(cli, tmp_path, monkeypatch):
+    """On a calibrated localhost a fixed preset is priced with a compute profile measured here (23 s
+    on 5135867 before `--nproc 3 --preset grid:2x2` was refused): the refusal comes first."""
+    cache = tmp_path / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    calibrated = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2}
+    (cache / "localhost.json").write_text(json.dumps({**calibrated, "device": "cpu"}))
+
+    def tripwire(*args, **kwargs):
+        raise AssertionError("a compute profile was measured for a refused preset")
+
+    monkeypatch.setattr("hybridpar.planning.profile.profile_compute", tripwire)
+    code, err = cli(*TRAIN, "--nproc", "3", "--preset", "grid:2x2")
+    assert code == 2 and "grid" in err and len(err.strip().splitlines()) == 1, err

@@ -183,3 +183,20 @@ def test_a_bare_hybridpar_lists_the_commands_and_version_answers(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"hybridpar {__version__}"
+
+
+def test_every_command_takes_both_spellings_of_the_rank_count(capsys):
+    """plan, simulate and validate named it --procs, train and calibrate --nproc: each takes both."""
+    from hybridpar.commands.cli import build_parser
+
+    parser = build_parser()
+    model = ["--model", "alexnet", "--batch", "8"]
+    for spelling in ("--procs", "--nproc"):
+        assert parser.parse_args(["plan", *model, spelling, "4"]).procs == 4
+        assert parser.parse_args(["simulate", *model, spelling, "4,8"]).procs == [4, 8]
+        assert parser.parse_args(["validate", *model, spelling, "4"]).procs == 4
+        assert parser.parse_args(["train", spelling, "3"]).nproc == 3
+        assert parser.parse_args(["calibrate", spelling, "2,4"]).nproc == [2, 4]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["validate", "--help"])
+    assert "(default: localhost)" in capsys.readouterr().out  # where validate runs

@@ -60,7 +60,9 @@ def _int_list(text: str) -> list[int]:
 def _plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="predict the cost of every scenario and pick the best")
     add_arguments(p, PlanConfig)
-    p.add_argument("--procs", type=_positive_int, required=True, help="number of processes P")
+    p.add_argument(
+        "--procs", "--nproc", type=_positive_int, required=True, help="number of processes P"
+    )
     p.add_argument("--scenario", default="all", choices=["all", *SCENARIOS])
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="write the chosen plan for `hybridpar train --plan`")
@@ -83,7 +85,9 @@ def _plan_parser(sub) -> None:
 def _simulate_parser(sub) -> None:
     s = sub.add_parser("simulate", help="sweep P; write a CSV and Fig. 6/7/10-style PNG charts")
     add_arguments(s, PlanConfig, skip=("reducer",))
-    s.add_argument("--procs", type=_int_list, required=True, help="comma-separated, e.g. 8,16,32")
+    s.add_argument(
+        "--procs", "--nproc", type=_int_list, required=True, help="comma-separated, e.g. 8,16,32"
+    )
     s.add_argument("--out", default="simulate-out", help="output folder")
     s.add_argument("--no-plots", action="store_true")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -119,6 +123,7 @@ def _measuring_parsers(sub) -> None:
     c = sub.add_parser("calibrate", help="fit alpha and beta of this machine (cluster 'localhost')")
     c.add_argument(
         "--nproc",
+        "--procs",
         type=_int_list,
         default=[2, 4],
         help="ranks to time the collectives on, comma-separated: the first gives alpha and beta, "
@@ -147,8 +152,13 @@ def _validate_parser(sub) -> None:
         help="run the planner's best plans and the presets; predicted vs measured time per plan",
     )
     add_arguments(v, PlanConfig)
-    v.set_defaults(cluster="localhost")
-    v.add_argument("--procs", type=_positive_int, required=True, help="number of processes P")
+    v.set_defaults(cluster="localhost")  # validate runs here: its help says so
+    for action in v._actions:
+        if action.dest == "cluster":
+            action.help = action.help.rsplit(" (default:", 1)[0] + " (default: localhost)"
+    v.add_argument(
+        "--procs", "--nproc", type=_positive_int, required=True, help="number of processes P"
+    )
     v.add_argument("--top", type=_positive_int, default=6, help="the planner's N cheapest plans")
     v.add_argument(
         "--presets",

@@ -30,7 +30,9 @@ class TrainConfig:
     )
     data: str = meta("digits", "digits | synthetic[:N] | file.npz | image folder")
     nproc: int | None = meta(
-        None, "local processes (default: the plan's, else 4; torchrun decides when it starts us)"
+        None,
+        "local processes (default: the plan's, else 4; torchrun decides when it starts us)",
+        aliases=["--procs"],
     )
     preset: str = meta(
         "auto",

@@ -93,6 +93,13 @@ def validate_data_spec(spec: str) -> None:
         classes = [d for d in p.iterdir() if d.is_dir()]
         if len(classes) < 2:
             raise ConfigError(f"image folder {spec!r} needs one sub-folder per class (at least 2)")
+        for d in sorted(classes):  # names only: the images are read by the ranks
+            if not any(f.suffix.lower() in IMAGE_SUFFIXES for f in d.iterdir()):
+                kinds = ", ".join(sorted(IMAGE_SUFFIXES))
+                raise ConfigError(
+                    f"image folder {spec!r}: class folder {d.name!r} holds no image ({kinds}); "
+                    "add images or remove it"
+                )
         return
     raise ConfigError(
         f"unknown data {spec!r}; use digits, synthetic[:N], a .npz file or an image folder"

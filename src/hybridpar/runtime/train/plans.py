@@ -40,6 +40,8 @@ def settled_compute(
     """planning.profile.planning_compute, once a fork server `hybridpar train` started early has
     finished importing (launcher.settle_server; at once otherwise): a profile it measures would
     otherwise share a core with that import, and be cached for every later plan."""
+    if cluster.cores is None:  # not this host (a preset, bytes only): priced by FLOPs
+        return None
     settle_server()
     return planning_compute(cluster, model, shape, P, B, device)
 

@@ -70,6 +70,7 @@ def prepare(cfg: TrainConfig) -> Job:
         plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
         layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
     elif not cfg.searched:
+        preset_plan(cfg, P, layers, shape, BYTES_ONLY)  # what the arguments decide: no profile
         cluster = pricing_cluster(cfg.cluster, False, cfg.choices.device)
         plan = preset_plan(cfg, P, layers, shape, cluster)
         layout = resolve(model, plan.with_choices(**placed), shape, P, traced)
