@@ -10,7 +10,7 @@ Scenarios (names are the CLI's and the JSON's):
 | model     | every layer pure model, grid P x 1 (Eq. 3)                                        |
 | same-grid | one Pr x Pc grid for every layer (Eq. 8, Fig. 6); the best grid is reported        |
 | fc-grid   | conv layers pure batch, FC layers on a Pr x Pc grid (Fig. 7) + Eq. 6 hand-off       |
-| domain    | one grid; each conv layer domain- or model-parallel, FC layers model (Eq. 9, Fig. 10) |
+| domain    | one grid; conv layers domain or model, at least one domain; FC model (Fig. 10)  |
 | per-layer | each layer its own style and grid, paying redistribution between them (DP)        |
 
 Grids: Pr * Pc = P, Pc <= B and Pc divides B (every batch group gets B/Pc examples). Whether a
@@ -454,6 +454,28 @@ def _check(P: object, B: object, scenarios: tuple[str, ...] | list[str]) -> list
     return all_grids
 
 
+def _domain(ctx: _Context, g: tuple[int, int], conv: list[bool], limit: float | None) -> Plan:
+    """The domain scenario on grid g: each convolution split by height or by channels, whichever
+    the cost model prefers, with at least one split by height (a plan called domain that splits no
+    image would be mislabelled): where the cheapest splits none, the cheapest that holds one of
+    the convolutions that can take it at domain; infeasible, with the rule's reason, where none
+    can."""
+    dom, mod = Style.domain(*g), Style.model(*g)
+    options = [[dom, mod] if c else [mod] for c in conv]
+    plan = ctx.search("domain", g, options, limit)
+    if not plan.feasible or any(x.style.kind == "domain" for x in plan.layers):
+        return plan
+    can = [i for i, c in enumerate(conv) if c and not ctx.why_not(i, dom)]
+    held = [ctx.search("domain", g, [[dom] if j == i else o for j, o in enumerate(options)], limit)
+            for i in can]  # fmt: skip
+    held = [p for p in held if p.feasible]
+    if held:
+        return min(held, key=lambda p: (p.total_s, p.comm_s))
+    first = next((i for i, c in enumerate(conv) if c), None)
+    why = ctx.why_not(first, dom) if first is not None else "the model has no convolution"
+    return Plan("domain", g, overlap=ctx.overlap, reason=f"no layer splits by height: {why}")
+
+
 def _candidates(
     ctx: _Context,
     name: str,
@@ -478,16 +500,7 @@ def _candidates(
             fixed(g, [Style.batch(P) if c else Style.model(*g) for c in conv]) for g in all_grids
         ]
     if name == "domain":
-        return [
-            ctx.search(
-                name,
-                g,
-                [[Style.domain(*g), Style.model(*g)] if c else [Style.model(*g)] for c in conv],
-                memory_limit,
-            )
-            for g in all_grids
-            if g[0] > 1
-        ]
+        return [_domain(ctx, g, conv, memory_limit) for g in all_grids if g[0] > 1]
     options = [
         [Style.model(*g) for g in all_grids]
         + ([Style.domain(*g) for g in all_grids if g[0] > 1] if c else [])
