@@ -361,3 +361,17 @@ def test_per_layer_with_overlap_beats_the_fc_grid_it_contains():
     for p in r.scenarios:
         if p.feasible:
             assert per_layer.total_s <= p.total_s * (1 + 1e-12), p.scenario
+
+
+def test_the_domain_scenario_splits_an_image_or_says_why_not():
+    """Issue 43: `--preset domain` on resnet20 at 16 px, B = 2, 4 ranks gave every layer
+    model(4x1) and was still called domain. Every feasible candidate now splits at least one
+    convolution by height; a model without one that can gets the rule's reason."""
+    from hybridpar.planning.search import make_plan
+
+    fast = Cluster("fast", alpha=1e-6, beta=1e-9, flops=1e12)
+    r = make_plan("resnet20", 4, 2, fast, input_size=16, scenarios=["domain"])
+    feasible = [p for p in r.candidates["domain"] if p.feasible]
+    assert feasible and all(any(x.style.kind == "domain" for x in p.layers) for p in feasible)
+    mlp = make_plan("mlp", 4, 8, fast, scenarios=["batch", "domain"]).candidates["domain"]
+    assert mlp and all("no layer splits by height" in p.reason for p in mlp)
