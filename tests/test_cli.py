@@ -200,3 +200,17 @@ def test_every_command_takes_both_spellings_of_the_rank_count(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["validate", "--help"])
     assert "(default: localhost)" in capsys.readouterr().out  # where validate runs
+
+
+def test_every_option_has_help_and_no_internal_name():
+    """Issue 43: `train --help` showed RUNTIME.SEED and CHOICES.COMPRESS as metavars, and options
+    of plan, simulate, profile and codecs had no help at all."""
+    from hybridpar.commands.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name, parser in commands.items():
+        text = parser.format_help()
+        assert "RUNTIME." not in text and "CHOICES." not in text, name
+        for action in parser._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings[0]} has no help"

@@ -76,8 +76,10 @@ def add_arguments(
         if f.name in skip or not f.init:
             continue
         tp, _ = _unwrap(hints[f.name])
-        if _is_config(tp):
-            add_arguments(parser, tp, skip, prefix=f"{prefix}{f.name}.")
+        if _is_config(tp):  # its options under its own title (the class's first docstring line)
+            title = (tp.__doc__ or tp.__name__).strip().splitlines()[0].rstrip(".")
+            group = parser.add_argument_group(f"{f.name}: {title[0].lower()}{title[1:]}")
+            add_arguments(group, tp, skip, prefix=f"{prefix}{f.name}.")
             continue
         names = [flag_of(cls, f.name), *f.metadata.get("aliases", ())]
         default = _default(f)
@@ -99,6 +101,8 @@ def add_arguments(
             kw.update(type=_parse(tp), default=default)
             if default is not None:
                 kw["help"] += f" (default: {f.metadata.get('show', default)})"
+        if "choices" not in kw and "action" not in kw:  # the flag's own name, not the dest
+            kw["metavar"] = names[0].lstrip("-").upper().replace("-", "_")
         parser.add_argument(*names, **kw)
 
 

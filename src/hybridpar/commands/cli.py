@@ -63,7 +63,12 @@ def _plan_parser(sub) -> None:
     p.add_argument(
         "--procs", "--nproc", type=_positive_int, required=True, help="number of processes P"
     )
-    p.add_argument("--scenario", default="all", choices=["all", *SCENARIOS])
+    p.add_argument(
+        "--scenario",
+        default="all",
+        choices=["all", *SCENARIOS],
+        help="the scenario to show and export (default: all, the best of them)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="write the chosen plan for `hybridpar train --plan`")
     p.add_argument(
@@ -89,7 +94,7 @@ def _simulate_parser(sub) -> None:
         "--procs", "--nproc", type=_int_list, required=True, help="comma-separated, e.g. 8,16,32"
     )
     s.add_argument("--out", default="simulate-out", help="output folder")
-    s.add_argument("--no-plots", action="store_true")
+    s.add_argument("--no-plots", action="store_true", help="write the CSV only, no PNG charts")
     s.add_argument("--quiet", action="store_true", help="no progress bar")
     s.add_argument(
         "--handoffs",
@@ -104,10 +109,10 @@ def _simulate_parser(sub) -> None:
 
 def _measuring_parsers(sub) -> None:
     f = sub.add_parser("profile", help="measure per-layer compute time here, for the planner")
-    f.add_argument("--model", required=True)
-    f.add_argument("--batch", type=_positive_int, default=16)
-    f.add_argument("--input-size", type=_positive_int, default=None)
-    f.add_argument("--repeats", type=_positive_int, default=5)
+    f.add_argument("--model", required=True, help="zoo model or package.module:factory")
+    f.add_argument("--batch", type=_positive_int, default=16, help="samples per timed iteration")
+    f.add_argument("--input-size", type=_positive_int, default=None, help="image height and width")
+    f.add_argument("--repeats", type=_positive_int, default=5, help="timed iterations per layer")
     f.add_argument("--out", default=None, help="the table's path (default: the cache folder)")
     f.set_defaults(func=cmd_profile)
 
@@ -117,7 +122,7 @@ def _measuring_parsers(sub) -> None:
     k.add_argument("--size", type=int, default=1 << 20, help="elements of each random sample")
     k.add_argument("--speed-size", type=_positive_int, default=1 << 24, help="elements timed")
     k.add_argument("--no-speed", action="store_true", help="errors only")
-    k.add_argument("--json", action="store_true")
+    k.add_argument("--json", action="store_true", help="print the tables as JSON")
     k.set_defaults(func=cmd_codecs)
 
     c = sub.add_parser("calibrate", help="fit alpha and beta of this machine (cluster 'localhost')")

@@ -20,6 +20,8 @@ __all__ = ["RuntimeOptions"]
 
 @dataclass(frozen=True)
 class RuntimeOptions:
+    """How the runtime runs a plan: seeds, timeouts, buckets, codec blocks, adaptive BN."""
+
     seed: int = meta(0, "seed of the model, the data order and dropout")
     timeout_s: float | None = meta(
         300.0,

@@ -105,7 +105,7 @@ class TrainConfig:
         "auto: --checkpoint-dir's latest if there is one (what a torchrun restart wants)",
     )
     quiet: bool = meta(False, "no live lines on stdout (the log next to --report still has them)")
-    progress: bool = meta(True, "progress bar", flag="--no-progress")
+    progress: bool = meta(True, "no progress bar (for logs)", flag="--no-progress")
     max_steps: int | None = meta(None, "cap the steps per epoch (benchmarks)")
     choices: Choices = nested(Choices)
     runtime: RuntimeOptions = nested(RuntimeOptions)
