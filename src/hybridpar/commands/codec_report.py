@@ -210,7 +210,7 @@ def print_table(rows: list[dict], speeds: dict[str, tuple[float, float]] | None)
     if normal is not None:
         x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
         print("\nTable 2, normal(0, 1), per tensor, mean relative error %: Dettmers' split (ours")
-        print("now), the uniform split at step ends (ours before issue 26), the paper")
+        print("now), a uniform split with levels at the step ends (our first version), the paper")
         for name in UNIFORM:
             now = next(r for r in rows if r["data"] == "normal(0, 1)" and r["codec"] == name)
             old = uniform_error(x, name)
