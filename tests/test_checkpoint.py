@@ -50,6 +50,10 @@ def test_kill_and_resume_on_the_same_grid_is_bit_exact(tmp_path, uninterrupted):
     assert list(got) == list(uninterrupted)
     for k, v in uninterrupted.items():
         assert torch.equal(got[k], v), k
+    # an elastic restart after the last step: it says so (it printed "iteration 0.0 ms" and 0
+    # bytes against the prediction on 5135867)
+    again = train(*args, "--resume", "auto").stdout
+    assert "nothing left to train" in again and "iteration 0.0" not in again, again
 
 
 def test_resume_onto_another_grid_and_p(tmp_path, uninterrupted):

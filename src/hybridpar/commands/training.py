@@ -36,6 +36,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_report(report: dict) -> None:
     """The outcome; the plan and the epoch lines were printed live by rank 0."""
     it, b = report["iteration"], report["bytes"]
+    if it.get("steps", 1) == 0:  # a resume that found the run complete: no step to measure
+        print(
+            f"{report['model']} on {report['data']}: nothing left to train (the checkpoint is "
+            f"at the end of the run); final test accuracy {report['final']['test_acc']:.4f}"
+        )
+        for w in report.get("written", []):
+            print(f"wrote {w}")
+        return
     ms = {k: it[k] * 1e3 for k in ("time_s", "compute_s", "comm_wait_s")}
     print(
         f"{report['model']} on {report['data']}: P={report['procs']}, "

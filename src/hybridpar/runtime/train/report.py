@@ -169,6 +169,7 @@ def report(
         "epochs": epochs,
         "final": {"test_acc": epochs[-1]["test_acc"], "loss": epochs[-1]["loss"]},
         "iteration": {
+            "steps": len(times.get("time_s", ())),  # measured here (0: nothing left to train)
             "time_s": med["time_s"],
             "compute_s": max(0.0, med["time_s"] - comm),
             "comm_wait_s": comm,
