@@ -214,3 +214,26 @@ def test_every_option_has_help_and_no_internal_name():
         for action in parser._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"{name} {action.option_strings[0]} has no help"
+
+
+def test_the_closing_table_says_where_the_host_reducers_bytes_went(capsys):
+    """Issue 43: with --reducer host the closing table showed 0 bytes measured and predicted while
+    the plan's table had predicted 12595 KB (the sums' volume, through shared memory)."""
+    from hybridpar.commands.training import _print_report
+
+    sums = {"layer": "6", "term": "dw_allreduce", "bytes": 12595200.0, "seconds": 0.0}
+    report = {
+        "model": "digits-wide",
+        "data": "digits",
+        "procs": 4,
+        "preset": "grid:1x4",
+        "plan_file": None,
+        "plan": {"scenario": "fc-grid", "predicted": [sums]},
+        "final": {"test_acc": 0.5},
+        "iteration": {"steps": 3, "time_s": 0.1, "compute_s": 0.09, "comm_wait_s": 0.01},
+        "bytes": {"measured": {"dw_allreduce": 0.0}, "predicted": {"dw_allreduce": 0.0}},
+        "reducer": "host",
+    }
+    _print_report(report)
+    out = capsys.readouterr().out
+    assert "dw_allreduce's 12595 KB a rank in host shared memory" in out, out

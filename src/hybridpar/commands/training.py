@@ -77,5 +77,11 @@ def _print_report(report: dict) -> None:
             print(
                 f"{'':30}{k:<14} {b['measured'].get(k, 0):14.0f} {b['predicted'].get(k, 0):14.0f}"
             )
+    if report.get("reducer") == "host":  # the plan's table shows the sums' volume
+        volume = sum(p["bytes"] for p in report["plan"]["predicted"] if p["term"] == "dw_allreduce")
+        print(
+            f"{'':30}(the host reducer sums dw_allreduce's {volume / 1e3:.0f} KB a rank in host "
+            "shared memory: the bytes above are those between hosts)"
+        )
     for w in report.get("written", []):
         print(f"wrote {w}")
