@@ -1,0 +1,155 @@
+"""Issue 43: every `hybridpar` example of the README, as written, through the real command line in
+a sandbox, so that the README cannot drift from the program.
+
+- `plan` and `simulate` examples run (on a `localhost` calibration written here, the compute
+  priced by FLOPs: no profile is measured);
+- `train` examples run up to the launch, which a stand-in replaces and which keeps the job:
+  everything the parent decides (data, model, plan file or preset, the checks, the plan of a fixed
+  preset) happens, and what each example's comment promises is asserted on that job (a searched
+  preset's plan is made as rank 0 would make it);
+- the GPU examples must be refused in one line on a machine without a GPU;
+- `codecs`, `calibrate`, `profile` and `validate` are parsed (they run for minutes; their own
+  tests run them).
+`mynets.py` is the README's own."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _blocks() -> list[str]:
+    return re.findall(r"```[a-z]*\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def examples() -> list[tuple[str, str]]:
+    """(command, comment) of every line of a code block that runs `hybridpar`, a line ending in a
+    backslash joined to the next, a comment on the line below kept with it."""
+    out: list[tuple[str, str]] = []
+    for block in _blocks():
+        lines = block.splitlines()
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1] + " " + lines[i].strip()
+            i += 1
+            if line.startswith("hybridpar ") and not line.split()[1].endswith(":"):  # not output
+                command, _, comment = line.partition("  #")
+                out.append((command.strip(), comment.strip()))
+            elif out and line.strip().startswith("#") and line.startswith(" "):
+                out[-1] = (out[-1][0], (out[-1][1] + " " + line.strip(" #")).strip())
+    return out
+
+
+def _mynets() -> str:
+    return next(b for b in _blocks() if "def small_cnn" in b)
+
+
+def _promise(command: str, job, plan) -> None:
+    """What the example's comment says, on the job the parent built."""
+    cfg, styles = job.cfg, {s.label for s in plan.styles.values()}
+    if command == "hybridpar train":  # digits-wide on digits, 4 ranks, the planner's plan
+        assert (cfg.model, cfg.data, job.procs, cfg.preset) == ("digits-wide", "digits", 4, "auto")
+    if "--plan p.json" in command:
+        assert plan.scenario == "per-layer" and cfg.data == "synthetic:256"
+    if "grid:2x2 --epochs" in command:  # conv batch, FC on a 2 x 2 grid
+        assert "model(2x2)" in styles and any(s.kind == "batch" for s in plan.styles.values())
+    if "--preset domain" in command:  # images split by height
+        assert any(s.kind == "domain" for s in plan.styles.values()), styles
+    if "--preset ddp" in command:
+        assert plan.engine == "ddp"
+    if "mynets:small_cnn --preset model" in command:
+        assert styles == {"model(4x1)"}
+    if "per-layer" in command and "resnet20" in command:
+        assert cfg.choices.bn == "global" and plan.scenario == "per-layer"
+    if "--checkpoint-every 50" in command:
+        assert cfg.checkpoint_dir == "ck" and cfg.checkpoint_every == 50
+    if "--resume auto" in command:  # onto another grid and P
+        assert job.procs == 2 and "model(2x1)" in styles
+    if "--codec dynamic-tree" in command:
+        assert plan.choices.codec == "dynamic-tree" and plan.choices.compress == (
+            "activations",
+            "grads",
+        )
+    if "--handoff c --rounds 2" in command:
+        assert [(r.scheme, r.rounds) for r in plan.redistributions] == [("c", 2)]
+    if "--variable-batch" in command:
+        assert cfg.runtime.variable_batch and plan.redistributions[0].scheme == "b"
+    if "--bn adaptive" in command:
+        assert plan.choices.bn == "adaptive" and cfg.runtime.bn_max_batch == 256
+    if "--reducer host" in command:
+        assert plan.choices.reducer == "host"
+
+
+def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, capsys):
+    from hybridpar.commands import cli
+    from hybridpar.planning.cluster import BYTES_ONLY
+    from hybridpar.runtime.train.plans import preset_plan
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    calibrated = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2}
+    (tmp_path / "cache" / "localhost.json").write_text(json.dumps({**calibrated, "device": "cpu"}))
+    monkeypatch.setattr("hybridpar.planning.profile.profile_compute", lambda *a, **k: None)
+    (tmp_path / "mynets.py").write_text(_mynets())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    jobs: list = []
+
+    def launched(fn, procs, job, **kwargs):  # the parent's work is done: keep the job
+        jobs.append(job)
+        return [None]
+
+    monkeypatch.setattr("hybridpar.runtime.train.run.launch", launched)
+    gpu = torch.cuda.is_available()
+    ran = []
+    for command, comment in examples():
+        argv = command.split()[1:]
+        name = argv[0]
+        if name in ("codecs", "calibrate", "profile", "validate"):
+            cli.build_parser().parse_args(argv)  # the options exist, with these values
+            continue
+        if "--device cuda" in command and not gpu:
+            code = cli.main(argv)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert code == 2 and len(err) == 1 and "GPU" in err[0], (command, err)
+            continue
+        if name == "train":
+            argv += ["--max-steps", "1", "--quiet"]
+        code = cli.main(argv)
+        err = capsys.readouterr().err
+        assert code == 0, f"{command}: {err}"
+        if name == "train":
+            job = jobs[-1]
+            plan = job.plan or preset_plan(
+                job.cfg, job.procs, job.layers, job.input_shape, BYTES_ONLY
+            )
+            _promise(command, job, plan)
+        ran.append(command)
+    assert sum(c.startswith("hybridpar train") for c in ran) >= 14, ran
+    assert sum(c.startswith("hybridpar plan") for c in ran) >= 5, ran
+    sys.modules.pop("mynets", None)
+
+
+def test_the_examples_are_read_from_the_readme():
+    """The parser finds the README's examples, joined continuations and comments included."""
+    found = dict(examples())
+    assert "hybridpar train" in found and found["hybridpar train"].startswith("digits-wide")
+    domain = next(c for c in found if "--preset domain" in c)
+    assert "images split by height" in found[domain]  # the comment on the line below
+    assert any(c.endswith("--scenario per-layer --out p.json") for c in found)  # a continuation
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_mynets():
+    yield
+    sys.modules.pop("mynets", None)
