@@ -112,7 +112,7 @@ def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, 
     monkeypatch.setattr("hybridpar.runtime.train.run.launch", launched)
     gpu = torch.cuda.is_available()
     ran = []
-    for command, comment in examples():
+    for command, _comment in examples():
         argv = command.split()[1:]
         name = argv[0]
         if name in ("codecs", "calibrate", "profile", "validate"):
