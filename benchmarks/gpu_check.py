@@ -204,12 +204,12 @@ def predict(dev: str, measured: list[dict]) -> list[dict]:
         return []
     print("  " + done.stdout.strip().splitlines()[0])
     os.environ["HYBRIDPAR_CACHE"] = cache  # the planner reads this calibration
-    from hybridpar.planning.cluster import for_device, load_cluster
+    from hybridpar.planning.cluster import load_cluster
     from hybridpar.planning.profile import planning_compute
     from hybridpar.planning.search import make_plan
     from hybridpar.planning.zoo import input_shape
 
-    cluster = for_device(load_cluster("localhost", dev), dev)
+    cluster = load_cluster("localhost", dev)
     rows = []
     print(
         "| model | px | B | predicted ms | measured ms (fp32) | error |\n| --- | --- | --- | --- | --- | --- |"

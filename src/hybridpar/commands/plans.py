@@ -12,7 +12,7 @@ from pathlib import Path
 from hybridpar.config import from_namespace, writable
 from hybridpar.errors import ConfigError
 from hybridpar.planning.candidates import PlanResult, best_of
-from hybridpar.planning.cluster import for_device, load_cluster
+from hybridpar.planning.cluster import load_cluster
 from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.search import SCENARIOS, make_plan
 from hybridpar.terms import Term
@@ -89,8 +89,7 @@ def _print_plan(result: PlanResult, shown: list) -> None:
 
 def job_cluster(spec: str, device: str):
     """The cluster a job on `device` (auto: the CPU's, unless told) is priced on."""
-    device = "cuda" if device == "cuda" else "cpu"
-    return for_device(load_cluster(spec, device), device)
+    return load_cluster(spec, "cuda" if device == "cuda" else "cpu")
 
 
 def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:

@@ -598,7 +598,11 @@ def _sync_rows(rows: object, where: str) -> tuple:
 
 def load_cluster(spec: str, device: str = "cpu") -> Cluster:
     """A preset name, `localhost` (after `hybridpar calibrate`: its calibration for `device`), or
-    a path to a .toml / .json file."""
+    a path to a .toml / .json file; a calibration of another device is refused (`for_device`)."""
+    return for_device(_load(spec, device), device)
+
+
+def _load(spec: str, device: str) -> Cluster:
     if spec in PRESETS:
         return PRESETS[spec]
     if spec == "localhost":

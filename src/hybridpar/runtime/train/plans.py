@@ -13,13 +13,7 @@ import torch.distributed as dist
 
 from hybridpar.errors import ConfigError
 from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.cluster import (
-    BYTES_ONLY,
-    Cluster,
-    for_device,
-    load_cluster,
-    localhost_path,
-)
+from hybridpar.planning.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
 from hybridpar.planning.cost.compute import ProfileModel
 from hybridpar.planning.handoff import Handoff
 from hybridpar.planning.layers import CostLayer
@@ -54,8 +48,9 @@ def pricing_cluster(spec: str, required: bool, device: str) -> Cluster:
     it (`agreed_plan`), so only it measures the compute profile, and every rank runs its plan."""
     if spec == "localhost" and not localhost_path(device).exists() and not required:
         return BYTES_ONLY
-    # every rank checks the spec: a bad one is named everywhere
-    cluster = for_device(load_cluster(spec, device), device)
+    cluster = load_cluster(
+        spec, device
+    )  # every rank checks the spec: a bad one is named everywhere
     if not required and under_torchrun() and os.environ.get("RANK", "0") != "0":
         return BYTES_ONLY
     return cluster

@@ -69,14 +69,12 @@ def prepare(cfg: TrainConfig) -> Job:
             layout = resolve(model, moved, shape, P, traced)
         plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
         layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
-    elif not cfg.searched:
-        preset_plan(cfg, P, layers, shape, BYTES_ONLY)  # what the arguments decide: no profile
-        cluster = pricing_cluster(cfg.cluster, False, cfg.choices.device)
-        plan = preset_plan(cfg, P, layers, shape, cluster)
-        layout = resolve(model, plan.with_choices(**placed), shape, P, traced)
-    else:  # rank 0 plans in the job; the cluster and that a plan fits are checked now
-        pricing_cluster(cfg.cluster, False, cfg.choices.device)
+    else:  # a preset: what the arguments decide is checked before any profile is measured
         preset_plan(cfg, P, layers, shape, BYTES_ONLY)
+        cluster = pricing_cluster(cfg.cluster, False, cfg.choices.device)
+        if not cfg.searched:  # rank 0 plans a searched one in the job
+            plan = preset_plan(cfg, P, layers, shape, cluster)
+            layout = resolve(model, plan.with_choices(**placed), shape, P, traced)
     if layout is not None and cfg.handoff in ("b", "c"):
         _check_handoff(cfg.handoff, cfg.rounds, layout)
     if layout is not None and cfg.runtime.variable_batch:
