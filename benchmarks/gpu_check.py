@@ -109,7 +109,7 @@ def matrix(dev: str) -> list[dict]:
 
 def _loop(model, opt, batches, step, steps: int, dev: torch.device) -> float:
     """Median seconds per step over `steps` steps, after one warm-up step."""
-    from hybridpar.runtime.comm.devices import clock
+    from hybridpar.timing import clock
 
     x, y = batches
     step(x, y)
@@ -242,7 +242,7 @@ def predict(dev: str, measured: list[dict]) -> list[dict]:
 
 
 def _gbps(fn, nbytes: int, dev: torch.device, repeats: int = 10) -> float:
-    from hybridpar.runtime.comm.devices import clock
+    from hybridpar.timing import clock
 
     fn()
     ts = []

@@ -75,13 +75,13 @@ def _speed(sizes_mb: list[int], repeats: int) -> dict:
 
 def _overlap(steps: int, input_size: int, batch: int, stage_mb: str) -> dict:
     from hybridpar.choices import Choices
+    from hybridpar.optim import KrizhevskySGD
     from hybridpar.planning.cluster import BYTES_ONLY
     from hybridpar.planning.models import build_model
     from hybridpar.planning.search import plan_for
     from hybridpar.runtime.comm.host import HostReducer
     from hybridpar.runtime.options import RuntimeOptions
     from hybridpar.runtime.parallel import HybridTrainer
-    from hybridpar.runtime.train.optim import KrizhevskySGD
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

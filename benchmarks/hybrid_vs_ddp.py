@@ -31,9 +31,9 @@ import torch
 from plain_ddp import run_local
 
 from hybridpar.config import build
+from hybridpar.optim import KrizhevskySGD
 from hybridpar.planning.models import build_model
 from hybridpar.runtime.train.config import TrainConfig
-from hybridpar.runtime.train.optim import KrizhevskySGD
 from hybridpar.runtime.train.run import run
 
 COMM_TERMS = ("dw_allreduce", "allgather", "dx_allreduce", "dx_allgather", "redistribute")

@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridpar.choices import Choices
+from hybridpar.optim import KrizhevskySGD
 from hybridpar.plan import Style
 from hybridpar.planning.analysis import analyze
 from hybridpar.planning.cluster import Cluster
@@ -46,7 +47,6 @@ from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.dropout import counter_dropout
 from hybridpar.runtime.parallel.trainer import HybridTrainer
-from hybridpar.runtime.train.optim import KrizhevskySGD
 
 SHAPE, B, STEPS, CLASSES, SEED = (1, 8, 8), 12, 3, 5, 7
 NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hybridpar.optim import KrizhevskySGD
 from hybridpar.planning.models import build_model
-from hybridpar.runtime.train.optim import KrizhevskySGD
 
 STEPS, B, CLASSES = 4, 12, 5
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridpar.errors import ConfigError
-from hybridpar.runtime.train.optim import KrizhevskySGD, lr_factor, scale_hparams
+from hybridpar.optim import KrizhevskySGD, lr_factor, scale_hparams
 
 
 def test_section_5_worked_example():

@@ -148,6 +148,12 @@ def _measuring_parsers(sub) -> None:
         help="the collectives to time on the GPUs: nccl (a GPU per rank), gloo (ranks sharing "
         "GPUs), auto (nccl where every rank has a GPU)",
     )
+    c.add_argument(
+        "--check",
+        action="store_true",
+        help="measure a sample of the cached calibration and compute profiles again and say "
+        "whether they still hold on this machine (exit 1 where one does not); saves nothing",
+    )
     c.set_defaults(func=cmd_calibrate)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from hybridpar.config import writable
@@ -96,6 +97,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     local = max(args.nproc) if not under_torchrun() else int(os.environ["LOCAL_WORLD_SIZE"])
     device, backend = device_and_backend(args.device, args.backend, local)
+    if args.check:
+        return _check(device, backend, args.repeats)
     d = calibrate(nproc=args.nproc, repeats=args.repeats, device=device, backend=backend)
     if d is None:  # a rank of a torchrun job other than 0: rank 0 reports
         return 0
@@ -156,3 +159,58 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             + "  ".join(f"{k} {e * 1e9:.2f}/{x * 1e9:.2f}" for k, (e, x) in d["codecs"].items())
         )
     return 0
+
+
+def print_rechecks(rows, out=sys.stdout) -> None:
+    """A table of cached quantities measured again (hybridpar.timing.Recheck), by cache file."""
+    source = None
+    for r in rows:
+        if r.source != source:
+            source = r.source
+            print(f"  {source}", file=out)
+            print(
+                f"    {'quantity':26} {'cached':>10} {'now':>10} {'now/cached':>10} "
+                f"{'spread':>7}  holds",
+                file=out,
+            )
+        print(
+            f"    {r.quantity:26} {r.cached:10.3g} {r.now:10.3g} {r.ratio:10.2f} "
+            f"{r.spread:7.1%}  {'yes' if r.holds else 'NO'}",
+            file=out,
+        )
+
+
+def _check(device: str, backend: str, repeats: int) -> int:
+    """`hybridpar calibrate --check`: the calibration and every compute profile taken on it,
+    measured again on a sample; 0 where all of it holds on this machine today, 1 where not."""
+
+    from hybridpar.planning.cluster import cache_dir, localhost_path
+    from hybridpar.planning.profile import recheck as recheck_profile
+    from hybridpar.runtime.train.calibration import recheck
+    from hybridpar.timing import CHECK_TOL
+
+    rows = recheck(device, backend, repeats)
+    flops = json.loads(localhost_path(device).read_text())["flops"]
+    for path in sorted((cache_dir() / "profiles").glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("calibration") == flops and data.get("measured", {}).get("device") == device:
+            print(f"measuring {path.name} again ...", file=sys.stderr, flush=True)
+            rows += recheck_profile(path, repeats)
+    print(
+        f"the cache of localhost ({device}) measured again (holds: within "
+        f"{CHECK_TOL:.0%} or three times its spread):"
+    )
+    print_rechecks(rows)
+    moved = [r for r in rows if not r.holds]
+    if not moved:
+        print(f"the cache holds on this machine today ({len(rows)} quantities)")
+        return 0
+    print(
+        f"{len(moved)} of {len(rows)} cached quantities no longer hold: "
+        + "; ".join(f"{r.quantity} x{r.ratio:.2f} ({Path(r.source).name})" for r in moved)
+        + ". Run `hybridpar calibrate` again (the profiles are measured again after it)"
+    )
+    return 1

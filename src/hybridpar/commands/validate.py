@@ -310,11 +310,12 @@ def cmd_validate(args) -> int:
 
     from hybridpar.commands.plans import plan_kwargs
     from hybridpar.config import from_namespace, writable
-    from hybridpar.planning.cluster import load_cluster
+    from hybridpar.planning.cluster import load_cluster, localhost_path
     from hybridpar.planning.config import PlanConfig
     from hybridpar.planning.presets import parse_preset
     from hybridpar.planning.search import make_plan
     from hybridpar.runtime.launcher import under_torchrun
+    from hybridpar.runtime.train.calibration import calibrate
 
     cfg = from_namespace(PlanConfig, args)
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != args.procs:
@@ -335,6 +336,10 @@ def cmd_validate(args) -> int:
                 f"--presets {n}: give fixed presets (ddp, owt, batch, model, grid:RxC); the "
                 "searched ones are the planner's candidates already"
             )
+    if cfg.cluster == "localhost" and not localhost_path().exists() and not under_torchrun():
+        # as a searched `hybridpar train` does: the planner needs this host's numbers first
+        print("localhost is not calibrated yet: calibrating it first", file=sys.stderr)
+        calibrate(nproc=[2, 4])  # `hybridpar calibrate`'s default
     cluster = load_cluster(cfg.cluster)
 
     def plan_candidates() -> list[Candidate]:

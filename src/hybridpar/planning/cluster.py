@@ -448,11 +448,12 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         "net_sync",
         "net_small",
     }
-    known |= {"bandwidth", "bandwidth_GBps", "network"}
+    known |= {"bandwidth", "bandwidth_GBps", "network", "spread"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{origin}: unknown key(s) {sorted(unknown)}; allowed: {sorted(known)}")
     data = dict(data)
+    data.pop("spread", None)  # how much each measured quantity varied (calibrate --check)
     bw = data.pop("bandwidth", None)
     bw_gb = data.pop("bandwidth_GBps", None)
     if "beta" not in data:

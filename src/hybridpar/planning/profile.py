@@ -2,10 +2,11 @@
 
 A rank of a P-rank job on a host with C cores runs with max(1, C // P) threads (the launcher sets
 it) and shares the cores with the other ranks. The profile times, in this process with that many
-threads, the median of five training iterations of the model (forward, loss, backward) at each
-batch a rank runs (B / Pc for every grid), splits it over the leaf layers by hooks (each leaf's
-median iteration; the hooks' own overhead is taken out by scaling the leaves to the iteration
-measured without them), and times the optimizer's step per parameter element. It measures beside
+threads, the median of training iterations of the model (forward, loss, backward) at each batch a
+rank runs (B / Pc for every grid), settled (hybridpar.timing), splits it over the leaf layers by
+hooks (each leaf's median iteration; the hooks' own overhead is taken out by scaling the leaves to
+the iteration measured without them), and times the trainer's optimizer step on the model's own
+parameters, per parameter element, settled and bounded by a copy's speed. It measures beside
 the host's other ranks: as many processes as the ranks that run at once on the host's cores
 (`busy_ranks`) run the same thing meanwhile, since they share its memory bandwidth and caches
 (an SGD step took 2x as long beside another on this 2-core machine). The planner then prices
@@ -19,6 +20,7 @@ them again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -29,11 +31,15 @@ from pathlib import Path
 
 from hybridpar.planning.cluster import Cluster, cache_dir, contention, rank_threads
 from hybridpar.planning.cost.compute import ProfileModel
+from hybridpar.timing import Recheck, Settled, clock, settle
 
-__all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute"]
+__all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute", "recheck"]
 
 # how an iteration's time is taken; a cached profile taken another way is measured again
-METHOD = "median of the repeats, per leaf, beside the host's other ranks"
+METHOD = (
+    "settled medians, per leaf, beside the host's other ranks; the trainer's optimizer on the "
+    "model's own parameters"
+)
 
 
 def no_inplace(model) -> None:
@@ -41,16 +47,6 @@ def no_inplace(model) -> None:
     for m in model.modules():
         if hasattr(m, "inplace"):
             m.inplace = False
-
-
-def _clock(device) -> float:
-    """time.perf_counter once `device`'s queued work is done (a GPU runs asynchronously: each
-    leaf's hooks wait for its kernels)."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def hook_timers(model, device="cpu") -> tuple[dict[str, list[float]], dict[str, list[float]], list]:
@@ -62,10 +58,10 @@ def hook_timers(model, device="cpu") -> tuple[dict[str, list[float]], dict[str, 
     starts: dict[tuple[str, str], float] = {}
 
     def start(n: str, what: str):
-        return lambda *_: starts.__setitem__((n, what), _clock(device))
+        return lambda *_: starts.__setitem__((n, what), clock(device))
 
     def stop(n: str, what: str, into: dict[str, list[float]]):
-        return lambda *_: into[n].append(_clock(device) - starts[(n, what)])
+        return lambda *_: into[n].append(clock(device) - starts[(n, what)])
 
     handles = []
     for m, n in leaves.items():
@@ -89,10 +85,10 @@ def _iteration(model, x, y) -> None:
 
 def _measure_count(
     model, shape, n: int, repeats: int, device="cpu"
-) -> dict[str, tuple[float, float]]:
-    """{leaf: (forward s, backward s)} of one iteration on n samples; the leaves sum to the
-    iteration measured without hooks (their remainder, loss and autograd glue, is spread over
-    them in proportion)."""
+) -> tuple[dict[str, tuple[float, float]], Settled]:
+    """({leaf: (forward s, backward s)} of one iteration on n samples, the iteration settled
+    (hybridpar.timing.settle) without hooks); the leaves sum to that iteration (their remainder,
+    loss and autograd glue, is spread over them in proportion)."""
     import torch
 
     x = torch.randn(n, *shape, device=device)
@@ -101,11 +97,16 @@ def _measure_count(
     y = torch.randint(0, out.shape[-1], (n,), device=device)
     no_inplace(model)
     _iteration(model, x, y)  # warm up
-    whole = []
-    for _ in range(repeats):
-        t0 = _clock(device)
-        _iteration(model, x, y)
-        whole.append(_clock(device) - t0)
+
+    def batch() -> list[float]:
+        ts = []
+        for _ in range(repeats):
+            t0 = clock(device)
+            _iteration(model, x, y)
+            ts.append(clock(device) - t0)
+        return ts
+
+    whole = settle(batch)
     fwd, bwd, handles = hook_timers(model, device)
     try:
         with warnings.catch_warnings():  # the first layer's input needs no gradient: fine here
@@ -121,8 +122,8 @@ def _measure_count(
     # the median iteration, as `hybridpar validate` and the report measure a run: the fastest
     # of five was 2-10 % below the median of alexnet-owt, resnet20 and digits-wide on this
     # 2-core machine, and every plan was predicted low
-    scale = statistics.median(whole) / total if total > 0 else 1.0
-    return {k: (f * scale, b * scale) for k, (f, b) in per.items()}
+    scale = whole.value / total if total > 0 else 1.0
+    return {k: (f * scale, b * scale) for k, (f, b) in per.items()}, whole
 
 
 def _median_iteration(calls: list[float], repeats: int) -> float:
@@ -246,16 +247,16 @@ def _band_ratio(
 
     def whole() -> tuple[float, float]:
         x = torch.randn(n, c, window.h_in, w, device=device, requires_grad=needs_dx)
-        t0 = _clock(device)
+        t0 = clock(device)
         y = module(x)
-        t1 = _clock(device)
+        t1 = clock(device)
         y.backward(torch.ones_like(y))
-        return t1 - t0, _clock(device) - t1
+        return t1 - t0, clock(device) - t1
 
     def band() -> tuple[float, float]:
         x = torch.randn(n, c, own, w, device=device, requires_grad=needs_dx)
         halos = [torch.randn(n, c, h, w, device=device) for h in (top, bottom) if h]
-        t0 = _clock(device)
+        t0 = clock(device)
         got = [h.clone().requires_grad_(needs_dx) for h in halos]  # out of the shared segment
         pieces = [*got]
         pieces.insert(1 if top else 0, x)
@@ -264,13 +265,13 @@ def _band_ratio(
         if bottom_pad:
             pieces.append(x.new_full((n, c, bottom_pad, w), fill))
         y = compute(torch.cat(pieces, dim=2) if len(pieces) > 1 else x)
-        t1 = _clock(device)
+        t1 = clock(device)
         y.backward(torch.ones_like(y))
         if needs_dx and got:  # the rows sent come back as gradients, added to the band's
             k = min(own, got[0].shape[2])
             g = x.grad.clone()
             g[:, :, :k] += got[0].grad[:, :, :k]
-        return t1 - t0, _clock(device) - t1
+        return t1 - t0, clock(device) - t1
 
     if own <= 0:
         return 0.0, 0.0
@@ -294,27 +295,62 @@ def _measure_bands(
     return out
 
 
-def _sgd(n: int = 1 << 22, device="cpu"):
-    """An SGD optimizer with momentum and weight decay over n elements with a gradient (the
-    trainer's KrizhevskySGD does the same arithmetic, multi-tensor): what the profile times and
-    its neighbours run beside it."""
+def _stepper(net):
+    """The trainer's optimizer (hybridpar.optim.KrizhevskySGD: in place, no temporaries) over
+    `net`'s parameters, each with a gradient: what the profile times and its neighbours run
+    beside it. (torch.optim.SGD with weight decay, timed here before, allocates a gradient-sized
+    temporary per step: its page faults cost 0.7 or 2.3 ns an element depending on the
+    allocator's history, and the trainer never pays them.)"""
     import torch
 
-    w = torch.nn.Parameter(torch.randn(n, device=device))
-    w.grad = torch.randn(n, device=device)
-    return torch.optim.SGD([w], lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+    from hybridpar.optim import KrizhevskySGD
+
+    ps = [p for p in net.parameters() if p.requires_grad]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    return KrizhevskySGD(ps, lr=1e-9), sum(p.numel() for p in ps)
 
 
-def _measure_update(n: int = 1 << 22, repeats: int = 5, device="cpu") -> float:
-    """Seconds per parameter element of an SGD step over n elements (`_sgd`) on `device`."""
-    opt = _sgd(n, device)
-    opt.step()
-    ts = []
-    for _ in range(repeats):
-        t0 = _clock(device)
-        opt.step()
-        ts.append(_clock(device) - t0)
-    return statistics.median(ts) / n
+# the words an element of the optimizer's step moves (v *= mu: 2; v -= lr g, v -= lr wd w,
+# w += v: 3 each) against a copy's 2, and how many times that traffic at the speed of a copy
+# measured beside it a step may take before it is measured again (on this machine the step
+# took 0.7x: 0.75 ns an element against 0.20 ns for a copy's)
+STEP_WORDS, STEP_BOUND = 11, 4.0
+
+
+def _measure_update(net, repeats: int = 5, device="cpu") -> Settled:
+    """Seconds per parameter element of the trainer's optimizer step over `net`'s parameters on
+    `device` (`_stepper`), settled (hybridpar.timing.settle): a batch slower than STEP_BOUND x
+    its memory traffic at the speed of a copy does not count."""
+    import torch
+
+    opt, n = _stepper(net)
+    m = min(n, 1 << 22)
+    a, b = torch.randn(m, device=device), torch.empty(m, device=device)
+
+    def copy_s() -> float:
+        ts = []
+        for _ in range(3):
+            t0 = clock(device)
+            b.copy_(a)
+            ts.append(clock(device) - t0)
+        return statistics.median(ts) / m
+
+    def batch() -> list[float]:
+        ts = []
+        for _ in range(repeats):
+            t0 = clock(device)
+            opt.step()
+            ts.append((clock(device) - t0) / n)
+        return ts
+
+    opt.step()  # the velocities' first allocation
+    copy_s()
+    bound = STEP_BOUND * STEP_WORDS / 2 * copy_s()
+    try:
+        return settle(batch, bound=bound)
+    finally:
+        net.zero_grad(set_to_none=True)
 
 
 def _path(
@@ -353,7 +389,7 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int) -> None:
     torch.manual_seed(0)
     net = build_any(model, shape, None)
     no_inplace(net)
-    opt = _sgd()
+    opt, _ = _stepper(net)
     phase = [None]
 
     def read() -> None:
@@ -447,7 +483,6 @@ class _Neighbours:
             self._expect(p, str(phase))
 
     def __exit__(self, *exc) -> None:
-        import contextlib
         import subprocess
 
         for p in self.procs:
@@ -462,6 +497,48 @@ class _Neighbours:
             p.stdout.close()
 
 
+@contextlib.contextmanager
+def _measuring(model: str, shape: tuple[int, ...], threads: int, busy: int, device: str):
+    """(the model on `device`, its neighbours) with this process on `threads` threads: where
+    the profile measures, and where a check measures it again."""
+    import torch
+
+    from hybridpar.planning.models import build_any
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        net = build_any(model, shape, None).to(device)
+        with _Neighbours(model, shape, threads, busy) as beside:
+            yield net, beside
+    finally:
+        torch.set_num_threads(before)
+
+
+def recheck(path: Path, repeats: int = 5) -> list[Recheck]:
+    """The optimizer step and every iteration of the cached profile at `path`, measured again
+    as the profile measured them (threads, neighbours, device); [] for a profile that does not
+    say how it was measured (an older release's)."""
+    data = json.loads(Path(path).read_text())
+    how = data.get("measured")
+    if not isinstance(how, dict) or "update_s" not in data:
+        return []
+    shape = tuple(how["shape"])
+    out = []
+    with _measuring(how["model"], shape, how["threads"], how["busy"], how["device"]) as (net, b):
+        for n, old in sorted(data["iteration"].items(), key=lambda kv: int(kv[0])):
+            b.run(int(n))
+            _, now = _measure_count(net, shape, int(n), repeats, how["device"])
+            spread = max(old.get("s_spread", 0.0), now.spread)
+            out.append(Recheck(f"iteration at {n} samples", str(path), old["s"], now.value, spread))
+        b.run(UPDATE)
+        now = _measure_update(net, repeats, how["device"])
+        spread = max(data.get("update_s_spread", 0.0), now.spread)
+        out.append(Recheck("update_s", str(path), data["update_s"], now.value, spread))
+    return out
+
+
 def _load(path: Path, cluster: Cluster) -> dict:
     """The cached profile, or a fresh one when there is none or the host was calibrated again."""
     fresh = {
@@ -469,6 +546,8 @@ def _load(path: Path, cluster: Cluster) -> dict:
         "machine": platform.node(),
         "method": METHOD,
         "per_count": {},
+        "bands": {},
+        "iteration": {},  # {samples: the settled iteration (hybridpar.timing.Settled.fields)}
     }
     try:
         data = json.loads(path.read_text())
@@ -476,7 +555,7 @@ def _load(path: Path, cluster: Cluster) -> dict:
         return fresh
     if data.get("calibration") != cluster.flops or data.get("method") != METHOD:
         return fresh
-    if not isinstance(data.get("per_count"), dict) or not isinstance(data.get("bands", {}), dict):
+    if not all(isinstance(data.get(k), dict) for k in ("per_count", "iteration", "bands")):
         return fresh
     return data
 
@@ -497,10 +576,6 @@ def profile_compute(
     FLOPs). On a GPU (`cores`: the GPUs) the ranks that share one take turns: no neighbours."""
     if cluster.cores is None:
         return None
-    import torch
-
-    from hybridpar.planning.models import build_any
-
     local = cluster.local(P)  # the ranks that share one host's cores (or GPUs)
     gpu = device != "cpu"
     threads = 1 if gpu else rank_threads(cluster.cores, local)
@@ -511,23 +586,20 @@ def profile_compute(
     shares = data.setdefault("bands", {})
     unbanded = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in shares})
     if missing or unbanded or "update_s" not in data:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            torch.manual_seed(0)
-            net = build_any(model, shape, None).to(device)
-            with _Neighbours(model, shape, threads, busy) as beside:
-                for n in missing:
-                    beside.run(n)
-                    data["per_count"][str(n)] = _measure_count(net, shape, n, repeats, device)
-                for pr, n in unbanded:
-                    beside.run(n)
-                    shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats, device)
-                if "update_s" not in data:
-                    beside.run(UPDATE)
-                    data["update_s"] = _measure_update(device=device)
-        finally:
-            torch.set_num_threads(before)
+        data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
+        data["measured"].update(busy=busy, device=device)
+        with _measuring(model, shape, threads, busy, device) as (net, beside):
+            for n in missing:
+                beside.run(n)
+                table, whole = _measure_count(net, shape, n, repeats, device)
+                data["per_count"][str(n)] = table
+                data["iteration"][str(n)] = whole.fields("s")
+            for pr, n in unbanded:
+                beside.run(n)
+                shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats, device)
+            if "update_s" not in data:
+                beside.run(UPDATE)
+                data.update(_measure_update(net, repeats, device).fields("update_s"))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1))

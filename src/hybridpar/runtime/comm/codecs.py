@@ -52,7 +52,7 @@ import torch
 
 from hybridpar.choices import CODECS, DEFAULT_BLOCK, EIGHT_BIT, check_codec, payload_bytes
 from hybridpar.runtime.comm import kernels, triton_codecs
-from hybridpar.runtime.comm.devices import clock
+from hybridpar.timing import clock
 
 __all__ = [
     "CODECS",

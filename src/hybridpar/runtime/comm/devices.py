@@ -1,20 +1,12 @@
-"""Which GPU a rank computes on, and a clock that waits for it."""
+"""Which GPU a rank computes on."""
 
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
-__all__ = ["clock", "local_gpu"]
-
-
-def clock(device: torch.device | str) -> float:
-    """time.perf_counter once `device`'s queued work is done (a GPU runs asynchronously)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+__all__ = ["local_gpu"]
 
 
 def local_gpu() -> int:

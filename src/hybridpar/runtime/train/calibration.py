@@ -26,24 +26,30 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hybridpar.planning.cluster import localhost_path
-from hybridpar.runtime.comm.devices import clock, local_gpu
+from hybridpar.runtime.comm.devices import local_gpu
+from hybridpar.timing import Recheck, Settled, clock, settle
 
-__all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta", "fit_network"]
+__all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta", "fit_network", "recheck"]
 
 SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes
 
 
 def _time_allreduce(
     sizes: tuple[int, ...], repeats: int, device: str = "cpu", group=None, timed: bool = True
-) -> dict[int, float]:
-    """Median seconds of an all-reduce of each size over `group` (the world where None), every
-    repeat started together (a barrier of the world). A rank outside the group (`timed` False)
-    only joins the barriers."""
+) -> dict[int, tuple[float, float]]:
+    """{size: (median seconds, spread)} of an all-reduce of each size over `group` (the world
+    where None), every repeat started together (a barrier of the world), in batches until every
+    rank's batch has a spread of at most hybridpar.timing.TOL (the ranks agree on it; TRIES at
+    most: then the median of every batch). A rank outside the group (`timed` False) only joins
+    the barriers."""
     import torch
     import torch.distributed as dist
+
+    from hybridpar.timing import TOL, TRIES, spread
 
     out = {}
     where = _rank_device(device)
@@ -51,16 +57,24 @@ def _time_allreduce(
         t = torch.ones(n // 4, device=where)
         if timed:
             dist.all_reduce(t, group=group)  # warm up the connection for this size
-        ts = []
-        # small sizes take microseconds and their spread (a rank woken late) is of the same
-        # order: more repeats, and the fit weighs every size by its relative error
-        for _ in range(repeats if n > 2**17 else max(repeats, 50)):
-            dist.barrier()
-            t0 = clock(where)
-            if timed:
-                dist.all_reduce(t, group=group)
-            ts.append(clock(where) - t0)
-        out[n] = statistics.median(ts)
+        every: list[float] = []
+        for _ in range(TRIES):
+            ts = []
+            # small sizes take microseconds and their spread (a rank woken late) is of the
+            # same order: more repeats, and the fit weighs every size by its relative error
+            for _ in range(repeats if n > 2**17 else max(repeats, 50)):
+                dist.barrier()
+                t0 = clock(where)
+                if timed:
+                    dist.all_reduce(t, group=group)
+                ts.append(clock(where) - t0)
+            worst = torch.tensor([spread(ts) if timed else 0.0], device=where)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # every rank decides alike
+            if worst.item() <= TOL:
+                every = ts
+                break
+            every += ts
+        out[n] = (statistics.median(every), spread(every))
     return out
 
 
@@ -272,23 +286,34 @@ def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict
     }
 
 
-def _time_codecs(n: int = 1 << 20, repeats: int = 5, device: str = "cpu") -> dict[str, list[float]]:
-    """{codec: [encode s, decode s] per element} on `device` (one thread of a CPU), into reused
-    buffers (as the reducers run them), median of `repeats`: what the cost model charges a rank
-    for the elements it encodes and decodes (planning.cost.terms.codec_s)."""
+def _time_codecs(
+    n: int = 1 << 20, repeats: int = 5, device: str = "cpu"
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """({codec: [encode s, decode s] per element}, {codec: spread}) on `device` (one thread of a
+    CPU), into reused buffers (as the reducers run them), the medians of a batch of `repeats`
+    settled on their sums (hybridpar.timing.settle): what the cost model charges a rank for the
+    elements it encodes and decodes (planning.cost.terms.codec_s)."""
     from hybridpar.choices import CODECS
     from hybridpar.runtime.comm.codecs import time_codec
 
-    out = {}
+    out, spreads = {}, {}
     for name in CODECS:
-        if name != "none":
-            enc, dec = time_codec(name, n, repeats, device=device)
-            out[name] = [statistics.median(enc) / n, statistics.median(dec) / n]
-    return out
+        if name == "none":
+            continue
+        last: list = []
+
+        def batch(name=name, last=last) -> list[float]:
+            last[:] = time_codec(name, n, repeats, device=device)
+            return [e + d for e, d in zip(*last, strict=True)]
+
+        spreads[name] = settle(batch).spread
+        out[name] = [statistics.median(ts) / n for ts in last]
+    return out, spreads
 
 
-def _flops(threads: int, device: str = "cpu") -> float:
-    """FLOP/s of float32 matrix products: one CPU core's (`threads` 1), or one GPU's."""
+def _flops(threads: int, device: str = "cpu") -> Settled:
+    """FLOP/s of float32 matrix products, settled (hybridpar.timing.settle, on the seconds of a
+    product): one CPU core's (`threads` 1), or one GPU's."""
     import torch
 
     before = torch.get_num_threads()
@@ -298,11 +323,18 @@ def _flops(threads: int, device: str = "cpu") -> float:
     try:
         a, b = torch.randn(n, n, device=where), torch.randn(n, n, device=where)
         a @ b
-        t0 = clock(where)
-        k = 10
-        for _ in range(k):
-            a @ b
-        return 2 * n**3 * k / (clock(where) - t0)
+
+        def batch() -> list[float]:
+            ts = []
+            for _ in range(5):
+                t0 = clock(where)
+                for _ in range(2):
+                    a @ b
+                ts.append((clock(where) - t0) / 2)
+            return ts
+
+        got = settle(batch)
+        return replace(got, value=2 * n**3 / got.value)
     finally:
         torch.set_num_threads(before)
 
@@ -370,8 +402,13 @@ def fit_network(times: dict[int, float], p: int) -> tuple[float, float]:
     return alpha, beta
 
 
+def _medians(times: dict[int, tuple[float, float]]) -> dict[int, float]:
+    """{size: median seconds} of `_time_allreduce`'s {size: (median, spread)}."""
+    return {n: t for n, (t, _) in times.items()}
+
+
 def _fitted(
-    times: dict[int, float],
+    times: dict[int, tuple[float, float]],
     nproc: int,
     small: float | None = None,
     shm_beta: float | None = None,
@@ -383,7 +420,9 @@ def _fitted(
 
     from hybridpar.errors import ConfigError
 
-    alpha, beta = fit_network(times, nproc)
+    spreads = [times[n][1] for n in sorted(times)]
+    alpha, beta = fit_network(_medians(times), nproc)
+    flops = _flops(1, device)
     if not (math.isfinite(alpha) and math.isfinite(beta) and beta > 0):
         raise ConfigError(
             f"the all-reduce timings do not fit alpha + beta * bytes (alpha {alpha}, beta {beta}); "
@@ -399,7 +438,11 @@ def _fitted(
         "alpha": alpha,
         "beta": beta,
         # one core's, or one GPU's: a job's ranks share `cores` of them (Cluster.rank_flops)
-        "flops": _flops(1, device),  # on a GPU: the current one (a rank's, or the first)
+        # (on a GPU: the current one, a rank's or the first)
+        "flops": flops.value,
+        # each quantity's spread (hybridpar.timing.spread): alpha's and beta's of the sizes
+        # they come from (fit_network: the smallest, the two largest)
+        "spread": {"alpha": spreads[0], "beta": max(spreads[-2:]), "flops": flops.spread},
         "cores": units if gpu else os.cpu_count() or 1,
         "word_bytes": 4,
         "device": device,
@@ -453,13 +496,13 @@ def calibrate(
         fits[p] = _fitted(
             got["allreduce"], p, got["small"], got["shm_beta"], got["sync"], device, backend
         )
-        measured[p] = {str(k): v for k, v in got["allreduce"].items()}
+        measured[p] = {str(k): v for k, v in _medians(got["allreduce"]).items()}
         if got["levels"] is not None:
             levels = got["levels"]  # the largest count on several hosts
         else:
             single = p
     data = dict(fits[counts[0]])
-    data["codecs"] = _time_codecs(device=device)
+    data["codecs"], data["spread"]["codecs"] = _time_codecs(device=device)
     data["by_procs"] = {str(p): _level(f) for p, f in fits.items() if levels is None or p == single}
     data = with_levels(data, levels)
     if os.environ.get("RANK", "0") != "0" and under_torchrun():
@@ -470,8 +513,8 @@ def calibrate(
         "measured_levels_s": None
         if levels is None
         else {
-            "intra": {str(k): v for k, v in (levels["intra"] or {}).items()},
-            "inter": {str(k): v for k, v in levels["inter"].items()},
+            "intra": {str(k): v for k, v in _medians(levels["intra"] or {}).items()},
+            "inter": {str(k): v for k, v in _medians(levels["inter"]).items()},
         },
         "measured_s": measured[counts[0]],
         "by_procs_measured_s": measured,
@@ -502,7 +545,7 @@ def with_levels(data: dict, levels: dict | None) -> dict:
         intra = _fitted(levels["intra"], L, levels["small"], levels["shm_beta"], levels["sync"])
         out.update(_level(intra))
         out["by_procs"] = {**data.get("by_procs", {}), str(L): _level(intra)}
-    alpha, beta = fit_network(levels["inter"], H)
+    alpha, beta = fit_network(_medians(levels["inter"]), H)
     out["network"] = {"ranks_per_host": L, "alpha": alpha, "beta": beta}
     if levels.get("net_sync"):
         out["network"]["sync"] = levels["net_sync"]
@@ -534,7 +577,7 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu", backend: str = "gloo
             data = with_levels(
                 {**fit, "by_procs": {str(dist.get_world_size()): _level(fit)}}, levels
             )
-            data["codecs"] = _time_codecs(device=device)
+            data["codecs"], data["spread"]["codecs"] = _time_codecs(device=device)
             if levels is not None:  # the whole job's fit mixes the levels: not kept
                 data["by_procs"].pop(str(dist.get_world_size()), None)
             _save(data)
@@ -546,3 +589,41 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu", backend: str = "gloo
         from hybridpar.errors import ConfigError
 
         raise ConfigError(got[0])
+
+
+def recheck(device: str = "cpu", backend: str = "gloo", repeats: int = 5) -> list[Recheck]:
+    """The calibration of `device` measured again on a sample: the all-reduce fit at its
+    smallest count of ranks, a core's (a GPU's) FLOP/s and every codec's encode and decode
+    (`hybridpar calibrate --check`)."""
+    from hybridpar.errors import ConfigError
+    from hybridpar.runtime.launcher import launch
+
+    path = localhost_path(device)
+    try:
+        data = json.loads(path.read_text())
+        p = min(int(k) for k in data["by_procs"])
+        level = data["by_procs"][str(p)]
+    except (OSError, ValueError, KeyError, TypeError):
+        flag = "" if device == "cpu" else f" --device {device}"
+        raise ConfigError(
+            f"nothing to check: {path} is missing or unusable; run `hybridpar calibrate{flag}`"
+        ) from None
+    was = data.get("spread", {})
+    got = launch(_time_allreduce, p, SIZES, repeats, device, timeout_s=60.0, backend=backend)[0]
+    fit = _fitted(got, p, device=device, backend=backend)
+    where = str(path)
+    out = [
+        Recheck(f"alpha ({p} ranks)", where, level["alpha"], fit["alpha"], 0.0),
+        Recheck(f"beta ({p} ranks)", where, level["beta"], fit["beta"], 0.0),
+        Recheck("flops", where, data["flops"], fit["flops"], 0.0),
+    ]
+    # each with the larger of its spreads, cached and new
+    for i, k in enumerate(("alpha", "beta", "flops")):
+        out[i] = replace(out[i], spread=max(was.get(k, 0.0), fit["spread"][k]))
+    codecs, spreads = _time_codecs(device=device)
+    for name, (enc, dec) in codecs.items():
+        if name in data.get("codecs", {}):
+            old = sum(data["codecs"][name])
+            spread = max(was.get("codecs", {}).get(name, 0.0), spreads[name])
+            out.append(Recheck(f"codec {name}", where, old, enc + dec, spread))
+    return out

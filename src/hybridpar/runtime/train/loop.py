@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybridpar.optim import KrizhevskySGD, lr_factor, scale_hparams
 from hybridpar.plan import ParallelPlan
 from hybridpar.planning.cluster import rank_threads
 from hybridpar.planning.models import build_any
@@ -28,7 +29,6 @@ from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS, HybridTrainer
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.data import Dataset, epoch_steps, load_data
 from hybridpar.runtime.train.job import Job
-from hybridpar.runtime.train.optim import KrizhevskySGD, lr_factor, scale_hparams
 from hybridpar.runtime.train.plans import agreed_plan
 from hybridpar.runtime.train.report import (
     host_layout,

@@ -1,0 +1,149 @@
+"""Does `hybridpar validate` give the same answer whatever a user ran before it? (issue 42)
+
+Three orders a user is as likely to run, each on a fresh cache folder:
+
+  calibrate-train-validate  `hybridpar calibrate`, then a 10-step `hybridpar train` (ddp), which
+                            measures and caches the compute profile, then `hybridpar validate`
+  calibrate-validate        `hybridpar calibrate`, then `hybridpar validate` (it profiles)
+  validate                  `hybridpar validate` on an empty cache (it calibrates first)
+
+for each model (alexnet-owt at 64 px, resnet20 at 32 px; B = 32, P = 4), the orders interleaved
+(every model's three orders in turn, `--rounds` times). Prints each run's median and worst
+|predicted - measured| / measured, whether the planner's pick was the fastest (and by how much it
+was slower when not), the optimizer step the profile cached, and per model the largest gap
+between two orders' medians. The goals (issue 42): within 5 points of each other, each with median
+<= 15 %, worst <= 30 %, pick within 10 %.
+
+    python benchmarks/validate_orders.py [--models alexnet-owt:64,resnet20:32] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ORDERS = ("calibrate-train-validate", "calibrate-validate", "validate")
+
+
+def run(cmd: list[str], env: dict) -> None:
+    got = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if got.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({got.returncode}):\n{got.stderr[-2000:]}")
+
+
+def one(order: str, model: str, size: int, batch: int, procs: int, steps: int) -> dict:
+    hp = [sys.executable, "-m", "hybridpar"]
+    with tempfile.TemporaryDirectory(prefix="hybridpar-orders-") as tmp:
+        env = {**os.environ, "HYBRIDPAR_CACHE": f"{tmp}/cache"}
+        t0 = time.perf_counter()
+        if order != "validate":
+            run([*hp, "calibrate"], env)
+        if order == "calibrate-train-validate":
+            run(
+                [
+                    *hp,
+                    "train",
+                    "--model",
+                    model,
+                    "--input-size",
+                    str(size),
+                    "--batch",
+                    str(batch),
+                    "--nproc",
+                    str(procs),
+                    "--preset",
+                    "ddp",
+                    "--data",
+                    f"synthetic:{batch * 16}",
+                    "--epochs",
+                    "1",
+                    "--max-steps",
+                    "10",
+                    "--no-progress",
+                    "--out",
+                    f"{tmp}/runs",
+                ],
+                env,
+            )
+        run(
+            [
+                *hp,
+                "validate",
+                "--model",
+                model,
+                "--input-size",
+                str(size),
+                "--batch",
+                str(batch),
+                "--procs",
+                str(procs),
+                "--steps",
+                str(steps),
+                "--out",
+                f"{tmp}/v",
+                "--quiet",
+            ],
+            env,
+        )
+        summary = json.loads(Path(f"{tmp}/v/validate.json").read_text())["summary"]
+        (profile,) = glob.glob(f"{tmp}/cache/profiles/*.json")
+        update = json.loads(Path(profile).read_text())["update_s"]
+        return {**summary, "update_s": update, "wall_s": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="alexnet-owt:64,resnet20:32")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args()
+    models = [(m.split(":")[0], int(m.split(":")[1])) for m in args.models.split(",")]
+    rows = []
+    print(
+        f"{'model':12} {'order':25} {'median':>7} {'worst':>7} {'rho':>5} {'pick':>10} "
+        f"{'update_s':>9} {'wall':>6}"
+    )
+    for r in range(args.rounds):
+        for model, size in models:
+            for order in ORDERS if r % 2 == 0 else ORDERS[::-1]:
+                s = one(order, model, size, args.batch, args.procs, args.steps)
+                rows.append((model, order, s))
+                pick = "fastest" if s["pick_is_fastest"] else f"{s['picked_over_fastest']:.2f}x"
+                rho = s.get("spearman_rho")
+                print(
+                    f"{model:12} {order:25} {s['median_abs_error']:7.1%} {s['worst_abs_error']:7.1%} "
+                    f"{rho if rho is None else round(rho, 2)!s:>5} {pick:>10} "
+                    f"{s['update_s'] * 1e9:7.2f}ns {s['wall_s']:5.0f}s",
+                    flush=True,
+                )
+    print()
+    for model, _ in models:
+        meds = {
+            o: statistics.median(
+                s["median_abs_error"] for m, oo, s in rows if m == model and oo == o
+            )
+            for o in ORDERS
+        }
+        worst = max(s["worst_abs_error"] for m, _, s in rows if m == model)
+        gap = max(meds.values()) - min(meds.values())
+        slow = max((s["picked_over_fastest"] or 1.0) for m, _, s in rows if m == model)
+        print(
+            f"{model}: medians by order "
+            + ", ".join(f"{o} {v:.1%}" for o, v in meds.items())
+            + f"; largest gap {gap * 100:.1f} points (goal <= 5); worst {worst:.1%} (goal <= "
+            f"30 %); pick at most {slow:.2f}x the fastest (goal <= 1.10x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
