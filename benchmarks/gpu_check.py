@@ -21,6 +21,8 @@ Sections (`--sections`, comma-separated; all by default):
    the device's copy bandwidth (read + write of float32) that bounds both.
 5. ddp: benchmarks/hybrid_vs_ddp.py on the host's cores (P = 8 and 16; DEV=cpu: 2), with its
    predictions next to its measurements.
+6. beyond: `hybridpar calibrate` at 2 and 4 ranks, then `hybridpar validate` of alexnet-owt at
+   P = 8 and 16 on the host's cores (the ranks the calibration never saw; DEV=cpu: P = 4).
 
 Exits 1 on any CRASH or DIFFERS in the matrix, 2 on bad arguments. Prints tables to paste into
 docs/runtime.md; `--out FILE` writes them as JSON too.
@@ -42,7 +44,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
-SECTIONS = ("matrix", "overhead", "predict", "codecs", "ddp")
+SECTIONS = ("matrix", "overhead", "predict", "codecs", "ddp", "beyond")
 
 
 def _device() -> str:
@@ -338,6 +340,61 @@ def ddp(dev: str, quick: bool) -> str:
     return text
 
 
+# --- 6. validate beyond four ranks -----------------------------------------------------------
+
+
+def beyond(dev: str, quick: bool) -> list[dict]:
+    """Issue 42, item 4: a calibration at 2 and 4 ranks (`hybridpar calibrate`'s default), then
+    `hybridpar validate` at P = 8 and 16 on the host's cores (gloo; what the planner predicts
+    for ranks it never calibrated), where the host has the cores; DEV=cpu: P = 4 on small sizes."""
+    cores = os.cpu_count() or 1
+    counts = [p for p in (8, 16) if p <= cores] if dev == "cuda" else [4]
+    size, batch = (64, 64) if dev == "cuda" else (32, 16)
+    steps = ["--steps", "3", "--repeat", "1"] if dev == "cpu" or quick else []
+    print(f"\n6. validate at P = {', '.join(map(str, counts))} on a calibration at 2 and 4 ranks")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-beyond-") as tmp:
+        env = {**os.environ, "HYBRIDPAR_CACHE": f"{tmp}/cache"}
+        hp = [sys.executable, "-m", "hybridpar"]
+        subprocess.run(
+            [*hp, "calibrate", "--nproc", "2,4"], env=env, check=True, capture_output=True
+        )
+        for p in counts:
+            out = f"{tmp}/v{p}"
+            done = subprocess.run(
+                [
+                    *hp,
+                    "validate",
+                    "--model",
+                    "alexnet-owt",
+                    "--input-size",
+                    str(size),
+                    "--batch",
+                    str(batch),
+                    "--procs",
+                    str(p),
+                    "--out",
+                    out,
+                    "--quiet",
+                    *steps,
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            print(done.stdout.rstrip() if done.returncode == 0 else done.stderr[-2000:])
+            if done.returncode == 0:
+                summary = json.loads(Path(out, "validate.json").read_text())["summary"]
+                rows.append({"procs": p, **summary})
+    for r in rows:
+        pick = "fastest" if r["picked_is_fastest"] else f"{r['picked_over_fastest']:.2f}x"
+        print(
+            f"  P = {r['procs']:2}: |error| median {r['median_abs_error']:.1%}, worst "
+            f"{r['worst_abs_error']:.1%}, pick {pick}"
+        )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -364,6 +421,8 @@ def main() -> int:
         out["codecs"] = codecs(dev, args.quick)
     if "ddp" in wanted:
         out["ddp"] = ddp(dev, args.quick)
+    if "beyond" in wanted:
+        out["beyond"] = beyond(dev, args.quick)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     failed = [r for r in out.get("matrix", []) if r["result"] in ("CRASH", "DIFFERS")]

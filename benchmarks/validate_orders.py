@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 ORDERS = ("calibrate-train-validate", "calibrate-validate", "validate")
+# item 4's emulation: a calibration at 2 ranks alone prices the P = 4 job (as 2 and 4 price 8, 16)
+BEYOND = "calibrate2-validate"
 
 
 def run(cmd: list[str], env: dict) -> None:
@@ -44,7 +46,9 @@ def one(order: str, model: str, size: int, batch: int, procs: int, steps: int) -
     with tempfile.TemporaryDirectory(prefix="hybridpar-orders-") as tmp:
         env = {**os.environ, "HYBRIDPAR_CACHE": f"{tmp}/cache"}
         t0 = time.perf_counter()
-        if order != "validate":
+        if order == BEYOND:
+            run([*hp, "calibrate", "--nproc", "2"], env)
+        elif order != "validate":
             run([*hp, "calibrate"], env)
         if order == "calibrate-train-validate":
             run(
@@ -68,8 +72,8 @@ def one(order: str, model: str, size: int, batch: int, procs: int, steps: int) -
                     "--max-steps",
                     "10",
                     "--no-progress",
-                    "--out",
-                    f"{tmp}/runs",
+                    "--save",
+                    f"{tmp}/weights.pt",
                 ],
                 env,
             )
@@ -106,8 +110,19 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--json", help="also write every run's summary here")
+    ap.add_argument(
+        "--orders",
+        default=",".join(ORDERS),
+        help=f"comma-separated, of {', '.join((*ORDERS, BEYOND))} ({BEYOND}: a calibration at "
+        "2 ranks alone prices the P-rank job: what a calibration at 2 and 4 does for 8 and 16)",
+    )
     args = ap.parse_args()
     models = [(m.split(":")[0], int(m.split(":")[1])) for m in args.models.split(",")]
+    orders = [o.strip() for o in args.orders.split(",") if o.strip()]
+    bad = set(orders) - {*ORDERS, BEYOND}
+    if bad:
+        ap.error(f"unknown order(s) {', '.join(sorted(bad))}")
     rows = []
     print(
         f"{'model':12} {'order':25} {'median':>7} {'worst':>7} {'rho':>5} {'pick':>10} "
@@ -115,10 +130,12 @@ def main() -> None:
     )
     for r in range(args.rounds):
         for model, size in models:
-            for order in ORDERS if r % 2 == 0 else ORDERS[::-1]:
+            for order in orders if r % 2 == 0 else orders[::-1]:
                 s = one(order, model, size, args.batch, args.procs, args.steps)
                 rows.append((model, order, s))
-                pick = "fastest" if s["pick_is_fastest"] else f"{s['picked_over_fastest']:.2f}x"
+                if args.json:
+                    Path(args.json).write_text(json.dumps(rows, indent=1))
+                pick = "fastest" if s["picked_is_fastest"] else f"{s['picked_over_fastest']:.2f}x"
                 rho = s.get("spearman_rho")
                 print(
                     f"{model:12} {order:25} {s['median_abs_error']:7.1%} {s['worst_abs_error']:7.1%} "
@@ -126,13 +143,14 @@ def main() -> None:
                     f"{s['update_s'] * 1e9:7.2f}ns {s['wall_s']:5.0f}s",
                     flush=True,
                 )
+                print(f"  {s['traced']['line']}", flush=True)
     print()
     for model, _ in models:
         meds = {
             o: statistics.median(
                 s["median_abs_error"] for m, oo, s in rows if m == model and oo == o
             )
-            for o in ORDERS
+            for o in orders
         }
         worst = max(s["worst_abs_error"] for m, _, s in rows if m == model)
         gap = max(meds.values()) - min(meds.values())

@@ -216,6 +216,31 @@ def test_every_option_has_help_and_no_internal_name():
                 assert action.help, f"{name} {action.option_strings[0]} has no help"
 
 
+def test_train_help_is_grouped_by_concern():
+    """Issue 43 item 7: `train --help` was one flat list of 47 options (and the nested configs'
+    under their class names); now every option sits under one of seven concerns, in order, and
+    an option added without one fails the parser's construction."""
+    import argparse
+
+    from hybridpar.commands.cli import TRAIN_CONCERNS, build_parser
+    from hybridpar.config import add_arguments
+    from hybridpar.runtime.train.config import TrainConfig
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    titles = [g.title for g in train._action_groups if g._group_actions]
+    concerns = ["model and data", "optimisation", "plan", "communication", "batch norm"]
+    assert titles == ["options", *concerns, "checkpoints", "runtime"]
+    (helps,) = [g for g in train._action_groups if g.title == "options"]
+    assert [a.dest for a in helps._group_actions] == ["help"]  # nothing left unsorted
+    text = train.format_help()
+    assert (
+        text.index("\nbatch norm:") < text.index("\n  --bn-window") < text.index("\ncheckpoints:")
+    )
+    fewer = {t: tuple(d for d in ds if d != "runtime.seed") for t, ds in TRAIN_CONCERNS.items()}
+    with pytest.raises(TypeError, match=r"runtime\.seed has no concern"):
+        add_arguments(argparse.ArgumentParser(), TrainConfig, concerns=fewer)
+
+
 def test_the_closing_table_says_where_the_host_reducers_bytes_went(capsys):
     """Issue 43: with --reducer host the closing table showed 0 bytes measured and predicted while
     the plan's table had predicted 12595 KB (the sums' volume, through shared memory)."""

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from hybridpar.errors import ConfigError
-from hybridpar.planning.cluster import Cluster, load_cluster
+from hybridpar.planning.cluster import Cluster, _from_mapping, expected_max, load_cluster
 from hybridpar.planning.cost.collectives import Comm
 from hybridpar.planning.cost.sync import segments
 from hybridpar.planning.search import make_plan
@@ -117,8 +117,11 @@ def test_the_table_loads_per_rank_count_and_round_trips(tmp_path):
     c = load_cluster(str(path))
     assert c.at(4).sync == ROWS and c.at(3).sync == ((0.002, 0.0, 0.001),)
     assert c.at(4).sync_ranks == 4
-    assert c.at(2).sync == () and c.at(3).alpha == c.alpha  # 3 has no collectives' fit
-    assert c.at(4).at(2).sync == ()  # a job of 2 never keeps the table of 4
+    assert c.at(3).alpha == c.alpha  # 3 has no collectives' fit
+    # 2 was not measured: the table of 3, its waits scaled by the last of 2 against of 3
+    k = expected_max(2) / expected_max(3)
+    assert c.at(2).sync[0] == pytest.approx((0.002, 0.0, 0.001 * k)) and 0.66 < k < 0.67
+    assert c.at(4).at(2).sync == c.at(2).sync  # a job of 2 never keeps the table of 4
     again = tmp_path / "again.json"
     d = c.to_dict()
     d.pop("bandwidth_GBps")
@@ -221,3 +224,24 @@ def test_waits_split_at_the_fastest_rank_of_each_call():
     transfer, waiting = split_waits([{0: 1.0, 1: 3.0}, {0: 2.0, 1: 1.0}, {0: 1.5}])
     assert transfer == pytest.approx(1.0 + 1.0 + 1.0 + 1.0 + 1.0)
     assert waiting == pytest.approx(0.0 + 2.0 + 1.0 + 0.0 + 0.5)
+
+
+def test_a_calibration_at_2_and_4_ranks_prices_8_and_16():
+    """Issue 42, item 4: a job of more ranks than `hybridpar calibrate` measured is priced with
+    the fit of the largest count it measured below (5135867: the first count's) and that
+    count's table of meetings, its waits and excess grown as the last of P ranks arrives later
+    behind their mean (5135867: no table at all, so every meeting of 8 or 16 ranks was free,
+    and the planner's pick was predicted 51 % low at P = 16 on an H200 host's cores)."""
+    two = {"alpha": 2e-5, "beta": 1e-9, "sync": [[0.001, 0.0004, 0.0002]]}
+    four = {"alpha": 4e-5, "beta": 2e-9, "sync": [[0.001, 0.0010, 0.0005]]}
+    data = {"alpha": 2e-5, "beta": 1e-9, "flops": 1e11, "cores": 16}
+    c = _from_mapping({**data, "by_procs": {"2": two, "4": four}}, "test")
+    assert [round(expected_max(n), 3) for n in (1, 2, 4, 8, 16)] == [0, 0.564, 1.029, 1.424, 1.766]
+    for P in (8, 16):
+        at = c.at(P)
+        assert (at.alpha, at.beta, at.sync_ranks) == (4e-5, 2e-9, P)
+        k = expected_max(P) / expected_max(4)
+        assert at.sync[0] == pytest.approx((0.001, 0.0010 * k, 0.0005 * k)) and len(at.sync) == 1
+        assert at.sync_cost(0.001)[1] > c.at(4).sync_cost(0.001)[1] > 0
+    assert c.at(16).sync_cost(0.001)[1] > c.at(8).sync_cost(0.001)[1]
+    assert c.at(2).sync == ((0.001, 0.0004, 0.0002),) and c.at(2).alpha == 2e-5  # as measured

@@ -139,6 +139,56 @@ def test_validate_runs_each_plan_and_writes_the_table(tmp_path):
     # priced with the profile measured here (cached for the next plan), not FLOPs at 1e10
     profiles = list((tmp_path / "cache" / "profiles").glob("digits-wide-1x8x8-t*.json"))
     assert len(profiles) == 1
+    assert d["summary"]["traced"]["line"] in r.stdout
+
+
+def test_a_poisoned_cached_quantity_is_named_by_calibrate_check_and_by_validate(tmp_path):
+    """The optimizer step of a cached profile made 100x slower (the issue's was 10x, kept by
+    every later prediction): `hybridpar calibrate --check` measures it again and says it no
+    longer holds (exit 1), and validate traces its largest error to it."""
+    cache = tmp_path / "cache"
+    env = _calibrated(cache, cores=os.cpu_count() or 1)
+    data = json.loads((cache / "localhost.json").read_text())
+    data["by_procs"] = {"2": {"alpha": 1e-5, "beta": 1e-9}}
+    (cache / "localhost.json").write_text(json.dumps(data))
+    hp = [sys.executable, "-m", "hybridpar"]
+    args = ["--model", "digits-wide", "--batch", "16", "--procs", "2"]
+    r = subprocess.run(hp + ["plan", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (profile,) = (cache / "profiles").glob("digits-wide-1x8x8-t*.json")
+    cached = json.loads(profile.read_text())
+    assert cached["update_s"] > 0 and "update_s_spread" in cached and cached["iteration"]
+    cached["update_s"] *= 100
+    profile.write_text(json.dumps(cached))
+
+    r = subprocess.run(
+        hp + ["calibrate", "--check", "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    (row,) = [line for line in r.stdout.splitlines() if line.strip().startswith("update_s")]
+    assert row.split()[-1] == "NO" and float(row.split()[-3]) < 0.1  # now/cached
+    assert "no longer hold" in r.stdout and "update_s x0.0" in r.stdout.splitlines()[-1]
+    assert json.loads(profile.read_text()) == cached  # a check saves nothing
+
+    out = tmp_path / "v"
+    r = subprocess.run(
+        VALIDATE
+        + args
+        + ["--top", "1", "--presets", "", "--steps", "3", "--repeat", "1"]
+        + ["--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    traced = json.loads((out / "validate.json").read_text())["summary"]["traced"]
+    assert traced["quantity"] == "update_s" and traced["source"] == str(profile), traced
+    assert "traces to update_s" in r.stdout
 
 
 def test_validate_under_torchrun_runs_across_the_jobs_hosts(tmp_path):

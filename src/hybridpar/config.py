@@ -67,20 +67,40 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (), prefix: str = ""
-) -> None:
+    parser: argparse.ArgumentParser,
+    cls: type,
+    skip: tuple[str, ...] = (),
+    prefix: str = "",
+    concerns: dict[str, tuple[str, ...]] | None = None,
+    _groups: dict | None = None,
+) -> dict:
     """One option per field of `cls` (and of the configs nested in it), with the field's default,
-    type, choices and help."""
+    type, choices and help. `concerns` ({title: the fields' dests, "choices.codec" for a nested
+    one}) puts every option under the title of its concern, in that order, whatever config it
+    comes from; without it a nested config's options go under its own title. Returns the
+    concerns' argument groups by title ({} without)."""
+    if concerns is not None and _groups is None:
+        _groups = {t: parser.add_argument_group(t) for t in concerns}
+        _groups.update({d: _groups[t] for t, dests in concerns.items() for d in dests})
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         if f.name in skip or not f.init:
             continue
         tp, _ = _unwrap(hints[f.name])
+        if _is_config(tp) and _groups is not None:
+            add_arguments(parser, tp, skip, f"{prefix}{f.name}.", concerns, _groups)
+            continue
         if _is_config(tp):  # its options under its own title (the class's first docstring line)
             title = (tp.__doc__ or tp.__name__).strip().splitlines()[0].rstrip(".")
             group = parser.add_argument_group(f"{f.name}: {title[0].lower()}{title[1:]}")
             add_arguments(group, tp, skip, prefix=f"{prefix}{f.name}.")
             continue
+        if _groups is not None:
+            if prefix + f.name not in _groups:
+                raise TypeError(f"option {prefix + f.name} has no concern to be listed under")
+            into = _groups[prefix + f.name]
+        else:
+            into = parser
         names = [flag_of(cls, f.name), *f.metadata.get("aliases", ())]
         default = _default(f)
         # argparse %-formats help texts: a literal "%" ("75 %") must be doubled
@@ -103,7 +123,8 @@ def add_arguments(
                 kw["help"] += f" (default: {f.metadata.get('show', default)})"
         if "choices" not in kw and "action" not in kw:  # the flag's own name, not the dest
             kw["metavar"] = names[0].lstrip("-").upper().replace("-", "_")
-        parser.add_argument(*names, **kw)
+        into.add_argument(*names, **kw)
+    return {t: _groups[t] for t in concerns} if concerns and _groups else {}
 
 
 def _parse(tp: Any):

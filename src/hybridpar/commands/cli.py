@@ -157,6 +157,52 @@ def _measuring_parsers(sub) -> None:
     c.set_defaults(func=cmd_calibrate)
 
 
+# `hybridpar train --help`, by concern (every option of TrainConfig and the configs in it)
+TRAIN_CONCERNS = {
+    "model and data": ("model", "data", "input_size", "input_shape", "max_steps"),
+    "optimisation": (
+        "epochs",
+        "batch",
+        "lr",
+        "momentum",
+        "weight_decay",
+        "schedule",
+        "base_batch",
+        "scale_rule",
+        "choices.amp",
+        "runtime.allow_nonfinite",
+    ),
+    "plan": ("nproc", "preset", "plan", "cluster", "handoff", "rounds", "runtime.variable_batch"),
+    "communication": (
+        "choices.codec",
+        "choices.compress",
+        "choices.reducer",
+        "runtime.bucket_mb",
+        "runtime.codec_block",
+        "runtime.error_feedback",
+        "runtime.host_stage_mb",
+        "runtime.shared_memory",
+    ),
+    "batch norm": (
+        "choices.bn",
+        "runtime.bn_max_batch",
+        "runtime.bn_window",
+        "runtime.bn_threshold",
+        "runtime.bn_signal",
+    ),
+    "checkpoints": ("save", "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"),
+    "runtime": (
+        "choices.device",
+        "choices.backend",
+        "runtime.seed",
+        "runtime.timeout_s",
+        "report",
+        "quiet",
+        "progress",
+    ),
+}
+
+
 def _validate_parser(sub) -> None:
     v = sub.add_parser(
         "validate",
@@ -197,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _simulate_parser(sub)
     t = sub.add_parser("train", help="train with a plan on torch.distributed and measure it")
-    add_arguments(t, TrainConfig)
-    t.add_argument("--verbose", action="store_true", help="print the failing rank's traceback")
+    groups = add_arguments(t, TrainConfig, concerns=TRAIN_CONCERNS)
+    groups["runtime"].add_argument(
+        "--verbose", action="store_true", help="print the failing rank's traceback"
+    )
     t.set_defaults(func=cmd_train)
     _validate_parser(sub)
     _measuring_parsers(sub)

@@ -344,6 +344,7 @@ def cmd_validate(args) -> int:
 
     def plan_candidates() -> list[Candidate]:
         kwargs = plan_kwargs(cfg, cluster, args.procs)
+        args.profile = getattr(kwargs.get("compute"), "source", None)  # a measured profile's file
         result = make_plan(cfg.model, args.procs, cfg.batch, cluster, **kwargs)
         result.best  # noqa: B018  one line when nothing fits
         presets = {n: _preset(result, n) for n in names}
@@ -454,6 +455,8 @@ def _finish(args, cfg, cluster, cands, head, out: Path) -> int:
             print(f"{c.label}: failed: {c.failure}", file=sys.stderr)
         return 1
     print_table(cands, summary, head)
+    traced = trace(cands, getattr(args, "profile", None))
+    print(traced["line"])
     data = {
         "model": cfg.model,
         "procs": args.procs,
@@ -462,13 +465,70 @@ def _finish(args, cfg, cluster, cands, head, out: Path) -> int:
         "steps": args.steps,
         "repeat": args.repeat,
         "plans": [c.to_dict() for c in cands],
-        "summary": summary,
+        "summary": {**summary, "traced": traced},
     }
     path = out / "validate.json"
     path.write_text(json.dumps(strict(data), indent=1, allow_nan=False))
     png = plot(cands, out / "validate.png", head.split(":")[0])
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 1 if any(c.failure for c in cands) else 0
+
+
+def trace(cands: list[Candidate], profile: str | None) -> dict:
+    """Which cached quantity the largest error traces to. The quantities the compute profile at
+    `profile` cached (each iteration, the optimizer step) are measured again
+    (planning.profile.recheck); each explains the part of the worst plan's error that its new
+    value takes out of the prediction (the step: the plan's update seconds; an iteration: the
+    rest of its compute at the samples a rank of it runs, scaled by the same ratio). The one
+    that explains most, where that is at least a quarter of the error, is named; otherwise the
+    side of the prediction that is off (compute, or communication: the calibration's all-reduce
+    fit and meetings, which `hybridpar calibrate --check` measures again). {"line": what to
+    print, "quantity", "source", "explained_s", "error_s"}."""
+    from collections import Counter
+
+    from hybridpar.planning.profile import recheck
+
+    done = [c for c in cands if c.error is not None]
+    worst = max(done, key=lambda c: abs(c.error))  # type: ignore[arg-type]
+    p, m = worst.predicted, worst.measured
+    gap = p["total_s"] - m["total_s"]
+    head = (
+        f"largest error: {worst.label} {_pct(worst.error)} (predicted {p['total_s'] * 1e3:.1f} "
+        f"ms, measured {m['total_s'] * 1e3:.1f} ms)"
+    )
+    rows = recheck(profile) if profile and Path(profile).is_file() else []
+    update = worst.plan.totals.get("update_s", 0.0)
+    # the samples most of its layers run on a rank (B / Pc of their styles)
+    pcs = Counter(s.pc for s in worst.plan.styles.values())
+    samples = worst.plan.batch // pcs.most_common(1)[0][0]
+    best, explained = None, 0.0
+    for r in rows:
+        if r.quantity == "update_s":
+            part = update * (1 - r.ratio)
+        elif r.quantity == f"iteration at {samples} samples":
+            part = (p["compute_s"] - update) * (1 - r.ratio)
+        else:
+            continue
+        if part * gap > 0 and abs(part) > abs(explained):
+            best, explained = r, part
+    out = {"quantity": None, "source": None, "explained_s": explained, "error_s": gap}
+    if best is not None and abs(explained) >= abs(gap) / 4:
+        line = (
+            f"{head}: traces to {best.quantity} in {best.source}: cached {best.cached:.3g}, "
+            f"measured again {best.now:.3g} (x{best.ratio:.2f}), {abs(explained) * 1e3:.1f} ms "
+            f"of the {abs(gap) * 1e3:.1f} ms; run `hybridpar calibrate` to measure it again"
+        )
+        return {**out, "line": line, "quantity": best.quantity, "source": best.source}
+    compute_off = abs(p["compute_s"] - m["compute_s"]) >= abs(p["comm_s"] - m["comm_s"])
+    side = "compute" if compute_off else "communication"
+    held = f"; the profile's {len(rows)} cached quantities hold when measured again" if rows else ""
+    where = (
+        "the compute model"
+        if side == "compute"
+        else "the calibration's all-reduce fit or meetings (`hybridpar calibrate --check`)"
+    )
+    line = f"{head}: mostly its {side}, from {where}{held}"
+    return {**out, "line": line, "quantity": where}
 
 
 def _preset(result, name: str) -> ParallelPlan:

@@ -117,6 +117,8 @@ class Plan:
             "compute_s": self.compute_s + self.sync.excess_s - waits,
             "total_s": self.total_s,
             "waiting_s": self.sync.wait_s,
+            # of compute_s: the optimizer's step (the profile's update_s per element)
+            "update_s": math.fsum(x.update_s for x in self.layers),
         }
 
     @property
