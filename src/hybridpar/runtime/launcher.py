@@ -291,7 +291,17 @@ def _server() -> tuple[Any, int | None]:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    fs.ensure_running()
+    # the server starts with Ctrl-C ignored (and Python leaves an ignored SIGINT so, in it and
+    # in the ranks it forks): a Ctrl-C at the terminal reaches the whole process group, and a
+    # server still importing torch printed a 30-line traceback of it; this process stops the
+    # server and its ranks itself (stop_on_signals, _watch)
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        fs.ensure_running()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
     return ctx, getattr(_fork_server(), "_forkserver_pid", None)
 
 
