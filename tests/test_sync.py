@@ -117,11 +117,8 @@ def test_the_table_loads_per_rank_count_and_round_trips(tmp_path):
     c = load_cluster(str(path))
     assert c.at(4).sync == ROWS and c.at(3).sync == ((0.002, 0.0, 0.001),)
     assert c.at(4).sync_ranks == 4
-    assert c.at(3).alpha == c.alpha  # 3 has no collectives' fit
-    # 2 was not measured: the table of 3, its waits scaled by the last of 2 against of 3
-    k = expected_max(2) / expected_max(3)
-    assert c.at(2).sync[0] == pytest.approx((0.002, 0.0, 0.001 * k)) and 0.66 < k < 0.67
-    assert c.at(4).at(2).sync == c.at(2).sync  # a job of 2 never keeps the table of 4
+    assert c.at(2).sync == () and c.at(3).alpha == c.alpha  # 3 has no collectives' fit
+    assert c.at(4).at(2).sync == ()  # a job of 2 never keeps the table of 4 (none below it)
     again = tmp_path / "again.json"
     d = c.to_dict()
     d.pop("bandwidth_GBps")

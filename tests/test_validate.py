@@ -153,7 +153,8 @@ def test_a_poisoned_cached_quantity_is_named_by_calibrate_check_and_by_validate(
     (cache / "localhost.json").write_text(json.dumps(data))
     hp = [sys.executable, "-m", "hybridpar"]
     args = ["--model", "digits-wide", "--batch", "16", "--procs", "2"]
-    r = subprocess.run(hp + ["plan", *args], capture_output=True, text=True, env=env, timeout=300)
+    plan = hp + ["plan", *args, "--cluster", "localhost"]  # measures the profile
+    r = subprocess.run(plan, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     (profile,) = (cache / "profiles").glob("digits-wide-1x8x8-t*.json")
     cached = json.loads(profile.read_text())

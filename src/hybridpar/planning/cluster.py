@@ -115,7 +115,8 @@ class Cluster:
     def at(self, P: int) -> Cluster:
         """This cluster as a job of P ranks sees it. The collectives and the sync table of as
         many ranks on a host where `hybridpar calibrate` measured them; for a count it did not
-        measure, those of the nearest count below (else above), the table's waits and excess
+        measure, those of the nearest count below (none below: this cluster's own alpha and
+        beta, and no table), the table's waits and excess
         scaled by how far the last of P ranks arrives behind their mean against the last of
         that count (`expected_max`: independent, equally noisy ranks); for a job that spans the
         hosts of a two-level cluster, the table measured with the ranks meeting across them."""
@@ -126,14 +127,14 @@ class Cluster:
                 rows = self.net_sync
             else:
                 tables = dict(self.sync_by_procs)
-                p0 = _nearest(tables, local)
-                k = expected_max(local) / expected_max(p0)
-                rows = tuple((a, wall * k, wait * k) for a, wall, wait in tables[p0])
+                p0 = _below(tables, local)
+                k = expected_max(local) / expected_max(p0) if p0 else 0.0
+                rows = tuple((a, wall * k, wait * k) for a, wall, wait in tables.get(p0, ()))
             if (rows, local) != (self.sync, self.sync_ranks):
                 here = replace(self, sync=rows, sync_ranks=local)
         fits = {p: rest for p, *rest in self.by_procs}
-        if fits:
-            alpha, beta, small, shm = fits[_nearest(fits, local)]
+        if _below(fits, local):
+            alpha, beta, small, shm = fits[_below(fits, local)]
             return replace(here, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
         return here
 
@@ -442,9 +443,9 @@ def for_device(cluster: Cluster, device: str) -> Cluster:
     return cluster
 
 
-def _nearest(counts, p: int) -> int:
-    """The largest of `counts` (ranks a calibration measured) up to p, else the smallest."""
-    return max((c for c in counts if c <= p), default=min(counts))
+def _below(counts, p: int) -> int:
+    """The largest of `counts` (ranks a calibration measured) up to p; 0 where none is."""
+    return max((c for c in counts if c <= p), default=0)
 
 
 @cache
