@@ -231,7 +231,8 @@ def test_train_help_is_grouped_by_concern():
     concerns = ["model and data", "optimisation", "plan", "communication", "batch norm"]
     assert titles == ["options", *concerns, "checkpoints", "runtime"]
     (helps,) = [g for g in train._action_groups if g.title == "options"]
-    assert [a.dest for a in helps._group_actions] == ["help"]  # nothing left unsorted
+    # nothing left unsorted but the command-wide options
+    assert [a.dest for a in helps._group_actions] == ["help", "config", "print_config"]
     text = train.format_help()
     assert (
         text.index("\nbatch norm:") < text.index("\n  --bn-window") < text.index("\ncheckpoints:")
@@ -262,3 +263,59 @@ def test_the_closing_table_says_where_the_host_reducers_bytes_went(capsys):
     _print_report(report)
     out = capsys.readouterr().out
     assert "dw_allreduce's 12595 KB a rank in host shared memory" in out, out
+
+
+# --- a config file (issue 41 item 1) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, flags",
+    [
+        ("train", ["--lr", "0.1", "--codec", "linear", "--compress", "grads", "--no-progress"]),
+        ("plan", ["--model", "resnet20", "--procs", "8", "--batch", "64", "--bn", "local"]),
+        ("validate", ["--model", "digits-wide", "--batch", "16", "--procs", "2", "--top", "1"]),
+    ],
+)
+def test_print_config_is_a_file_that_config_reads_back_unchanged(tmp_path, capsys, command, flags):
+    from hybridpar.commands.cli import _parse, build_parser, main
+    from hybridpar.config import from_namespace
+    from hybridpar.planning.config import PlanConfig
+    from hybridpar.runtime.train.config import TrainConfig
+
+    assert main([command, *flags, "--print-config"]) == 0
+    text = capsys.readouterr().out
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    assert main([command, "--config", str(path), "--print-config"]) == 0
+    assert capsys.readouterr().out == text
+    # the file gives the same configuration as the flags, and a flag overrides the file
+    cls = TrainConfig if command == "train" else PlanConfig
+    by_flags = build_parser().parse_args([command, *flags])
+    by_file = _parse(build_parser(), [command, "--config", str(path)])
+    assert from_namespace(cls, by_file) == from_namespace(cls, by_flags)
+    over = _parse(build_parser(), [command, "--config", str(path), "--codec", "fp16"])
+    assert from_namespace(cls, over).choices.codec == "fp16"
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("[runtime]\nsed = 3\n", "unknown key 'runtime.sed'"),
+        ("codec = 'fp16'\n", "unknown key 'codec'; did you mean 'choices.codec'?"),
+        ("lr = 'fast'\n", "lr: 'fast' is not a number"),
+        ("epochs = 2.5\n", "epochs: '2.5' is not an integer"),
+        ("[choices]\ncodec = 'zip'\n", "choices.codec must be one of none"),
+        ("quiet = 1\n", "quiet must be true or false"),
+        ("lr =\n", "not TOML"),
+    ],
+)
+def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, capsys, text, needle):
+    from hybridpar.commands.cli import main
+
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert main(["plan", "--config", str(tmp_path / "none.toml")]) == 2
+    assert "No such file" in capsys.readouterr().err

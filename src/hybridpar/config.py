@@ -28,9 +28,11 @@ __all__ = [
     "add_arguments",
     "build",
     "check_fields",
+    "dump_toml",
     "evolve",
     "flag_of",
     "from_namespace",
+    "load_toml",
     "meta",
     "nested",
     "positive",
@@ -242,3 +244,92 @@ def writable(flag: str, path: str | Path) -> Path:
             f"{flag} {path}: cannot write in {folder} ({exc.strerror}); choose another place"
         ) from None
     return path
+
+
+# --- a command's options as a TOML file (`--config`, `--print-config`) ---------------------------
+
+_NOT_KEYS = {"help", "config", "print_config", "version", "func", "command"}
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """{dest: action} of a command's options, a nested config's under "choices.codec"."""
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in _NOT_KEYS}
+
+
+def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _from_toml(action: argparse.Action, key: str, v: Any) -> Any:
+    """A TOML value for `action`, checked and converted as its flag's text would be."""
+    if action.nargs == 0:  # a switch: true or false
+        if not isinstance(v, bool):
+            raise ConfigError(f"{key} must be true or false, got {v!r}")
+        return v
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return tuple(v)  # a list field (compress), parsed by its config
+    if isinstance(v, bool | list | dict) or (action.type is None and not isinstance(v, str)):
+        raise ConfigError(f"{key} must be {'a string' if action.type is None else 'a number'}")
+    if action.type is not None:
+        try:
+            v = action.type(str(v))
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+    if action.choices is not None and v not in action.choices:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, action.choices))}, got {v!r}")
+    return v
+
+
+def load_toml(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """{dest: value} of a TOML file of `parser`'s options: its keys the options' fields, a nested
+    config's in its own table (`[choices] codec = "linear"`), as `dump_toml` writes them; an
+    unknown key, a wrong type or a bad value is a ConfigError naming the key."""
+    import tomllib
+
+    try:
+        table = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: not TOML ({str(exc).splitlines()[0]})") from None
+    options, out = _options(parser), {}
+    for key, v in _flatten(table).items():
+        if key not in options:
+            near = [k for k in options if k.split(".")[-1] == key.split(".")[-1]]
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"--config {path}: unknown key {key!r}{hint}")
+        try:
+            out[key] = _from_toml(options[key], key, v)
+        except ConfigError as exc:
+            raise ConfigError(f"--config {path}: {exc}") from None
+    return out
+
+
+def dump_toml(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> str:
+    """The options `ns` holds for `parser` as TOML that `load_toml` reads back unchanged (an
+    option without a value is left out: TOML has no null)."""
+    import json
+
+    def text(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, tuple | list):
+            return "[" + ", ".join(json.dumps(x) for x in v) + "]"
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    tables: dict[str, list[str]] = {"": []}
+    for dest in _options(parser):
+        v = getattr(ns, dest, None)
+        if v is None:
+            continue
+        table, _, key = dest.rpartition(".")
+        tables.setdefault(table, []).append(f"{key} = {text(v)}")
+    parts = ["\n".join(tables.pop(""))]
+    parts += [f"[{t}]\n" + "\n".join(lines) for t, lines in tables.items()]
+    return "\n\n".join(p for p in parts if p) + "\n"

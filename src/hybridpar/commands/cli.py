@@ -16,7 +16,7 @@ from hybridpar.commands.plans import cmd_plan, cmd_simulate
 from hybridpar.commands.tools import cmd_calibrate, cmd_codecs, cmd_profile
 from hybridpar.commands.training import cmd_train
 from hybridpar.commands.validate import cmd_validate
-from hybridpar.config import add_arguments
+from hybridpar.config import add_arguments, dump_toml, load_toml
 from hybridpar.errors import ConfigError, Interrupted
 from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.search import SCENARIOS
@@ -84,6 +84,7 @@ def _plan_parser(sub) -> None:
         help="with --model-of dettmers: 'appendix-a' (the paper's tables) or a JSON file of "
         "per-layer times (default: from the model's FLOPs and the cluster)",
     )
+    _config_options(p)
     p.set_defaults(func=cmd_plan)
 
 
@@ -203,6 +204,21 @@ TRAIN_CONCERNS = {
 }
 
 
+def _config_options(p) -> None:
+    """--config and --print-config on a command of CONFIGURED."""
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of this command's options (keys as --print-config writes them, "
+        "a nested config's in its own table: [choices], [runtime]); flags override it",
+    )
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the options in effect as TOML (that --config reads back) and do nothing else",
+    )
+
+
 def _validate_parser(sub) -> None:
     v = sub.add_parser(
         "validate",
@@ -228,6 +244,7 @@ def _validate_parser(sub) -> None:
     v.add_argument("--data", default=None, help="training data (default: synthetic, B x steps)")
     v.add_argument("--out", default="validate-out", help="folder for validate.json/.png, plans/")
     v.add_argument("--quiet", action="store_true", help="no line per run")
+    _config_options(v)
     v.set_defaults(func=cmd_validate)
 
 
@@ -247,20 +264,55 @@ def build_parser() -> argparse.ArgumentParser:
     groups["runtime"].add_argument(
         "--verbose", action="store_true", help="print the failing rank's traceback"
     )
+    _config_options(t)
     t.set_defaults(func=cmd_train)
     _validate_parser(sub)
     _measuring_parsers(sub)
     return parser
 
 
+# the commands a TOML file can configure (`--config`), and print their options as one
+CONFIGURED = ("plan", "train", "validate")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments, over the values of `--config FILE` where a command was given one: the
+    file's values become the options' defaults (a required option the file gives is no longer
+    required), so every flag on the command line overrides them."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if known.config and command in CONFIGURED:
+        sub = parser._subparsers._group_actions[0].choices[command]
+        values = load_toml(sub, known.config)
+        for a in sub._actions:
+            if a.dest in values:
+                a.required = False
+        sub.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     restore = stop_on_signals()  # from here on SIGTERM unwinds like Ctrl-C: ranks are stopped
     parser = build_parser()
-    if not (sys.argv[1:] if argv is None else argv):  # a bare `hybridpar`: what it can do
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:  # a bare `hybridpar`: what it can do
         parser.print_help(sys.stderr)
         restore()
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args = _parse(parser, argv)
+    except ConfigError as exc:
+        command = next((a for a in argv if not a.startswith("-")), "")
+        print(f"hybridpar {command}: error: {exc}", file=sys.stderr)
+        restore()
+        return 2
+    if getattr(args, "print_config", False):
+        sub = parser._subparsers._group_actions[0].choices[args.command]
+        print(dump_toml(sub, args), end="")
+        restore()
+        return 0
     try:
         return args.func(args)
     except ConfigError as exc:
