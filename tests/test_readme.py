@@ -88,6 +88,8 @@ def _promise(command: str, job, plan) -> None:
         assert plan.choices.bn == "adaptive" and cfg.runtime.bn_max_batch == 256
     if "--reducer host" in command:
         assert plan.choices.reducer == "host"
+    if "--config run.toml" in command:  # the options printed by the line before it
+        assert (cfg.preset, cfg.lr, cfg.epochs, plan.engine) == ("ddp", 0.1, 5, "ddp")
 
 
 def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, capsys):
@@ -123,12 +125,17 @@ def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, 
             err = capsys.readouterr().err.strip().splitlines()
             assert code == 2 and len(err) == 1 and "GPU" in err[0], (command, err)
             continue
-        if name == "train":
+        into = None
+        if ">" in argv:  # stdout into a file, as the shell would
+            argv, into = argv[: argv.index(">")], argv[argv.index(">") + 1]
+        if name == "train" and "--print-config" not in argv:
             argv += ["--max-steps", "1", "--quiet"]
         code = cli.main(argv)
-        err = capsys.readouterr().err
+        out, err = capsys.readouterr()
         assert code == 0, f"{command}: {err}"
-        if name == "train":
+        if into:
+            Path(into).write_text(out)
+        if name == "train" and "--print-config" not in argv:
             job = jobs[-1]
             plan = job.plan or preset_plan(
                 job.cfg, job.procs, job.layers, job.input_shape, BYTES_ONLY
