@@ -116,9 +116,10 @@ class Cluster:
         """This cluster as a job of P ranks sees it. The collectives and the sync table of as
         many ranks on a host where `hybridpar calibrate` measured them; for a count it did not
         measure, those of the nearest count below (none below: this cluster's own alpha and
-        beta, and no table), the table's waits and excess
-        scaled by how far the last of P ranks arrives behind their mean against the last of
-        that count (`expected_max`: independent, equally noisy ranks); for a job that spans the
+        beta, and no table), the table's waits and what a round loses beyond its work scaled
+        by how far the last of P ranks arrives behind their mean against the last of that
+        count (`_scaled`, `expected_max`: independent, equally noisy ranks); for a job that
+        spans the
         hosts of a two-level cluster, the table measured with the ranks meeting across them."""
         here, local = self, self.local(P)
         spans = self.two_level and bool(self.net_sync) and local < P
@@ -128,8 +129,7 @@ class Cluster:
             else:
                 tables = dict(self.sync_by_procs)
                 p0 = _below(tables, local)
-                k = expected_max(local) / expected_max(p0) if p0 else 0.0
-                rows = tuple((a, wall * k, wait * k) for a, wall, wait in tables.get(p0, ()))
+                rows = self._scaled(tables[p0], p0, local) if p0 else ()
             if (rows, local) != (self.sync, self.sync_ranks):
                 here = replace(self, sync=rows, sync_ranks=local)
         fits = {p: rest for p, *rest in self.by_procs}
@@ -137,6 +137,19 @@ class Cluster:
             alpha, beta, small, shm = fits[_below(fits, local)]
             return replace(here, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
         return here
+
+    def _scaled(self, rows, p0: int, p: int) -> tuple:
+        """The meetings' table of p0 ranks on a host for p of them: the work priced at p's
+        contention, what a round lost beyond the work at p0's (wall less alone x its factor)
+        and the wait both grown by expected_max(p) / expected_max(p0)."""
+        if p == p0:
+            return tuple(rows)
+        k = expected_max(p) / expected_max(p0)
+        c0 = c = 1.0
+        if self.cores is not None:
+            c0 = contention(self.cores, p0, rank_threads(self.cores, p0))
+            c = contention(self.cores, p, rank_threads(self.cores, p))
+        return tuple((a, c * a + k * max(0.0, wall - c0 * a), k * wait) for a, wall, wait in rows)
 
     def codec_times(self, codec: str, P: int) -> tuple[float, float]:
         """(encode, decode) seconds per element for a rank of a P-rank job on this cluster: as one
