@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -53,6 +54,50 @@ def test_train_digits_reports_prediction_and_measurement(tmp_path):
     for k, v in pred.items():
         assert meas[k] == pytest.approx(v, rel=1e-9), k
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    # every step's record (3 epochs of 1437 / 64 steps): what the PNG plots for few epochs
+    steps = d["steps"]
+    assert [s["step"] for s in steps] == list(range(1, 3 * 23 + 1))
+    assert all(s["loss"] > 0 and s["lr"] == pytest.approx(0.05) and s["time_s"] > 0 for s in steps)
+    assert steps[0]["epoch"] == 1 and steps[-1]["epoch"] == 3
+    assert statistics.mean(s["loss"] for s in steps[-10:]) < steps[0]["loss"]
+
+
+def test_the_report_plot_shows_steps_for_few_epochs_and_prediction_next_to_measurement(tmp_path):
+    """Issue 43 item 6: a 1-epoch report's PNG was one dot per panel. It now draws the loss per
+    step when there are 3 epochs or fewer, and predicted next to measured time and bytes."""
+    import matplotlib.axes
+
+    from hybridpar.runtime.train.report import write_report
+
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+
+    def plot(ax, *args, **kw):
+        drawn.append(len(args[0]))
+        return real(ax, *args, **kw)
+
+    epoch = {"epoch": 1, "loss": 1.0, "train_acc": 0.5, "test_acc": 0.5, "time_s": 1.0}
+    it = {"time_s": 0.01, "compute_s": 0.008, "comm_wait_s": 0.002}
+    it |= {"predicted_compute_s": 0.007, "predicted_comm_s": 0.003}
+    report = {
+        "epochs": [epoch],
+        "steps": [{"step": k, "loss": 2.0 / k, "lr": 0.1, "time_s": 0.01} for k in range(1, 21)],
+        "iteration": it,
+        "bytes": {"measured": {"dw_allreduce": 4e6}, "predicted": {"dw_allreduce": 4e6}},
+        "plan": {"scenario": "batch", "engine": "hybridpar"},
+        "procs": 2,
+    }
+    import unittest.mock
+
+    with unittest.mock.patch.object(matplotlib.axes.Axes, "plot", plot):
+        _, png = write_report(report, tmp_path / "r.json")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert drawn[0] == 20  # the loss of 20 steps
+    many = {**report, "epochs": [{**epoch, "epoch": e} for e in range(1, 6)]}
+    drawn.clear()
+    with unittest.mock.patch.object(matplotlib.axes.Axes, "plot", plot):
+        write_report(many, tmp_path / "r.json")
+    assert drawn[0] == 5  # five epochs: the loss per epoch
 
 
 def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path):

@@ -511,24 +511,32 @@ def trace(cands: list[Candidate], profile: str | None) -> dict:
             continue
         if part * gap > 0 and abs(part) > abs(explained):
             best, explained = r, part
-    out = {"quantity": None, "source": None, "explained_s": explained, "error_s": gap}
+    out = {"quantity": None, "source": None, "side": None, "explained_s": explained}
+    out["error_s"] = gap
     if best is not None and abs(explained) >= abs(gap) / 4:
         line = (
             f"{head}: traces to {best.quantity} in {best.source}: cached {best.cached:.3g}, "
             f"measured again {best.now:.3g} (x{best.ratio:.2f}), {abs(explained) * 1e3:.1f} ms "
             f"of the {abs(gap) * 1e3:.1f} ms; run `hybridpar calibrate` to measure it again"
         )
-        return {**out, "line": line, "quantity": best.quantity, "source": best.source}
+        return {
+            **out,
+            "line": line,
+            "quantity": best.quantity,
+            "source": best.source,
+            "side": "compute",
+        }
     compute_off = abs(p["compute_s"] - m["compute_s"]) >= abs(p["comm_s"] - m["comm_s"])
     side = "compute" if compute_off else "communication"
-    held = f"; the profile's {len(rows)} cached quantities hold when measured again" if rows else ""
+    held = sum(r.holds for r in rows)
+    held_text = f"; {held} of the profile's {len(rows)} cached numbers hold measured again"
     where = (
         "the compute model"
         if side == "compute"
         else "the calibration's all-reduce fit or meetings (`hybridpar calibrate --check`)"
     )
-    line = f"{head}: mostly its {side}, from {where}{held}"
-    return {**out, "line": line, "quantity": where}
+    line = f"{head}: mostly its {side}, from {where}{held_text if rows else ''}"
+    return {**out, "line": line, "side": side}
 
 
 def _preset(result, name: str) -> ParallelPlan:

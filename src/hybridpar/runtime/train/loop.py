@@ -85,6 +85,9 @@ class Progress:
             with self.log.open("a") as f:
                 f.write(json.dumps(strict(record), allow_nan=False) + "\n")
 
+    def step(self, record: dict) -> None:
+        """A training step's record (the JSON lines leave them out: the report has them)."""
+
     def epoch(self, e: dict) -> None:
         self.write(
             {"event": "epoch", **e},
@@ -124,7 +127,8 @@ def fit(
     trainer: HybridTrainer, data: Dataset, cfg: TrainConfig, pos: Position, log: Progress | None
 ) -> tuple[list[dict], dict, set[int]]:
     """Train from `pos` to cfg.epochs, checkpointing every cfg.checkpoint_every steps; returns
-    (epoch records, per-step timings, the steps with a full batch)."""
+    (epoch records, per-step timings, the steps with a full batch, step records: the loss on
+    this rank's examples, the learning rate and the time, for at most about 2000 steps)."""
     n = len(data.x_train)
     seed = cfg.runtime.seed
     per_epoch = len(epoch_steps(n, cfg.batch, 0, seed))
@@ -134,6 +138,7 @@ def fit(
     bar = _bar(trainer, cfg, total, pos.epoch * per_epoch + pos.index, log is not None)
     epochs, times = list(pos.history), {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
+    steps, stride = [], max(1, -(-total // 2000))
     for epoch in range(pos.epoch, cfg.epochs):
         t0 = time.perf_counter()
         first = pos.index if epoch == pos.epoch else 0
@@ -149,6 +154,12 @@ def fit(
                 full_steps.add(trainer.steps)
             r = trainer.train_step(data.x_train[idx], data.y_train[idx])
             sums = [sums[0] + r.loss_sum, sums[1] + r.correct, sums[2] + r.count]
+            if trainer.steps % stride == 0 and r.count:
+                lr = base_lrs[0] * factor
+                steps.append({"step": trainer.steps, "epoch": epoch + 1, "lr": lr})
+                steps[-1].update(loss=r.loss_sum / r.count, time_s=r.time_s)
+                if log is not None:
+                    log.step(steps[-1])
             if i > first:  # the first step after a start pays one-off costs
                 for k in times:
                     times[k].append(getattr(r, k))
@@ -171,7 +182,7 @@ def fit(
             log.epoch(epochs[-1])
         bar.set_postfix(loss=f"{epochs[-1]['loss']:.3f}", test=f"{epochs[-1]['test_acc']:.3f}")
     bar.close()
-    return epochs, times, full_steps
+    return epochs, times, full_steps, steps
 
 
 def _quiet_rank(P: int) -> None:
@@ -250,7 +261,7 @@ def train_worker(job: Job) -> dict | None:
             {"event": "resume", "from": str(job.resume), "step": trainer.steps},
             f"resumed from {job.resume} at step {trainer.steps}, {how}",
         )
-    epochs, times, full_steps = fit(trainer, data, cfg, pos, log)
+    epochs, times, full_steps, steps = fit(trainer, data, cfg, pos, log)
     weights = trainer.full_state_dict()  # collective: every rank
     if cfg.checkpoint_dir:
         _checkpoint(trainer, cfg, Position(cfg.epochs, 0, [0.0, 0.0, 0.0], epochs))
@@ -287,6 +298,7 @@ def train_worker(job: Job) -> dict | None:
             "head_lr": head.defaults["lr"],
             "head_weight_decay": head.param_groups[0]["weight_decay"],
         }
+    out["steps"] = steps  # rank 0's: the loss on its own examples
     out["hosts"] = host_layout(names)
     # ranks dealt to hosts otherwise than host by host: the groups follow the hosts (engine.order)
     # where the plan's ordered groups allow it, else the prices assume what did not happen

@@ -226,18 +226,42 @@ def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
         import matplotlib.pyplot as plt
     except ImportError:
         return path, None
-    ep = report["epochs"]
-    xs = [e["epoch"] for e in ep]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
-    a.plot(xs, [e["loss"] for e in ep], marker="o", ms=3)
-    a.set_xlabel("epoch")
+    ep, steps = report["epochs"], report.get("steps") or []
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(9, 6.4))
+    if len(ep) <= 3 and steps:  # a few epochs are a few dots: the steps instead
+        a.plot([s["step"] for s in steps], [s["loss"] for s in steps], lw=1)
+        a.set_xlabel("step (loss on rank 0's examples)")
+    else:
+        a.plot([e["epoch"] for e in ep], [e["loss"] for e in ep], marker="o", ms=3)
+        a.set_xlabel("epoch")
     a.set_ylabel("training loss")
     a.set_yscale("log")
+    xs = [e["epoch"] for e in ep]
     b.plot(xs, [e["train_acc"] for e in ep], marker="o", ms=3, label="train")
     b.plot(xs, [e["test_acc"] for e in ep], marker="s", ms=3, label="test")
     b.set_xlabel("epoch")
     b.set_ylabel("accuracy")
     b.legend()
+    it = report["iteration"]  # the median iteration, split, next to the prediction
+    split = [
+        (it.get("predicted_compute_s"), it.get("predicted_comm_s")),
+        (it["compute_s"], it["comm_wait_s"]),
+    ]
+    for i, (comp, comm) in enumerate(split):
+        if comp is not None:  # a plan priced in bytes only has no predicted time
+            c.bar(i, comp * 1e3, color="C0", label="compute" if i else None)
+            c.bar(i, (comm or 0) * 1e3, bottom=comp * 1e3, color="C1", label="comm" if i else None)
+    c.set_xticks([0, 1], ["predicted", "measured"])
+    c.set_ylabel("ms per iteration")
+    c.legend(fontsize=8)
+    got, pred = report["bytes"]["measured"], report["bytes"]["predicted"]
+    terms = sorted(set(got) | set(pred), key=lambda t: -max(got.get(t, 0), pred.get(t, 0)))[:6]
+    xs = range(len(terms))
+    d.bar([x - 0.2 for x in xs], [pred.get(t, 0) / 1e3 for t in terms], 0.4, label="predicted")
+    d.bar([x + 0.2 for x in xs], [got.get(t, 0) / 1e3 for t in terms], 0.4, label="measured")
+    d.set_xticks(list(xs), terms, rotation=20, fontsize=7)
+    d.set_ylabel("KB per rank per iteration")
+    d.legend(fontsize=8)
     plan = report["plan"]
     fig.suptitle(
         f"{report.get('model')} on {report.get('data')}: P={report['procs']}, "
