@@ -235,7 +235,9 @@ def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
         a.plot([e["epoch"] for e in ep], [e["loss"] for e in ep], marker="o", ms=3)
         a.set_xlabel("epoch")
     a.set_ylabel("training loss")
-    a.set_yscale("log")
+    losses = [y for line in a.get_lines() for y in line.get_ydata() if y > 0]
+    if losses and max(losses) > 10 * min(losses):
+        a.set_yscale("log")
     xs = [e["epoch"] for e in ep]
     b.plot(xs, [e["train_acc"] for e in ep], marker="o", ms=3, label="train")
     b.plot(xs, [e["test_acc"] for e in ep], marker="s", ms=3, label="test")
@@ -248,9 +250,11 @@ def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
         (it["compute_s"], it["comm_wait_s"]),
     ]
     for i, (comp, comm) in enumerate(split):
-        if comp is not None:  # a plan priced in bytes only has no predicted time
-            c.bar(i, comp * 1e3, color="C0", label="compute" if i else None)
-            c.bar(i, (comm or 0) * 1e3, bottom=comp * 1e3, color="C1", label="comm" if i else None)
+        if comp is None:  # a plan priced in bytes only has no predicted time
+            c.text(i, 0, "not predicted\n(bytes only)", ha="center", va="bottom", fontsize=8)
+            continue
+        c.bar(i, comp * 1e3, color="C0", label="compute" if i else None)
+        c.bar(i, (comm or 0) * 1e3, bottom=comp * 1e3, color="C1", label="comm" if i else None)
     c.set_xticks([0, 1], ["predicted", "measured"])
     c.set_ylabel("ms per iteration")
     c.legend(fontsize=8)
