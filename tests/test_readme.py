@@ -88,6 +88,8 @@ def _promise(command: str, job, plan) -> None:
         assert plan.choices.bn == "adaptive" and cfg.runtime.bn_max_batch == 256
     if "--reducer host" in command:
         assert plan.choices.reducer == "host"
+    if "--tensorboard runs/tb" in command:
+        assert cfg.tensorboard == "runs/tb"
     if "--config run.toml" in command:  # the options printed by the line before it
         assert (cfg.preset, cfg.lr, cfg.epochs, plan.engine) == ("ddp", 0.1, 5, "ddp")
 

@@ -62,6 +62,41 @@ def test_train_digits_reports_prediction_and_measurement(tmp_path):
     assert statistics.mean(s["loss"] for s in steps[-10:]) < steps[0]["loss"]
 
 
+def test_tensorboard_gets_the_steps_the_epochs_and_measured_next_to_predicted(tmp_path):
+    """Issue 41 item 4: rank 0 writes TensorBoard scalars; read back from the event file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    r = subprocess.run(
+        CMD
+        + ["--nproc", "2", "--preset", "owt", "--epochs", "2", "--max-steps", "3"]
+        + ["--tensorboard", str(board), "--quiet", "--save", str(tmp_path / "w.pt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr
+    events = EventAccumulator(str(board))
+    events.Reload()
+    scalars = {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
+    assert [k for k, _ in scalars["step/loss (rank 0's examples)"]] == list(range(1, 7))
+    assert [k for k, _ in scalars["epoch/test_acc"]] == [1, 2]
+    assert all(0 <= v <= 1 for _, v in scalars["epoch/test_acc"])
+    assert all(v == pytest.approx(0.05) for _, v in scalars["step/learning rate"])
+    for term in ("allgather", "dw_allreduce"):  # owt: the FC layers' gathers, the convs' sums
+        (got,) = scalars[f"bytes per rank/{term} measured"]
+        (want,) = scalars[f"bytes per rank/{term} predicted"]
+        assert got == pytest.approx(want, rel=1e-6) and got[1] > 0
+    assert scalars["iteration/total ms measured"][0][1] > 0
+
+
+def test_tensorboard_without_its_package_is_refused_before_any_rank(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    cfg = build(TrainConfig, tensorboard=str(tmp_path / "tb"), nproc=2, preset="ddp")
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        prepare(cfg.validate())
+
+
 def test_the_report_plot_shows_steps_for_few_epochs_and_prediction_next_to_measurement(tmp_path):
     """Issue 43 item 6: a 1-epoch report's PNG was one dot per panel. It now draws the loss per
     step when there are 3 epochs or fewer, and predicted next to measured time and bytes."""

@@ -198,6 +198,7 @@ TRAIN_CONCERNS = {
         "runtime.seed",
         "runtime.timeout_s",
         "report",
+        "tensorboard",
         "quiet",
         "progress",
     ),

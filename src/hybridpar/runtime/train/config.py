@@ -107,6 +107,12 @@ class TrainConfig:
     quiet: bool = meta(False, "no live lines on stdout (the log next to --report still has them)")
     progress: bool = meta(True, "no progress bar (for logs)", flag="--no-progress")
     max_steps: int | None = meta(None, "cap the steps per epoch (benchmarks)")
+    tensorboard: str | None = meta(
+        None,
+        "write TensorBoard scalars here (rank 0): loss, learning rate and iteration time per "
+        "step, loss, accuracy and time per epoch, measured next to predicted time and bytes "
+        "(needs `pip install tensorboard`)",
+    )
     choices: Choices = nested(Choices)
     runtime: RuntimeOptions = nested(RuntimeOptions)
 

@@ -76,6 +76,14 @@ class Progress:
         if self.log is not None:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             self.log.write_text("")
+        self.board = None  # TensorBoard's writer, with --tensorboard
+        if cfg.tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(cfg.tensorboard)
+            self.board.add_text("plan", plan.describe())
+        self.predicted_s = plan.totals.get("total_s")
+        self.steps = 0
         self.write({"event": "plan", "plan": plan.to_dict()}, plan.describe())
 
     def write(self, record: dict, line: str) -> None:
@@ -85,10 +93,40 @@ class Progress:
             with self.log.open("a") as f:
                 f.write(json.dumps(strict(record), allow_nan=False) + "\n")
 
+    def close(self, report: dict) -> None:
+        """The run's measured iteration and bytes per term next to their predictions."""
+        if self.board is None:
+            return
+        it, k = report["iteration"], self.steps
+        pairs = {
+            "total": ("time_s", "predicted_s"),
+            "compute": ("compute_s", "predicted_compute_s"),
+            "comm": ("comm_wait_s", "predicted_comm_s"),
+        }
+        for name, keys in pairs.items():
+            for source, key in zip(("measured", "predicted"), keys, strict=True):
+                if it.get(key) is not None:
+                    self.board.add_scalar(f"iteration/{name} ms {source}", it[key] * 1e3, k)
+        for source in ("measured", "predicted"):
+            for term, v in report["bytes"][source].items():
+                self.board.add_scalar(f"bytes per rank/{term} {source}", v, k)
+        self.board.close()
+
     def step(self, record: dict) -> None:
         """A training step's record (the JSON lines leave them out: the report has them)."""
+        self.steps = record["step"]
+        if self.board is not None:
+            k = record["step"]
+            self.board.add_scalar("step/loss (rank 0's examples)", record["loss"], k)
+            self.board.add_scalar("step/learning rate", record["lr"], k)
+            self.board.add_scalar("step/iteration ms", record["time_s"] * 1e3, k)
+            if self.predicted_s is not None:
+                self.board.add_scalar("step/predicted iteration ms", self.predicted_s * 1e3, k)
 
     def epoch(self, e: dict) -> None:
+        if self.board is not None:
+            for key in ("loss", "train_acc", "test_acc", "time_s"):
+                self.board.add_scalar(f"epoch/{key}", e[key], e["epoch"])
         self.write(
             {"event": "epoch", **e},
             f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  "
@@ -310,7 +348,8 @@ def train_worker(job: Job) -> dict | None:
             file=sys.stderr,
             flush=True,
         )
-    out["written"] = [str(cfg.save)]
+    log.close(out)
+    out["written"] = [str(cfg.save)] + ([cfg.tensorboard] if cfg.tensorboard else [])
     if cfg.report:
         json_path, png = write_report(out, cfg.report)
         out["written"] += [str(json_path), str(log.log)] + ([str(png)] if png else [])

@@ -230,6 +230,14 @@ def _outputs(cfg: TrainConfig) -> TrainConfig:
     ):
         if target is not None:
             writable(flag, Path(target))
+    if cfg.tensorboard is not None:
+        writable("--tensorboard", Path(cfg.tensorboard) / "x")
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "--tensorboard needs the tensorboard package: pip install tensorboard"
+            ) from None
     return cfg.with_(save=save)
 
 
