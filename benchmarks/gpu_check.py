@@ -349,7 +349,7 @@ def beyond(dev: str, quick: bool) -> list[dict]:
     for ranks it never calibrated), where the host has the cores; DEV=cpu: P = 4 on small sizes."""
     cores = os.cpu_count() or 1
     counts = [p for p in (8, 16) if p <= cores] if dev == "cuda" else [4]
-    size, batch = (64, 64) if dev == "cuda" else (32, 16)
+    size, batch = (64, 64) if dev == "cuda" else (64, 16)
     steps = ["--steps", "3", "--repeat", "1"] if dev == "cpu" or quick else []
     print(f"\n6. validate at P = {', '.join(map(str, counts))} on a calibration at 2 and 4 ranks")
     rows = []
