@@ -50,53 +50,13 @@ def one(order: str, model: str, size: int, batch: int, procs: int, steps: int) -
             run([*hp, "calibrate", "--nproc", "2"], env)
         elif order != "validate":
             run([*hp, "calibrate"], env)
+        job = f"--model {model} --input-size {size} --batch {batch}".split()
         if order == "calibrate-train-validate":
-            run(
-                [
-                    *hp,
-                    "train",
-                    "--model",
-                    model,
-                    "--input-size",
-                    str(size),
-                    "--batch",
-                    str(batch),
-                    "--nproc",
-                    str(procs),
-                    "--preset",
-                    "ddp",
-                    "--data",
-                    f"synthetic:{batch * 16}",
-                    "--epochs",
-                    "1",
-                    "--max-steps",
-                    "10",
-                    "--no-progress",
-                    "--save",
-                    f"{tmp}/weights.pt",
-                ],
-                env,
-            )
-        run(
-            [
-                *hp,
-                "validate",
-                "--model",
-                model,
-                "--input-size",
-                str(size),
-                "--batch",
-                str(batch),
-                "--procs",
-                str(procs),
-                "--steps",
-                str(steps),
-                "--out",
-                f"{tmp}/v",
-                "--quiet",
-            ],
-            env,
-        )
+            train = f"--nproc {procs} --preset ddp --data synthetic:{batch * 16} --epochs 1"
+            train += f" --max-steps 10 --no-progress --save {tmp}/weights.pt"
+            run([*hp, "train", *job, *train.split()], env)
+        validate = f"--procs {procs} --steps {steps} --out {tmp}/v --quiet"
+        run([*hp, "validate", *job, *validate.split()], env)
         summary = json.loads(Path(f"{tmp}/v/validate.json").read_text())["summary"]
         (profile,) = glob.glob(f"{tmp}/cache/profiles/*.json")
         update = json.loads(Path(profile).read_text())["update_s"]
