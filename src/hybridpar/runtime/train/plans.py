@@ -84,7 +84,8 @@ def checked_file_plan(
 ) -> ParallelPlan:
     """A plan file must be for this model and data (`styles`: its style of every layer, as
     `resolve` found them). A hand-written one (no predictions) becomes the exact plan it means:
-    one style per layer, priced on --cluster."""
+    one style per layer, priced on --cluster; a planned one keeps its styles and is priced
+    again on --cluster (its bytes must be this model's)."""
     if plan.input_shape and tuple(plan.input_shape) != tuple(shape):
         raise ConfigError(
             f"the plan was made for input {tuple(plan.input_shape)} but the data gives "
@@ -124,7 +125,9 @@ def checked_file_plan(
             "the plan's predicted bytes do not match this model (different widths or classes?): "
             "it was made for another model; re-plan for this one"
         )
-    return plan
+    # its seconds priced again on the cluster it runs on: a plan made for cori-knl promised
+    # 1.3 ms an iteration to a run on this machine that took 28.3 (issue 43 item 4)
+    return replace(plan, predicted=fresh.predicted, cluster=fresh.cluster, totals=fresh.totals)
 
 
 def _bytes(plan: ParallelPlan) -> dict:
