@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from hybridpar.choices import CODECS, EIGHT_BIT
 from hybridpar.commands.codec_report import throughput
+from hybridpar.core.choices import CODECS, EIGHT_BIT
 from hybridpar.runtime.comm.codecs import get_codec
 
 
@@ -192,7 +192,7 @@ def wire_bytes(P: int, mb: int, block: int) -> None:
 def training(P: int, steps: int, repeat: int) -> None:
     """8-bit gradients against fp32 in training on loopback: alexnet-owt 64 px, batch 32, pure
     batch plan, the compressed reducer on its thread. The two run in turn, `repeat` rounds."""
-    from hybridpar.config import build
+    from hybridpar.core.config import build
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.run import run
 

@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from hybridpar.choices import Choices
-from hybridpar.plan import ParallelPlan, Style, assign_styles
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import load_cluster
-from hybridpar.planning.layers import cost_layers
-from hybridpar.planning.models import build_model
-from hybridpar.planning.rules import why_not
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import load_cluster
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.models import build_model
+from hybridpar.core.plan import ParallelPlan, Style, assign_styles
+from hybridpar.core.rules import why_not
 from hybridpar.planning.search import evaluate, export, make_plan
 from hybridpar.runtime.launcher import launch
 from hybridpar.runtime.parallel import parallelize

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from hybridpar.config import build
+from hybridpar.core.config import build
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import run
 

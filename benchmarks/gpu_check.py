@@ -111,7 +111,7 @@ def matrix(dev: str) -> list[dict]:
 
 def _loop(model, opt, batches, step, steps: int, dev: torch.device) -> float:
     """Median seconds per step over `steps` steps, after one warm-up step."""
-    from hybridpar.timing import clock
+    from hybridpar.core.timing import clock
 
     x, y = batches
     step(x, y)
@@ -127,9 +127,9 @@ def overhead_rank(sizes: dict, dev: str, rounds: int, steps: int) -> list[dict]:
     """On one rank: each model, fp32 and bf16, the plain loop and the trainer in turn each round."""
     from torch.nn import functional as F
 
-    from hybridpar.choices import Choices
-    from hybridpar.plan import ParallelPlan
-    from hybridpar.planning.models import build_model
+    from hybridpar.core.choices import Choices
+    from hybridpar.core.models import build_model
+    from hybridpar.core.plan import ParallelPlan
     from hybridpar.runtime.parallel.trainer import HybridTrainer
 
     where = torch.device(dev)
@@ -206,10 +206,10 @@ def predict(dev: str, measured: list[dict]) -> list[dict]:
         return []
     print("  " + done.stdout.strip().splitlines()[0])
     os.environ["HYBRIDPAR_CACHE"] = cache  # the planner reads this calibration
-    from hybridpar.planning.cluster import load_cluster
+    from hybridpar.core.cluster import load_cluster
+    from hybridpar.core.zoo import input_shape
     from hybridpar.planning.profile import planning_compute
     from hybridpar.planning.search import make_plan
-    from hybridpar.planning.zoo import input_shape
 
     cluster = load_cluster("localhost", dev)
     rows = []
@@ -244,7 +244,7 @@ def predict(dev: str, measured: list[dict]) -> list[dict]:
 
 
 def _gbps(fn, nbytes: int, dev: torch.device, repeats: int = 10) -> float:
-    from hybridpar.timing import clock
+    from hybridpar.core.timing import clock
 
     fn()
     ts = []
@@ -266,7 +266,7 @@ def _bnb_row(bnb, kind: str, x: torch.Tensor, block: int, nbytes: int, where) ->
 
 
 def codecs(dev: str, quick: bool) -> list[dict]:
-    from hybridpar.choices import EIGHT_BIT
+    from hybridpar.core.choices import EIGHT_BIT
     from hybridpar.runtime.comm.codecs import get_codec
 
     where = torch.device(dev)

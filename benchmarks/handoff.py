@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hybridpar.config import build
+from hybridpar.core.config import build
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import run
 
@@ -99,7 +99,7 @@ def emulated_cluster(rate: str) -> str:
     bits = float(rate.lower()[: -len(unit)]) * units[unit]
     flops = 1e11
     try:
-        from hybridpar.planning.cluster import localhost_path
+        from hybridpar.core.cluster import localhost_path
 
         flops = json.loads(localhost_path().read_text())["flops"]
     except (OSError, KeyError, ValueError):

@@ -74,10 +74,10 @@ def _speed(sizes_mb: list[int], repeats: int) -> dict:
 
 
 def _overlap(steps: int, input_size: int, batch: int, stage_mb: str) -> dict:
-    from hybridpar.choices import Choices
-    from hybridpar.optim import KrizhevskySGD
-    from hybridpar.planning.cluster import BYTES_ONLY
-    from hybridpar.planning.models import build_model
+    from hybridpar.core.choices import Choices
+    from hybridpar.core.cluster import BYTES_ONLY
+    from hybridpar.core.models import build_model
+    from hybridpar.core.optim import KrizhevskySGD
     from hybridpar.planning.search import plan_for
     from hybridpar.runtime.comm.host import HostReducer
     from hybridpar.runtime.options import RuntimeOptions

@@ -30,9 +30,9 @@ import time
 import torch
 from plain_ddp import run_local
 
-from hybridpar.config import build
-from hybridpar.optim import KrizhevskySGD
-from hybridpar.planning.models import build_model
+from hybridpar.core.config import build
+from hybridpar.core.models import build_model
+from hybridpar.core.optim import KrizhevskySGD
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import run
 

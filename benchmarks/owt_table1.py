@@ -25,7 +25,7 @@ import sys
 import torch
 from torch.nn import functional as F
 
-from hybridpar.config import build
+from hybridpar.core.config import build
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import run
 
@@ -70,7 +70,7 @@ def one(args, K: int, variable: bool, seed: int) -> dict:
 
 def test_cross_entropy(weights: str) -> float:
     """The trained weights' mean cross-entropy on the digits test split."""
-    from hybridpar.planning.models import build_model
+    from hybridpar.core.models import build_model
     from hybridpar.runtime.train.data import load_data
 
     data = load_data("digits")

@@ -28,7 +28,7 @@ def _loop(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from torch import nn
 
-    from hybridpar.planning.models import MODELS, build_model, input_shape
+    from hybridpar.core.models import MODELS, build_model, input_shape
     from hybridpar.runtime.train.data import load_data, signature
 
     rank, world = dist.get_rank(), dist.get_world_size()

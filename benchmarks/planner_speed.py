@@ -21,9 +21,9 @@ import time
 import torch
 from torch import nn
 
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import PRESETS
-from hybridpar.planning.layers import cost_layers
+from hybridpar.core.analysis import analyze
+from hybridpar.core.cluster import PRESETS
+from hybridpar.core.layers import cost_layers
 from hybridpar.planning.search import make_plan, plan_layers
 
 

@@ -36,13 +36,13 @@ from nets import variable_batch_step
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.choices import Choices
-from hybridpar.optim import KrizhevskySGD
-from hybridpar.plan import Style
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.handoff import Handoff
-from hybridpar.planning.layers import cost_layers
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.handoff import Handoff
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.optim import KrizhevskySGD
+from hybridpar.core.plan import Style
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.dropout import counter_dropout
@@ -214,7 +214,7 @@ def _steps(net: nn.Module, batches, forward=None, autocast: bool = False) -> dic
 
 def _chunks(P: int):
     """Local BN: each rank's rows through the model alone, the loss over all of them."""
-    from hybridpar.splits import even_split
+    from hybridpar.core.splits import even_split
 
     def forward(net, x):
         sizes = even_split(len(x), P)
@@ -226,8 +226,8 @@ def _chunks(P: int):
 def _variable_reference(dtype, device, batches, P: int, K: int) -> dict:
     """Krizhevsky 4.2 in one process: the trunk once on the whole batch, per round of scheme (c)
     the head's mean loss, backward and step; the trunk's gradient from the rounds' shares."""
-    from hybridpar.planning.handoff import round_rows
-    from hybridpar.splits import even_split
+    from hybridpar.core.handoff import round_rows
+    from hybridpar.core.splits import even_split
 
     net = model(dtype, device)
     head = net.head

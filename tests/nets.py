@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.optim import KrizhevskySGD
-from hybridpar.planning.models import build_model
+from hybridpar.core.models import build_model
+from hybridpar.core.optim import KrizhevskySGD
 
 STEPS, B, CLASSES = 4, 12, 5
 
@@ -170,11 +170,11 @@ def assert_same_state(
 
 def preset(name: str, which: str, P: int, **choices) -> ParallelPlan:  # noqa: F821
     """The plan a preset names for one of MAKERS (priced on a fast test network), with the
-    given choices (codec=..., bn=...: hybridpar.choices.Choices)."""
-    from hybridpar.choices import Choices
-    from hybridpar.planning.analysis import analyze
-    from hybridpar.planning.cluster import Cluster
-    from hybridpar.planning.layers import cost_layers
+    given choices (codec=..., bn=...: hybridpar.core.choices.Choices)."""
+    from hybridpar.core.analysis import analyze
+    from hybridpar.core.choices import Choices
+    from hybridpar.core.cluster import Cluster
+    from hybridpar.core.layers import cost_layers
     from hybridpar.planning.presets import plan_preset
 
     builder, shape = MAKERS[name]

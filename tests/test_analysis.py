@@ -2,10 +2,10 @@ import pytest
 import torch
 from torch import nn
 
-from hybridpar.errors import ConfigError
-from hybridpar.planning.analysis import analyze, trace
-from hybridpar.planning.layers import cost_layers
-from hybridpar.planning.models import MODELS, build_model, input_shape
+from hybridpar.core.analysis import analyze, trace
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.models import MODELS, build_model, input_shape
 
 
 def meta(name, **kw):
@@ -164,7 +164,7 @@ def test_batch_norm_rides_with_the_layer_of_its_segment():
 def test_a_small_model_traced_on_the_cpu_gives_what_meta_tensors_give(name, monkeypatch):
     """Small models are traced on zeros on the CPU (analysis.SMALL_STATE), large ones on meta
     tensors: the layers, segments and parameter uses are the same either way."""
-    import hybridpar.planning.analysis as an
+    import hybridpar.core.analysis as an
 
     with torch.device("meta"):
         model = build_model(name)
@@ -187,8 +187,8 @@ def test_planning_a_small_model_does_not_import_torch_dynamo():
 
     code = (
         "import sys, torch\n"
-        "from hybridpar.planning.analysis import trace\n"
-        "from hybridpar.planning.models import build_model, input_shape\n"
+        "from hybridpar.core.analysis import trace\n"
+        "from hybridpar.core.models import build_model, input_shape\n"
         "with torch.device('meta'):\n"
         "    m = build_model('resnet20')\n"
         "trace(m, input_shape('resnet20'))\n"

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from nets import StochasticDepth, channel_shuffle
 from torch import nn
 
-from hybridpar.choices import Choices
-from hybridpar.planning.analysis import analyze, trace
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.layers import cost_layers
+from hybridpar.core.analysis import analyze, trace
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.layers import cost_layers
 from hybridpar.planning.search import SCENARIOS, plan_layers
 from hybridpar.runtime.parallel.layout import resolve
 
@@ -142,8 +142,8 @@ def test_a_depthwise_split_is_planned_and_accepted():
     """A fixed case the property above covers by chance: a depthwise conv of 6 channels takes
     model(3x1) (whole groups of 1) and is accepted; a grouped conv of 2 groups of 3 channels
     cannot take model(4x1), and the planner's reason names the Prs that work."""
-    from hybridpar.plan import Style
-    from hybridpar.planning.rules import why_not
+    from hybridpar.core.plan import Style
+    from hybridpar.core.rules import why_not
 
     model = RandomCNN(6, [("depthwise", 2, 0, "reflect"), ("conv", 6, 1, "zeros")], 4)
     with torch.device("meta"):
@@ -157,8 +157,8 @@ def test_a_depthwise_split_is_planned_and_accepted():
 
 @pytest.mark.parametrize("pad", ["reflect", "replicate", "circular"])
 def test_other_padding_modes_cannot_take_domain(pad):
-    from hybridpar.plan import Style
-    from hybridpar.planning.rules import why_not
+    from hybridpar.core.plan import Style
+    from hybridpar.core.rules import why_not
 
     model = RandomCNN(4, [("conv", 4, 0, pad)], 4)
     with torch.device("meta"):
@@ -172,7 +172,7 @@ def test_train_with_the_host_reducer_plans_splits_under_auto():
     it splits them with the host reducer too, and the runtime accepts the plan."""
     from nets import zoo
 
-    from hybridpar.planning.analysis import trace
+    from hybridpar.core.analysis import trace
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.plans import preset_plan, pricing_cluster
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from nets import TVAlexNet, batches
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.runtime.launcher import RankFailure
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from procs import TRAIN
 
-from hybridpar.planning.models import build_model
+from hybridpar.core.models import build_model
 
 CMD = [*TRAIN, *["--model", "digits-cnn", "--batch", "48", "--max-steps", "5", "--lr", "0.05"]]
 
@@ -77,7 +77,7 @@ def test_resume_onto_another_grid_and_p(tmp_path, uninterrupted):
 def test_a_checkpoint_dir_is_continued_only_on_purpose(tmp_path):
     """Checked before spawning, from the checkpoint's metadata: a folder with checkpoints is only
     written into with --resume auto, and a resume needs the same model, data, batch and seed."""
-    from hybridpar.errors import ConfigError
+    from hybridpar.core.errors import ConfigError
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.run import prepare
 

@@ -223,7 +223,7 @@ def test_train_help_is_grouped_by_concern():
     import argparse
 
     from hybridpar.commands.cli import TRAIN_CONCERNS, build_parser
-    from hybridpar.config import add_arguments
+    from hybridpar.core.config import add_arguments
     from hybridpar.runtime.train.config import TrainConfig
 
     train = build_parser()._subparsers._group_actions[0].choices["train"]
@@ -278,7 +278,7 @@ def test_the_closing_table_says_where_the_host_reducers_bytes_went(capsys):
 )
 def test_print_config_is_a_file_that_config_reads_back_unchanged(tmp_path, capsys, command, flags):
     from hybridpar.commands.cli import _parse, build_parser, main
-    from hybridpar.config import from_namespace
+    from hybridpar.core.config import from_namespace
     from hybridpar.planning.config import PlanConfig
     from hybridpar.runtime.train.config import TrainConfig
 

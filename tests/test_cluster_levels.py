@@ -7,20 +7,20 @@ import json
 
 import pytest
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import Style
-from hybridpar.planning.cluster import Cluster, _from_mapping, load_cluster
-from hybridpar.planning.cost.collectives import all_gather, all_reduce
-from hybridpar.planning.cost.terms import layer_comms, redistribute
-from hybridpar.planning.groups import (
+from hybridpar.core.cluster import Cluster, _from_mapping, load_cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.groups import (
     batch_groups,
     hosts_by_rank,
     model_groups,
     regroup_groups,
     span,
 )
-from hybridpar.planning.layers import CostLayer
-from hybridpar.terms import Term
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
+from hybridpar.core.terms import Term
+from hybridpar.planning.cost.collectives import all_gather, all_reduce
+from hybridpar.planning.cost.terms import layer_comms, redistribute
 
 HOST = {"alpha": 3e-5, "beta": 2e-10, "flops": 2e10}
 NET_ALPHA, NET_BETA = 1e-4, 8e-9
@@ -175,7 +175,7 @@ def test_the_planner_uses_what_it_knows_of_the_hosts():
     (all evaluated on the two levels), and over 10 % faster there than the one-level pick: a
     4x2 grid for the FC layers, whose batch groups sum a quarter of the FC weights' gradients
     each over the network. The two-level pick keeps the 4x2 grid but places it: its batch groups
-    within a host, its model groups across (planning.groups)."""
+    within a host, its model groups across (core.groups)."""
     from hybridpar.planning.analysis_cache import zoo_cost_layers
     from hybridpar.planning.search import evaluate, plan_layers
 

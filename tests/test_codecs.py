@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
 
-from hybridpar.choices import EIGHT_BIT
+from hybridpar.core.choices import EIGHT_BIT
 from hybridpar.runtime.comm.codecs import CODECS, get_codec, magnitude_levels, reference_encode
 from hybridpar.runtime.comm.collectives import all_gather_uneven, compressed_all_reduce
 from hybridpar.runtime.comm.ledger import Ledger, bus_bytes

@@ -24,13 +24,13 @@ from dist_helpers import run_ranks
 from nets import CLASSES, MAKERS, optimizer, straight_and_resumed
 from torch.nn import functional as F
 
-from hybridpar.choices import Choices
-from hybridpar.plan import Style
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.handoff import Handoff
-from hybridpar.planning.layers import cost_layers
-from hybridpar.planning.rules import why_not
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.handoff import Handoff
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.plan import Style
+from hybridpar.core.rules import why_not
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.trainer import HybridTrainer

@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from hybridpar.plan import Style
-from hybridpar.planning.cluster import PRESETS, Cluster
+from hybridpar.core.cluster import PRESETS, Cluster
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
 from hybridpar.planning.cost import collectives as cc
 from hybridpar.planning.cost.terms import (
     eq3_model,
@@ -17,7 +18,6 @@ from hybridpar.planning.cost.terms import (
     eq9_integrated_domain,
     redistribute,
 )
-from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.search import make_plan
 
 # alpha = 1, beta = 1e-3: a result reads as (number of messages) + (bytes) / 1000
@@ -209,8 +209,8 @@ def test_global_bn_priced_with_the_calibrated_shared_memory_latency():
     takes that long, whatever alpha-beta says; the bytes do not change."""
     import dataclasses
 
-    from hybridpar.errors import ConfigError
-    from hybridpar.planning.cluster import PRESETS
+    from hybridpar.core.cluster import PRESETS
+    from hybridpar.core.errors import ConfigError
     from hybridpar.planning.cost.terms import t_global_bn
 
     net = PRESETS["cori-knl"]
@@ -230,11 +230,11 @@ def test_activation_collectives_priced_through_shared_memory_on_one_host():
     gradient reductions keep alpha-beta; the bytes never change."""
     import dataclasses
 
-    from hybridpar.errors import ConfigError
-    from hybridpar.planning.analysis import analyze
+    from hybridpar.core.analysis import analyze
+    from hybridpar.core.errors import ConfigError
+    from hybridpar.core.layers import cost_layers
+    from hybridpar.core.models import build_model
     from hybridpar.planning.cost.terms import Wire, t_allgather, t_dw_allreduce, t_dx_allreduce
-    from hybridpar.planning.layers import cost_layers
-    from hybridpar.planning.models import build_model
 
     net = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e12)
     shm = dataclasses.replace(net, small_alpha=20e-6, shm_beta=1e-10)
@@ -266,7 +266,7 @@ def test_ranks_share_the_cores_of_a_calibrated_host():
     rate is per process, whatever P."""
     import dataclasses
 
-    from hybridpar.errors import ConfigError
+    from hybridpar.core.errors import ConfigError
 
     per_process = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e11)
     host = dataclasses.replace(per_process, cores=2)
@@ -368,10 +368,10 @@ def test_encoded_collectives_pay_the_codec_measured_on_the_cluster(tmp_path):
     sharing cores pay the contention factor; unencoded traffic and unmeasured codecs pay none."""
     import json
 
-    from hybridpar.choices import Choices
-    from hybridpar.errors import ConfigError
-    from hybridpar.planning.cluster import load_cluster
-    from hybridpar.terms import Term
+    from hybridpar.core.choices import Choices
+    from hybridpar.core.cluster import load_cluster
+    from hybridpar.core.errors import ConfigError
+    from hybridpar.core.terms import Term
 
     enc, dec = 1e-9, 4e-10
     base = {"alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2}

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.cluster import PRESETS
+from hybridpar.core.errors import ConfigError
 from hybridpar.planning.analysis_cache import zoo_cost_layers
-from hybridpar.planning.cluster import PRESETS
 from hybridpar.planning.cost import dettmers as dm
 
 

@@ -12,9 +12,9 @@ from dist_helpers import run_ranks
 from nets import MAKERS, B, batches, make, optimizer
 from torch.nn import functional as F
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style
+from hybridpar.core.choices import Choices
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.runtime.parallel import parallelize
 
 # bf16 keeps 8 bits of mantissa (a rounding is up to 2**-8 = 0.4 % relative): after 4 steps the
@@ -66,7 +66,7 @@ def test_bf16_autocast_training_stays_within_the_stated_tolerance(P, name, style
 
 
 def test_cuda_is_refused_where_there_is_no_gpu_for_every_rank():
-    from hybridpar.config import build
+    from hybridpar.core.config import build
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.run import prepare
 
@@ -199,7 +199,7 @@ def test_device_and_backend(monkeypatch, gpus, device, backend, local, want):
 def test_a_calibration_prices_only_the_device_it_measured(tmp_path, monkeypatch):
     import json
 
-    from hybridpar.planning.cluster import for_device, load_cluster, localhost_path
+    from hybridpar.core.cluster import for_device, load_cluster, localhost_path
 
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
     cpu = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "device": "cpu"}
@@ -214,9 +214,9 @@ def test_a_calibration_prices_only_the_device_it_measured(tmp_path, monkeypatch)
         for_device(load_cluster("localhost", "cuda"), "cuda")
     assert for_device(load_cluster("cori-knl"), "cuda").name == "cori-knl"  # described: any
     # what `hybridpar train --device cuda` prices a fixed preset on: not the CPU's calibration
-    from hybridpar.config import build
+    from hybridpar.core.cluster import BYTES_ONLY
+    from hybridpar.core.config import build
     from hybridpar.planning.analysis_cache import zoo_cost_layers
-    from hybridpar.planning.cluster import BYTES_ONLY
     from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.plans import preset_plan, pricing_cluster
 
@@ -229,7 +229,7 @@ def test_a_calibration_prices_only_the_device_it_measured(tmp_path, monkeypatch)
 
 
 def test_a_plan_priced_bytes_only_carries_no_seconds_and_a_wild_one_is_refused():
-    from hybridpar.planning.cluster import BYTES_ONLY, Cluster
+    from hybridpar.core.cluster import BYTES_ONLY, Cluster
     from hybridpar.planning.search import make_plan
 
     bytes_only = make_plan("digits-cnn", 4, 64, BYTES_ONLY)

@@ -94,7 +94,7 @@ def test_the_rules_look_inside_backward():
 def _reads_per_step() -> list[str]:
     from device_rules import HostReads
 
-    from hybridpar.plan import ParallelPlan
+    from hybridpar.core.plan import ParallelPlan
     from hybridpar.runtime.parallel.trainer import HybridTrainer
 
     model_ = model(torch.float32, torch.device("cpu"))

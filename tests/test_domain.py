@@ -16,11 +16,11 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from nets import CLASSES, DOMAIN_LAYERS, DomainStack, optimizer
 
-from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.halo import Window, bands
-from hybridpar.planning.layers import cost_layers
+from hybridpar.core.analysis import analyze
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.halo import Window, bands
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
@@ -47,14 +47,14 @@ def priced(styles: dict[str, Style], P: int) -> ParallelPlan:
     hand-written plan file)."""
     with torch.device("meta"):
         layers = cost_layers(analyze(DomainStack().double(), DomainStack.SHAPE))
-    from hybridpar.plan import assign_styles
+    from hybridpar.core.plan import assign_styles
 
     names = [x.name for x in layers]
     modules = [n for n, _ in DomainStack().named_modules()]
     chosen = assign_styles(styles, modules, names, P)
     plan = evaluate(layers, P, B, NET, [chosen[n] for n in names], elem_bytes=8)  # float64
     assert plan.feasible, plan.reason
-    from hybridpar.choices import Choices
+    from hybridpar.core.choices import Choices
 
     return export(
         plan, procs=P, batch=B, choices=Choices(), input_shape=DomainStack.SHAPE, model="stack"
@@ -188,7 +188,7 @@ def test_input_gradients_through_a_domain_first_layer(P):
 
 
 def test_halo_rows_follow_stride_dilation_and_bands():
-    """The rows each band reads from the others (planning.halo): a middle band has two
+    """The rows each band reads from the others (core.halo): a middle band has two
     neighbours and the end bands one; stride and dilation change the rows, not floor(k/2); a
     band thinner than the halo is crossed; a 1x1 window moves nothing."""
     assert bands(13, 4) == [(0, 4), (4, 7), (7, 10), (10, 13)]
@@ -207,7 +207,7 @@ def test_halo_rows_follow_stride_dilation_and_bands():
 def test_the_domain_rule_refuses_with_the_reason():
     """What cannot take domain says why, in one line: a Linear, a segment that flattens, more
     ranks than rows (naming the largest Pr that works)."""
-    from hybridpar.planning.rules import why_not
+    from hybridpar.core.rules import why_not
 
     with torch.device("meta"):
         layers = {x.name: x for x in cost_layers(analyze(DomainStack(), DomainStack.SHAPE))}

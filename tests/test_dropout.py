@@ -12,10 +12,10 @@ from dist_helpers import run_ranks
 from nets import CLASSES, optimizer
 from torch import nn
 
-from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.layers import cost_layers
+from hybridpar.core.analysis import analyze
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.planning.search import SCENARIOS, plan_layers
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import HybridTrainer

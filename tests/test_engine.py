@@ -16,11 +16,11 @@ from nets import TVAlexNet, assert_same_state, batches, make, optimizer, preset,
 from torch import nn
 
 import hybridpar
-from hybridpar.config import build
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.rules import EXECUTED, why_not
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.config import build
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import ParallelPlan, Style
+from hybridpar.core.rules import EXECUTED, why_not
 from hybridpar.runtime.parallel import HybridTrainer
 from hybridpar.runtime.parallel.kinds import STYLES
 from hybridpar.runtime.train.config import TrainConfig
@@ -252,7 +252,7 @@ def test_documented_imports_keep_working():
     import hybridpar.runtime.comm.codecs as real
 
     assert short is real and hybridpar.parallel.GlobalBatchNorm2d is GlobalBatchNorm2d
-    assert type(hybridpar.plan).__name__ == "module"  # no function shadows the plan module
+    assert type(hybridpar.core.plan).__name__ == "module"  # no function shadows the plan module
     del (HostReducer, HostState, ReducerState, allreduce_hook, compressed_hook, dynamic8)
     del (host_hook, linear8, ModelParallelConv2d, ModelParallelLinear, convert_global_batchnorm)
 

@@ -26,10 +26,10 @@ from nets import (
     train_reference,
 )
 
-from hybridpar.choices import Choices
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.layers import cost_layers
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.layers import cost_layers
 from hybridpar.planning.search import plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions

@@ -14,12 +14,12 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from nets import CLASSES, FAMILIES, MAKERS, B, optimizer
 
-from hybridpar.errors import ConfigError
-from hybridpar.planning.cluster import Cluster
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.terms import Term
 from hybridpar.planning.search import plan_for
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel import HybridTrainer
-from hybridpar.terms import Term
 
 NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
 STEPS = 3

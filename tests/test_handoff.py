@@ -1,4 +1,4 @@
-"""Krizhevsky's hand-off schemes (planning/handoff.py, runtime/parallel/rounds.py).
+"""Krizhevsky's hand-off schemes (core/handoff.py, runtime/parallel/rounds.py).
 
 - (b) and (c) train as one process does (DESIGN.md invariant 1, rtol 1e-5) on P = 2, 3 and 4, with
   uneven splits (B = 15 on P = 3), on the torchvision-style AlexNet, on a model with two batch ->
@@ -34,19 +34,19 @@ from test_equivalence import _measured
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.handoff import Handoff, fused, round_rows, why_not_handoff
-from hybridpar.planning.layers import CostLayer, cost_layers
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.handoff import Handoff, fused, round_rows, why_not_handoff
+from hybridpar.core.layers import CostLayer, cost_layers
+from hybridpar.core.plan import ParallelPlan, Style
+from hybridpar.core.terms import Term
 from hybridpar.planning.search import evaluate, export, plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import parallelize
 from hybridpar.runtime.parallel.dropout import counter_dropout
-from hybridpar.terms import Term
 
 NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
 SEED = 5
@@ -376,7 +376,7 @@ def test_rounds_hide_all_but_the_first_gather_and_the_last_return():
 
 def _round_examples(B: int, P: int, K: int) -> list[list[int]]:
     """The global examples of each round of scheme (c) over P pure-batch ranks (member order)."""
-    from hybridpar.splits import even_split
+    from hybridpar.core.splits import even_split
 
     rows, starts = even_split(B, P), []
     for i in range(P):

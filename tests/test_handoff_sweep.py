@@ -6,7 +6,7 @@ import csv
 import pytest
 from test_cli import run
 
-from hybridpar.planning.cluster import PRESETS
+from hybridpar.core.cluster import PRESETS
 from hybridpar.planning.handoff_sweep import paper_exposed, sweep_handoffs
 
 

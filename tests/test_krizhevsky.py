@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from hybridpar.errors import ConfigError
-from hybridpar.optim import KrizhevskySGD, lr_factor, scale_hparams
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.optim import KrizhevskySGD, lr_factor, scale_hparams
 
 
 def test_section_5_worked_example():
@@ -60,7 +60,7 @@ def test_footnote_1_parameter_count_differs_from_the_papers_0_2_percent():
     """The one-tower net (64-192-384-384-256 filters) has 61,838,248 parameters. Against the
     two-tower net of 2012 (60,965,224, grouped convolutions) that is +1.43 %, not the "0.2 % more
     parameters" of section 5 (docs/fidelity.md)."""
-    from hybridpar.planning.models import build_model
+    from hybridpar.core.models import build_model
 
     owt = sum(p.numel() for p in build_model("alexnet-owt").parameters())
     assert owt == 61_838_248

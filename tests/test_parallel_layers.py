@@ -8,7 +8,7 @@ from dist_helpers import run_ranks
 from nets import TVAlexNet, batches
 from torch import nn
 
-from hybridpar.plan import ParallelPlan, Style
+from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet, ProcessGrid
 from hybridpar.runtime.comm.ledger import Ledger

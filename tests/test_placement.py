@@ -1,6 +1,6 @@
 """Rank placement (issue 24, item 3): a plan may put the batch groups of one grid on consecutive
 ranks (within a host) and its model groups across hosts. The rule is one function
-(planning.groups.why_not_placement) for the planner and the plan; the runtime builds every group
+(core.groups.why_not_placement) for the planner and the plan; the runtime builds every group
 from the placed positions; a placed plan trains as one process does and books what it predicts."""
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from dist_helpers import run_ranks
 from nets import MAKERS, B, assert_same_state, batches, make, train_parallel, train_reference
 from test_equivalence import _measured
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.analysis import analyze
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.groups import (
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.groups import (
     batch_groups,
     host_order,
     model_groups,
@@ -29,8 +28,9 @@ from hybridpar.planning.groups import (
     rank_of,
     why_not_placement,
 )
-from hybridpar.planning.layers import cost_layers
-from hybridpar.planning.rules import why_not
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.plan import ParallelPlan, Style
+from hybridpar.core.rules import why_not
 from hybridpar.planning.search import evaluate, export, plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.plan import (
+from hybridpar.core.choices import Choices
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import (
     FORMAT,
     ParallelPlan,
     Prediction,
@@ -14,7 +14,7 @@ from hybridpar.plan import (
     Style,
     assign_styles,
 )
-from hybridpar.terms import Term
+from hybridpar.core.terms import Term
 
 
 def test_styles_parse_and_print():
@@ -136,7 +136,7 @@ def test_entries_that_cover_no_layer_are_errors():
 
 
 def test_choices_have_one_default_and_one_spelling():
-    """The plan's choices are hybridpar.choices.Choices, the same object the configs nest: one
+    """The plan's choices are hybridpar.core.choices.Choices, the same object the configs nest: one
     default each (global BN), compress normalised from any spelling, JSON as the plan's keys."""
     c = Choices()
     assert (c.codec, c.reducer, c.bn, c.amp, c.device) == (

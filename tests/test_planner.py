@@ -5,12 +5,12 @@ import math
 import pytest
 from test_cost import conv
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.plan import Style
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import PRESETS, Cluster, load_cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
 from hybridpar.planning.analysis_cache import zoo_cost_layers
-from hybridpar.planning.cluster import PRESETS, Cluster, load_cluster
-from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.search import SCENARIOS, grids, make_plan, plan_layers
 
 KNL = PRESETS["cori-knl"]
@@ -257,7 +257,7 @@ def test_domain_plans_are_exported_and_priced_as_the_runtime_sends():
 
 
 def test_export_lists_styles_redistributions_and_predictions():
-    from hybridpar.plan import ParallelPlan
+    from hybridpar.core.plan import ParallelPlan
 
     r = make_plan("alexnet-owt", 4, 32, KNL, input_size=64, scenarios=["fc-grid"])
     p = r.export(r.scenario("fc-grid"))

@@ -96,7 +96,7 @@ def _promise(command: str, job, plan) -> None:
 
 def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, capsys):
     from hybridpar.commands import cli
-    from hybridpar.planning.cluster import BYTES_ONLY
+    from hybridpar.core.cluster import BYTES_ONLY
     from hybridpar.runtime.train.plans import preset_plan
 
     monkeypatch.chdir(tmp_path)

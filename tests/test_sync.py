@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybridpar.errors import ConfigError
-from hybridpar.planning.cluster import Cluster, _from_mapping, expected_max, load_cluster
+from hybridpar.core.cluster import Cluster, _from_mapping, expected_max, load_cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.terms import Term
 from hybridpar.planning.cost.collectives import Comm
 from hybridpar.planning.cost.sync import segments
 from hybridpar.planning.search import make_plan
-from hybridpar.terms import Term
 
 # (alone s, wall s, wait s): the shape `hybridpar calibrate` measured at 4 ranks on 2 cores,
 # where the compute model charges 2x a rank's time alone

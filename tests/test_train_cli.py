@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from procs import assert_all_gone, fork_servers, python_prints, shm, wait_for_ranks
 
-from hybridpar.config import build
-from hybridpar.errors import ConfigError
-from hybridpar.planning.cluster import load_cluster
+from hybridpar.core.cluster import load_cluster
+from hybridpar.core.config import build
+from hybridpar.core.errors import ConfigError
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import prepare
 

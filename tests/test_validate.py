@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from hybridpar.commands.validate import Candidate, candidates, spearman, summarize
-from hybridpar.plan import Style
+from hybridpar.core.cluster import PRESETS, Cluster
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
 from hybridpar.planning import profile as prof
-from hybridpar.planning.cluster import PRESETS, Cluster
 from hybridpar.planning.cost.compute import ProfileModel, style_times
-from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.search import make_plan, plan_layers
 
 VALIDATE = [sys.executable, "-m", "hybridpar", "validate"]
@@ -299,7 +299,7 @@ def test_domain_prices_its_windows_at_the_share_measured_on_the_busiest_band():
 
 
 def test_the_busiest_band_follows_the_halo_geometry():
-    from hybridpar.planning.halo import Window
+    from hybridpar.core.halo import Window
 
     # 3x3, padding 1, 8 rows in 2 bands: each reads 6 (one padding row, 4 own, one halo row)
     assert prof._busiest_band(Window(3, 1, 1, 1, 8), 2) == (1, 0, 4, 1, 0)
@@ -457,9 +457,9 @@ def test_one_stalled_call_does_not_make_a_leaf_slow_in_the_profile():
 
 
 def test_a_job_is_priced_with_the_collectives_measured_at_its_P(tmp_path, monkeypatch):
-    from hybridpar.errors import ConfigError
-    from hybridpar.planning.cluster import load_cluster
-    from hybridpar.terms import Term
+    from hybridpar.core.cluster import load_cluster
+    from hybridpar.core.errors import ConfigError
+    from hybridpar.core.terms import Term
 
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
     base = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2}
@@ -510,10 +510,10 @@ def test_blocking_time_splits_into_transfer_and_waiting_for_the_slowest():
 def test_gradient_all_reduces_are_priced_fused_into_the_runtimes_buckets():
     """A layer pays the all-reduce latency in proportion to the share of a bucket it fills (at
     most one whole latency); without a bucket, once per layer (Gholami et al.'s Eq. 4)."""
+    from hybridpar.core.terms import Term
     from hybridpar.planning.cost.terms import eq4_batch
     from hybridpar.planning.search import GRAD_BUCKET_BYTES
     from hybridpar.runtime.options import RuntimeOptions
-    from hybridpar.terms import Term
 
     assert RuntimeOptions().bucket_bytes == GRAD_BUCKET_BYTES
     net = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e12)
@@ -537,7 +537,7 @@ def test_gradient_all_reduces_are_priced_fused_into_the_runtimes_buckets():
 def test_a_gpu_job_is_profiled_on_the_gpu_and_a_cpu_job_on_the_cpu(monkeypatch):
     """The profile is timed on the job's device (5135867 priced a CUDA job by the CPU
     calibration's FLOPs)."""
-    from hybridpar.config import build
+    from hybridpar.core.config import build
     from hybridpar.planning.analysis_cache import zoo_cost_layers
     from hybridpar.runtime.train import plans
     from hybridpar.runtime.train.config import TrainConfig
@@ -568,8 +568,8 @@ def test_the_profile_times_the_trainers_optimizer_on_the_models_own_parameters()
     over the model's own parameters, and that step allocates nothing."""
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridpar.optim import KrizhevskySGD
-    from hybridpar.planning.models import build_any
+    from hybridpar.core.models import build_any
+    from hybridpar.core.optim import KrizhevskySGD
 
     net = build_any("digits-wide", (1, 8, 8), None)
     opt, n = prof._stepper(net)
@@ -586,7 +586,7 @@ def test_the_profile_times_the_trainers_optimizer_on_the_models_own_parameters()
 
 
 def test_a_measurement_is_repeated_until_its_spread_is_small_and_its_value_plausible():
-    from hybridpar.timing import settle, spread
+    from hybridpar.core.timing import settle, spread
 
     assert spread([1.0, 1.0, 1.0, 1.0, 1.0]) == 0.0
     assert spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 3)

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from hybridpar.choices import EIGHT_BIT
+from hybridpar.core.choices import EIGHT_BIT
 from hybridpar.runtime.comm import triton_codecs
 from hybridpar.runtime.comm.codecs import (
     _decode_blocks,

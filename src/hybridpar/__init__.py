@@ -1,6 +1,6 @@
 """hybridpar: hybrid batch / model / domain parallel training on torch.distributed.
 
-Two halves meet in one object, the `ParallelPlan` (hybridpar.plan):
+Two halves meet in one object, the `ParallelPlan` (hybridpar.core.plan):
 
     hybridpar/
       plan.py       the ParallelPlan both halves share (torch-free, JSON)
@@ -21,11 +21,11 @@ import importlib.abc
 import importlib.util
 import sys
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.cluster import PRESETS, Cluster, load_cluster
-from hybridpar.planning.layers import CostLayer, cost_layers
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import PRESETS, Cluster, load_cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.layers import CostLayer, cost_layers
+from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.planning.search import SCENARIOS, Plan, PlanResult, make_plan, plan_for, plan_layers
 from hybridpar.runtime.options import RuntimeOptions
 

@@ -16,8 +16,8 @@ from hybridpar.commands.plans import cmd_plan, cmd_simulate
 from hybridpar.commands.tools import cmd_calibrate, cmd_codecs, cmd_profile
 from hybridpar.commands.training import cmd_train
 from hybridpar.commands.validate import cmd_validate
-from hybridpar.config import add_arguments, dump_toml, load_toml
-from hybridpar.errors import ConfigError, Interrupted
+from hybridpar.core.config import add_arguments, dump_toml, load_toml
+from hybridpar.core.errors import ConfigError, Interrupted
 from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.search import SCENARIOS
 from hybridpar.runtime.launcher import stop_on_signals, under_torchrun

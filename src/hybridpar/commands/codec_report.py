@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridpar.choices import EIGHT_BIT
+from hybridpar.core.choices import EIGHT_BIT
 from hybridpar.runtime.comm.codecs import get_codec, time_codec
 
 __all__ = ["PAPER_EXAMPLES", "PAPER_TABLE2", "datasets", "error_table", "mlp_tensors", "throughput"]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.cluster import load_cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.zoo import is_factory
 from hybridpar.planning.analysis_cache import zoo_cost_layers
-from hybridpar.planning.cluster import load_cluster
 from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.cost import dettmers as dm
-from hybridpar.planning.zoo import is_factory
 
 __all__ = ["plan_dettmers"]
 

@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from hybridpar.config import from_namespace, writable
-from hybridpar.errors import ConfigError
+from hybridpar.core.cluster import load_cluster
+from hybridpar.core.config import from_namespace, writable
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import PlanResult, best_of
-from hybridpar.planning.cluster import load_cluster
 from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.search import SCENARIOS, make_plan
-from hybridpar.terms import Term
 
 __all__ = ["cmd_plan", "cmd_simulate", "plan_kwargs"]
 
@@ -97,7 +97,7 @@ def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:
     without --compute, the compute times of a profile measured here (planning.profile)."""
     kwargs = cfg.plan_kwargs()
     if cfg.compute is None and cluster.cores is not None:
-        from hybridpar.planning.zoo import input_shape, is_factory, parse_input_shape
+        from hybridpar.core.zoo import input_shape, is_factory, parse_input_shape
 
         if is_factory(cfg.model) and not cfg.input_shape:
             return kwargs  # the planner names what is missing

@@ -26,7 +26,7 @@ def profile_model(
     import torch
     from tqdm import tqdm
 
-    from hybridpar.planning.models import build_model, input_shape
+    from hybridpar.core.models import build_model, input_shape
     from hybridpar.planning.profile import hook_timers, no_inplace
 
     torch.manual_seed(0)

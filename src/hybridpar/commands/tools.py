@@ -8,16 +8,16 @@ import os
 import sys
 from pathlib import Path
 
-from hybridpar.config import writable
-from hybridpar.errors import ConfigError
+from hybridpar.core.config import writable
+from hybridpar.core.errors import ConfigError
 
 __all__ = ["cmd_calibrate", "cmd_codecs", "cmd_profile"]
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from hybridpar.commands.profile import profile_model, save
-    from hybridpar.planning.cluster import cache_dir
-    from hybridpar.planning.zoo import zoo_entry
+    from hybridpar.core.cluster import cache_dir
+    from hybridpar.core.zoo import zoo_entry
 
     zoo_entry(args.model)  # an unknown name: one line
     default = cache_dir() / "profiles" / f"{args.model}-{args.input_size or 'default'}.json"
@@ -64,8 +64,8 @@ def _check_codec_sizes(args: argparse.Namespace) -> None:
 
 
 def cmd_codecs(args: argparse.Namespace) -> int:
-    from hybridpar.choices import CODECS
     from hybridpar.commands.codec_report import datasets, error_table, print_table, throughput
+    from hybridpar.core.choices import CODECS
 
     _check_codec_sizes(args)
     try:
@@ -162,7 +162,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def print_rechecks(rows, out=sys.stdout) -> None:
-    """A table of cached quantities measured again (hybridpar.timing.Recheck), by cache file."""
+    """A table of cached quantities measured again (hybridpar.core.timing.Recheck), by cache file."""
     source = None
     for r in rows:
         if r.source != source:
@@ -184,10 +184,10 @@ def _check(device: str, backend: str, repeats: int) -> int:
     """`hybridpar calibrate --check`: the calibration and every compute profile taken on it,
     measured again on a sample; 0 where all of it holds on this machine today, 1 where not."""
 
-    from hybridpar.planning.cluster import cache_dir, localhost_path
+    from hybridpar.core.cluster import cache_dir, localhost_path
+    from hybridpar.core.timing import CHECK_TOL
     from hybridpar.planning.profile import recheck as recheck_profile
     from hybridpar.runtime.train.calibration import recheck
-    from hybridpar.timing import CHECK_TOL
 
     rows = recheck(device, backend, repeats)
     flops = json.loads(localhost_path(device).read_text())["flops"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridpar.config import from_namespace
+from hybridpar.core.config import from_namespace
 
 __all__ = ["cmd_train"]
 

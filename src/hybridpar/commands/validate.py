@@ -24,8 +24,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import ParallelPlan
 
 __all__ = ["Candidate", "candidates", "spearman", "summarize", "validate"]
 
@@ -309,8 +309,8 @@ def cmd_validate(args) -> int:
     """`hybridpar validate`: every input checked before a process starts."""
 
     from hybridpar.commands.plans import plan_kwargs
-    from hybridpar.config import from_namespace, writable
-    from hybridpar.planning.cluster import load_cluster, localhost_path
+    from hybridpar.core.cluster import load_cluster, localhost_path
+    from hybridpar.core.config import from_namespace, writable
     from hybridpar.planning.config import PlanConfig
     from hybridpar.planning.presets import parse_preset
     from hybridpar.planning.search import make_plan
@@ -365,7 +365,7 @@ def cmd_validate(args) -> int:
 
 def _base(args, cfg):
     """The training config every candidate runs with (its plan file added per run)."""
-    from hybridpar.config import build
+    from hybridpar.core.config import build
     from hybridpar.runtime.train.config import TrainConfig
 
     return build(

@@ -13,8 +13,8 @@ import json
 import os
 from pathlib import Path
 
-from hybridpar.planning.cluster import cache_dir
-from hybridpar.planning.layers import CostLayer, cost_layers
+from hybridpar.core.cluster import cache_dir
+from hybridpar.core.layers import CostLayer, cost_layers
 
 __all__ = ["zoo_cost_layers"]
 
@@ -24,11 +24,11 @@ _PACKAGE = Path(__file__).parent.parent
 def _key(model: str, input_size: int | None) -> str:
     h = hashlib.sha256()
     for f in (
-        "planning/zoo.py",
-        "planning/models.py",
-        "planning/analysis.py",
-        "planning/layers.py",
-        "plan.py",
+        "core/zoo.py",
+        "core/models.py",
+        "core/analysis.py",
+        "core/layers.py",
+        "core/plan.py",
     ):
         h.update((_PACKAGE / f).read_bytes())
     return f"{model}-{input_size or 'default'}-{h.hexdigest()[:16]}"
@@ -37,8 +37,8 @@ def _key(model: str, input_size: int | None) -> str:
 def _analyse(model: str, input_size: int | None) -> list[CostLayer]:
     import torch
 
-    from hybridpar.planning.analysis import analyze
-    from hybridpar.planning.models import build_model, input_shape
+    from hybridpar.core.analysis import analyze
+    from hybridpar.core.models import build_model, input_shape
 
     with torch.device("meta"):
         m = build_model(model, input_size=input_size)

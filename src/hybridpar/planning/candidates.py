@@ -7,16 +7,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Prediction, Redistribution, Style
-from hybridpar.planning.cluster import BYTES_ONLY, Cluster
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import BYTES_ONLY, Cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.handoff import Handoff
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import ParallelPlan, Prediction, Redistribution, Style
+from hybridpar.core.rules import EXECUTED, why_not_choices
+from hybridpar.core.terms import Term
 from hybridpar.planning.cost.collectives import Comm
 from hybridpar.planning.cost.sync import Sync
-from hybridpar.planning.handoff import Handoff
-from hybridpar.planning.layers import CostLayer
-from hybridpar.planning.rules import EXECUTED, why_not_choices
-from hybridpar.terms import Term
 
 __all__ = ["OVERLAPPABLE", "LayerPlan", "Plan", "PlanResult", "best_of", "export"]
 
@@ -71,7 +71,7 @@ class Plan:
     layers: list[LayerPlan] = field(default_factory=list)
     overlap: bool = False
     reason: str = ""  # why it is infeasible; empty when feasible
-    placement: tuple[int, int] | None = None  # how its positions sit on ranks (planning.groups)
+    placement: tuple[int, int] | None = None  # how its positions sit on ranks (core.groups)
     sync: Sync = field(default_factory=Sync)  # where the ranks meet (planning.cost.sync)
 
     @property

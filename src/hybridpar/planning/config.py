@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hybridpar.choices import Choices
-from hybridpar.config import check_fields, meta, nested, positive
-from hybridpar.errors import ConfigError
-from hybridpar.planning.zoo import MODELS, parse_input_shape
+from hybridpar.core.choices import Choices
+from hybridpar.core.config import check_fields, meta, nested, positive
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.zoo import MODELS, parse_input_shape
 
 __all__ = ["PlanConfig"]
 

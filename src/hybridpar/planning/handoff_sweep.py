@@ -12,7 +12,7 @@ able to utilize many workers for this task". The sweep keeps the paper's setting
   trunk, N K examples through 1/K of the head).
 
 For each K and scheme it gives the **exposed** hand-off (the part the head's compute of a round
-cannot hide, `planning.handoff.exposed`) over the worker's compute per iteration, in two link
+cannot hide, `core.handoff.exposed`) over the worker's compute per iteration, in two link
 models:
 - **the paper's links**: every worker has one link, which carries one copy of the data per
   receiver and takes alpha per message. (a): every worker sends its N rows to each of the K - 1
@@ -38,11 +38,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.handoff import exposed, head
+from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import LayerPlan, Plan
-from hybridpar.planning.cluster import Cluster
-from hybridpar.planning.handoff import exposed, head
-from hybridpar.terms import Term
 
 __all__ = ["HandoffPoint", "paper_exposed", "plot_handoffs", "sweep_handoffs", "write_handoffs"]
 
@@ -101,7 +101,7 @@ def _handoff(plan: Plan) -> tuple[int, LayerPlan] | None:
 
 
 def _head(plan: Plan, i: int) -> list[LayerPlan]:
-    """The hand-off's head as the cost model takes it (planning.handoff.head)."""
+    """The hand-off's head as the cost model takes it (core.handoff.head)."""
     return [plan.layers[j] for j in head([x.layer.segment for x in plan.layers], i)]
 
 

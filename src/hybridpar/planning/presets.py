@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import re
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan
-from hybridpar.planning.cluster import Cluster
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import ParallelPlan
 from hybridpar.planning.cost.compute import ComputeModel
-from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.search import GRAD_BUCKET_BYTES, SCENARIOS, plan_layers
 
 __all__ = ["PRESETS", "SEARCHED", "parse_preset", "plan_preset"]

@@ -3,7 +3,7 @@
 A rank of a P-rank job on a host with C cores runs with max(1, C // P) threads (the launcher sets
 it) and shares the cores with the other ranks. The profile times, in this process with that many
 threads, the median of training iterations of the model (forward, loss, backward) at each batch a
-rank runs (B / Pc for every grid), settled (hybridpar.timing), splits it over the leaf layers by
+rank runs (B / Pc for every grid), settled (hybridpar.core.timing), splits it over the leaf layers by
 hooks (each leaf's median iteration; the hooks' own overhead is taken out by scaling the leaves to
 the iteration measured without them), and times the trainer's optimizer step on the model's own
 parameters, per parameter element, settled and bounded by a copy's speed. It measures beside
@@ -29,9 +29,9 @@ import time
 import warnings
 from pathlib import Path
 
-from hybridpar.planning.cluster import Cluster, cache_dir, contention, rank_threads
+from hybridpar.core.cluster import Cluster, cache_dir, contention, rank_threads
+from hybridpar.core.timing import Recheck, Settled, clock, settle
 from hybridpar.planning.cost.compute import ProfileModel
-from hybridpar.timing import Recheck, Settled, clock, settle
 
 __all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute", "recheck"]
 
@@ -87,7 +87,7 @@ def _measure_count(
     model, shape, n: int, repeats: int, device="cpu"
 ) -> tuple[dict[str, tuple[float, float]], Settled]:
     """({leaf: (forward s, backward s)} of one iteration on n samples, the iteration settled
-    (hybridpar.timing.settle) without hooks); the leaves sum to that iteration (their remainder,
+    (hybridpar.core.timing.settle) without hooks); the leaves sum to that iteration (their remainder,
     loss and autograd glue, is spread over them in proportion)."""
     import torch
 
@@ -145,7 +145,7 @@ def _windows(model, shape: tuple[int, ...]) -> dict[str, tuple]:
     import torch
     from torch import nn
 
-    from hybridpar.planning.halo import Window
+    from hybridpar.core.halo import Window
 
     seen: dict[str, tuple] = {}
     hooks = []
@@ -183,9 +183,9 @@ def _pair(v) -> tuple[int, int]:
 
 def _busiest_band(window, pr: int) -> tuple[int, int, int, int, int]:
     """The rows a domain layer's busiest rank computes on (Pr ranks): (padding above, halo rows
-    above, its own rows read, halo rows below, padding below), from planning.halo's geometry;
+    above, its own rows read, halo rows below, padding below), from core.halo's geometry;
     the busiest reads the most rows, then receives the most halo rows."""
-    from hybridpar.planning.halo import bands
+    from hybridpar.core.halo import bands
 
     ins, outs = bands(window.h_in, pr), bands(window.h_out, pr)
     best = None
@@ -296,14 +296,14 @@ def _measure_bands(
 
 
 def _stepper(net):
-    """The trainer's optimizer (hybridpar.optim.KrizhevskySGD: in place, no temporaries) over
+    """The trainer's optimizer (hybridpar.core.optim.KrizhevskySGD: in place, no temporaries) over
     `net`'s parameters, each with a gradient: what the profile times and its neighbours run
     beside it. (torch.optim.SGD with weight decay, timed here before, allocates a gradient-sized
     temporary per step: its page faults cost 0.7 or 2.3 ns an element depending on the
     allocator's history, and the trainer never pays them.)"""
     import torch
 
-    from hybridpar.optim import KrizhevskySGD
+    from hybridpar.core.optim import KrizhevskySGD
 
     ps = [p for p in net.parameters() if p.requires_grad]
     for p in ps:
@@ -320,7 +320,7 @@ STEP_WORDS, STEP_BOUND = 11, 4.0
 
 def _measure_update(net, repeats: int = 5, device="cpu") -> Settled:
     """Seconds per parameter element of the trainer's optimizer step over `net`'s parameters on
-    `device` (`_stepper`), settled (hybridpar.timing.settle): a batch slower than STEP_BOUND x
+    `device` (`_stepper`), settled (hybridpar.core.timing.settle): a batch slower than STEP_BOUND x
     its memory traffic at the speed of a copy does not count."""
     import torch
 
@@ -356,7 +356,7 @@ def _measure_update(net, repeats: int = 5, device="cpu") -> Settled:
 def _path(
     model: str, shape: tuple[int, ...], threads: int, busy: int = 1, device: str = "cpu"
 ) -> Path:
-    from hybridpar.planning.zoo import file_label
+    from hybridpar.core.zoo import file_label
 
     dims = "x".join(map(str, shape))
     beside = f"-b{busy}" if busy > 1 else ""
@@ -383,7 +383,7 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int) -> None:
 
     import torch
 
-    from hybridpar.planning.models import build_any
+    from hybridpar.core.models import build_any
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -503,7 +503,7 @@ def _measuring(model: str, shape: tuple[int, ...], threads: int, busy: int, devi
     the profile measures, and where a check measures it again."""
     import torch
 
-    from hybridpar.planning.models import build_any
+    from hybridpar.core.models import build_any
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -547,7 +547,7 @@ def _load(path: Path, cluster: Cluster) -> dict:
         "method": METHOD,
         "per_count": {},
         "bands": {},
-        "iteration": {},  # {samples: the settled iteration (hybridpar.timing.Settled.fields)}
+        "iteration": {},  # {samples: the settled iteration (hybridpar.core.timing.Settled.fields)}
     }
     try:
         data = json.loads(path.read_text())

@@ -14,11 +14,11 @@ Scenarios (names are the CLI's and the JSON's):
 | per-layer | each layer its own style and grid, paying redistribution between them (DP)        |
 
 Grids: Pr * Pc = P, Pc <= B and Pc divides B (every batch group gets B/Pc examples). Whether a
-layer can take a style is `hybridpar.planning.rules.why_not`, the function the runtime asks too:
+layer can take a style is `hybridpar.core.rules.why_not`, the function the runtime asks too:
 a model split needs a Linear or Conv2d called once with Pr <= its output units (uneven shards are
 allowed); a domain split needs Pr <= the output height. Whether the plan's choices can run with
 its styles (the domain style's halos travel unencoded) is `rules.why_not_choices`. Layers of one segment (no point between them where the runtime can change
-the layout, e.g. the two convolutions of a residual block: hybridpar.planning.analysis) take one style;
+the layout, e.g. the two convolutions of a residual block: hybridpar.core.analysis) take one style;
 the
 redistribution into a segment moves the activation at its entry. The per-layer search minimises
 the exposed communication time by dynamic programming over layers (state: the style of the previous
@@ -33,9 +33,16 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from hybridpar.choices import Choices, payload_bytes
-from hybridpar.errors import ConfigError
-from hybridpar.plan import Style
+from hybridpar.core.choices import Choices, payload_bytes
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.groups import why_not_placement
+from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_handoff
+from hybridpar.core.handoff import fused as handoff_fused
+from hybridpar.core.layers import CostLayer, cost_layers
+from hybridpar.core.plan import Style
+from hybridpar.core.rules import why_not, why_not_choices
+from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import (
     OVERLAPPABLE,
     LayerPlan,
@@ -44,17 +51,10 @@ from hybridpar.planning.candidates import (
     best_of,
     export,
 )
-from hybridpar.planning.cluster import Cluster
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
 from hybridpar.planning.cost.sync import sync_of
 from hybridpar.planning.cost.terms import Wire, codec_s, layer_comms, on_host, plus, redistribute
-from hybridpar.planning.groups import why_not_placement
-from hybridpar.planning.handoff import Handoff, exposed, head, is_gather, why_not_handoff
-from hybridpar.planning.handoff import fused as handoff_fused
-from hybridpar.planning.layers import CostLayer, cost_layers
-from hybridpar.planning.rules import why_not, why_not_choices
-from hybridpar.terms import Term
 
 __all__ = [
     "SCENARIOS",
@@ -529,11 +529,11 @@ def plan_layers(
     fuse_handoff: bool = True,
 ) -> PlanResult:
     """Evaluate `scenarios` for `layers` on P processes with global batch B and the plan-wide
-    `choices` (codec, bn, ...: hybridpar.choices; with bn global or adaptive the batch norms'
-    all-reduces are priced too). Whether a layer can take a style is planning.rules.why_not, the
+    `choices` (codec, bn, ...: hybridpar.core.choices; with bn global or adaptive the batch norms'
+    all-reduces are priced too). Whether a layer can take a style is core.rules.why_not, the
     runtime's own rule: every candidate is a plan `parallelize` runs. `handoff`: the schemes a
     batch -> model hand-off may take (a; b; c, in `rounds` rounds or one per gathering rank; auto:
-    the cheapest of a, b and c in 2, 4 or m rounds: planning/handoff.py). `fuse_handoff=False`
+    the cheapest of a, b and c in 2, 4 or m rounds: core/handoff.py). `fuse_handoff=False`
     prices a hand-off's backward as Gholami et al.'s Eqs. 6 and 8 do (the split layer's dX
     all-reduced, each rank keeping its rows) instead of the runtime's reduce-scatter."""
     all_grids = _check(P, B, scenarios)
@@ -595,16 +595,16 @@ def make_plan(
 ) -> PlanResult:
     """`plan_layers` for a zoo model by name (its layers from the analysis cache: no torch), or
     for the model a user's factory `package.module:function` builds, traced for `input_shape`."""
-    from hybridpar.planning.zoo import input_shape as zoo_shape
-    from hybridpar.planning.zoo import is_factory, zoo_entry
+    from hybridpar.core.zoo import input_shape as zoo_shape
+    from hybridpar.core.zoo import is_factory, zoo_entry
 
     if is_factory(model):
         if input_shape is None:
             raise ConfigError(f"--model {model} needs --input-shape C,H,W (one example's shape)")
         import torch
 
-        from hybridpar.planning.analysis import analyze
-        from hybridpar.planning.models import build_user_model
+        from hybridpar.core.analysis import analyze
+        from hybridpar.core.models import build_user_model
 
         with torch.device("meta"):
             module = build_user_model(model)
@@ -628,7 +628,7 @@ def plan_for(
 ) -> PlanResult:
     """`plan_layers` for any nn.Module (traced on the meta device; the module is not changed).
     Its `export()` is a plan `parallelize` runs: the same rules decided both."""
-    from hybridpar.planning.analysis import analyze
+    from hybridpar.core.analysis import analyze
 
     layers = cost_layers(analyze(module, input_shape))
     name = str(kwargs.pop("model", type(module).__name__))

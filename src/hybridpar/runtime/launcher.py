@@ -43,7 +43,7 @@ from collections.abc import Callable
 from queue import Empty
 from typing import Any
 
-from hybridpar.errors import Interrupted
+from hybridpar.core.errors import Interrupted
 
 __all__ = [
     "Interrupted",
@@ -165,7 +165,7 @@ def _child(
     )
     import torch
 
-    from hybridpar.planning.cluster import rank_threads
+    from hybridpar.core.cluster import rank_threads
     from hybridpar.runtime.comm import shutdown
 
     torch.set_num_threads(rank_threads(os.cpu_count() or 1, world))  # the ranks share the cores

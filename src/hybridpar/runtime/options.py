@@ -1,6 +1,6 @@
 """RuntimeOptions: how the runtime executes a plan, as opposed to what the plan says.
 
-The plan (hybridpar.plan) and its choices (hybridpar.choices) decide what runs and what it costs;
+The plan (hybridpar.core.plan) and its choices (hybridpar.core.choices) decide what runs and what it costs;
 these knobs change neither the result (beyond the codec's block size and error feedback, which
 shape 8-bit rounding) nor the bytes, only how the work is scheduled. One typed dataclass, torch-
 free, that `parallelize`, `HybridTrainer` and `hybridpar train` (its flags are generated from it)
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from hybridpar.config import check_fields, meta, positive
-from hybridpar.errors import ConfigError
+from hybridpar.core.config import check_fields, meta, positive
+from hybridpar.core.errors import ConfigError
 
 __all__ = ["RuntimeOptions"]
 

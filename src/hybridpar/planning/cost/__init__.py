@@ -1,6 +1,7 @@
 """The alpha-beta cost model: pure arithmetic on dataclasses, no torch.distributed."""
 
-from hybridpar.plan import Style
+from hybridpar.core.layers import CostLayer, cost_layers
+from hybridpar.core.plan import Style
 from hybridpar.planning.cost.collectives import (
     Comm,
     all_gather,
@@ -11,7 +12,6 @@ from hybridpar.planning.cost.collectives import (
 )
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, TableModel, load_table
 from hybridpar.planning.cost.terms import layer_comms, redistribute
-from hybridpar.planning.layers import CostLayer, cost_layers
 
 __all__ = [
     "Comm",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridpar.planning.cluster import Cluster
+from hybridpar.core.cluster import Cluster
 
 __all__ = [
     "Comm",

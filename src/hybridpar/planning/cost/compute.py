@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import Style
-from hybridpar.planning.layers import CostLayer
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
 
 __all__ = ["ComputeModel", "FlopsModel", "ProfileModel", "TableModel", "load_table", "style_times"]
 

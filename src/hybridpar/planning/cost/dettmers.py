@@ -45,7 +45,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.errors import ConfigError
 
 __all__ = [
     "APPENDIX_A_4GPU",

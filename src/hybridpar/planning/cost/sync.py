@@ -4,7 +4,7 @@ The alpha-beta model prices a collective as if every rank arrived at once. Ranks
 host's cores do not: the scheduler lets some run ahead, and at every blocking collective the early
 ones wait for the last. Two quantities per synchronisation, both functions of the compute since
 the ranks last met, measured by `hybridpar calibrate` (runtime.train.calibration._time_sync) and
-kept in the cluster's `sync` table (hybridpar.planning.cluster.Cluster.sync_cost):
+kept in the cluster's `sync` table (hybridpar.core.cluster.Cluster.sync_cost):
 - the excess: how much longer the ranks take from one meeting to the next than their compute
   priced with the contention factor (each rank's time alone times ceil(P threads / cores)) and
   the collective's own cost. It adds to the iteration. The table's points are noisy (a
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from hybridpar.terms import Term
+from hybridpar.core.terms import Term
 
 __all__ = ["Sync", "segments", "sync_of"]
 

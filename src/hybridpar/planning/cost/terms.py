@@ -4,7 +4,7 @@ Conventions (stated once; docs/cost-model.md repeats them with a worked example)
 
 - Only layers with weights (conv, linear) are layers i = 1..L of the equations. Pooling, activation,
   norm and reshape layers ride along with the weighted layer before them, or with the one after
-  them when a segment boundary (hybridpar.planning.analysis) lies in between: a layer rides with the
+  them when a segment boundary (hybridpar.core.analysis) lies in between: a layer rides with the
   weighted layer whose layout it runs in.
 - d_i is layer i's output per sample *before* pooling; d_{i-1} is its actual input per sample
   (after the previous layer's pooling). X (input) and Y (output) are (C, H, W) likewise.
@@ -28,9 +28,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import Style
-from hybridpar.planning.cluster import SHM_MAX_BYTES, Cluster
+from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.halo import Window
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
+from hybridpar.core.terms import Term
 from hybridpar.planning.cost.collectives import (
     Comm,
     all_gather,
@@ -39,9 +42,6 @@ from hybridpar.planning.cost.collectives import (
     compressed_all_reduce,
     halo,
 )
-from hybridpar.planning.halo import Window
-from hybridpar.planning.layers import CostLayer
-from hybridpar.terms import Term
 
 __all__ = [
     "Wire",
@@ -259,7 +259,7 @@ def t_halo(
 ) -> Comm:
     """The halo rows the domain style exchanges for `layer`, as the runtime sends them: for every
     height window of the layer (its convolution and the poolings riding along: CostLayer.windows),
-    the rows each rank receives from the others (planning.halo.Window.plan), x (B/Pc examples) x
+    the rows each rank receives from the others (core.halo.Window.plan), x (B/Pc examples) x
     channels x width x bytes. Bytes: per rank, averaged over the Pr ranks (the first and last
     band have one neighbour; stride and dilation change the rows; a thin band is crossed). Time:
     the busiest rank's messages and bytes. Backward the same rows carry gradients back, except

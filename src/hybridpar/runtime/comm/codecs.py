@@ -50,9 +50,9 @@ from functools import cache
 import numpy as np
 import torch
 
-from hybridpar.choices import CODECS, DEFAULT_BLOCK, EIGHT_BIT, check_codec, payload_bytes
+from hybridpar.core.choices import CODECS, DEFAULT_BLOCK, EIGHT_BIT, check_codec, payload_bytes
+from hybridpar.core.timing import clock
 from hybridpar.runtime.comm import kernels, triton_codecs
-from hybridpar.timing import clock
 
 __all__ = [
     "CODECS",

@@ -19,11 +19,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from hybridpar.core.splits import chunk_sizes, even_split
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec, Encoded
 from hybridpar.runtime.comm.group import Group, group_rank, group_size, pg_of
 from hybridpar.runtime.comm.ledger import Entry, Ledger
-from hybridpar.splits import chunk_sizes, even_split
-from hybridpar.terms import Term
 
 __all__ = [
     "CompressedPipeline",

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridpar.errors import ConfigError
-from hybridpar.planning.groups import (
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.groups import (
     batch_groups,
     host_order,
     model_groups,
@@ -120,9 +120,9 @@ class ProcessGrid:
     shm: bool = False
     """the model and batch groups through host shared memory where they share a host"""
     placement: tuple[int, int] | None = None
-    """how positions sit on ranks (hybridpar.planning.groups); None: position = rank"""
+    """how positions sit on ranks (hybridpar.core.groups); None: position = rank"""
     order: list[int] | None = None
-    """the ranks host by host (planning.groups.host_order); None: numbered host by host"""
+    """the ranks host by host (core.groups.host_order); None: numbered host by host"""
     mesh: DeviceMesh = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec, get_codec
 from hybridpar.runtime.comm.collectives import (
     CompressedPipeline,
@@ -20,7 +21,6 @@ from hybridpar.runtime.comm.collectives import (
 from hybridpar.runtime.comm.group import Group, group_size
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
-from hybridpar.terms import Term
 
 __all__ = [
     "PIECE_STRIDE",

@@ -41,13 +41,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridpar.runtime import faults
+from hybridpar.core import faults
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import compressed_all_reduce
 from hybridpar.runtime.comm.group import Group, group_timeout, pg_of
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
-from hybridpar.terms import Term
 
 __all__ = [
     "HostReducer",

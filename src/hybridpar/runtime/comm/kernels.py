@@ -233,7 +233,7 @@ def _cpu_key() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    from hybridpar.planning.cluster import cache_dir
+    from hybridpar.core.cluster import cache_dir
 
     key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_key()).encode()).hexdigest()[:16]
     folder = cache_dir() / "kernels"

@@ -34,7 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from hybridpar.planning.cluster import SHM_MAX_BYTES
+from hybridpar.core.cluster import SHM_MAX_BYTES
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.host import HostReducer, sum_in_order
 

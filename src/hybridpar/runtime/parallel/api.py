@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import ParallelPlan
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.ddp import DDPEngine

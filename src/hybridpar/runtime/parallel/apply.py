@@ -14,9 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning import handoff
+from hybridpar.core import handoff
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import ParallelPlan, Style
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import get_codec
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet
@@ -33,7 +34,6 @@ from hybridpar.runtime.parallel.redistribute import Move
 from hybridpar.runtime.parallel.reducers import Reducer
 from hybridpar.runtime.parallel.styles import BuildContext, ParallelStyle
 from hybridpar.runtime.parallel.sync import GradSync
-from hybridpar.terms import Term
 
 __all__ = [
     "broadcast_parameters",

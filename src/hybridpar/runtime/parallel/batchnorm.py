@@ -28,11 +28,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm import kernels
 from hybridpar.runtime.comm.collectives import all_reduce
 from hybridpar.runtime.comm.group import Group, group_size
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.terms import Term
 
 __all__ = [
     "AdaptiveGlobalBatchNorm",

@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hybridpar.errors import ConfigError
-from hybridpar.runtime import faults
+from hybridpar.core import faults
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import all_reduce
 from hybridpar.runtime.comm.hooks import PIECE_STRIDE
 from hybridpar.runtime.parallel.engine import Engine
-from hybridpar.terms import Term
 
 __all__ = ["FORMAT", "latest", "load", "read_meta", "save", "save_weights"]
 

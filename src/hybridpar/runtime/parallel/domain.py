@@ -2,9 +2,9 @@
 height over the Pr ranks of a model group, the Pc batch groups splitting the examples.
 
 Each rank holds a band of rows of every example of its batch group (`even_split(H, Pr)`, the
-first H mod Pr ranks one row more: planning.halo.bands). A 2-d convolution or pooling computes
+first H mod Pr ranks one row more: core.halo.bands). A 2-d convolution or pooling computes
 the output rows it owns from its band and the halo rows its window reads from other bands
-(planning.halo.Window.plan: stride, dilation and padding included; several bands away when a
+(core.halo.Window.plan: stride, dilation and padding included; several bands away when a
 band is thinner than the halo). Forward, the halo rows are posted as non-blocking point-to-point
 sends and receives, the interior output rows (those its own band alone determines) are computed
 while they travel, then the border rows; through a host's shared memory, where the rows arrive in
@@ -36,16 +36,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.plan import Style
-from hybridpar.planning.halo import Window, bands
-from hybridpar.planning.layers import CostLayer
-from hybridpar.runtime import faults
+from hybridpar.core import faults
+from hybridpar.core.halo import Window, bands
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm import p2p
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import Chain, Move, gather, replicated, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
-from hybridpar.terms import Term
 
 __all__ = ["MOVES", "DomainConv2d", "DomainPool2d", "DomainStyle", "Exchange"]
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import ParallelPlan
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
@@ -46,7 +46,7 @@ class Engine(nn.Module):
     world: Group  # every rank, for metrics and agreed decisions
     variable = None  # the hand-off whose layers after it step per round (variable batch)
     # the ranks host by host where the launcher numbered them otherwise and the plan's groups
-    # follow the hosts (planning.groups.host_order), and why not where they cannot
+    # follow the hosts (core.groups.host_order), and why not where they cannot
     order: list[int] | None = None
     why_not_hosts: str = ""
 

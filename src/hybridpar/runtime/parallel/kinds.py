@@ -1,12 +1,12 @@
 """The style kinds the runtime executes, by name: one class per file. The torch-free rules
-(hybridpar.planning.rules.EXECUTED) name the same kinds; a test holds the two lists equal."""
+(hybridpar.core.rules.EXECUTED) name the same kinds; a test holds the two lists equal."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import Style
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import Style
 from hybridpar.runtime.parallel import domain, redistribute
 from hybridpar.runtime.parallel.batch import BatchStyle
 from hybridpar.runtime.parallel.domain import DomainStyle

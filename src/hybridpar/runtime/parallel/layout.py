@@ -4,7 +4,7 @@ segment, where the layout changes, and which segment each module and parameter r
 Needs no processes (the model is traced on the meta device), so `hybridpar train` checks a plan
 against the model before it spawns anything, and hands the answer to every rank's `parallelize`
 (one trace and one resolve per job). Whether a layer can take its style is
-`hybridpar.planning.rules.why_not`, the function the planner asks too.
+`hybridpar.core.rules.why_not`, the function the planner asks too.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Redistribution, Style, assign_styles
-from hybridpar.planning.analysis import Trace, trace
-from hybridpar.planning.handoff import Handoff, is_gather, why_not_handoff
-from hybridpar.planning.layers import CostLayer, cost_layers
-from hybridpar.planning.rules import why_not, why_not_choices
+from hybridpar.core.analysis import Trace, trace
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.handoff import Handoff, is_gather, why_not_handoff
+from hybridpar.core.layers import CostLayer, cost_layers
+from hybridpar.core.plan import ParallelPlan, Redistribution, Style, assign_styles
+from hybridpar.core.rules import why_not, why_not_choices
 
 __all__ = ["Layout", "resolve", "with_handoff"]
 

@@ -28,8 +28,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.errors import ConfigError
-from hybridpar.planning.layers import CostLayer
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.splits import group_split, whole_group_prs
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
     all_gather_uneven,
@@ -41,8 +43,6 @@ from hybridpar.runtime.comm.group import Group, group_rank, group_size
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import gather, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
-from hybridpar.splits import group_split, whole_group_prs
-from hybridpar.terms import Term
 
 __all__ = [
     "ModelParallel",
@@ -144,7 +144,7 @@ class ModelParallel(nn.Module):
 
     partial_dx = False
     """set where the hand-off into this layer reduce-scatters its input's gradient
-    (planning/handoff.py: fused): dX is left partial here, and the hand-off sums it"""
+    (core/handoff.py: fused): dX is left partial here, and the hand-off sums it"""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input this rank computes on; its backward completes dX over the model group

@@ -16,7 +16,7 @@ gradient of a slice is all-gathered. Either direction sends one all-gather, the 
 | split      | keep this rank's piece along `dim`       | all-gather the pieces of the grad   |
 
 Both are no-ops on a group of one rank. A gather straight into a split layer from a pure batch
-layout takes the layer's partial dX and reduce-scatters it (planning/handoff.py, `fused`): each
+layout takes the layer's partial dX and reduce-scatters it (core/handoff.py, `fused`): each
 example's gradient summed once and sent to its owner, half the bytes of the layer's dX all-reduce.
 This is Krizhevsky's scheme (a), one round; schemes (b) and (c) (K rounds, each overlapped with
 the compute of the layers after the hand-off) are runtime/parallel/rounds.py.
@@ -35,14 +35,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridpar.plan import Style
-from hybridpar.runtime import faults
+from hybridpar.core import faults
+from hybridpar.core.plan import Style
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import all_gather_uneven, reduce_scatter_uneven
 from hybridpar.runtime.comm.grid import GridSet, rows_of_group
 from hybridpar.runtime.comm.group import Group, group_rank
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.terms import Term
 
 __all__ = [
     "MOVES",
@@ -59,7 +59,7 @@ __all__ = [
 
 class _Gather(torch.autograd.Function):
     """Forward: all-gather the pieces along `dim`. Backward: keep this rank's piece, or, where the
-    gradient is every rank's partial sum (`fused`: planning/handoff.py), reduce-scatter it."""
+    gradient is every rank's partial sum (`fused`: core/handoff.py), reduce-scatter it."""
 
     @staticmethod
     def forward(ctx, x, sizes, dim, group, ledger, term, layer, codec, fused):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from hybridpar.choices import Choices
+from hybridpar.core.choices import Choices
 from hybridpar.runtime.comm.codecs import get_codec
 from hybridpar.runtime.comm.group import Group, pg_of
 from hybridpar.runtime.comm.hooks import ReducerState, allreduce_hook, compressed_hook, host_hook

@@ -1,6 +1,6 @@
 """Krizhevsky's hand-off schemes (b) and (c): the activations move into the gathered layout in K
 rounds, and the layers after the hand-off (its *head*) run round by round, so round j+1's
-activations travel while round j computes (planning/handoff.py states the schemes and the rule).
+activations travel while round j computes (core/handoff.py states the schemes and the rule).
 
     forward:  start(0); for j: h_j = wait(j); start(j+1); y_j = head(h_j)       (y: in (a)'s order)
     backward: for j = K-1 .. 0: head's backward of round j; wait(j+1); start(j)'s return
@@ -30,8 +30,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybridpar.planning.handoff import Handoff, round_rows
-from hybridpar.runtime import faults
+from hybridpar.core import faults
+from hybridpar.core.handoff import Handoff, round_rows
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
     Started,
@@ -44,7 +45,6 @@ from hybridpar.runtime.comm.grid import GridSet, rows_of_group
 from hybridpar.runtime.comm.group import group_rank
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import StepRows, regroup_place
-from hybridpar.terms import Term
 
 __all__ = ["Rounds", "install"]
 

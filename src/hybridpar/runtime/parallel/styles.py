@@ -1,8 +1,8 @@
 """Styles that apply themselves: the runtime half of each style kind, the shape of torch's
 `ParallelStyle`.
 
-The plan's `Style` (hybridpar.plan) is a torch-free description: a kind and a grid. Whether a
-layer can take it is the kind's torch-free rule (hybridpar.planning.rules.why_not), which the
+The plan's `Style` (hybridpar.core.plan) is a torch-free description: a kind and a grid. Whether a
+layer can take it is the kind's torch-free rule (hybridpar.core.rules.why_not), which the
 planner and `resolve` both call. The runtime looks the kind up (kinds.py) and gets a
 `ParallelStyle`, which knows the rest of what every consumer of a style asks:
 
@@ -29,9 +29,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from hybridpar.choices import Choices
-from hybridpar.plan import Style
-from hybridpar.planning.layers import CostLayer
+from hybridpar.core.choices import Choices
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.grid import GridSet, ProcessGrid
 from hybridpar.runtime.comm.group import Group

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan
-from hybridpar.runtime import faults
+from hybridpar.core import faults
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.plan import ParallelPlan
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import all_gather_uneven, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
@@ -32,7 +33,6 @@ from hybridpar.runtime.parallel import checkpoint
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.layout import Layout
-from hybridpar.terms import Term
 
 __all__ = ["HybridTrainer", "StepResult"]
 

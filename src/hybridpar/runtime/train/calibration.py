@@ -11,7 +11,7 @@ onto hosts by HYBRIDPAR_HOST), each level is measured on its own: the ranks of e
 all-reduce among themselves at once (the host's alpha and beta, and its shared memory), then one
 rank per host all-reduces over the network (the network's alpha and beta, one flow: the cost
 model multiplies its beta by the groups that share a host's link). The file then has a second
-level, `[network]` with `ranks_per_host` (hybridpar.planning.cluster).
+level, `[network]` with `ranks_per_host` (hybridpar.core.cluster).
 
 Where the ranks of a host meet (`_time_sync`): for each count of ranks, the time of a round of
 work and a small all-reduce with all of them, the wait for the slowest, and the work alone; the
@@ -29,9 +29,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hybridpar.planning.cluster import localhost_path
+from hybridpar.core.cluster import localhost_path
+from hybridpar.core.timing import Recheck, Settled, clock, settle
 from hybridpar.runtime.comm.devices import local_gpu
-from hybridpar.timing import Recheck, Settled, clock, settle
 
 __all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta", "fit_network", "recheck"]
 
@@ -43,13 +43,13 @@ def _time_allreduce(
 ) -> dict[int, tuple[float, float]]:
     """{size: (median seconds, spread)} of an all-reduce of each size over `group` (the world
     where None), every repeat started together (a barrier of the world), in batches until every
-    rank's batch has a spread of at most hybridpar.timing.TOL (the ranks agree on it; TRIES at
+    rank's batch has a spread of at most hybridpar.core.timing.TOL (the ranks agree on it; TRIES at
     most: then the median of every batch). A rank outside the group (`timed` False) only joins
     the barriers."""
     import torch
     import torch.distributed as dist
 
-    from hybridpar.timing import TOL, TRIES, spread
+    from hybridpar.core.timing import TOL, TRIES, spread
 
     out = {}
     where = _rank_device(device)
@@ -176,7 +176,7 @@ SYNC_WORK = (0, 1, 2, 4, 8, 16, 32, 64)
 
 def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> list[list[float]]:
     """What the ranks of one host lose at each synchronisation when they share its cores: the
-    table the cost model's sync term prices from (hybridpar.planning.cluster.Cluster.sync_cost,
+    table the cost model's sync term prices from (hybridpar.core.cluster.Cluster.sync_cost,
     planning.cost.sync).
 
     For each amount of work W (`SYNC_WORK`), every rank computes W and joins a small all-reduce
@@ -192,7 +192,7 @@ def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> 
     import torch
     import torch.distributed as dist
 
-    from hybridpar.planning.cluster import rank_threads
+    from hybridpar.core.cluster import rank_threads
     from hybridpar.runtime.comm.grid import new_group
     from hybridpar.runtime.train.report import split_waits
 
@@ -291,9 +291,9 @@ def _time_codecs(
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """({codec: [encode s, decode s] per element}, {codec: spread}) on `device` (one thread of a
     CPU), into reused buffers (as the reducers run them), the medians of a batch of `repeats`
-    settled on their sums (hybridpar.timing.settle): what the cost model charges a rank for the
+    settled on their sums (hybridpar.core.timing.settle): what the cost model charges a rank for the
     elements it encodes and decodes (planning.cost.terms.codec_s)."""
-    from hybridpar.choices import CODECS
+    from hybridpar.core.choices import CODECS
     from hybridpar.runtime.comm.codecs import time_codec
 
     out, spreads = {}, {}
@@ -312,7 +312,7 @@ def _time_codecs(
 
 
 def _flops(threads: int, device: str = "cpu") -> Settled:
-    """FLOP/s of float32 matrix products, settled (hybridpar.timing.settle, on the seconds of a
+    """FLOP/s of float32 matrix products, settled (hybridpar.core.timing.settle, on the seconds of a
     product): one CPU core's (`threads` 1), or one GPU's."""
     import torch
 
@@ -418,7 +418,7 @@ def _fitted(
 ) -> dict:
     import math
 
-    from hybridpar.errors import ConfigError
+    from hybridpar.core.errors import ConfigError
 
     spreads = [times[n][1] for n in sorted(times)]
     alpha, beta = fit_network(_medians(times), nproc)
@@ -440,7 +440,7 @@ def _fitted(
         # one core's, or one GPU's: a job's ranks share `cores` of them (Cluster.rank_flops)
         # (on a GPU: the current one, a rank's or the first)
         "flops": flops.value,
-        # each quantity's spread (hybridpar.timing.spread): alpha's and beta's of the sizes
+        # each quantity's spread (hybridpar.core.timing.spread): alpha's and beta's of the sizes
         # they come from (fit_network: the smallest, the two largest)
         "spread": {"alpha": spreads[0], "beta": max(spreads[-2:]), "flops": flops.spread},
         "cores": units if gpu else os.cpu_count() or 1,
@@ -482,7 +482,7 @@ def calibrate(
     the collectives of GPU tensors over `backend` (nccl: a GPU per rank; gloo: ranks sharing
     GPUs), a GPU's FLOP/s, the codecs and the host <-> device copies on a GPU, saved apart from
     the CPU's calibration (`localhost` then prices a CUDA job with it)."""
-    from hybridpar.errors import ConfigError
+    from hybridpar.core.errors import ConfigError
     from hybridpar.runtime.launcher import launch, under_torchrun
 
     counts = [nproc] if isinstance(nproc, int) else list(nproc)
@@ -532,7 +532,7 @@ def with_levels(data: dict, levels: dict | None) -> dict:
     `by_procs` entry at the ranks a host has), the leaders' fit the `[network]`."""
     if levels is None:
         return data
-    from hybridpar.errors import ConfigError
+    from hybridpar.core.errors import ConfigError
 
     L, H = levels["ranks_per_host"], levels["hosts"]
     if levels["uneven"]:
@@ -586,7 +586,7 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu", backend: str = "gloo
     got: list = [error]
     dist.broadcast_object_list(got, src=0)
     if got[0] is not None:
-        from hybridpar.errors import ConfigError
+        from hybridpar.core.errors import ConfigError
 
         raise ConfigError(got[0])
 
@@ -595,7 +595,7 @@ def recheck(device: str = "cpu", backend: str = "gloo", repeats: int = 5) -> lis
     """The calibration of `device` measured again on a sample: the all-reduce fit at its
     smallest count of ranks, a core's (a GPU's) FLOP/s and every codec's encode and decode
     (`hybridpar calibrate --check`)."""
-    from hybridpar.errors import ConfigError
+    from hybridpar.core.errors import ConfigError
     from hybridpar.runtime.launcher import launch
 
     path = localhost_path(device)

@@ -1,19 +1,19 @@
 """The one typed configuration of a training run. `hybridpar train`'s options are generated from
 it; `validate` checks it once, before any process is spawned. The plan's choices (codec, bn, ...)
 and the runtime's knobs (bucket size, seed, timeout, ...) are the dataclasses the library takes
-too, nested: hybridpar.choices.Choices and hybridpar.runtime.options.RuntimeOptions."""
+too, nested: hybridpar.core.choices.Choices and hybridpar.runtime.options.RuntimeOptions."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from hybridpar.choices import Choices
-from hybridpar.config import check_fields, evolve, meta, nested, positive
-from hybridpar.errors import ConfigError
+from hybridpar.core.choices import Choices
+from hybridpar.core.config import check_fields, evolve, meta, nested, positive
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.rules import why_not_choices
+from hybridpar.core.zoo import parse_input_shape
 from hybridpar.planning.presets import SEARCHED, parse_preset
-from hybridpar.planning.rules import why_not_choices
-from hybridpar.planning.zoo import parse_input_shape
 from hybridpar.runtime.options import RuntimeOptions
 
 __all__ = ["DEFAULT_MODEL", "TrainConfig"]

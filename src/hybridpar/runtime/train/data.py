@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.errors import ConfigError
 from hybridpar.runtime.comm.collectives import even_split
 
 __all__ = ["Dataset", "epoch_steps", "load_data", "rows_of", "signature", "validate_data_spec"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpar.plan import ParallelPlan
-from hybridpar.planning.analysis import Trace
-from hybridpar.planning.layers import CostLayer
+from hybridpar.core.analysis import Trace
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import ParallelPlan
 from hybridpar.runtime.parallel.layout import Layout
 from hybridpar.runtime.train.config import TrainConfig
 

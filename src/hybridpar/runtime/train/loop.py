@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridpar.optim import KrizhevskySGD, lr_factor, scale_hparams
-from hybridpar.plan import ParallelPlan
-from hybridpar.planning.cluster import rank_threads
-from hybridpar.planning.models import build_any
+from hybridpar.core.cluster import rank_threads
+from hybridpar.core.models import build_any
+from hybridpar.core.optim import KrizhevskySGD, lr_factor, scale_hparams
+from hybridpar.core.plan import ParallelPlan
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import all_reduce
 from hybridpar.runtime.comm.devices import local_gpu
 from hybridpar.runtime.comm.host import host_names
@@ -38,7 +39,6 @@ from hybridpar.runtime.train.report import (
     waiting,
     write_report,
 )
-from hybridpar.terms import Term
 
 __all__ = ["Position", "Progress", "fit", "train_worker"]
 

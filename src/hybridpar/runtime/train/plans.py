@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan, Style
-from hybridpar.planning.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
+from hybridpar.core.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.handoff import Handoff
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.planning.cost.compute import ProfileModel
-from hybridpar.planning.handoff import Handoff
-from hybridpar.planning.layers import CostLayer
 from hybridpar.planning.presets import plan_preset
 from hybridpar.planning.profile import planning_compute
 from hybridpar.planning.search import evaluate, export

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hybridpar.plan import ParallelPlan
-from hybridpar.planning.groups import batch_groups, placed
+from hybridpar.core.groups import batch_groups, placed
+from hybridpar.core.plan import ParallelPlan
+from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.terms import Term
 
 __all__ = ["measured", "predicted", "report", "strict", "waiting", "write_report"]
 
@@ -83,7 +83,7 @@ def split_waits(every: list[dict]) -> tuple[float, float]:
 def host_layout(names: list[str]) -> dict:
     """How the ranks sat on hosts (`names`: each rank's host, in rank order): how many hosts,
     the ranks on each, whether they were numbered host by host (as torchrun numbers them and as
-    planning.groups and a two-level cluster assume) and whether every host ran as many."""
+    core.groups and a two-level cluster assume) and whether every host ran as many."""
     blocks: list[list[str]] = []
     for n in names:
         if blocks and blocks[-1][0] == n:
@@ -107,7 +107,7 @@ def predicted(
     first rank of its group on each of the H hosts the group spans all-reduces: per rank of a
     group of G, on average 2(H-1)/H n * H/G instead of 2(G-1)/G n, averaged over the layer's
     groups (the batch groups of its grid: ranks c Pr + r for one r, on the ranks listed host by
-    host in `order` where the runtime followed the hosts: planning.groups.host_order)."""
+    host in `order` where the runtime followed the hosts: core.groups.host_order)."""
     by_term, by_layer = plan.predicted_bytes(), plan.predicted_bytes(by_layer=True)
     if plan.choices.reducer != "host":
         return by_term, by_layer

@@ -17,21 +17,21 @@ from pathlib import Path
 
 import torch
 
-from hybridpar.choices import Choices
-from hybridpar.config import writable
-from hybridpar.errors import ConfigError
-from hybridpar.plan import ParallelPlan
-from hybridpar.planning.analysis import trace
-from hybridpar.planning.cluster import BYTES_ONLY
-from hybridpar.planning.handoff import (
+from hybridpar.core.analysis import trace
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import BYTES_ONLY
+from hybridpar.core.config import writable
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.handoff import (
     Handoff,
     is_gather,
     why_not_handoff,
     why_not_variable_batch,
 )
-from hybridpar.planning.layers import cost_layers
-from hybridpar.planning.models import build_any
-from hybridpar.planning.zoo import file_label, input_shape, is_factory, parse_input_shape, zoo_entry
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.models import build_any
+from hybridpar.core.plan import ParallelPlan
+from hybridpar.core.zoo import file_label, input_shape, is_factory, parse_input_shape, zoo_entry
 from hybridpar.runtime.comm.group import DEFAULT_TIMEOUT_S
 from hybridpar.runtime.launcher import launch, under_torchrun
 from hybridpar.runtime.parallel.checkpoint import latest, read_meta

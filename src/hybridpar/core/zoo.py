@@ -1,13 +1,13 @@
 """The model zoo by name, torch-free: each model's default input and classes, so that planning a zoo
 model (`hybridpar plan --model alexnet`) reads its shapes without importing torch. The builders
-are in hybridpar.planning.models.
+are in hybridpar.core.models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.errors import ConfigError
 
 __all__ = [
     "MODELS",

@@ -1,5 +1,5 @@
 """Krizhevsky's hand-off schemes, and when a hand-off's backward is one reduce-scatter: the rules
-the planner and the runtime both call (torch-free, like planning/rules.py).
+the planner and the runtime both call (torch-free, like core/rules.py).
 
 "One weird trick" (section 4) moves the last convolutional activations of K workers, each holding
 its own examples, to the model-parallel layers after them in one of three ways:
@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hybridpar.plan import Style
-from hybridpar.planning.layers import CostLayer
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
 
 __all__ = [
     "SCHEMES",

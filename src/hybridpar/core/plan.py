@@ -21,7 +21,7 @@ run in the layout of the layer they sit next to.
 Where consecutive layers have different layouts the plan lists a *redistribution* (Gholami Eq. 6
 generalised; Krizhevsky's hand-off scheme (a) is the batch -> model case) at the module whose
 forward pre-hook carries it. The plan also carries its `Choices` (codec, compress, reducer, bn, amp,
-device: hybridpar.choices) and the cost model's predicted bytes and seconds per (layer, term), so
+device: hybridpar.core.choices) and the cost model's predicted bytes and seconds per (layer, term), so
 the training report can put every measurement next to its prediction. In JSON the choices are
 keys of the plan object itself.
 """
@@ -36,10 +36,10 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridpar.choices import Choices
-from hybridpar.errors import ConfigError
-from hybridpar.planning.groups import check_placement, why_not_placement
-from hybridpar.terms import Term
+from hybridpar.core.choices import Choices
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.groups import check_placement, why_not_placement
+from hybridpar.core.terms import Term
 
 __all__ = [
     "ENGINES",
@@ -144,7 +144,7 @@ class Redistribution:
     src: Style
     dst: Style
     elements: int  # per example, of the activation redistributed
-    scheme: str = "a"  # Krizhevsky's hand-off scheme (planning/handoff.py): a, b or c
+    scheme: str = "a"  # Krizhevsky's hand-off scheme (core/handoff.py): a, b or c
     rounds: int = 1  # how many rounds (b) and (c) send it in
 
     def to_dict(self) -> dict:
@@ -188,7 +188,7 @@ class ParallelPlan:
     engine: Literal["hybridpar", "ddp"] = "hybridpar"
     """hybridpar's runtime, or torch DistributedDataParallel (every layer batch: the baseline)"""
     choices: Choices = field(default_factory=Choices)
-    """codec, compress, reducer, bn, amp, device (hybridpar.choices)"""
+    """codec, compress, reducer, bn, amp, device (hybridpar.core.choices)"""
     redistributions: list[Redistribution] = field(default_factory=list)
     predicted: list[Prediction] = field(default_factory=list)
     cluster: str = ""
@@ -196,7 +196,7 @@ class ParallelPlan:
     totals: dict[str, float] = field(default_factory=dict)
     """predicted comm_s, compute_s and total_s per iteration"""
     placement: tuple[int, int] | None = None
-    """grid (Pr, Pc) whose batch groups sit on consecutive ranks (hybridpar.planning.groups);
+    """grid (Pr, Pc) whose batch groups sit on consecutive ranks (hybridpar.core.groups);
     None: rank = position, model groups on consecutive ranks"""
 
     def __post_init__(self) -> None:
@@ -209,7 +209,7 @@ class ParallelPlan:
                 f"plan: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}"
             )
         if not isinstance(self.choices, Choices):
-            raise ConfigError("plan: choices must be a hybridpar.choices.Choices")
+            raise ConfigError("plan: choices must be a hybridpar.core.choices.Choices")
         for pattern, s in self.styles.items():
             if not isinstance(s, Style) or s.pr * s.pc != self.procs:
                 raise ConfigError(f"plan entry {pattern!r}: style {s} does not fit P={self.procs}")

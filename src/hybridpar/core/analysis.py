@@ -31,8 +31,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from hybridpar.errors import ConfigError
-from hybridpar.planning.rows import ELEMENTWISE_ACTIVATIONS, function_blocker, module_blocker
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.rows import ELEMENTWISE_ACTIVATIONS, function_blocker, module_blocker
 
 __all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
 
@@ -100,7 +100,7 @@ class LayerSpec:
     op: str = ""  # linear, conv1d, conv2d, conv3d, conv_transpose, or the kind: what the module is
     out_units: int = 0  # output features (linear) or output channels (conv): what a split splits
     calls: int = 1  # how often the module runs in one forward (weights shared between calls)
-    blocker: str = ""  # why the module cannot run on a band of rows ("": it can; planning.rows)
+    blocker: str = ""  # why the module cannot run on a band of rows ("": it can; core.rows)
     blockers: tuple[str, ...] = ()  # every such reason in this call's segment, functions included
     segment: int = 0  # the segment (run of layers between clean cuts) this call belongs to
     entry: str | None = None  # set on a segment's first leaf: the module whose pre-hook starts it

@@ -1,8 +1,8 @@
 """Which operations keep an image's rows apart, so that they run on a band of rows as they run on
 the whole image: the condition for a segment to take the domain style, where each rank of a model
-group holds a band of rows (Gholami et al. section 2.4). The trace (hybridpar.planning.analysis)
+group holds a band of rows (Gholami et al. section 2.4). The trace (hybridpar.core.analysis)
 asks for every leaf module and every torch function a model's `forward` calls, and records, per
-segment, what is not row-local; `planning.rules` refuses the domain style for such a segment and
+segment, what is not row-local; `core.rules` refuses the domain style for such a segment and
 names the operation.
 
 | row-local                                    | how the domain style runs it                        |

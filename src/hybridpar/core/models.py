@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from hybridpar.errors import ConfigError
-from hybridpar.planning.zoo import MODELS, input_shape, is_factory, zoo_entry
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.zoo import MODELS, input_shape, is_factory, zoo_entry
 
 __all__ = [
     "BUILDERS",

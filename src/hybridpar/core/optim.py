@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.errors import ConfigError
 
 __all__ = ["SCHEDULES", "KrizhevskySGD", "lr_factor", "scale_hparams"]
 

@@ -1,6 +1,6 @@
 """A model's weighted layers as both halves see them: the planner prices them, the runtime applies
 a style to each. Torch-free: a `CostLayer` is a frozen record, built from the trace of the model
-(hybridpar.planning.analysis) by `cost_layers`, cached on disk for the zoo and carried from the
+(hybridpar.core.analysis) by `cost_layers`, cached on disk for the zoo and carried from the
 parent to the ranks.
 
 Only layers with weights (conv, linear) are layers i = 1..L of Gholami et al.'s equations. Pooling,
@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from hybridpar.planning.analysis import LayerSpec
+    from hybridpar.core.analysis import LayerSpec
 
 __all__ = ["CostLayer", "cost_layers"]
 
@@ -49,12 +49,12 @@ class CostLayer:
     groups: int = 1  # a convolution's groups
     padding_mode: str = "zeros"
     calls: int = 1  # how often the weighted module runs in one forward
-    # what in this layer's segment does not run on a band of rows (planning.rows): the domain
+    # what in this layer's segment does not run on a band of rows (core.rows): the domain
     # style needs it empty
     blockers: tuple[str, ...] = ()
     # the sliding windows along the height in this layer (the convolution and pooling riding
     # along), in forward order: (module, kernel, stride, padding, dilation, H in, H out, C in,
-    # W in); the domain style's halos (planning.halo) follow from them
+    # W in); the domain style's halos (core.halo) follow from them
     windows: tuple[tuple, ...] = ()
 
     def __post_init__(self) -> None:

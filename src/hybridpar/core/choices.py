@@ -25,8 +25,8 @@ import typing
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
-from hybridpar.config import check_fields, meta
-from hybridpar.errors import ConfigError
+from hybridpar.core.config import check_fields, meta
+from hybridpar.core.errors import ConfigError
 
 __all__ = [
     "CODECS",

@@ -1,6 +1,6 @@
 """Whether a layer can take a style, and whether a plan's choices can run with its styles: the one
 decision the planner and the runtime both call (plan = run). Torch-free: it reads the layer's
-description (hybridpar.planning.layers.CostLayer), never the module, so `hybridpar plan` asks the
+description (hybridpar.core.layers.CostLayer), never the module, so `hybridpar plan` asks the
 same question `parallelize` asks and gets the same answer, in the same words.
 
 Each style kind states what it needs of a layer:
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from hybridpar.choices import Choices
-from hybridpar.plan import Style
-from hybridpar.planning.layers import CostLayer
-from hybridpar.splits import chunk_sizes, group_split, whole_group_prs
+from hybridpar.core.choices import Choices
+from hybridpar.core.layers import CostLayer
+from hybridpar.core.plan import Style
+from hybridpar.core.splits import chunk_sizes, group_split, whole_group_prs
 
 __all__ = ["EXECUTED", "RULES", "why_not", "why_not_choices"]
 

@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from functools import cache, lru_cache
 from pathlib import Path
 
-from hybridpar.errors import ConfigError
-from hybridpar.planning.groups import (
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.groups import (
     Span,
     batch_groups,
     hosts_by_rank,
@@ -81,7 +81,7 @@ class Cluster:
     ranks_per_host: int | None = None
     net_alpha: float | None = None
     net_beta: float | None = None
-    # how a plan places its positions on the ranks (hybridpar.planning.groups): set by the
+    # how a plan places its positions on the ranks (hybridpar.core.groups): set by the
     # planner (`placed`), not by cluster files
     placement: tuple[int, int] | None = None
     # what the ranks of one host lose where they meet, measured by `hybridpar calibrate` for each
@@ -204,7 +204,7 @@ class Cluster:
 
     def over(self, groups: list[list[int]]) -> Cluster:
         """This cluster as the collectives of `groups` see them (lists of positions, every group
-        running its collective at once, hybridpar.planning.groups; on ranks by `placement`):
+        running its collective at once, hybridpar.core.groups; on ranks by `placement`):
         itself where each group sits on one host; where one spans hosts, the network's alpha,
         its beta times the groups that cross from one host at once, and no shared memory."""
         if self.ranks_per_host is None or self.net_alpha is None or self.net_beta is None:
@@ -238,7 +238,7 @@ class Cluster:
 
     def regroup(self, P: int, fine: int, coarse: int) -> Cluster:
         """`over` the groups that move an activation between layouts of `fine` and `coarse`
-        batch groups (hybridpar.planning.groups.regroup_groups)."""
+        batch groups (hybridpar.core.groups.regroup_groups)."""
         if self.ranks_per_host is None:
             return self
         return _over(self, "regroup", P, fine, coarse)

@@ -22,7 +22,7 @@ from dataclasses import MISSING, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridpar.errors import ConfigError
+from hybridpar.core.errors import ConfigError
 
 __all__ = [
     "add_arguments",
