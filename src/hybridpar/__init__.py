@@ -35,6 +35,7 @@ SHORT_NAMES = {
     "hybridpar.comm": "hybridpar.runtime.comm",
     "hybridpar.parallel": "hybridpar.runtime.parallel",
     "hybridpar.planner": "hybridpar.planning.search",
+    "hybridpar.hooks": "hybridpar.runtime.comm.hooks",
 }
 """documented import path -> the module it names"""
 

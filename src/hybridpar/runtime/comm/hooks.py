@@ -19,11 +19,14 @@ from hybridpar.runtime.comm.collectives import (
     compressed_all_reduce,
 )
 from hybridpar.runtime.comm.group import Group, group_size
+from hybridpar.runtime.comm.host import HostReducer, HostState
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
 
 __all__ = [
     "PIECE_STRIDE",
+    "HostReducer",
+    "HostState",
     "ReducerState",
     "allreduce_hook",
     "compressed_hook",
