@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from hybridpar.commands.codec_report import throughput
+from hybridpar.commands.papers.codec_report import throughput
 from hybridpar.core.choices import CODECS, EIGHT_BIT
 from hybridpar.runtime.comm.codecs import get_codec
 

@@ -23,12 +23,12 @@ import time
 
 import torch
 
+from hybridpar.commands.papers import dettmers as dm
 from hybridpar.core.cluster import load_cluster
 from hybridpar.core.config import build
 from hybridpar.core.models import build_model
 from hybridpar.core.optim import KrizhevskySGD
 from hybridpar.planning.analysis_cache import zoo_cost_layers
-from hybridpar.planning.cost import dettmers as dm
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import run
 

@@ -147,7 +147,7 @@ def test_section_3_1_worked_examples():
     0.000019, mantissa 0.2345678 -> 0.2. The static tree with the same split and all 4 tree bits
     gives 0.253125, not the paper's 0.23125 (which needs 2 tree bits per half: a reading that
     leaves 8.7 % error on normal data against the paper's 4.82 %; docs/fidelity.md)."""
-    from hybridpar.commands.codec_report import PAPER_EXAMPLES
+    from hybridpar.commands.papers.codec_report import PAPER_EXAMPLES
 
     def approx(name, v):
         return float(get_codec(name, None).roundtrip(torch.tensor([v, 1.0]))[0])
@@ -285,7 +285,7 @@ def test_table_2_mnist_mlp_activations_dynamic_tree_best_per_layer():
     """Table 2's model-parallel rows: on the paper's 784-1024-1024-10 RMSProp network (digits
     upsampled to 28x28, 60 steps, as `hybridpar codecs` prints it) dynamic tree has the lowest
     relative error on every layer's activations, one scale per tensor as in the paper."""
-    from hybridpar.commands.codec_report import error_table, mlp_tensors
+    from hybridpar.commands.papers.codec_report import error_table, mlp_tensors
 
     acts = {k: v for k, v in mlp_tensors(60).items() if k.startswith("mlp acts")}
     rows = error_table(acts, (None,))

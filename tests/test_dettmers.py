@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
+from hybridpar.commands.papers import dettmers as dm
 from hybridpar.core.cluster import PRESETS
 from hybridpar.core.errors import ConfigError
 from hybridpar.planning.analysis_cache import zoo_cost_layers
-from hybridpar.planning.cost import dettmers as dm
 
 
 @pytest.mark.parametrize("bits", [32, 8])

@@ -1,13 +1,13 @@
 """Krizhevsky's communication-to-computation argument for the hand-off schemes (section 4),
-priced by `hybridpar simulate --handoffs` (planning.handoff_sweep)."""
+priced by `hybridpar simulate --handoffs` (commands.papers.handoff_sweep)."""
 
 import csv
 
 import pytest
 from test_cli import run
 
+from hybridpar.commands.papers.handoff_sweep import paper_exposed, sweep_handoffs
 from hybridpar.core.cluster import PRESETS
-from hybridpar.planning.handoff_sweep import paper_exposed, sweep_handoffs
 
 
 def test_paper_links_give_the_papers_ratios_where_rounds_hide():

@@ -119,7 +119,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         writable("--out", args.out)
     if args.model_of == "dettmers":
-        from hybridpar.commands.dettmers import plan_dettmers
+        from hybridpar.commands.papers.dettmers_plan import plan_dettmers
 
         return plan_dettmers(cfg, args)
     if args.dettmers_profile:
@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from hybridpar.planning.simulate import FIGURES, plot_sweep, run_sweep, write_csv
+    from hybridpar.commands.papers.simulate import FIGURES, plot_sweep, run_sweep, write_csv
 
     cfg = from_namespace(PlanConfig, args)
     cluster = job_cluster(cfg.cluster, cfg.choices.device)
@@ -163,7 +163,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     handoffs = None
     if args.handoffs:
-        from hybridpar.planning.handoff_sweep import sweep_handoffs
+        from hybridpar.commands.papers.handoff_sweep import sweep_handoffs
 
         handoffs = sweep_handoffs(cfg.model, args.procs, args.handoffs, cluster, **kwargs)
     results = run_sweep(
@@ -193,8 +193,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _write_handoffs(points, out: Path, args: argparse.Namespace, what: str) -> list[Path]:
-    """Print and write the hand-off sweep (planning.handoff_sweep)."""
-    from hybridpar.planning.handoff_sweep import plot_handoffs, write_handoffs
+    """Print and write the hand-off sweep (commands.papers.handoff_sweep)."""
+    from hybridpar.commands.papers.handoff_sweep import plot_handoffs, write_handoffs
 
     print(
         f"\nexposed hand-off / compute per iteration, {args.handoffs} examples per worker "

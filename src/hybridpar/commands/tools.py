@@ -64,7 +64,12 @@ def _check_codec_sizes(args: argparse.Namespace) -> None:
 
 
 def cmd_codecs(args: argparse.Namespace) -> int:
-    from hybridpar.commands.codec_report import datasets, error_table, print_table, throughput
+    from hybridpar.commands.papers.codec_report import (
+        datasets,
+        error_table,
+        print_table,
+        throughput,
+    )
     from hybridpar.core.choices import CODECS
 
     _check_codec_sizes(args)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybridpar.commands.papers import dettmers as dm
 from hybridpar.core.cluster import load_cluster
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.zoo import is_factory
 from hybridpar.planning.analysis_cache import zoo_cost_layers
 from hybridpar.planning.config import PlanConfig
-from hybridpar.planning.cost import dettmers as dm
 
 __all__ = ["plan_dettmers"]
 
