@@ -223,9 +223,9 @@ def test_the_cluster_files_the_docs_show_load(tmp_path):
         for block in re.findall(r"```toml\n(.*?)```", doc.read_text(), re.S):
             path = tmp_path / f"c{found}.toml"
             path.write_text(block)
-            c = load_cluster(str(path))
+            c = load_cluster(str(path))  # refuses a file it cannot price with
             found += 1
-            assert c.alpha >= 0 and c.beta > 0
+            assert c.two_level == ("[network]" in block), block  # the second level was read
     assert found >= 3
 
 
