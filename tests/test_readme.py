@@ -88,6 +88,8 @@ def _promise(command: str, job, plan) -> None:
         assert plan.choices.bn == "adaptive" and cfg.runtime.bn_max_batch == 256
     if "--reducer host" in command:
         assert plan.choices.reducer == "host"
+    if "--profile-trace runs/trace" in command:
+        assert cfg.profile_trace == "runs/trace"
     if "--tensorboard runs/tb" in command:
         assert cfg.tensorboard == "runs/tb"
     if "--config run.toml" in command:  # the options printed by the line before it

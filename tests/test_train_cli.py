@@ -90,6 +90,34 @@ def test_tensorboard_gets_the_steps_the_epochs_and_measured_next_to_predicted(tm
     assert scalars["iteration/total ms measured"][0][1] > 0
 
 
+def test_a_profiler_trace_of_every_rank_names_the_collectives_by_term_and_layer(tmp_path):
+    """Issue 41 item 5: --profile-trace writes a Chrome trace of 3 steps (after the first) per
+    rank, in which each of hybridpar's collectives is a range named by what it carried."""
+    import collections
+
+    trace = tmp_path / "trace"
+    r = subprocess.run(
+        CMD
+        + ["--nproc", "2", "--preset", "owt", "--epochs", "1", "--max-steps", "6"]
+        + ["--profile-trace", str(trace), "--quiet", "--save", str(tmp_path / "w.pt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        events = json.loads((trace / f"rank{rank}.json").read_text())["traceEvents"]
+        named = collections.Counter(
+            e["name"] for e in events if e.get("name", "").startswith("hybridpar ")
+        )
+        # owt: the FC layers (6, 9, 11) model parallel, the convolutions' gradients summed
+        for fc in ("6", "9", "11"):
+            assert named[f"hybridpar all_gather_uneven allgather {fc}"] == 3, named
+        assert named["hybridpar all_reduce dx_allreduce 9"] == 3, named
+        assert any(k.startswith("hybridpar all_reduce dw_allreduce") for k in named), named
+        assert all(e["dur"] >= 0 for e in events if e.get("name", "").startswith("hybridpar "))
+
+
 def test_tensorboard_without_its_package_is_refused_before_any_rank(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     cfg = build(TrainConfig, tensorboard=str(tmp_path / "tb"), nproc=2, preset="ddp")

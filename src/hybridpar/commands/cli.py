@@ -199,6 +199,7 @@ TRAIN_CONCERNS = {
         "runtime.timeout_s",
         "report",
         "tensorboard",
+        "profile_trace",
         "quiet",
         "progress",
     ),

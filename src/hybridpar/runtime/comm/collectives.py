@@ -43,6 +43,31 @@ __all__ = [
 ]
 
 
+def labelled(fn):
+    """`fn` (a collective taking `term` and `layer` or `layers`) inside a torch.profiler range
+    named "hybridpar <collective> <term> <layers>" while a profiler records (`--profile-trace`),
+    so a trace shows what each collective carried; a direct call otherwise."""
+    import functools
+    import inspect
+
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not torch.autograd._profiler_enabled():
+            return fn(*args, **kwargs)
+        with torch.profiler.record_function(_label(fn.__name__, sig.bind(*args, **kwargs))):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _label(name: str, bound) -> str:
+    a = bound.arguments
+    layers = a.get("layer") or ",".join(list(a.get("layers") or ())[:3])
+    return f"hybridpar {name} {a.get('term', '')} {layers or ''}".rstrip()
+
+
 class Pending:
     """An async collective: wait() blocks, then the ledger entry gets its wall time."""
 
@@ -61,6 +86,7 @@ class Pending:
             self.entry.seconds = time.perf_counter() - self.t0
 
 
+@labelled
 def all_reduce(
     t: torch.Tensor,
     group: Group | dist.ProcessGroup,
@@ -93,6 +119,7 @@ def all_reduce(
     return pending
 
 
+@labelled
 def all_gather_uneven(
     t: torch.Tensor,
     sizes: Sequence[int],
@@ -136,6 +163,7 @@ def all_gather_uneven(
     return out
 
 
+@labelled
 def reduce_scatter_uneven(
     t: torch.Tensor,
     sizes: Sequence[int],
@@ -158,13 +186,17 @@ class Started:
     its seconds are the time this rank spent in the collective, starting it and waiting for it:
     the part the work between the two did not hide (exposed communication)."""
 
-    def __init__(self, finish, entry: Entry | None, t0: float) -> None:
-        self._finish, self.entry = finish, entry
+    def __init__(self, finish, entry: Entry | None, t0: float, label: str = "") -> None:
+        self._finish, self.entry, self.label = finish, entry, label
         self.seconds = time.perf_counter() - t0  # starting it
 
     def wait(self) -> torch.Tensor:
         t0 = time.perf_counter()
-        out = self._finish()
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(f"hybridpar wait {self.label}".rstrip()):
+                out = self._finish()
+        else:
+            out = self._finish()
         self.seconds += time.perf_counter() - t0
         if self.entry is not None:
             self.entry.seconds = self.seconds
@@ -175,7 +207,7 @@ def _started(kind, p, nbytes, ledger, term, layer, numel, finish, t0) -> Started
     entry = None
     if ledger is not None:
         entry = ledger.record(kind, p, nbytes, 0.0, term, {layer: numel} if layer else None)
-    return Started(finish, entry, t0)
+    return Started(finish, entry, t0, f"{kind} {term} {layer or ''}".rstrip())
 
 
 def _small(group, t: torch.Tensor, nbytes: int):
@@ -189,6 +221,7 @@ def _padded(t: torch.Tensor, dim: int, top: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(_shape_with(t, dim, top - t.shape[dim]))], dim=dim)
 
 
+@labelled
 def start_all_gather(
     t: torch.Tensor,
     sizes: Sequence[int],
@@ -260,6 +293,7 @@ def _start_compressed_all_gather(t, sizes, dim, group, ledger, term, layer, code
     return started
 
 
+@labelled
 def start_reduce_scatter(
     t: torch.Tensor,
     sizes: Sequence[int],
@@ -295,6 +329,7 @@ def start_reduce_scatter(
     return _started("reduce_scatter", p, nbytes, ledger, term, layer, t.numel(), finish, t0)
 
 
+@labelled
 def start_broadcast(
     t: torch.Tensor,
     root: int,
@@ -308,6 +343,7 @@ def start_broadcast(
     return _rooted("broadcast", t.contiguous(), root, group, ledger, term, layer)
 
 
+@labelled
 def start_reduce(
     t: torch.Tensor,
     root: int,
@@ -418,6 +454,7 @@ def _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec: Cod
     return out
 
 
+@labelled
 def compressed_all_reduce(
     t: torch.Tensor,
     group: Group | dist.ProcessGroup,

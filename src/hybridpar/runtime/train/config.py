@@ -113,6 +113,11 @@ class TrainConfig:
         "step, loss, accuracy and time per epoch, measured next to predicted time and bytes "
         "(needs `pip install tensorboard`)",
     )
+    profile_trace: str | None = meta(
+        None,
+        "write a torch.profiler trace of 3 steps after the first of every rank here, "
+        "rank<r>.json (chrome://tracing, Perfetto), hybridpar's collectives named by term and layer",
+    )
     choices: Choices = nested(Choices)
     runtime: RuntimeOptions = nested(RuntimeOptions)
 

@@ -177,6 +177,7 @@ def fit(
     epochs, times = list(pos.history), {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
     steps, stride = [], max(1, -(-total // 2000))
+    trace = _Trace(cfg, trainer.device)
     for epoch in range(pos.epoch, cfg.epochs):
         t0 = time.perf_counter()
         first = pos.index if epoch == pos.epoch else 0
@@ -190,7 +191,9 @@ def fit(
                     g["lr"] = base_lr * factor
             if len(idx) == cfg.batch:
                 full_steps.add(trainer.steps)
+            trace.before_step()
             r = trainer.train_step(data.x_train[idx], data.y_train[idx])
+            trace.after_step()
             sums = [sums[0] + r.loss_sum, sums[1] + r.correct, sums[2] + r.count]
             if trainer.steps % stride == 0 and r.count:
                 lr = base_lrs[0] * factor
@@ -220,7 +223,43 @@ def fit(
             log.epoch(epochs[-1])
         bar.set_postfix(loss=f"{epochs[-1]['loss']:.3f}", test=f"{epochs[-1]['test_acc']:.3f}")
     bar.close()
+    trace.close()
     return epochs, times, full_steps, steps
+
+
+class _Trace:
+    """--profile-trace: torch.profiler over 3 steps after this run's first (which pays one-off
+    costs), written as a Chrome trace per rank; nothing without the option."""
+
+    STEPS = 3
+
+    def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
+        self.path = None
+        if cfg.profile_trace is not None:
+            self.path = Path(cfg.profile_trace) / f"rank{dist.get_rank()}.json"
+        self.device, self.seen, self.prof = device, 0, None
+
+    def before_step(self) -> None:
+        if self.path is not None and self.seen == 1 and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(ProfilerActivity.CUDA)
+            self.prof = profile(activities=acts)
+            self.prof.start()
+
+    def after_step(self) -> None:
+        self.seen += 1
+        if self.prof is not None and self.seen == 1 + self.STEPS:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.prof.export_chrome_trace(str(self.path))
+            self.prof, self.path = None, None
 
 
 def _quiet_rank(P: int) -> None:

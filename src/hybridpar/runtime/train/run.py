@@ -230,6 +230,8 @@ def _outputs(cfg: TrainConfig) -> TrainConfig:
     ):
         if target is not None:
             writable(flag, Path(target))
+    if cfg.profile_trace is not None:
+        writable("--profile-trace", Path(cfg.profile_trace) / "rank0.json")
     if cfg.tensorboard is not None:
         writable("--tensorboard", Path(cfg.tensorboard) / "x")
         try:
