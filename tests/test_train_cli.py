@@ -62,20 +62,19 @@ def test_train_digits_reports_prediction_and_measurement(tmp_path):
     assert statistics.mean(s["loss"] for s in steps[-10:]) < steps[0]["loss"]
 
 
+def _owt(tmp_path, *flags: str) -> None:
+    """A short run of the owt preset on 2 ranks (FC layers model parallel), quiet."""
+    args = ["--nproc", "2", "--preset", "owt", "--quiet", "--save", str(tmp_path / "w.pt")]
+    r = subprocess.run(CMD + args + list(flags), capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+
+
 def test_tensorboard_gets_the_steps_the_epochs_and_measured_next_to_predicted(tmp_path):
     """Issue 41 item 4: rank 0 writes TensorBoard scalars; read back from the event file."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     board = tmp_path / "tb"
-    r = subprocess.run(
-        CMD
-        + ["--nproc", "2", "--preset", "owt", "--epochs", "2", "--max-steps", "3"]
-        + ["--tensorboard", str(board), "--quiet", "--save", str(tmp_path / "w.pt")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stderr
+    _owt(tmp_path, "--epochs", "2", "--max-steps", "3", "--tensorboard", str(board))
     events = EventAccumulator(str(board))
     events.Reload()
     scalars = {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
@@ -96,15 +95,7 @@ def test_a_profiler_trace_of_every_rank_names_the_collectives_by_term_and_layer(
     import collections
 
     trace = tmp_path / "trace"
-    r = subprocess.run(
-        CMD
-        + ["--nproc", "2", "--preset", "owt", "--epochs", "1", "--max-steps", "6"]
-        + ["--profile-trace", str(trace), "--quiet", "--save", str(tmp_path / "w.pt")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stderr
+    _owt(tmp_path, "--epochs", "1", "--max-steps", "6", "--profile-trace", str(trace))
     for rank in (0, 1):
         events = json.loads((trace / f"rank{rank}.json").read_text())["traceEvents"]
         named = collections.Counter(
