@@ -319,3 +319,14 @@ def test_a_bad_config_file_is_one_line_naming_the_key(tmp_path, capsys, text, ne
     assert needle in err and len(err.strip().splitlines()) == 1, err
     assert main(["plan", "--config", str(tmp_path / "none.toml")]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+def test_calibrate_check_is_refused_under_torchrun_in_one_line(capsys, monkeypatch):
+    from hybridpar.commands.cli import main
+
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "LOCAL_WORLD_SIZE": "2"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["calibrate", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "without torchrun" in err and len(err.strip().splitlines()) == 1, err

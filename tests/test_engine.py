@@ -221,6 +221,16 @@ def test_documented_imports_keep_working():
     (not copies with their own state)."""
     from hybridpar.comm import shutdown
     from hybridpar.comm.codecs import get_codec
+    from hybridpar.hooks import (
+        HostReducer,
+        HostState,
+        ReducerState,
+        allreduce_hook,
+        compressed_hook,
+        dynamic8,
+        host_hook,
+        linear8,
+    )
     from hybridpar.parallel import (
         GlobalBatchNorm2d,
         ModelParallelConv2d,
@@ -233,16 +243,6 @@ def test_documented_imports_keep_working():
     from hybridpar import ParallelPlan as Plan
     from hybridpar import Style as S
     from hybridpar import load_cluster, make_plan, parallelize
-    from hybridpar.hooks import (
-        HostReducer,
-        HostState,
-        ReducerState,
-        allreduce_hook,
-        compressed_hook,
-        dynamic8,
-        host_hook,
-        linear8,
-    )
 
     assert all(callable(f) for f in (shutdown, get_codec, plan_for, make_plan, load_cluster))
     assert Trainer is HybridTrainer and Plan is ParallelPlan and S is Style

@@ -103,6 +103,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     local = max(args.nproc) if not under_torchrun() else int(os.environ["LOCAL_WORLD_SIZE"])
     device, backend = device_and_backend(args.device, args.backend, local)
     if args.check:
+        if under_torchrun():
+            raise ConfigError("--check measures this machine on its own: run it without torchrun")
         return _check(device, backend, args.repeats)
     d = calibrate(nproc=args.nproc, repeats=args.repeats, device=device, backend=backend)
     if d is None:  # a rank of a torchrun job other than 0: rank 0 reports
