@@ -191,6 +191,7 @@ TRAIN_CONCERNS = {
         "runtime.bn_threshold",
         "runtime.bn_signal",
     ),
+    "compute": ("runtime.compile", "runtime.compile_backend", "runtime.activation_checkpointing"),
     "checkpoints": ("save", "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"),
     "runtime": (
         "choices.device",

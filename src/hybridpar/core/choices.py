@@ -87,7 +87,6 @@ class Choices:
     compress: tuple[str, ...] = meta(
         COMPRESSIBLE,
         "what the codec applies to: grads, activations or both (comma-separated)",
-        parse=parse_compress,
         show="grads,activations",
     )
     reducer: Reducer = meta(

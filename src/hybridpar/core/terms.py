@@ -26,6 +26,7 @@ class Term(str, Enum):
     BN_SWITCH = "bn_switch"  # the adaptive batch norm's agreed decision
     PARAM_BROADCAST = "param_broadcast"  # parameters sent once at the start
     STATE = "state"  # gathering shards into a full state dict
+    RECOMPUTE = "recompute"  # collectives run again by activation checkpointing: not predicted
 
     def __str__(self) -> str:
         return self.value

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from hybridpar.core.terms import Term
+
 __all__ = ["Entry", "Ledger", "bus_bytes"]
 
 
@@ -49,6 +51,7 @@ class Ledger:
         self.entries: list[Entry] = []
         self.step = 0
         self.enabled = True
+        self.recomputing = False  # activation checkpointing's recompute: booked as `recompute`
 
     def record(
         self,
@@ -66,6 +69,7 @@ class Ledger:
             shares = {k: b * v / total for k, v in layers.items()} if total else {}
         else:
             shares = {}
+        term = Term.RECOMPUTE if self.recomputing else term
         e = Entry(kind, group, b, seconds, term, shares, self.step)
         if self.enabled:
             self.entries.append(e)

@@ -31,6 +31,7 @@ from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel import compute
 from hybridpar.runtime.parallel.batchnorm import BNSwitch
 from hybridpar.runtime.parallel.layout import Layout
 
@@ -68,6 +69,13 @@ class Engine(nn.Module):
         self.plan, self.layout, self.options, self.ledger = plan, layout, options, ledger
         self.device = device
         self.build(model)
+        # the parts of the model compiled, and those recomputed in backward (around them)
+        backend = options.compile_backend
+        self.compiled = compute.compile_plain(self.module, backend) if options.compile else []
+        patterns = options.activation_checkpointing
+        self.checkpointed = compute.checkpoint_modules(
+            self.module, patterns, layout.handoffs, ledger
+        )
 
     def build(self, model: nn.Module) -> None:
         """Apply the plan to `model` on this rank (collective: it makes the process groups)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -307,6 +308,17 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
     )
 
 
+def _peak_memory(device: torch.device) -> list[dict[str, float]]:
+    """Every rank's peak resident memory in MB (and the CUDA allocator's peak on a GPU), in
+    rank order. Collective over the whole world."""
+    mine = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.type == "cuda":
+        mine["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
 def _rounds(plan: ParallelPlan) -> int:
     """K of the last hand-off sent in rounds (the one a variable batch steps per round)."""
     return next((r.rounds for r in reversed(plan.redistributions) if r.scheme != "a"), 1)
@@ -347,6 +359,7 @@ def train_worker(job: Job) -> dict | None:
     split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
     split["handoff"] = waiting(trainer.ledger, timed, (Term.REDISTRIBUTE,))
     names = host_names()  # each rank's host, in rank order
+    peaks = _peak_memory(trainer.device)
     hosts = names if plan.choices.reducer == "host" else None
     if rank != 0:
         return None
@@ -376,6 +389,10 @@ def train_worker(job: Job) -> dict | None:
             "head_weight_decay": head.param_groups[0]["weight_decay"],
         }
     out["steps"] = steps  # rank 0's: the loss on its own examples
+    # what --compile compiled and --activation-checkpointing recomputes, and the largest rank's
+    # peak memory (resident; on a GPU also what torch's allocator held)
+    out["compute"] = {"compiled": engine.compiled, "checkpointed": engine.checkpointed}
+    out["memory"] = {k: max(p[k] for p in peaks) for k in peaks[0]}
     out["hosts"] = host_layout(names)
     # ranks dealt to hosts otherwise than host by host: the groups follow the hosts (engine.order)
     # where the plan's ordered groups allow it, else the prices assume what did not happen

@@ -17,7 +17,14 @@ from hybridpar.runtime.comm.ledger import Ledger
 
 __all__ = ["measured", "predicted", "report", "strict", "waiting", "write_report"]
 
-UNPREDICTED = (Term.METRICS, Term.CODEC_OVERHEAD, Term.BN_SWITCH, Term.PARAM_BROADCAST, Term.STATE)
+UNPREDICTED = (
+    Term.METRICS,
+    Term.CODEC_OVERHEAD,
+    Term.BN_SWITCH,
+    Term.PARAM_BROADCAST,
+    Term.STATE,
+    Term.RECOMPUTE,
+)
 
 
 def measured(ledger: Ledger, steps: set[int]) -> dict:

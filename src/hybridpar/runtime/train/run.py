@@ -35,6 +35,7 @@ from hybridpar.core.zoo import file_label, input_shape, is_factory, parse_input_
 from hybridpar.runtime.comm.group import DEFAULT_TIMEOUT_S
 from hybridpar.runtime.launcher import launch, under_torchrun
 from hybridpar.runtime.parallel.checkpoint import latest, read_meta
+from hybridpar.runtime.parallel.compute import matching
 from hybridpar.runtime.parallel.layout import resolve, with_handoff
 from hybridpar.runtime.train.config import DEFAULT_MODEL, TrainConfig
 from hybridpar.runtime.train.data import signature
@@ -77,6 +78,8 @@ def prepare(cfg: TrainConfig) -> Job:
             layout = resolve(model, plan.with_choices(**placed), shape, P, traced)
     if layout is not None and cfg.handoff in ("b", "c"):
         _check_handoff(cfg.handoff, cfg.rounds, layout)
+    # the checkpointing patterns match, and no hand-off runs in rounds
+    matching(model, cfg.runtime.activation_checkpointing, layout.handoffs if layout else None)
     if layout is not None and cfg.runtime.variable_batch:
         why = why_not_variable_batch(layout.handoffs, layout.segments)
         if why:

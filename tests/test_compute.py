@@ -1,0 +1,151 @@
+"""Issue 41: --compile and --activation-checkpointing under any plan. The same 3 steps run plain,
+with the model's compute compiled and with modules checkpointed, on 2 and 4 gloo ranks under
+batch, model and domain plans: the parameters and batch-norm statistics equal the plain run's
+(the float32 oracle tolerance). Compiled tests use torch.compile's aot_eager backend (Dynamo's
+graph capture and AOTAutograd, what meets the collectives; inductor's code generation is the same
+for hybridpar as for any model and costs seconds per graph), and one test inductor itself."""
+
+import pytest
+import torch
+from dist_helpers import run_ranks
+from nets import MAKERS, B, assert_same_state, batches, make, preset, train_parallel
+from torch import nn
+from torch._dynamo.utils import counters
+
+from hybridpar.core.errors import ConfigError
+from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.options import RuntimeOptions
+from hybridpar.runtime.parallel import parallelize
+from hybridpar.runtime.parallel.compute import checkpoint_modules, compile_plain, matching
+
+STEPS = 3
+# per model: what is checkpointed (a part with collectives in it under model and domain plans;
+# under the batch plan, one segment, a run of a Sequential's children)
+CHECKPOINT = {"tv-alexnet": ("features", "classifier"), "resnet20": ("layer*",)}
+BATCH = {
+    "tv-alexnet": ("features.0..features.4", "classifier"),
+    "resnet20": ("layer1.0..layer1.2",),
+}
+
+
+def _runs(name: str, P: int, backend: str = "aot_eager") -> dict:
+    data = batches(MAKERS[name][1], steps=STEPS)
+    out = {}
+    for which in ("batch", "model", "domain"):
+        plan = preset(name, which, P, bn="global")
+        runs = {
+            "plain": RuntimeOptions(),
+            "compiled": RuntimeOptions(compile=True, compile_backend=backend),
+            "checkpointed": RuntimeOptions(
+                activation_checkpointing=(BATCH if which == "batch" else CHECKPOINT)[name]
+            ),
+        }
+        got = {}
+        for kind, options in runs.items():
+            torch._dynamo.reset()
+            counters.clear()
+            ledger = Ledger()
+            hp = parallelize(make(name), plan, options, ledger=ledger)
+            state = train_parallel(hp, data)
+            terms = ledger.bytes_by_term()
+            # what Dynamo captured (twins share a graph), and where it broke a graph
+            graphs = (counters["stats"]["unique_graphs"], dict(counters["graph_break"]))
+            got[kind] = (state, hp.compiled, hp.checkpointed, terms, graphs)
+        out[which] = got
+    return out
+
+
+def _check(name: str, P: int, out: dict) -> None:
+    for which, got in out.items():
+        plain, _, _, plain_terms, _ = got["plain"]
+        label = f"{name} P={P} {which}"
+        for kind in ("compiled", "checkpointed"):
+            assert_same_state(got[kind][0], plain, f"{label} {kind}")
+        compiled, checkpointed = got["compiled"][1], got["checkpointed"][2]
+        graphs, breaks = got["compiled"][4]
+        assert compiled and graphs > 0 and not breaks, f"{label}: {compiled} {graphs} {breaks}"
+        assert checkpointed, f"{label}: nothing checkpointed"
+        terms = got["checkpointed"][3]
+        recomputed = terms.pop("recompute", 0.0)  # the checkpointed parts' collectives, again
+        assert terms == plain_terms, label
+        if which == "batch" and name == "tv-alexnet":  # no collective in a batch part
+            assert recomputed == 0, label
+        else:  # a split layer's gathers, a band's halos or a global BN's sums run again
+            assert recomputed > 0, label
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", ["tv-alexnet", "resnet20"])
+def test_compiled_and_checkpointed_runs_equal_the_plain_run(name, P):
+    out = run_ranks(_runs, P, name, P, timeout_s=400)[0]
+    _check(name, P, out)
+
+
+def test_inductor_compiles_the_batch_parts_and_equals_the_plain_run():
+    out = run_ranks(_runs, 2, "tv-alexnet", 2, "inductor", timeout_s=400)[0]
+    _check("tv-alexnet", 2, out)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.bn = nn.BatchNorm2d(2)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(torch.relu(self.bn(self.conv(x))))
+
+
+def test_a_checkpointed_module_updates_its_batch_norm_once_and_recomputes_the_same_masks():
+    """One process: the recompute restores torch's random state (the dropout masks) and the
+    running statistics (updated once per step, as without checkpointing)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_Block(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    ckpt = nn.Sequential(_Block(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    ckpt.load_state_dict(plain.state_dict())
+    assert checkpoint_modules(ckpt, ("0",), {}, None) == ["0"]
+    seg = nn.Sequential(_Block(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    seg.load_state_dict(plain.state_dict())
+    assert checkpoint_modules(seg, ("0..1",), {}, None) == ["0..1"]
+    x = torch.randn(B, 2, 4, 4)
+    for m in (plain, ckpt, seg):
+        torch.manual_seed(1)
+        m(x).square().sum().backward()
+    for other in (ckpt, seg):
+        for (k, a), b in zip(plain.state_dict().items(), other.state_dict().values(), strict=True):
+            assert torch.equal(a, b), k
+        assert int(other[0].bn.num_batches_tracked) == 1
+        for a, b in zip(plain.parameters(), other.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+
+
+def test_only_plain_torch_parts_are_compiled():
+    class Ours(nn.Module):  # a module of hybridpar's stays eager
+        pass
+
+    Ours.__module__ = "hybridpar.runtime.parallel.model"
+    m = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), Ours(), nn.Linear(2, 2))
+    m[2].register_forward_pre_hook(lambda mod, args: None)  # a hook (a hand-off) stays eager
+    assert compile_plain(m, "eager") == ["0"]
+
+
+def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_refused():
+    m = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(
+        ConfigError, match="matches no module; the model's top-level modules are: 0"
+    ):
+        matching(m, ("features",))
+    with pytest.raises(ConfigError, match="--handoff a"):
+        matching(m, ("0",), {1: object()})
+    nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 2))
+    assert matching(nested, ("0*",)) == [["0"]]
+    assert matching(nested, ("0.0..0.1", "1")) == [["0.0", "0.1"], ["1"]]
+    with pytest.raises(ConfigError, match=r"two children of one nn\.Sequential"):
+        matching(nested, ("0.0..1",))
+    nested[1].register_forward_pre_hook(lambda mod, args: None)  # an entry at "1"
+    with pytest.raises(
+        ConfigError, match="crosses the entry of a plan segment at 1; end it before 1"
+    ):
+        checkpoint_modules(nested, ("0..1",), {}, None)
+    assert RuntimeOptions(activation_checkpointing="a, b*").activation_checkpointing == ("a", "b*")
