@@ -218,7 +218,7 @@ def test_every_option_has_help_and_no_internal_name():
 
 def test_train_help_is_grouped_by_concern():
     """Issue 43 item 7: `train --help` was one flat list of 47 options (and the nested configs'
-    under their class names); now every option sits under one of seven concerns, in order, and
+    under their class names); now every option sits under one of eight concerns, in order, and
     an option added without one fails the parser's construction."""
     import argparse
 
@@ -229,7 +229,7 @@ def test_train_help_is_grouped_by_concern():
     train = build_parser()._subparsers._group_actions[0].choices["train"]
     titles = [g.title for g in train._action_groups if g._group_actions]
     concerns = ["model and data", "optimisation", "plan", "communication", "batch norm"]
-    assert titles == ["options", *concerns, "checkpoints", "runtime"]
+    assert titles == ["options", *concerns, "compute", "checkpoints", "runtime"]
     (helps,) = [g for g in train._action_groups if g.title == "options"]
     # nothing left unsorted but the command-wide options
     assert [a.dest for a in helps._group_actions] == ["help", "config", "print_config"]

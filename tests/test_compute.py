@@ -12,7 +12,12 @@ from nets import MAKERS, B, assert_same_state, batches, make, preset, train_para
 from torch import nn
 from torch._dynamo.utils import counters
 
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices, covered
+from hybridpar.core.cluster import Cluster
 from hybridpar.core.errors import ConfigError
+from hybridpar.core.layers import cost_layers
+from hybridpar.planning.search import plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import parallelize
@@ -28,24 +33,38 @@ BATCH = {
 }
 
 
+# where --compile must find something to compile (elsewhere every plain part between two
+# collectives is a single operation: left eager); resnet20's compiled runs with local BN, its
+# global BN's all-reduce sits between every convolution and the next
+COMPILES = {("tv-alexnet", "batch"): 3, ("tv-alexnet", "model"): 1, ("resnet20", "batch"): 1}
+
+
 def _runs(name: str, P: int, backend: str = "aot_eager") -> dict:
     data = batches(MAKERS[name][1], steps=STEPS)
     out = {}
     for which in ("batch", "model", "domain"):
         plan = preset(name, which, P, bn="global")
+        local = preset(name, which, P, bn="local") if name == "resnet20" else plan
         runs = {
-            "plain": RuntimeOptions(),
-            "compiled": RuntimeOptions(compile=True, compile_backend=backend),
-            "checkpointed": RuntimeOptions(
-                activation_checkpointing=(BATCH if which == "batch" else CHECKPOINT)[name]
+            "plain": (plan, RuntimeOptions()),
+            "checkpointed": (
+                plan.with_choices(
+                    activation_checkpointing=(BATCH if which == "batch" else CHECKPOINT)[name]
+                ),
+                RuntimeOptions(),
             ),
+            "plain-local": (local, RuntimeOptions()),
+            "compiled": (local, RuntimeOptions(compile=True, compile_backend=backend)),
         }
         got = {}
-        for kind, options in runs.items():
+        for kind, (p, options) in runs.items():
+            if kind == "plain-local" and local is plan:
+                got[kind] = got["plain"]
+                continue
             torch._dynamo.reset()
             counters.clear()
             ledger = Ledger()
-            hp = parallelize(make(name), plan, options, ledger=ledger)
+            hp = parallelize(make(name), p, options, ledger=ledger)
             state = train_parallel(hp, data)
             terms = ledger.bytes_by_term()
             # what Dynamo captured (twins share a graph), and where it broke a graph
@@ -57,15 +76,15 @@ def _runs(name: str, P: int, backend: str = "aot_eager") -> dict:
 
 def _check(name: str, P: int, out: dict) -> None:
     for which, got in out.items():
-        plain, _, _, plain_terms, _ = got["plain"]
         label = f"{name} P={P} {which}"
-        for kind in ("compiled", "checkpointed"):
-            assert_same_state(got[kind][0], plain, f"{label} {kind}")
+        assert_same_state(got["checkpointed"][0], got["plain"][0], f"{label} checkpointed")
+        assert_same_state(got["compiled"][0], got["plain-local"][0], f"{label} compiled")
         compiled, checkpointed = got["compiled"][1], got["checkpointed"][2]
         graphs, breaks = got["compiled"][4]
-        assert compiled and graphs > 0 and not breaks, f"{label}: {compiled} {graphs} {breaks}"
+        assert len(compiled) == COMPILES.get((name, which), 0), f"{label}: {compiled}"
+        assert graphs >= min(1, len(compiled)) and not breaks, f"{label}: {graphs} {breaks}"
         assert checkpointed, f"{label}: nothing checkpointed"
-        terms = got["checkpointed"][3]
+        terms, plain_terms = got["checkpointed"][3], got["plain"][3]
         recomputed = terms.pop("recompute", 0.0)  # the checkpointed parts' collectives, again
         assert terms == plain_terms, label
         if which == "batch" and name == "tv-alexnet":  # no collective in a batch part
@@ -124,7 +143,7 @@ def test_only_plain_torch_parts_are_compiled():
     class Ours(nn.Module):  # a module of hybridpar's stays eager
         pass
 
-    Ours.__module__ = "hybridpar.runtime.parallel.model"
+    Ours.__module__ = "hybridpar.runtime.parallel.model"  # the zoo's models are plain torch
     m = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), Ours(), nn.Linear(2, 2))
     m[2].register_forward_pre_hook(lambda mod, args: None)  # a hook (a hand-off) stays eager
     assert compile_plain(m, "eager") == ["0"]
@@ -141,6 +160,9 @@ def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_re
     nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 2))
     assert matching(nested, ("0*",)) == [["0"]]
     assert matching(nested, ("0.0..0.1", "1")) == [["0.0", "0.1"], ["1"]]
+    assert matching(nested, ("0..1", "0.1", "0..1")) == [["0", "1"]]  # inside: recomputed with it
+    with pytest.raises(ConfigError, match="overlaps another segment in part"):
+        matching(nn.Sequential(*[nn.ReLU() for _ in range(4)]), ("0..2", "1..3"))
     with pytest.raises(ConfigError, match=r"two children of one nn\.Sequential"):
         matching(nested, ("0.0..1",))
     nested[1].register_forward_pre_hook(lambda mod, args: None)  # an entry at "1"
@@ -148,4 +170,47 @@ def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_re
         ConfigError, match="crosses the entry of a plan segment at 1; end it before 1"
     ):
         checkpoint_modules(nested, ("0..1",), {}, None)
-    assert RuntimeOptions(activation_checkpointing="a, b*").activation_checkpointing == ("a", "b*")
+    assert Choices(activation_checkpointing="a, b*").activation_checkpointing == ("a", "b*")
+    with pytest.raises(ConfigError, match=r"matches none of the model's layers; e\.g\. 0\.0, 1"):
+        covered(["0.0", "1"], ("features",))
+
+
+@pytest.mark.parametrize(
+    "name, patterns",
+    [
+        ("tv-alexnet", ("features", "classifier.4")),
+        ("tv-alexnet", ("features.0..features.3", "classifier.*")),
+        ("resnet20", ("layer?.?",)),
+        ("resnet20", ("layer1.1..layer1.2", "layer3", "fc")),
+        ("alexnet-owt", ("0..12",)),
+        ("alexnet-owt", ("1?",)),
+    ],
+)
+def test_the_planner_prices_the_modules_the_runtime_recomputes(name, patterns):
+    """Plan = run: the leaves the planner prices as recomputed are those under what the runtime
+    checkpoints; their backward grows by their forward and their memory by less."""
+    model = make(name)
+    runs = matching(model, patterns)
+    under = {
+        f"{top}.{n}" if n else top
+        for run in runs
+        for top in run
+        for n, m in model.get_submodule(top).named_modules()
+        if not list(m.children())
+    }
+    layers = cost_layers(analyze(model, MAKERS[name][1]))
+    leaves = [m for x in layers for m in x.members]
+    assert covered(leaves, patterns) == under & set(leaves)
+    net = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
+    plain, ckpt = (
+        plan_layers(
+            layers, 2, B, net, choices=Choices(activation_checkpointing=p), scenarios=["batch"]
+        ).candidates["batch"][0]
+        for p in ((), patterns)
+    )
+    # each layer's forward again, for the share of its modules the runtime recomputes
+    forward = sum(
+        x.forward_s * len(under & set(x.layer.members)) / len(x.layer.members) for x in plain.layers
+    )
+    assert ckpt.compute_s - plain.compute_s == pytest.approx(forward, rel=1e-9) and forward > 0
+    assert ckpt.memory_bytes < plain.memory_bytes

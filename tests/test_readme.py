@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -92,6 +93,12 @@ def _promise(command: str, job, plan) -> None:
         assert cfg.profile_trace == "runs/trace"
     if "--tensorboard runs/tb" in command:
         assert cfg.tensorboard == "runs/tb"
+    if "--compile" in command:
+        assert cfg.runtime.compile and "model(2x2)" in styles
+    if "'layer?.?'" in command:  # each residual block recomputed in backward
+        assert cfg.choices.activation_checkpointing == ("layer?.?",)
+    if "checkpointing 0..12" in command:  # the convolutions as one recomputed segment
+        assert cfg.choices.activation_checkpointing == ("0..12",)
     if "--config run.toml" in command:  # the options printed by the line before it
         assert (cfg.preset, cfg.lr, cfg.epochs, plan.engine) == ("ddp", 0.1, 5, "ddp")
 
@@ -119,7 +126,7 @@ def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, 
     gpu = torch.cuda.is_available()
     ran = []
     for command, _comment in examples():
-        argv = command.split()[1:]
+        argv = shlex.split(command)[1:]  # as a shell reads it (quotes)
         name = argv[0]
         if name in ("codecs", "calibrate", "profile", "validate"):
             cli.build_parser().parse_args(argv)  # the options exist, with these values

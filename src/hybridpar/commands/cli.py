@@ -191,7 +191,7 @@ TRAIN_CONCERNS = {
         "runtime.bn_threshold",
         "runtime.bn_signal",
     ),
-    "compute": ("runtime.compile", "runtime.compile_backend", "runtime.activation_checkpointing"),
+    "compute": ("runtime.compile", "runtime.compile_backend", "choices.activation_checkpointing"),
     "checkpoints": ("save", "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"),
     "runtime": (
         "choices.device",

@@ -71,13 +71,13 @@ def _print_report(report: dict) -> None:
         when = bn["switched_at_step"]
         how = f"global from step {when}: " if when is not None else "local throughout"
         print(f"batch norm: adaptive, {how}{bn['reason']}")
-    c, peak = report["compute"], report["memory"]
-    if c["compiled"] or c["checkpointed"]:
+    c, peak = report.get("compute", {}), report.get("memory", {})
+    if c.get("compiled") or c.get("checkpointed"):
         first = report["steps"][0]["time_s"] if report["steps"] else 0.0
         print(
             f"compiled {len(c['compiled'])} parts (first step {first:.1f} s); recomputed in "
             f"backward: {', '.join(c['checkpointed']) or 'nothing'}; a rank's peak memory: "
-            + ", ".join(f"{k[5:-3]} {v:.0f} MB" for k, v in peak.items())
+            + ", ".join(f"{k[5:-3]} {v:.0f} MB" for k, v in peak.items() if k.startswith("peak"))
         )
     print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):

@@ -10,6 +10,7 @@ planner, `export`, the presets and both command-line configs share, with one def
 | `amp`      | none, bf16 autocast (activations travel as bf16)               | none                |
 | `device`   | auto (cuda where every local rank has a GPU), cpu, cuda        | auto                |
 | `backend`  | auto (nccl with a GPU per rank, else gloo), gloo, nccl         | auto                |
+| `activation_checkpointing` | module globs or Sequential segments `A..B` recomputed in backward | none |
 
 `bn` defaults to global because it is the one that keeps DESIGN.md invariant 1: batch norm over
 the global batch normalises exactly as one process does, whatever P and the grid.
@@ -21,6 +22,7 @@ per block; the names and sizes are here, where the cost model can read them with
 
 from __future__ import annotations
 
+import fnmatch
 import typing
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
@@ -35,7 +37,9 @@ __all__ = [
     "EIGHT_BIT",
     "Choices",
     "check_codec",
+    "covered",
     "parse_compress",
+    "parse_patterns",
     "payload_bytes",
 ]
 
@@ -77,6 +81,44 @@ def parse_compress(text: str | typing.Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(parts))
 
 
+def parse_patterns(text: str | typing.Iterable[str]) -> tuple[str, ...]:
+    """'features,layer*' (or an iterable of the patterns) -> the patterns, in order."""
+    words = text.split(",") if isinstance(text, str) else list(text)
+    return tuple(w.strip() for w in map(str, words) if w.strip())
+
+
+def covered(leaves: list[str], patterns: tuple[str, ...]) -> set[str]:
+    """The leaf modules (`leaves`: their names, in the order the forward runs them) inside what
+    `patterns` checkpoint: a leaf whose name, or an ancestor's, matches a glob, or a leaf under
+    the children A to B of a segment `A..B` (those children in the order their leaves run).
+    The planner prices these; the runtime (runtime.parallel.compute.matching) recomputes the same
+    on the module tree."""
+    out = set()
+    for leaf in leaves:
+        parts = leaf.split(".")
+        paths = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+        if any(fnmatch.fnmatchcase(p, pat) for p in paths for pat in patterns if ".." not in pat):
+            out.add(leaf)
+    for pat in (p for p in patterns if ".." in p):
+        a, _, b = pat.partition("..")
+        parent = a.rpartition(".")[0]
+        depth = a.count(".") + 1
+        kids: list[str] = []
+        for leaf in leaves:  # the parent's children, in the order their leaves run
+            kid = ".".join(leaf.split(".")[:depth])
+            if (parent == "" or leaf.startswith(parent + ".")) and kid not in kids:
+                kids.append(kid)
+        if a in kids and b in kids:
+            run = set(kids[kids.index(a) : kids.index(b) + 1])
+            out |= {x for x in leaves if ".".join(x.split(".")[:depth]) in run}
+    if patterns and not out:
+        raise ConfigError(
+            f"--activation-checkpointing {','.join(patterns)} matches none of the model's "
+            f"layers; e.g. {', '.join(leaves[:4])}"
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class Choices:
     """How bytes travel and how sums are taken, for a whole plan."""
@@ -110,8 +152,18 @@ class Choices:
         "sharing a GPU, staged through pinned host memory), auto (nccl with a GPU per rank)",
     )
 
+    activation_checkpointing: tuple[str, ...] = meta(
+        (),
+        "recompute in backward the forward of the modules whose names match these patterns "
+        "(comma-separated globs, e.g. 'layer?.?', or segments A..B of a Sequential's children, "
+        "e.g. 0..12): less memory, more compute",
+        show="none",
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "compress", parse_compress(self.compress))
+        patterns = parse_patterns(self.activation_checkpointing)
+        object.__setattr__(self, "activation_checkpointing", patterns)
         check_fields(self)
 
     @property

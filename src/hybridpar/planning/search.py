@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from hybridpar.core.choices import Choices, payload_bytes
+from hybridpar.core.choices import Choices, covered, payload_bytes
 from hybridpar.core.cluster import Cluster
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.groups import why_not_placement
@@ -121,6 +121,11 @@ class _Context:
         self._time: dict[tuple[int, Style], tuple[float, float, float]] = {}
         self._redist = lru_cache(maxsize=None)(self._redistribute)
         self._own: dict[tuple[int, Style], tuple[float, float]] = {}
+        # the share of each layer's modules recomputed in backward (activation checkpointing)
+        done = covered([m for x in layers for m in x.members], choices.activation_checkpointing)
+        self.recomputed = [
+            sum(m in done for m in x.members) / max(1, len(x.members)) for x in layers
+        ]
 
     def why_not(self, i: int, s: Style) -> str:
         if s.pr * s.pc != self.P or s.pc > self.B or self.B % s.pc:
@@ -249,13 +254,16 @@ class _Context:
         x, w = self.layers[i], self.net.word_bytes
         shard = s.pr if s.kind == "model" else 1
         act = self.B / s.pc * x.d_out / (s.pr if s.kind == "domain" else 1)
-        return 3 * x.params / shard * w + 2 * act * w  # weights, grads, momentum; Y and dY
+        # weights, grads, momentum; Y (not kept where it is recomputed) and dY
+        return 3 * x.params / shard * w + (2 - self.recomputed[i]) * act * w
 
     def time(self, i: int, s: Style) -> tuple[float, float, float]:
-        """(forward, backward, update) seconds of layer i under s on one rank."""
+        """(forward, backward, update) seconds of layer i under s on one rank; the backward
+        computes the forward again where it is recomputed (activation checkpointing)."""
         key = (i, s)
         if key not in self._time:
-            self._time[key] = style_times(self.compute_model, self.layers[i], s, self.B, self.P)
+            f, b, u = style_times(self.compute_model, self.layers[i], s, self.B, self.P)
+            self._time[key] = (f, b + f * self.recomputed[i], u)
         return self._time[key]
 
     def terms(self, i: int, s: Style) -> dict[str, Comm]:

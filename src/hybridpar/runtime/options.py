@@ -9,20 +9,13 @@ all take.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from hybridpar.core.config import check_fields, meta, positive
 from hybridpar.core.errors import ConfigError
 
-__all__ = ["RuntimeOptions", "parse_patterns"]
-
-
-def parse_patterns(text: str | Iterable[str]) -> tuple[str, ...]:
-    """'features,layer*' (or an iterable of the patterns) -> the patterns, in order."""
-    words = text.split(",") if isinstance(text, str) else list(text)
-    return tuple(w.strip() for w in map(str, words) if w.strip())
+__all__ = ["RuntimeOptions"]
 
 
 @dataclass(frozen=True)
@@ -73,17 +66,8 @@ class RuntimeOptions:
         "in it (the collectives stay eager)",
     )
     compile_backend: str = meta("inductor", "the torch.compile backend of --compile")
-    activation_checkpointing: tuple[str, ...] = meta(
-        (),
-        "recompute in backward the forward of the modules whose names match these patterns "
-        "(comma-separated globs, e.g. 'features,layer*'): less memory, more compute",
-        show="none",
-    )
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "activation_checkpointing", parse_patterns(self.activation_checkpointing)
-        )
         check_fields(self)
         positive(self, "timeout_s", "bucket_mb", "bn_window", "bn_max_batch")
         positive(self, "codec_block", "host_stage_mb", "bn_threshold", allow_zero=True)

@@ -1,16 +1,20 @@
 """What an engine does to each rank's compute once the plan is applied: torch.compile and
-activation checkpointing (RuntimeOptions.compile, .activation_checkpointing), for either engine.
+activation checkpointing (RuntimeOptions.compile; the plan's choice activation_checkpointing, which
+the planner prices), for either engine.
 
-Compiling: every largest subtree of the model that is plain torch (no hybridpar module in it, no
+Compiling: every largest part of the model that is plain torch (no hybridpar module in it, no
 hook on it: hybridpar's collectives, hand-offs, halos, global batch norms and counter-based
-dropouts live in such modules and hooks) has its `forward` compiled in place (`torch.compile`), and so has
-the `compute` of each of hybridpar's split layers and bands (a shard's convolution or matrix
-product, between its collectives): the collectives stay eager, outside every compiled region, and
-the user's model class is untouched.
+dropouts live in such modules and hooks) is compiled in place (`torch.compile`): a module, or a
+run of consecutive children of an nn.Sequential as one function. The collectives stay eager,
+outside every compiled region, and the user's model class is untouched. A part of one operation
+(a lone convolution between two collectives) is left eager: nothing to fuse, and each compiled
+part costs its guards and wrappers on every call (measured: docs/runtime.md). Checkpointed
+modules are compiled inside only (what is plain in them).
 
 Checkpointing: each module whose name matches one of the patterns (`fnmatch`, outermost match
-only) runs its forward under torch's non-reentrant `torch.utils.checkpoint`, which keeps its input
-and recomputes its forward in backward. The recompute sees what the forward saw: the random state
+only), and each segment `A..B` of an nn.Sequential's children (run as one), runs its forward under
+torch's non-reentrant `torch.utils.checkpoint`, which keeps its input and recomputes its forward
+in backward. The recompute sees what the forward saw: the random state
 (torch restores it; hybridpar's dropout masks are a function of the step and the example), and
 every batch norm's running statistics are put back after it, so they are updated once per step as
 without checkpointing. Collectives inside a checkpointed module run again in the recompute, on
@@ -60,16 +64,32 @@ def matching(
                 f"--activation-checkpointing pattern {pat!r} matches no module; "
                 f"the model's top-level modules are: {top}"
             )
-        runs += [h for h in hits if h not in runs]
-    inside = {n for r in runs for n in r}
-    return [r for r in runs if not any(r[0].startswith(o + ".") for o in inside)]
+        runs += hits
+    runs = [r for i, r in enumerate(runs) if r not in runs[:i]]
+    out = []
+    for r in runs:  # what lies inside another run is recomputed with it
+        others = [o for q in runs if q is not r for o in q]
+        under = [any(n == o or n.startswith(o + ".") for o in others) for n in r]
+        if any(under) and not all(under):
+            raise ConfigError(
+                f"--activation-checkpointing: {r[0]}..{r[-1]} overlaps another segment in part; "
+                "make them disjoint or nested"
+            )
+        if not all(under):
+            out.append(r)
+    return out
 
 
 def _segment(model: nn.Module, pat: str) -> list[str]:
     a, _, b = pat.partition("..")
     parent, _, _ = a.rpartition(".")
-    container = model.get_submodule(parent) if parent else model
-    kids = [f"{parent}.{n}" if parent else n for n, _ in container.named_children()]
+    try:
+        container = model.get_submodule(parent) if parent else model
+    except AttributeError:
+        container = None
+    kids = [
+        f"{parent}.{n}" if parent else n for n, _ in (container or nn.Module()).named_children()
+    ]
     if type(container).forward is not nn.Sequential.forward or a not in kids or b not in kids:
         raise ConfigError(
             f"--activation-checkpointing segment {pat!r}: A..B names two children of one "
@@ -106,13 +126,38 @@ def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks)
 
 
+def _as_one(mods: list[nn.Module], wrap) -> None:
+    """Run sibling modules `mods` (consecutive children of an nn.Sequential) as one function,
+    `wrap`ped: the first module's forward runs them all, the others pass their input on when the
+    Sequential calls them (their own forward runs inside the first's)."""
+    inside = [False]
+
+    def forward(*args, first=mods[0].forward, rest=mods[1:], **kw):
+        inside[0] = True
+        try:
+            x = first(*args, **kw)
+            for m in rest:
+                x = m(x)
+        finally:
+            inside[0] = False
+        return x
+
+    def passing(x, own):
+        return own(x) if inside[0] else x
+
+    mods[0].forward = wrap(forward)
+    for m in mods[1:]:
+        m.forward = functools.partial(passing, own=m.forward)
+    for m in mods:
+        m.hybridpar_wrapped = True  # what compile_plain leaves alone
+
+
 def checkpoint_modules(
     model: nn.Module, patterns: tuple[str, ...], handoffs: dict, ledger: Ledger | None
 ) -> list[str]:
     """Activation checkpointing of what `patterns` match (`matching`); returns their names. A
-    segment's first module runs them all under one checkpoint, the others pass their input on
-    (their own forward runs inside it); no module after the first may carry a hook (the entry
-    of a plan segment, where activations move: end the segment before it)."""
+    segment runs as one (`_as_one`) under one checkpoint; no module after its first may carry a
+    hook (the entry of a plan segment, where activations move: end the segment before it)."""
     out = []
     for run in matching(model, patterns, handoffs):
         mods = [model.get_submodule(n) for n in run]
@@ -124,56 +169,62 @@ def checkpoint_modules(
                 f"--activation-checkpointing segment {run[0]}..{run[-1]} crosses the entry of a "
                 f"plan segment at {late[0]}; end it before {late[0]} or start one there"
             )
-        inside = [False]
-        first = mods[0].forward
-
-        def forward(*args, first=first, rest=mods[1:], inside=inside, **kw):
-            inside[0] = True
-            try:
-                x = first(*args, **kw)
-                for m in rest:
-                    x = m(x)
-            finally:
-                inside[0] = False
-            return x
-
-        def passing(x, own, inside=inside):
-            return own(x) if inside[0] else x
-
         contexts = functools.partial(
             lambda mods: (contextlib.nullcontext(), _recomputing(mods, ledger)), mods
         )
-        mods[0].forward = functools.partial(
-            checkpoint, forward, use_reentrant=False, context_fn=contexts
+        _as_one(
+            mods,
+            lambda f, c=contexts: functools.partial(
+                checkpoint, f, use_reentrant=False, context_fn=c
+            ),
         )
-        for m in mods[1:]:
-            m.forward = functools.partial(passing, own=m.forward)
         out.append(run[0] if len(run) == 1 else f"{run[0]}..{run[-1]}")
     return out
 
 
 def _plain(m: nn.Module) -> bool:
-    ours = type(m).__module__.startswith("hybridpar.")
+    ours = type(m).__module__.startswith("hybridpar.runtime.") or hasattr(m, "hybridpar_wrapped")
     return not _hooked(m) and not ours and all(_plain(c) for c in m.children())
 
 
+def _ops(mods: list[nn.Module]) -> int:
+    return sum(1 for top in mods for m in top.modules() if not list(m.children()))
+
+
 def compile_plain(model: nn.Module, backend: str) -> list[str]:
-    """torch.compile the forward of every largest plain-torch subtree of `model` in place, and
-    the `compute` of hybridpar's modules that have one; returns their names."""
+    """torch.compile every largest plain-torch part of `model` in place: a module, or a run of an
+    nn.Sequential's consecutive children (as one, `_as_one`), with at least two operations to
+    fuse (a lone convolution compiled costs its guards and gains nothing); returns their names."""
     out: list[str] = []
+
+    def compiled(names: list[str], mods: list[nn.Module]) -> None:
+        if _ops(mods) < 2:
+            return
+        # not nn.Module.compile: in torch 2.13 a module compiled so runs eager
+        if len(mods) == 1:
+            mods[0].forward = torch.compile(mods[0].forward, backend=backend)
+        else:
+            _as_one(mods, lambda f: torch.compile(f, backend=backend))
+        out.append(names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}")
 
     def walk(prefix: str, m: nn.Module) -> None:
         if _plain(m):
-            if list(m.children()) or list(m.parameters()):  # a lone ReLU gains nothing
-                # not nn.Module.compile: in torch 2.13 a module compiled so runs eager
-                m.forward = torch.compile(m.forward, backend=backend)
-                out.append(prefix or "(model)")
+            return compiled([prefix or "(model)"], [m])
+        kids = [(f"{prefix}.{n}" if prefix else n, c) for n, c in m.named_children()]
+        if type(m).forward is not nn.Sequential.forward:
+            for name, c in kids:
+                walk(name, c)
             return
-        if type(m).__module__.startswith("hybridpar.") and hasattr(m, "compute"):
-            m.compute = torch.compile(m.compute, backend=backend)  # a shard's or band's own
-            out.append(f"{prefix}.compute")
-        for n, c in m.named_children():
-            walk(f"{prefix}.{n}" if prefix else n, c)
+        run: list = []
+        for name, c in [*kids, ("", None)]:  # runs of plain children, compiled as one
+            if c is not None and _plain(c):
+                run.append((name, c))
+                continue
+            if run:
+                compiled([n for n, _ in run], [c for _, c in run])
+                run = []
+            if c is not None:
+                walk(name, c)
 
     walk("", model)
     # twins share a code object (every Conv2d's forward) and Dynamo compiles it once per shape,

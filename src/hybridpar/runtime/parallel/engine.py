@@ -69,13 +69,13 @@ class Engine(nn.Module):
         self.plan, self.layout, self.options, self.ledger = plan, layout, options, ledger
         self.device = device
         self.build(model)
-        # the parts of the model compiled, and those recomputed in backward (around them)
-        backend = options.compile_backend
-        self.compiled = compute.compile_plain(self.module, backend) if options.compile else []
-        patterns = options.activation_checkpointing
+        # the parts recomputed in backward, and those compiled (inside them too)
+        patterns = plan.choices.activation_checkpointing
         self.checkpointed = compute.checkpoint_modules(
             self.module, patterns, layout.handoffs, ledger
         )
+        backend = options.compile_backend
+        self.compiled = compute.compile_plain(self.module, backend) if options.compile else []
 
     def build(self, model: nn.Module) -> None:
         """Apply the plan to `model` on this rank (collective: it makes the process groups)."""

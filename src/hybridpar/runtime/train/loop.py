@@ -4,6 +4,7 @@ live log and the report. No step of its own: every optimizer step is `HybridTrai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -308,15 +309,33 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
     )
 
 
-def _peak_memory(device: torch.device) -> list[dict[str, float]]:
-    """Every rank's peak resident memory in MB (and the CUDA allocator's peak on a GPU), in
-    rank order. Collective over the whole world."""
-    mine = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+def _rss_kb(field: str) -> int | None:
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith(field)).split()[1])
+    except (OSError, StopIteration):
+        return None
+
+
+def _reset_peak(device: torch.device) -> float:
+    """Start the peak memory's count afresh (the training steps', not the data's loading);
+    returns the resident set now in MB (0: unknown)."""
+    # Linux: VmHWM := the resident set now (elsewhere ru_maxrss: the peak since the start)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
     if device.type == "cuda":
-        mine["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return every
+        torch.cuda.reset_peak_memory_stats(device)
+    return (_rss_kb("VmRSS:") or 0) / 1024
+
+
+def _peak(device: torch.device, base_mb: float) -> dict[str, float]:
+    """This rank's peak resident memory in MB since `_reset_peak` (and the CUDA allocator's),
+    and the resident set when it was reset."""
+    kb = _rss_kb("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = {"peak_rss_mb": kb / 1024, "base_rss_mb": base_mb}
+    if device.type == "cuda":
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
 
 
 def _rounds(plan: ParallelPlan) -> int:
@@ -350,7 +369,9 @@ def train_worker(job: Job) -> dict | None:
             {"event": "resume", "from": str(job.resume), "step": trainer.steps},
             f"resumed from {job.resume} at step {trainer.steps}, {how}",
         )
+    base = _reset_peak(trainer.device)
     epochs, times, full_steps, steps = fit(trainer, data, cfg, pos, log)
+    peak = _peak(trainer.device, base)
     weights = trainer.full_state_dict()  # collective: every rank
     if cfg.checkpoint_dir:
         _checkpoint(trainer, cfg, Position(cfg.epochs, 0, [0.0, 0.0, 0.0], epochs))
@@ -359,7 +380,8 @@ def train_worker(job: Job) -> dict | None:
     split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
     split["handoff"] = waiting(trainer.ledger, timed, (Term.REDISTRIBUTE,))
     names = host_names()  # each rank's host, in rank order
-    peaks = _peak_memory(trainer.device)
+    peaks: list = [None] * P
+    dist.all_gather_object(peaks, peak)
     hosts = names if plan.choices.reducer == "host" else None
     if rank != 0:
         return None
@@ -390,7 +412,7 @@ def train_worker(job: Job) -> dict | None:
         }
     out["steps"] = steps  # rank 0's: the loss on its own examples
     # what --compile compiled and --activation-checkpointing recomputes, and the largest rank's
-    # peak memory (resident; on a GPU also what torch's allocator held)
+    # peak memory over the training steps (resident; on a GPU also what torch's allocator held)
     out["compute"] = {"compiled": engine.compiled, "checkpointed": engine.checkpointed}
     out["memory"] = {k: max(p[k] for p in peaks) for k in peaks[0]}
     out["hosts"] = host_layout(names)
