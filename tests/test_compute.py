@@ -214,3 +214,21 @@ def test_the_planner_prices_the_modules_the_runtime_recomputes(name, patterns):
     )
     assert ckpt.compute_s - plain.compute_s == pytest.approx(forward, rel=1e-9) and forward > 0
     assert ckpt.memory_bytes < plain.memory_bytes
+
+
+def test_a_memory_limit_that_only_recompute_meets_is_met_with_it():
+    """--memory-limit prices the recompute: a limit between resnet20's batch plan with and without
+    its blocks recomputed refuses the plain plan and accepts the checkpointed one, slower."""
+    layers = cost_layers(analyze(make("resnet20"), MAKERS["resnet20"][1]))
+    net = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
+
+    def batch(limit, patterns=()):
+        choices = Choices(activation_checkpointing=patterns)
+        r = plan_layers(layers, 2, B, net, choices=choices, scenarios=["batch"], memory_limit=limit)
+        return r.candidates["batch"][0]
+
+    plain, ckpt = batch(None), batch(None, ("layer?.?",))
+    limit = (plain.memory_bytes + ckpt.memory_bytes) / 2
+    assert "over the limit" in batch(limit).reason
+    fits = batch(limit, ("layer?.?",))
+    assert fits.feasible and fits.memory_bytes <= limit and fits.total_s > plain.total_s

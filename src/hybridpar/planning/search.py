@@ -427,7 +427,7 @@ def _fits_memory(plan: Plan, limit: float | None) -> Plan:
             plan.grid,
             overlap=plan.overlap,
             reason=f"needs {plan.memory_bytes / 2**30:.2f} GiB per process, "
-            f"over the limit of {limit / 2**30:.2f} GiB",
+            f"over the limit of {limit / 2**30:.2f} GiB (--activation-checkpointing keeps less)",
         )
     return plan
 
