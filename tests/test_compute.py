@@ -1,6 +1,6 @@
 """Issue 41: --compile and --activation-checkpointing under any plan. The same 3 steps run plain,
 with the model's compute compiled and with modules checkpointed, on 2 and 4 gloo ranks under
-batch, model and domain plans: the parameters and batch-norm statistics equal the plain run's
+batch, model and domain plans (and DDP's engine): the parameters and batch-norm statistics equal the plain run's
 (the float32 oracle tolerance). Compiled tests use torch.compile's aot_eager backend (Dynamo's
 graph capture and AOTAutograd, what meets the collectives; inductor's code generation is the same
 for hybridpar as for any model and costs seconds per graph), and one test inductor itself."""
@@ -36,20 +36,27 @@ BATCH = {
 # where --compile must find something to compile (elsewhere every plain part between two
 # collectives is a single operation: left eager); resnet20's compiled runs with local BN, its
 # global BN's all-reduce sits between every convolution and the next
-COMPILES = {("tv-alexnet", "batch"): 3, ("tv-alexnet", "model"): 1, ("resnet20", "batch"): 1}
+COMPILES = {
+    ("tv-alexnet", "batch"): 3,
+    ("tv-alexnet", "ddp"): 3,
+    ("tv-alexnet", "model"): 1,
+    ("resnet20", "batch"): 1,
+}
 
 
 def _runs(name: str, P: int, backend: str = "aot_eager") -> dict:
     data = batches(MAKERS[name][1], steps=STEPS)
     out = {}
-    for which in ("batch", "model", "domain"):
+    for which in ("batch", "model", "domain", *(("ddp",) if name == "tv-alexnet" else ())):
         plan = preset(name, which, P, bn="global")
         local = preset(name, which, P, bn="local") if name == "resnet20" else plan
         runs = {
             "plain": (plan, RuntimeOptions()),
             "checkpointed": (
                 plan.with_choices(
-                    activation_checkpointing=(BATCH if which == "batch" else CHECKPOINT)[name]
+                    activation_checkpointing=(BATCH if which in ("batch", "ddp") else CHECKPOINT)[
+                        name
+                    ]
                 ),
                 RuntimeOptions(),
             ),
@@ -87,7 +94,7 @@ def _check(name: str, P: int, out: dict) -> None:
         terms, plain_terms = got["checkpointed"][3], got["plain"][3]
         recomputed = terms.pop("recompute", 0.0)  # the checkpointed parts' collectives, again
         assert terms == plain_terms, label
-        if which == "batch" and name == "tv-alexnet":  # no collective in a batch part
+        if which in ("batch", "ddp") and name == "tv-alexnet":  # no collective in a batch part
             assert recomputed == 0, label
         else:  # a split layer's gathers, a band's halos or a global BN's sums run again
             assert recomputed > 0, label
