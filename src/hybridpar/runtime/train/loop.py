@@ -25,7 +25,7 @@ from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import all_reduce
 from hybridpar.runtime.comm.devices import local_gpu
-from hybridpar.runtime.comm.host import host_names
+from hybridpar.runtime.comm.host import host_name
 from hybridpar.runtime.parallel.checkpoint import save_weights
 from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS, HybridTrainer
@@ -360,14 +360,11 @@ def train_worker(job: Job) -> dict | None:
     data = data.to(trainer.device)
     pos = Position.of(trainer.load(job.resume) if job.resume else None)
     if log is not None and job.resume:
-        how = (
-            "onto another plan or P (RNG streams and codec residuals start afresh)"
-            if trainer.resharded
-            else "bit-exact"
-        )
+        how = "onto another plan or P (RNG streams and codec residuals start afresh)"
         log.write(
             {"event": "resume", "from": str(job.resume), "step": trainer.steps},
-            f"resumed from {job.resume} at step {trainer.steps}, {how}",
+            f"resumed from {job.resume} at step {trainer.steps}, "
+            + (how if trainer.resharded else "bit-exact"),
         )
     base = _reset_peak(trainer.device)
     epochs, times, full_steps, steps = fit(trainer, data, cfg, pos, log)
@@ -379,26 +376,29 @@ def train_worker(job: Job) -> dict | None:
     timed = full_steps - {min(full_steps, default=0)}  # as `times`: the first step is left out
     split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
     split["handoff"] = waiting(trainer.ledger, timed, (Term.REDISTRIBUTE,))
-    names = host_names()  # each rank's host, in rank order
-    peaks: list = [None] * P
-    dist.all_gather_object(peaks, peak)
-    hosts = names if plan.choices.reducer == "host" else None
+    every: list = [None] * P  # each rank's host and peak memory, in rank order
+    dist.all_gather_object(every, (host_name(), peak))
+    names = [str(n) for n, _ in every]
     if rank != 0:
         return None
     save_weights(weights, cfg.save)
     engine = trainer.model
-    out = report(
-        job,
-        plan,
-        data.name,
-        epochs,
-        times,
-        bytes_measured,
-        hosts,
-        engine.bn_switch,
-        split,
-        engine.order,
-    )
+    hosts = names if plan.choices.reducer == "host" else None
+    args = (epochs, times, bytes_measured, hosts, engine.bn_switch, split, engine.order)
+    out = report(job, plan, data.name, *args)
+    _describe(out, trainer, plan, steps, names, [p for _, p in every])
+    log.close(out)
+    out["written"] = [str(cfg.save)] + ([cfg.tensorboard] if cfg.tensorboard else [])
+    if cfg.report:
+        json_path, png = write_report(out, cfg.report)
+        out["written"] += [str(json_path), str(log.log)] + ([str(png)] if png else [])
+    return out
+
+
+def _describe(out: dict, trainer, plan: ParallelPlan, steps, names, peaks) -> None:
+    """What rank 0's report adds to `report`'s: the optimizer's settings, the variable batch's
+    head, the per-step losses, what was compiled and recomputed, the memory, the hosts."""
+    engine = trainer.model
     # what the optimizer ran with: --lr and --weight-decay after --scale-rule
     group = trainer.optimizer.param_groups[0]
     out["hparams"] = {"lr": trainer.optimizer.defaults["lr"], "weight_decay": group["weight_decay"]}
@@ -426,9 +426,3 @@ def train_worker(job: Job) -> dict | None:
             file=sys.stderr,
             flush=True,
         )
-    log.close(out)
-    out["written"] = [str(cfg.save)] + ([cfg.tensorboard] if cfg.tensorboard else [])
-    if cfg.report:
-        json_path, png = write_report(out, cfg.report)
-        out["written"] += [str(json_path), str(log.log)] + ([str(png)] if png else [])
-    return out
