@@ -233,8 +233,24 @@ def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
         import matplotlib.pyplot as plt
     except ImportError:
         return path, None
-    ep, steps = report["epochs"], report.get("steps") or []
     fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(9, 6.4))
+    _plot_training(a, b, report)
+    _plot_costs(c, d, report)
+    plan = report["plan"]
+    fig.suptitle(
+        f"{report.get('model')} on {report.get('data')}: P={report['procs']}, "
+        f"{plan['scenario']} plan ({plan['engine']})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return path, png
+
+
+def _plot_training(a, b, report: dict) -> None:
+    """The loss (per step for a run of a few epochs) and the accuracies per epoch."""
+    ep, steps = report["epochs"], report.get("steps") or []
     if len(ep) <= 3 and steps:  # a few epochs are a few dots: the steps instead
         a.plot([s["step"] for s in steps], [s["loss"] for s in steps], lw=1)
         a.set_xlabel("step (loss on rank 0's examples)")
@@ -251,6 +267,10 @@ def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
     b.set_xlabel("epoch")
     b.set_ylabel("accuracy")
     b.legend()
+
+
+def _plot_costs(c, d, report: dict) -> None:
+    """The median iteration and the bytes per term, each predicted next to measured."""
     it = report["iteration"]  # the median iteration, split, next to the prediction
     split = [
         (it.get("predicted_compute_s"), it.get("predicted_comm_s")),
@@ -273,13 +293,3 @@ def write_report(report: dict, path: str | Path) -> tuple[Path, Path | None]:
     d.set_xticks(list(xs), terms, rotation=20, fontsize=7)
     d.set_ylabel("KB per rank per iteration")
     d.legend(fontsize=8)
-    plan = report["plan"]
-    fig.suptitle(
-        f"{report.get('model')} on {report.get('data')}: P={report['procs']}, "
-        f"{plan['scenario']} plan ({plan['engine']})",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return path, png
