@@ -153,8 +153,6 @@ def report(
     order: list[int] | None = None,
 ) -> dict:
     cfg = job.cfg
-    med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
-    comm = med["wait_s"] + med["blocking_s"]
     pred_term, pred_layer = predicted(plan, hosts, order)
     layers: dict[str, dict[str, dict[str, float]]] = {}
     tables = (("measured", bytes_measured["by_layer"]), ("predicted", pred_layer))
@@ -175,30 +173,7 @@ def report(
         "config": cfg.to_dict(),
         "epochs": epochs,
         "final": {"test_acc": epochs[-1]["test_acc"], "loss": epochs[-1]["loss"]},
-        "iteration": {
-            "steps": len(times.get("time_s", ())),  # measured here (0: nothing left to train)
-            "time_s": med["time_s"],
-            "compute_s": max(0.0, med["time_s"] - comm),
-            "comm_wait_s": comm,
-            # the blocking collectives' part of comm_wait_s (means, not medians): moving the data,
-            # and waiting for the slowest rank to arrive (runtime.train.report.waiting)
-            **(
-                {
-                    "blocking_transfer_s": split["transfer_s"],
-                    "waiting_slowest_s": split["slowest_s"],
-                    # the hand-offs alone (redistribute): what was not hidden, and the wait for
-                    # the slowest rank they absorb (the first point the ranks meet after the trunk)
-                    "handoff_exposed_s": split["handoff"]["transfer_s"],
-                    "handoff_waiting_slowest_s": split["handoff"]["slowest_s"],
-                }
-                if split
-                else {}
-            ),
-            "predicted_s": plan.totals.get("total_s"),
-            "predicted_compute_s": plan.totals.get("compute_s"),
-            "predicted_comm_s": plan.totals.get("comm_s"),
-            "predicted_waiting_s": plan.totals.get("waiting_s"),
-        },
+        "iteration": _iteration(times, split, plan),
         "bytes": {"measured": bytes_measured["by_term"], "predicted": pred_term},
         # seconds per iteration each term kept a rank in its collectives, averaged over the ranks
         # (an asynchronous call's: launch to completion; a split-phase one's, as a hand-off's
@@ -207,6 +182,36 @@ def report(
         "bytes_by_layer": layers,
         "reducer": plan.choices.reducer,
         "bn": {"requested": plan.choices.bn, **(bn_switch.record() if bn_switch else {})},
+    }
+
+
+def _iteration(times: dict, split: dict | None, plan: ParallelPlan) -> dict:
+    """The median iteration measured, split as the plan predicts it, next to the prediction."""
+    med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
+    comm = med["wait_s"] + med["blocking_s"]
+    return {
+        "steps": len(times.get("time_s", ())),  # measured here (0: nothing left to train)
+        "time_s": med["time_s"],
+        "compute_s": max(0.0, med["time_s"] - comm),
+        "comm_wait_s": comm,
+        # the blocking collectives' part of comm_wait_s (means, not medians): moving the data,
+        # and waiting for the slowest rank to arrive (runtime.train.report.waiting)
+        **(
+            {
+                "blocking_transfer_s": split["transfer_s"],
+                "waiting_slowest_s": split["slowest_s"],
+                # the hand-offs alone (redistribute): what was not hidden, and the wait for
+                # the slowest rank they absorb (the first point the ranks meet after the trunk)
+                "handoff_exposed_s": split["handoff"]["transfer_s"],
+                "handoff_waiting_slowest_s": split["handoff"]["slowest_s"],
+            }
+            if split
+            else {}
+        ),
+        "predicted_s": plan.totals.get("total_s"),
+        "predicted_compute_s": plan.totals.get("compute_s"),
+        "predicted_comm_s": plan.totals.get("comm_s"),
+        "predicted_waiting_s": plan.totals.get("waiting_s"),
     }
 
 
