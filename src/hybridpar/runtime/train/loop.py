@@ -210,23 +210,27 @@ def fit(
             every = cfg.checkpoint_every
             if cfg.checkpoint_dir and every and trainer.steps % every == 0:
                 _checkpoint(trainer, cfg, Position(epoch, i + 1, sums, epochs))
-        test = trainer.evaluate(data.x_test, data.y_test, cfg.batch)
-        loss, correct, count, tc, tt = _sum_over_world(trainer, [*sums, *test])
-        epochs.append(
-            {
-                "epoch": epoch + 1,
-                "loss": loss / count,
-                "train_acc": correct / count,
-                "test_acc": tc / tt,
-                "time_s": time.perf_counter() - t0,
-            }
-        )
+        epochs.append(_epoch_record(trainer, data, cfg.batch, sums, epoch, t0))
         if log is not None:
             log.epoch(epochs[-1])
         bar.set_postfix(loss=f"{epochs[-1]['loss']:.3f}", test=f"{epochs[-1]['test_acc']:.3f}")
     bar.close()
     trace.close()
     return epochs, times, full_steps, steps
+
+
+def _epoch_record(trainer, data: Dataset, batch: int, sums: list, epoch: int, t0: float) -> dict:
+    """The epoch's training loss and accuracy (`sums`: this rank's loss, correct, count) and its
+    test accuracy, over every rank."""
+    test = trainer.evaluate(data.x_test, data.y_test, batch)
+    loss, correct, count, tc, tt = _sum_over_world(trainer, [*sums, *test])
+    return {
+        "epoch": epoch + 1,
+        "loss": loss / count,
+        "train_acc": correct / count,
+        "test_acc": tc / tt,
+        "time_s": time.perf_counter() - t0,
+    }
 
 
 class _Trace:
