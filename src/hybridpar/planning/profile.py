@@ -9,7 +9,7 @@ the iteration measured without them), and times the trainer's optimizer step on 
 parameters, per parameter element, settled and bounded by a copy's speed. It measures beside
 the host's other ranks: as many processes as the ranks that run at once on the host's cores
 (`busy_ranks`) run the same thing meanwhile, since they share its memory bandwidth and caches
-(an SGD step took 2x as long beside another on this 2-core machine). The planner then prices
+(a memory-bound step beside another takes up to twice as long). The planner then prices
 every style from what a rank runs under it (planning.cost.compute.ProfileModel), with the
 slowdown of ranks sharing cores.
 
@@ -128,8 +128,8 @@ def _measure_count(
 
 def _median_iteration(calls: list[float], repeats: int) -> float:
     """A leaf's seconds in the median of `repeats` iterations, from its calls in order (the same
-    number in each). The mean let one stalled call stand for all: resnet20's layer3.1.conv1 took
-    8.7 ms forward at 8 samples, against 0.13 ms for its twins, and the planner routed around it."""
+    number in each). The mean lets one stalled call stand for all, and the planner then routes
+    around a layer that is no slower than its twins."""
     if not calls:
         return 0.0
     k, extra = divmod(len(calls), repeats)

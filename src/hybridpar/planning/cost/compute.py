@@ -119,8 +119,7 @@ class ProfileModel:
         """(forward, backward, optimizer update) seconds of `layer` on one rank under `s`: batch
         runs all of it on B/P samples; model runs the weighted module with 1/Pr of its weights
         on B/Pc samples, 1/Pr of its time there (a wide layer's time on a small batch is mostly
-        its weights': alexnet-owt's 4096-wide FC takes 53, 47 and 62 ms at 8, 16 and 32
-        samples), and all of the layers riding along (they act on the gathered output); domain
+        its weights', which do not shrink with the samples), and all of the layers riding along (they act on the gathered output); domain
         runs everything on 1/Pr of the rows of B/Pc samples with whole weights: its convolutions
         and poolings at the share of their time measured on the busiest rank's band and halo
         (`bands`), where the profile has one; elsewhere what does not grow with the samples (the

@@ -10,10 +10,9 @@ kept in the cluster's `sync` table (hybridpar.core.cluster.Cluster.sync_cost):
   the collective's own cost. It adds to the iteration. The table's points are noisy (a
   difference of two walls), so the excess is one least-squares line through them: a fixed cost
   per meeting (where ranks outnumber the cores, the scheduler has to give the last rank a core
-  back: 1.35 ms at 4 ranks on this 2-core machine) and a share of the compute (8 %). A plan
-  that meets often pays the fixed cost often: resnet20 on 4 ranks meets about 40 times an
-  iteration (its batch norms' statistics), and one share of the compute through 0 had priced
-  its batch plan 17 % low;
+  back) and a share of the compute. A plan that meets often pays the fixed cost often: resnet20
+  meets about 40 times an iteration (its batch norms' statistics), so a line through 0 (a share
+  of the compute alone) prices its batch plan low;
 - the wait: the mean over ranks of the time each spends in the collective beyond the shortest
   any rank saw (the report's "waiting for the slowest rank"). It does not add to the iteration:
   a rank that waits at the collective has run its compute sooner, so the wait moves time from

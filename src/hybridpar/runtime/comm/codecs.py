@@ -24,8 +24,7 @@ the same bytes; a block holding NaN or +-inf decodes to non-finite values across
 scale is non-finite), so a diverging run stays visibly diverged instead of being clipped.
 
 On CPU, tensors of 1024 elements or more go through C kernels (`hybridpar.runtime.comm.kernels`, built on
-first use with the system compiler): about 5 GB/s encoding and 20 GB/s decoding on one thread,
-same bytes. The rest of this paragraph is the torch path, used elsewhere and as the fallback.
+first use with the system compiler), the same bytes at memory speed (docs/codecs.md). The rest of this paragraph is the torch path, used elsewhere and as the fallback.
 Encoding is one fused pass. Rather than a binary search over the 255 levels, the top 17 bits of
 the normalised float32 (|x|/absmax in [0, 1]) index a 32513-entry table that gives the nearest level
 at the bucket's lower edge; one comparison with the midpoint to the next level finishes the

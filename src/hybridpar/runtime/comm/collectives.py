@@ -559,7 +559,7 @@ class CompressedPipeline:
     the collectives of consecutive pieces in flight together: the all-to-all that carries piece
     k's chunks to their owners and the one that carries piece k-1's sums back run at the same
     time, while this thread encodes, sums and decodes. So the link is not idle during the codec
-    work, and where a collective costs milliseconds of latency (4 ranks on 2 cores: about 4.6 ms)
+    work, and where a collective costs milliseconds of latency (ranks outnumbering the cores)
     two latencies overlap.
 
     `push(t)` encodes t's chunks and starts sending them; it then finishes what earlier pushes

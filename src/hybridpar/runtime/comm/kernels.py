@@ -2,8 +2,8 @@
 system C compiler and loaded with ctypes.
 
 Why plain C and ctypes, not torch.compile, a torch C++ extension, or numba:
-- torch.compile (the previous path) does not vectorise the table gathers on CPU. It reached about
-  1 GB/s each way, and decoding is a 256-entry lookup and a multiply, bound by memory bandwidth.
+- torch.compile (the previous path) does not vectorise the table gathers on CPU, while decoding
+  is a 256-entry lookup and a multiply that memory bandwidth should bound (docs/codecs.md).
 - A torch C++ extension needs torch's headers. One build takes about a minute, once per machine,
   test run and CI job. This file needs none: one C file and `cc`, under a second.
 - numba would add a large dependency (llvmlite) for two loops.

@@ -1,8 +1,8 @@
 """Small all-reduces through host shared memory: batch-norm statistics and their gradients, the
 training metrics, the adaptive-BN decision.
 
-A gloo all-reduce of a few hundred bytes costs 0.5-1.2 ms on 2 ranks of this machine and about
-5 ms on 4, all of it latency. Global BN makes two of them per BN layer per step (38 for
+A gloo all-reduce of a few hundred bytes is all latency: a millisecond or more on CPU ranks,
+more where ranks outnumber the cores. Global BN makes two of them per BN layer per step (38 for
 resnet20), and the gradient buckets make the queue longer. Through shared memory a small sum is
 a copy, a flag and a wait: each rank writes its tensor into its slot and raises its flag. When all
 flags are up, every rank adds up all the slots in rank order, so every rank gets the same bits.
@@ -11,8 +11,7 @@ parity, waits that give the core away and time out naming the missing rank.
 
 The same holds for the activations of model-parallel layers: the all-gathers of a layer's input
 and output pieces and the all-reduces of dX (Gholami et al.'s 1.5D scheme, Krizhevsky's hand-off)
-are hundreds of kilobytes, a few per layer and step, and at 4 ranks on 2 cores gloo spends about
-4.6 ms of latency on each. Through shared memory an all-gather is one copy in and one
+are hundreds of kilobytes, a few per layer and step, and gloo's latency dominates each. Through shared memory an all-gather is one copy in and one
 concatenation out of the peers' slots.
 
 A group gets one when it is built (comm.grid.new_group with shared memory asked for, where every

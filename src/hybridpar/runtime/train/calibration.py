@@ -381,15 +381,13 @@ def fit_network(times: dict[int, float], p: int) -> tuple[float, float]:
     """alpha and beta of the network between hosts: beta from the slope between the two largest
     sizes, alpha from the smallest size less its bytes. A network link delivers small messages
     faster than its rate (a token bucket's burst, a switch's buffers) and large ones at it, so
-    `fit_alpha_beta`'s weighting by relative error takes its beta from the small sizes: on the
-    emulated 1 Gbit/s link it fitted 0.192 GB/s against the 0.104-0.125 GB/s the link carries,
-    and every gradient sum across hosts was predicted 1.5x too fast. The sums that cross hosts
-    are megabytes: their slope is the one that matters.
+    `fit_alpha_beta`'s weighting by relative error takes its beta from the small sizes, faster
+    than the link carries, and prices every gradient sum across hosts too fast. The sums that
+    cross hosts are megabytes: their slope is the one that matters.
 
-    Within a host too (`_fitted` uses it for every level): gloo's small all-reduces on this
-    machine fitted 1.6-2.8 GB/s from one calibration to the next, while the slope between 4 and
-    16 MB, 1.58 GB/s, is what a 100 MB gradient sum of alexnet-owt then measured (63.5 ms); the
-    weighted fit had predicted it at 38 ms. The small sizes set alpha alone."""
+    Within a host too (`_fitted` uses it for every level): the small sizes' rate moves from one
+    calibration to the next, the slope of the megabyte sizes is what a gradient sum then takes
+    (docs/cost-model.md has the measurements). The small sizes set alpha alone."""
     from hybridpar.planning.cost.collectives import clog2
 
     n = sorted(times)
