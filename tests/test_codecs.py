@@ -9,7 +9,7 @@ from dist_helpers import run_ranks
 
 from hybridpar.core.choices import EIGHT_BIT
 from hybridpar.runtime.comm.codecs import CODECS, get_codec, magnitude_levels, reference_encode
-from hybridpar.runtime.comm.collectives import all_gather_uneven, compressed_all_reduce
+from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, compressed_all_reduce
 from hybridpar.runtime.comm.ledger import Ledger, bus_bytes
 
 BLOCKS = [None, 64]
@@ -259,9 +259,7 @@ def _gather(name):
     codec = get_codec(name, 16)
     sizes = [3, 2, 3, 1][:P]
     pieces = [_data(sizes[i] * 5, seed=i).view(sizes[i], 5) for i in range(P)]
-    out = all_gather_uneven(
-        pieces[rank], sizes, 0, dist.group.WORLD, None, "allgather", None, codec
-    )
+    out = all_gather_uneven(pieces[rank], sizes, 0, Via(dist.group.WORLD, codec=codec))
     want = torch.cat([codec.roundtrip(p.reshape(-1)).view_as(p) for p in pieces])
     return torch.equal(out, want)
 

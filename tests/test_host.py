@@ -246,7 +246,7 @@ def _shm_all_gather():
     """all_gather_uneven through shared memory against the concatenation every rank can build
     itself: along dim 0 and dim 1, uneven pieces with an empty one, float32 and float64, a
     non-contiguous input, pieces that outgrow the first segment; then the same calls on gloo."""
-    from hybridpar.runtime.comm.collectives import all_gather_uneven
+    from hybridpar.runtime.comm.collectives import Via, all_gather_uneven
     from hybridpar.runtime.comm.ledger import Ledger
 
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -270,7 +270,7 @@ def _shm_all_gather():
             mine = piece(k, rank)
             if k == 1:
                 mine = mine.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
-            got = all_gather_uneven(mine, sizes, dim, group, ledger, "allgather", "fc")
+            got = all_gather_uneven(mine, sizes, dim, Via(group, ledger, "allgather", "fc"))
             want = torch.cat([piece(k, i) for i in range(P)], dim=dim)
             ok.append(torch.equal(got, want))
         return all(ok), ledger.bytes_by_term()["allgather"]

@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ __all__ = [
     "CompressedPipeline",
     "Pending",
     "Started",
+    "Via",
     "all_gather_uneven",
     "all_reduce",
     "chunk_sizes",
@@ -43,8 +45,38 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class Via:
+    """What a collective runs over and how the ledger books it, as one value: the group, the
+    ledger (None: not booked), the cost-model term, the layer it carries, and the codec of its
+    payload (None: unencoded)."""
+
+    group: Group | dist.ProcessGroup
+    ledger: Ledger | None = None
+    term: str = ""
+    layer: str | None = None
+    codec: Codec | None = None
+
+    @property
+    def encoded(self) -> bool:
+        return self.codec is not None and self.codec.name != "none"
+
+    def book(self, kind: str, p: int, nbytes: float, seconds: float, numel: int) -> Entry | None:
+        """Book `nbytes` of the collective's payload under the term, for `numel` elements of the
+        layer."""
+        if self.ledger is None:
+            return None
+        layers = {self.layer: numel} if self.layer else None
+        return self.ledger.record(kind, p, nbytes, seconds, self.term, layers)
+
+    def overhead(self, kind: str, p: int, nbytes: float) -> None:
+        """Book a codec's scales and padding apart (`codec_overhead`: measured, not predicted)."""
+        if self.ledger is not None and nbytes:
+            self.ledger.record(kind, p, nbytes, 0.0, Term.CODEC_OVERHEAD)
+
+
 def labelled(fn):
-    """`fn` (a collective taking `term` and `layer` or `layers`) inside a torch.profiler range
+    """`fn` (a collective taking a `via`, or `term` and `layers`) inside a torch.profiler range
     named "hybridpar <collective> <term> <layers>" while a profiler records (`--profile-trace`),
     so a trace shows what each collective carried; a direct call otherwise."""
     import functools
@@ -64,8 +96,10 @@ def labelled(fn):
 
 def _label(name: str, bound) -> str:
     a = bound.arguments
-    layers = a.get("layer") or ",".join(list(a.get("layers") or ())[:3])
-    return f"hybridpar {name} {a.get('term', '')} {layers or ''}".rstrip()
+    via = a.get("via")
+    term = via.term if via is not None else a.get("term", "")
+    layers = (via.layer if via is not None else None) or ",".join(list(a.get("layers") or ())[:3])
+    return f"hybridpar {name} {term} {layers or ''}".rstrip()
 
 
 class Pending:
@@ -120,16 +154,7 @@ def all_reduce(
 
 
 @labelled
-def all_gather_uneven(
-    t: torch.Tensor,
-    sizes: Sequence[int],
-    dim: int,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layer: str | None,
-    codec: Codec | None = None,
-) -> torch.Tensor:
+def all_gather_uneven(t: torch.Tensor, sizes: Sequence[int], dim: int, via: Via) -> torch.Tensor:
     """Concatenate along `dim` the pieces of every rank of `group`; piece i has sizes[i] along dim.
 
     On one host (a group built with shared memory: comm.group) through it; otherwise on
@@ -138,11 +163,12 @@ def all_gather_uneven(
     p = len(sizes)
     if p == 1:
         return t
-    if codec is not None and codec.name != "none":
-        return _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec)
+    if via.encoded:
+        return _compressed_all_gather(t, sizes, dim, via)
     t0 = time.perf_counter()
     top = max(sizes)
     t = t.contiguous()
+    group = via.group
     small = group.shm if isinstance(group, Group) else None
     inner = math.prod(
         n for i, n in enumerate(t.shape) if i != dim % t.dim()
@@ -151,32 +177,19 @@ def all_gather_uneven(
         out = small.all_gather(t, list(sizes), dim)  # shared memory: one copy in, one out
     else:
         out = _gloo_all_gather(t, sizes, dim, group, top)
-    if ledger is not None:
-        ledger.record(
-            "all_gather",
-            p,
-            out.numel() * out.element_size(),
-            time.perf_counter() - t0,
-            term,
-            {layer: out.numel()} if layer else None,
-        )
+    seconds = time.perf_counter() - t0
+    via.book("all_gather", p, out.numel() * out.element_size(), seconds, out.numel())
     return out
 
 
 @labelled
 def reduce_scatter_uneven(
-    t: torch.Tensor,
-    sizes: Sequence[int],
-    dim: int,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layer: str | None,
+    t: torch.Tensor, sizes: Sequence[int], dim: int, via: Via
 ) -> torch.Tensor:
     """The sum of `t` over `group`, of which this rank keeps its piece along `dim` (rank i's has
     sizes[i]): the reverse of all_gather_uneven. The ledger books the whole tensor's bytes, as the
     cost model's reduce_scatter takes them."""
-    return start_reduce_scatter(t, sizes, dim, group, ledger, term, layer).wait()
+    return start_reduce_scatter(t, sizes, dim, via).wait()
 
 
 class Started:
@@ -203,11 +216,9 @@ class Started:
         return out
 
 
-def _started(kind, p, nbytes, ledger, term, layer, numel, finish, t0) -> Started:
-    entry = None
-    if ledger is not None:
-        entry = ledger.record(kind, p, nbytes, 0.0, term, {layer: numel} if layer else None)
-    return Started(finish, entry, t0, f"{kind} {term} {layer or ''}".rstrip())
+def _started(kind: str, p: int, nbytes: float, via: Via, numel: int, finish, t0) -> Started:
+    entry = via.book(kind, p, nbytes, 0.0, numel)
+    return Started(finish, entry, t0, f"{kind} {via.term} {via.layer or ''}".rstrip())
 
 
 def _small(group, t: torch.Tensor, nbytes: int):
@@ -222,22 +233,13 @@ def _padded(t: torch.Tensor, dim: int, top: int) -> torch.Tensor:
 
 
 @labelled
-def start_all_gather(
-    t: torch.Tensor,
-    sizes: Sequence[int],
-    dim: int,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layer: str | None,
-    codec: Codec | None = None,
-) -> Started:
+def start_all_gather(t: torch.Tensor, sizes: Sequence[int], dim: int, via: Via) -> Started:
     """all_gather_uneven, split phase (with a codec: each rank's piece encoded, every piece
     decoded on arrival, as all_gather_uneven does)."""
-    if codec is not None and codec.name != "none":
-        return _start_compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec)
+    if via.encoded:
+        return _start_compressed_all_gather(t, sizes, dim, via)
     t0 = time.perf_counter()
-    t, sizes = t.contiguous(), list(sizes)
+    t, sizes, group = t.contiguous(), list(sizes), via.group
     out_shape = _shape_with(t, dim, sum(sizes))
     numel = math.prod(out_shape)
     nbytes = numel * t.element_size()
@@ -260,11 +262,11 @@ def start_all_gather(
             work.wait()
             return torch.cat([x.narrow(dim, 0, n) for x, n in zip(pieces, sizes, strict=True)], dim)
 
-    return _started("all_gather", len(sizes), nbytes, ledger, term, layer, numel, finish, t0)
+    return _started("all_gather", len(sizes), nbytes, via, numel, finish, t0)
 
 
-def _start_compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec) -> Started:
-    t0 = time.perf_counter()
+def _start_compressed_all_gather(t, sizes, dim, via: Via) -> Started:
+    t0, codec = time.perf_counter(), via.codec
     t = t.contiguous()
     inner = math.prod(n for i, n in enumerate(t.shape) if i != dim % t.dim())
     numels = [n * inner for n in sizes]
@@ -273,7 +275,7 @@ def _start_compressed_all_gather(t, sizes, dim, group, ledger, term, layer, code
     mine = torch.zeros(1, top, dtype=torch.uint8, device=t.device)
     encoded = codec.to_bytes(codec.encode(t))
     mine[0, : encoded.numel()] = encoded
-    wire = start_all_gather(mine, [1] * len(sizes), 0, group, None, term, None)
+    wire = start_all_gather(mine, [1] * len(sizes), 0, Via(via.group, term=via.term))
 
     def finish() -> torch.Tensor:
         got = wire.wait()
@@ -285,27 +287,16 @@ def _start_compressed_all_gather(t, sizes, dim, group, ledger, term, layer, code
 
     numel = sum(numels)
     payload = numel * codec.bits / 8
-    started = _started("all_gather", len(sizes), payload, ledger, term, layer, numel, finish, t0)
-    if ledger is not None:
-        ledger.record(
-            "all_gather", len(sizes), len(sizes) * top - payload, 0.0, Term.CODEC_OVERHEAD
-        )
+    started = _started("all_gather", len(sizes), payload, via, numel, finish, t0)
+    via.overhead("all_gather", len(sizes), len(sizes) * top - payload)
     return started
 
 
 @labelled
-def start_reduce_scatter(
-    t: torch.Tensor,
-    sizes: Sequence[int],
-    dim: int,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layer: str | None,
-) -> Started:
+def start_reduce_scatter(t: torch.Tensor, sizes: Sequence[int], dim: int, via: Via) -> Started:
     """reduce_scatter_uneven, split phase."""
     t0 = time.perf_counter()
-    t, sizes = t.contiguous(), list(sizes)
+    t, sizes, group = t.contiguous(), list(sizes), via.group
     p, me = len(sizes), group_rank(group)
     nbytes = t.numel() * t.element_size()
     small = _small(group, t, nbytes)
@@ -326,41 +317,27 @@ def start_reduce_scatter(
             work.wait()
             return out.narrow(dim, 0, sizes[me])
 
-    return _started("reduce_scatter", p, nbytes, ledger, term, layer, t.numel(), finish, t0)
+    return _started("reduce_scatter", p, nbytes, via, t.numel(), finish, t0)
 
 
 @labelled
-def start_broadcast(
-    t: torch.Tensor,
-    root: int,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layer: str | None,
-) -> Started:
+def start_broadcast(t: torch.Tensor, root: int, via: Via) -> Started:
     """`t` of the group's rank `root` onto every rank (t: the root's tensor, or a buffer of its
     shape elsewhere), asynchronous on torch.distributed."""
-    return _rooted("broadcast", t.contiguous(), root, group, ledger, term, layer)
+    return _rooted("broadcast", t.contiguous(), root, via)
 
 
 @labelled
-def start_reduce(
-    t: torch.Tensor,
-    root: int,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layer: str | None,
-) -> Started:
+def start_reduce(t: torch.Tensor, root: int, via: Via) -> Started:
     """The sum of `t` over the group onto its rank `root` (elsewhere the result is undefined),
     asynchronous on torch.distributed."""
-    return _rooted("reduce", t.contiguous().clone(), root, group, ledger, term, layer)
+    return _rooted("reduce", t.contiguous().clone(), root, via)
 
 
-def _rooted(kind: str, buf, root, group, ledger, term, layer) -> Started:
+def _rooted(kind: str, buf, root: int, via: Via) -> Started:
     """A broadcast from, or a reduce onto, the group's rank `root`, in place in `buf`."""
     t0 = time.perf_counter()
-    pg = pg_of(group)
+    pg = pg_of(via.group)
     at = dist.get_global_rank(pg, root)
     if kind == "broadcast":
         work = dist.broadcast(buf, src=at, group=pg, async_op=True)
@@ -372,9 +349,7 @@ def _rooted(kind: str, buf, root, group, ledger, term, layer) -> Started:
         return buf
 
     n = buf.numel()
-    return _started(
-        kind, group_size(group), n * buf.element_size(), ledger, term, layer, n, finish, t0
-    )
+    return _started(kind, group_size(via.group), n * buf.element_size(), via, n, finish, t0)
 
 
 def _gloo_all_gather(
@@ -425,8 +400,8 @@ def _book(
         ledger.record(kind, p, overhead, 0.0, Term.CODEC_OVERHEAD)
 
 
-def _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec: Codec) -> torch.Tensor:
-    t0 = time.perf_counter()
+def _compressed_all_gather(t, sizes, dim, via: Via) -> torch.Tensor:
+    t0, codec = time.perf_counter(), via.codec
     t = t.contiguous()
     inner = math.prod(
         n for i, n in enumerate(t.shape) if i != dim % t.dim()
@@ -434,23 +409,15 @@ def _compressed_all_gather(t, sizes, dim, group, ledger, term, layer, codec: Cod
     numels = [n * inner for n in sizes]
     lengths = [codec.wire_bytes(n) for n in numels]
     mine = codec.to_bytes(codec.encode(t))
-    got = _gather_bytes(mine, lengths, group)
+    got = _gather_bytes(mine, lengths, via.group)
     parts = [
         codec.decode(codec.from_bytes(b, n)).view(_shape_with(t, dim, k))
         for b, n, k in zip(got, numels, sizes, strict=True)
     ]
     out = torch.cat(parts, dim=dim).to(t.dtype)
     payload = out.numel() * codec.bits / 8
-    _book(
-        ledger,
-        "all_gather",
-        len(sizes),
-        payload,
-        len(sizes) * max(lengths) - payload,
-        time.perf_counter() - t0,
-        term,
-        {layer: out.numel()} if layer else None,
-    )
+    via.book("all_gather", len(sizes), payload, time.perf_counter() - t0, out.numel())
+    via.overhead("all_gather", len(sizes), len(sizes) * max(lengths) - payload)
     return out
 
 

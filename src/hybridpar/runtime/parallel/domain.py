@@ -42,6 +42,7 @@ from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm import p2p
+from hybridpar.runtime.comm.collectives import Via
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import Chain, Move, gather, replicated, split
@@ -351,13 +352,13 @@ class _BatchToRows(torch.autograd.Function):
     owners (from pure batch to the domain layout). Backward: the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group, heights, counts, ledger, layer):
-        ctx.args = (group, heights, counts, ledger, layer)
-        return _to_rows(x, group, heights, counts, ledger, layer)
+    def forward(ctx, x, heights, counts, via):
+        ctx.args = (heights, counts, via)
+        return _to_rows(x, heights, counts, via)
 
     @staticmethod
     def backward(ctx, g):
-        return _to_examples(g.contiguous(), *ctx.args), None, None, None, None, None
+        return _to_examples(g.contiguous(), *ctx.args), None, None, None
 
 
 class _RowsToBatch(torch.autograd.Function):
@@ -365,27 +366,26 @@ class _RowsToBatch(torch.autograd.Function):
     example in pure batch. Backward: the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, group, heights, counts, ledger, layer):
-        ctx.args = (group, heights, counts, ledger, layer)
-        return _to_examples(x, group, heights, counts, ledger, layer)
+    def forward(ctx, x, heights, counts, via):
+        ctx.args = (heights, counts, via)
+        return _to_examples(x, heights, counts, via)
 
     @staticmethod
     def backward(ctx, g):
-        return _to_rows(g.contiguous(), *ctx.args), None, None, None, None, None
+        return _to_rows(g.contiguous(), *ctx.args), None, None, None
 
 
-def _all_to_all(pieces: list[torch.Tensor], shapes: list, group: Group, ledger, layer) -> list:
+def _all_to_all(pieces: list[torch.Tensor], shapes: list, via: Via) -> list:
     """Uneven all-to-all of tensors (flattened on the wire); booked as one all-to-all of this
     rank's whole buffer under the redistribution term."""
     t0 = time.perf_counter()
     send = torch.cat([p.reshape(-1) for p in pieces])
     sizes = [int(torch.Size(s).numel()) for s in shapes]
     recv = send.new_empty(sum(sizes))
+    group = via.group
     dist.all_to_all_single(recv, send, sizes, [p.numel() for p in pieces], group=group.pg)
-    if ledger is not None:
-        nbytes = send.numel() * send.element_size()
-        took = time.perf_counter() - t0
-        ledger.record("all_to_all", group.size, nbytes, took, Term.REDISTRIBUTE, {layer: 1.0})
+    nbytes, took = send.numel() * send.element_size(), time.perf_counter() - t0
+    via.book("all_to_all", group.size, nbytes, took, 1)
     out, off = [], 0
     for s, n in zip(shapes, sizes, strict=True):
         out.append(recv[off : off + n].view(s))
@@ -393,18 +393,18 @@ def _all_to_all(pieces: list[torch.Tensor], shapes: list, group: Group, ledger, 
     return out
 
 
-def _to_rows(x, group: Group, heights, counts, ledger, layer) -> torch.Tensor:
-    me, edges = group.rank, bands(sum(heights), len(heights))
+def _to_rows(x, heights, counts, via: Via) -> torch.Tensor:
+    me, edges = via.group.rank, bands(sum(heights), len(heights))
     pieces = [x[:, :, a:b] for a, b in edges]
     shapes = [(counts[q], x.shape[1], heights[me], x.shape[3]) for q in range(len(heights))]
-    return torch.cat(_all_to_all(pieces, shapes, group, ledger, layer), dim=0)
+    return torch.cat(_all_to_all(pieces, shapes, via), dim=0)
 
 
-def _to_examples(x, group: Group, heights, counts, ledger, layer) -> torch.Tensor:
-    me = group.rank
+def _to_examples(x, heights, counts, via: Via) -> torch.Tensor:
+    me = via.group.rank
     pieces = list(torch.split(x, counts, dim=0))
     shapes = [(counts[me], x.shape[1], h, x.shape[3]) for h in heights]
-    return torch.cat(_all_to_all(pieces, shapes, group, ledger, layer), dim=2)
+    return torch.cat(_all_to_all(pieces, shapes, via), dim=2)
 
 
 class _Rows:
@@ -423,7 +423,7 @@ class _Rows:
         sizes = [b - a for a, b in bands(h, self.pr)]
         move = split if self.into else gather
         m = self.m
-        y = move(x, sizes, 2, self.group, m.ledger, Term.REDISTRIBUTE, m.layer, m.codec)
+        y = move(x, sizes, 2, Via(self.group, m.ledger, Term.REDISTRIBUTE, m.layer, m.codec))
         return (y, *rest)
 
 
@@ -450,7 +450,8 @@ class _Transpose:
         h = x.shape[2] if self.into else self.m.height
         heights = [b - a for a, b in bands(h, self.pr)]
         fn = _BatchToRows if self.into else _RowsToBatch
-        y = fn.apply(x, self.group, heights, counts, self.m.ledger, self.m.layer)
+        via = Via(self.group, self.m.ledger, Term.REDISTRIBUTE, self.m.layer)
+        y = fn.apply(x, heights, counts, via)
         return (y, *rest)
 
 

@@ -34,6 +34,7 @@ from hybridpar.core.splits import group_split, whole_group_prs
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
+    Via,
     all_gather_uneven,
     all_reduce,
     chunk_sizes,
@@ -57,31 +58,24 @@ class _CopyToGroup(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce the gradient over the group (dX of a split layer)."""
 
     @staticmethod
-    def forward(ctx, x, group, ledger, layer, codec):
-        ctx.group, ctx.ledger, ctx.layer, ctx.codec = group, ledger, layer, codec
+    def forward(ctx, x, via):
+        ctx.via = via
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        layers = {ctx.layer: grad.numel()}
-        if ctx.codec is not None and ctx.codec.name != "none":
-            compressed_all_reduce(grad, ctx.group, ctx.codec, ctx.ledger, Term.DX_ALLREDUCE, layers)
+        v, grad = ctx.via, grad.contiguous().clone()
+        layers = {v.layer: grad.numel()}
+        if v.encoded:
+            compressed_all_reduce(grad, v.group, v.codec, v.ledger, v.term, layers)
         else:
-            all_reduce(grad, ctx.group, ctx.ledger, Term.DX_ALLREDUCE, layers)
-        return grad, None, None, None, None
+            all_reduce(grad, v.group, v.ledger, v.term, layers)
+        return grad, None
 
 
-def copy_to_group(
-    x: torch.Tensor,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    layer: str,
-    codec: Codec | None = None,
-) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
-    return _CopyToGroup.apply(x, group, ledger, layer, codec)
+def copy_to_group(x: torch.Tensor, via: Via) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over `via.group` (booked under its term)."""
+    return x if group_size(via.group) == 1 else _CopyToGroup.apply(x, via)
 
 
 class ModelParallel(nn.Module):
@@ -133,7 +127,7 @@ class ModelParallel(nn.Module):
     def full(self) -> dict[str, torch.Tensor]:
         """The whole parameters, gathered over the model group (collective; every rank gets them)."""
         return {
-            k: all_gather_uneven(p.detach(), self.sizes, 0, self.group, None, Term.STATE, None)
+            k: all_gather_uneven(p.detach(), self.sizes, 0, Via(self.group, term=Term.STATE))
             for k, p in self.named_parameters()
         }
 
@@ -151,14 +145,15 @@ class ModelParallel(nn.Module):
         (unless the hand-off in front of the layer does: `partial_dx`)."""
         if self.partial_dx:
             return x
-        return copy_to_group(x, self.group, self.ledger, self.name, self.codec)
+        return copy_to_group(x, self._via(Term.DX_ALLREDUCE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.compute(self.enter(x))
         dim = self.unit_dim % y.dim()
-        return gather(
-            y, self.sizes, dim, self.group, self.ledger, Term.ALLGATHER, self.name, self.codec
-        )
+        return gather(y, self.sizes, dim, self._via(Term.ALLGATHER))
+
+    def _via(self, term: str) -> Via:
+        return Via(self.group, self.ledger, term, self.name, self.codec)
 
 
 class ModelParallelLinear(ModelParallel):
@@ -223,9 +218,7 @@ class ModelParallelConv2d(ModelParallel):
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_sizes is None:
             return super().enter(x)
-        return split(
-            x, self.in_sizes, 1, self.group, self.ledger, Term.DX_ALLGATHER, self.name, self.codec
-        )
+        return split(x, self.in_sizes, 1, self._via(Term.DX_ALLGATHER))
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         w, b, groups = self.weight, self.bias, self.my_groups

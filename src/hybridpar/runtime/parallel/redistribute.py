@@ -33,15 +33,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from hybridpar.core import faults
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
-from hybridpar.runtime.comm.collectives import all_gather_uneven, reduce_scatter_uneven
+from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, reduce_scatter_uneven
 from hybridpar.runtime.comm.grid import GridSet, rows_of_group
-from hybridpar.runtime.comm.group import Group, group_rank
+from hybridpar.runtime.comm.group import group_rank
 from hybridpar.runtime.comm.ledger import Ledger
 
 __all__ = [
@@ -62,64 +61,41 @@ class _Gather(torch.autograd.Function):
     gradient is every rank's partial sum (`fused`: core/handoff.py), reduce-scatter it."""
 
     @staticmethod
-    def forward(ctx, x, sizes, dim, group, ledger, term, layer, codec, fused):
-        ctx.dim, ctx.sizes, ctx.fused = dim, sizes, fused
-        ctx.rank = group_rank(group)
-        ctx.args = (group, ledger, term, layer)
-        return all_gather_uneven(x, sizes, dim, group, ledger, term, layer, codec)
+    def forward(ctx, x, sizes, dim, via, fused):
+        ctx.dim, ctx.sizes, ctx.via, ctx.fused = dim, sizes, via, fused
+        return all_gather_uneven(x, sizes, dim, via)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.fused:
-            mine = reduce_scatter_uneven(grad, ctx.sizes, ctx.dim, *ctx.args)
-            return mine, *([None] * 8)
-        start = sum(ctx.sizes[: ctx.rank])
-        return grad.narrow(ctx.dim, start, ctx.sizes[ctx.rank]).contiguous(), *([None] * 8)
+            return reduce_scatter_uneven(grad, ctx.sizes, ctx.dim, ctx.via), None, None, None, None
+        r = group_rank(ctx.via.group)
+        mine = grad.narrow(ctx.dim, sum(ctx.sizes[:r]), ctx.sizes[r]).contiguous()
+        return mine, None, None, None, None
 
 
 class _Split(torch.autograd.Function):
     """Forward: keep this rank's piece along `dim`. Backward: all-gather the pieces of the grad."""
 
     @staticmethod
-    def forward(ctx, x, sizes, dim, group, ledger, term, layer, codec):
-        ctx.args = (sizes, dim, group, ledger, term, layer, codec)
-        rank = group_rank(group)
+    def forward(ctx, x, sizes, dim, via):
+        ctx.args = (sizes, dim, via)
+        rank = group_rank(via.group)
         return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_uneven(grad.contiguous(), *ctx.args), *([None] * 7)
+        return all_gather_uneven(grad.contiguous(), *ctx.args), None, None, None
 
 
-def gather(
-    x: torch.Tensor,
-    sizes: Sequence[int],
-    dim: int,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layer: str | None,
-    codec: Codec | None = None,
-    fused: bool = False,
-) -> torch.Tensor:
-    if len(sizes) == 1:
-        return x
-    return _Gather.apply(x, tuple(sizes), dim, group, ledger, term, layer, codec, fused)
+def gather(x: torch.Tensor, sizes: Sequence[int], dim: int, via: Via, fused: bool = False):
+    """The pieces of every rank of `via.group` along `dim` (piece i has sizes[i])."""
+    return x if len(sizes) == 1 else _Gather.apply(x, tuple(sizes), dim, via, fused)
 
 
-def split(
-    x: torch.Tensor,
-    sizes: Sequence[int],
-    dim: int,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layer: str | None,
-    codec: Codec | None = None,
-) -> torch.Tensor:
-    if len(sizes) == 1:
-        return x
-    return _Split.apply(x, tuple(sizes), dim, group, ledger, term, layer, codec)
+def split(x: torch.Tensor, sizes: Sequence[int], dim: int, via: Via) -> torch.Tensor:
+    """This rank's piece of `x` along `dim` (piece i has sizes[i] over `via.group`)."""
+    return x if len(sizes) == 1 else _Split.apply(x, tuple(sizes), dim, via)
 
 
 class StepRows:
@@ -158,8 +134,8 @@ class Redistribute:
         fused: bool = False,
     ) -> None:
         self.group = grids.regroup(src, dst)
-        self.src, self.dst, self.rows = src, dst, rows
-        self.ledger, self.layer, self.codec, self.fused = ledger, layer, codec, fused
+        self.src, self.dst, self.rows, self.fused = src, dst, rows, fused
+        self.via = Via(self.group, ledger, Term.REDISTRIBUTE, layer, codec)
         self.pr_fine, self.m, self.first = regroup_place(grids, src, dst)
 
     def sizes(self) -> list[int]:
@@ -172,10 +148,9 @@ class Redistribute:
     def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
         faults.at("handoff")
         x, *rest = args
-        args = (x, self.sizes(), 0, self.group, self.ledger, Term.REDISTRIBUTE, self.layer)
         if self.dst < self.src:
-            return (gather(*args, self.codec, self.fused), *rest)
-        return (split(*args, self.codec), *rest)
+            return (gather(x, self.sizes(), 0, self.via, self.fused), *rest)
+        return (split(x, self.sizes(), 0, self.via), *rest)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
     Started,
+    Via,
     start_all_gather,
     start_broadcast,
     start_reduce,
@@ -125,21 +126,21 @@ class Rounds:
         sizes = plan.sizes(j)
         off = sum(plan.per_round[self.me][:j])
         mine = x.narrow(0, off, sizes[self.me])
-        args = (self.group, self.ledger, Term.REDISTRIBUTE, self.layer)
+        via = Via(self.group, self.ledger, Term.REDISTRIBUTE, self.layer, self.codec)
         if self.h.scheme == "b":
             buf = mine if self.me == j else x.new_empty((sizes[j], *x.shape[1:]))
-            return start_broadcast(buf, j, *args)
-        return start_all_gather(mine, sizes, 0, *args, self.codec)
+            return start_broadcast(buf, j, via)
+        return start_all_gather(mine, sizes, 0, via)
 
     def _return(self, plan: _Plan, g: torch.Tensor, j: int) -> Started | torch.Tensor:
         """Start round j's activation gradient back to the members that own its examples (or,
         where it is complete everywhere, keep this rank's rows)."""
         sizes = plan.sizes(j)
-        args = (self.back, self.ledger, Term.REDISTRIBUTE, self.layer)
+        via = Via(self.back, self.ledger, Term.REDISTRIBUTE, self.layer)
         if self.fused:
             if self.h.scheme == "b":
-                return start_reduce(g, j, *args)
-            return start_reduce_scatter(g, sizes, 0, *args)
+                return start_reduce(g, j, via)
+            return start_reduce_scatter(g, sizes, 0, via)
         return g.narrow(0, sum(sizes[: self.me]), sizes[self.me])
 
     def _mine(self, plan: _Plan, got: torch.Tensor, j: int) -> torch.Tensor:

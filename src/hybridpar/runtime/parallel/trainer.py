@@ -26,7 +26,7 @@ from hybridpar.core import faults
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
-from hybridpar.runtime.comm.collectives import all_gather_uneven, all_reduce
+from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import checkpoint
@@ -246,7 +246,7 @@ class HybridTrainer:
         torch.distributed.all_gather(sizes, mine, group=m.world.pg)
         counted = out if m.counts_outputs else out[:0]
         every = [int(s) for s in sizes]
-        return all_gather_uneven(counted, every, 0, m.world, None, Term.METRICS, None)
+        return all_gather_uneven(counted, every, 0, Via(m.world, term=Term.METRICS))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state_dict, shards gathered (every rank calls it)."""
