@@ -13,7 +13,7 @@ from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet, ProcessGrid
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel import ModelParallelConv2d, ModelParallelLinear, parallelize
-from hybridpar.runtime.parallel.redistribute import Redistribute, StepRows
+from hybridpar.runtime.parallel.redistribute import Move, Redistribute, StepRows
 
 
 def _split_layer(pr, pc, kind):
@@ -64,7 +64,7 @@ def _move(src, dst):
     x = torch.randn(n, 3, generator=torch.Generator().manual_seed(0))
     w = torch.randn(n, 3, generator=torch.Generator().manual_seed(1))
     mine = x[grids.grid(src).rows(rows.sizes)].clone().requires_grad_(True)
-    (y,) = Redistribute(grids, src, dst, rows, Ledger(), "layer")(None, (mine,))
+    (y,) = Redistribute(Move(grids, rows, Ledger(), "layer"), src, dst)(None, (mine,))
     want = grids.grid(dst).rows(rows.sizes)
     torch.testing.assert_close(y, x[want])
     # a loss whose gradient replicas share: each rank's rows weighted by w, counted once per layout

@@ -129,10 +129,8 @@ def handoff_rounds(model: nn.Module, layout: Layout, ctx: BuildContext) -> list[
         fused = handoff.fused(x, src, dst, ctx.choices.activations_encoded)
         later = [layout.entries[j] for j, _, _ in layout.moves() if j > k]  # layout changes
         var = variable and k == last
-        r = rounds.Rounds(
-            ctx.grids, src.pc, dst.pc, ctx.rows, ctx.ledger, first, h, fused, var,
-            ctx.activation_codec,
-        )  # fmt: skip
+        m = Move(ctx.grids, ctx.rows, ctx.ledger, first, ctx.activation_codec, fused=fused)
+        r = rounds.Rounds(m, src.pc, dst.pc, h, var)
         rounds.install(model, layout.entries[k], later, r)
         if var and later:  # the head must end the model (why_not_variable_batch said so)
             raise ConfigError("--variable-batch: the layers after the hand-off must end the model")

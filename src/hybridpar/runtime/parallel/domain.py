@@ -18,7 +18,8 @@ rank: their gradients are summed over all P ranks.
 | _Post           | post the sends and receives of halo rows       | receive the gradients of the    | halo_fwd  |
 |                 | (non-blocking); the band passes through        | rows sent, add them to the band |           |
 | _Wait           | wait for the halo rows                         | send their gradients back       | halo_bwd  |
-| _BatchToRows    | all-to-all: my examples' bands to their owners | the inverse all-to-all          | redistribute |
+| _Transposed     | all-to-all: my examples' bands to their owners | the inverse all-to-all          | redistribute |
+|                 | (or back, out of the domain layout)            |                                 |           |
 | split / gather  | (rows, dim 2) keep my band / all-gather bands  | all-gather / keep (redistribute.py) | redistribute |
 
 Moves into and out of the domain layout (`MOVES`): from the layout with the same batch groups a
@@ -347,32 +348,23 @@ class DomainPool2d(_Windowed):
         return mean / F.avg_pool2d(mask, k, st, pad, False, True)
 
 
-class _BatchToRows(torch.autograd.Function):
-    """Forward: all-to-all within the model group, this rank's examples' bands to the bands'
-    owners (from pure batch to the domain layout). Backward: the inverse all-to-all."""
+class _Transposed(torch.autograd.Function):
+    """An all-to-all within the model group between pure batch and the domain layout: `into` it,
+    this rank's examples' bands to the bands' owners; out of it, each example's bands to the
+    rank holding the example in pure batch. Backward: the inverse all-to-all."""
 
     @staticmethod
-    def forward(ctx, x, heights, counts, via):
-        ctx.args = (heights, counts, via)
-        return _to_rows(x, heights, counts, via)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _to_examples(g.contiguous(), *ctx.args), None, None, None
-
-
-class _RowsToBatch(torch.autograd.Function):
-    """Forward: all-to-all within the model group, each example's bands to the rank holding the
-    example in pure batch. Backward: the inverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, heights, counts, via):
-        ctx.args = (heights, counts, via)
-        return _to_examples(x, heights, counts, via)
+    def forward(ctx, x, heights, counts, via, into):
+        ctx.args = (heights, counts, via, not into)
+        return _transpose(x, heights, counts, via, into)
 
     @staticmethod
     def backward(ctx, g):
-        return _to_rows(g.contiguous(), *ctx.args), None, None, None
+        return _transpose(g.contiguous(), *ctx.args), None, None, None, None
+
+
+def _transpose(x, heights, counts, via: Via, into: bool) -> torch.Tensor:
+    return (_to_rows if into else _to_examples)(x, heights, counts, via)
 
 
 def _all_to_all(pieces: list[torch.Tensor], shapes: list, via: Via) -> list:
@@ -449,9 +441,8 @@ class _Transpose:
         counts = list(finest[first : first + self.pr])  # examples of each rank in pure batch
         h = x.shape[2] if self.into else self.m.height
         heights = [b - a for a, b in bands(h, self.pr)]
-        fn = _BatchToRows if self.into else _RowsToBatch
         via = Via(self.group, self.m.ledger, Term.REDISTRIBUTE, self.m.layer)
-        y = fn.apply(x, heights, counts, via)
+        y = _Transposed.apply(x, heights, counts, via, self.into)
         return (y, *rest)
 
 

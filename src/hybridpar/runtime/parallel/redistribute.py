@@ -122,21 +122,11 @@ class Redistribute:
     """Forward pre-hook moving the input of a segment's entry module from the layout with `src`
     batch groups to the one with `dst` (Pc of the grids before and after)."""
 
-    def __init__(
-        self,
-        grids: GridSet,
-        src: int,
-        dst: int,
-        rows: StepRows,
-        ledger: Ledger | None,
-        layer: str,
-        codec: Codec | None = None,
-        fused: bool = False,
-    ) -> None:
-        self.group = grids.regroup(src, dst)
-        self.src, self.dst, self.rows, self.fused = src, dst, rows, fused
-        self.via = Via(self.group, ledger, Term.REDISTRIBUTE, layer, codec)
-        self.pr_fine, self.m, self.first = regroup_place(grids, src, dst)
+    def __init__(self, move: Move, src: int, dst: int) -> None:
+        self.group = move.grids.regroup(src, dst)
+        self.src, self.dst, self.rows, self.fused = src, dst, move.rows, move.fused
+        self.via = Via(self.group, move.ledger, Term.REDISTRIBUTE, move.layer, move.codec)
+        self.pr_fine, self.m, self.first = regroup_place(move.grids, src, dst)
 
     def sizes(self) -> list[int]:
         """Examples held by each rank of the regroup: the fine batch groups of my coarse one."""
@@ -185,7 +175,7 @@ def replicated(src: Style, dst: Style, m: Move) -> Callable:
     """Between two layouts split by examples only: one all-gather or slice (Redistribute)."""
     if src.pc == dst.pc:
         return lambda module, args: args
-    return Redistribute(m.grids, src.pc, dst.pc, m.rows, m.ledger, m.layer, m.codec, m.fused)
+    return Redistribute(m, src.pc, dst.pc)
 
 
 MOVES: dict[tuple[str, str], Callable[[Style, Style, Move], Callable]] = {

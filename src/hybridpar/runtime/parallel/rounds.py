@@ -33,7 +33,6 @@ from torch import nn
 from hybridpar.core import faults
 from hybridpar.core.handoff import Handoff, round_rows
 from hybridpar.core.terms import Term
-from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
     Started,
     Via,
@@ -42,10 +41,9 @@ from hybridpar.runtime.comm.collectives import (
     start_reduce,
     start_reduce_scatter,
 )
-from hybridpar.runtime.comm.grid import GridSet, rows_of_group
+from hybridpar.runtime.comm.grid import rows_of_group
 from hybridpar.runtime.comm.group import group_rank
-from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.parallel.redistribute import StepRows, regroup_place
+from hybridpar.runtime.parallel.redistribute import Move, regroup_place
 
 __all__ = ["Rounds", "install"]
 
@@ -91,25 +89,14 @@ class _Plan:
 class Rounds:
     """The hand-off into one segment, sent by scheme (b) or (c), and its head run in rounds."""
 
-    def __init__(
-        self,
-        grids: GridSet,
-        src: int,
-        dst: int,
-        rows: StepRows,
-        ledger: Ledger | None,
-        layer: str,
-        h: Handoff,
-        fused: bool,
-        variable: bool = False,
-        codec: Codec | None = None,
-    ) -> None:
-        self.variable, self.codec = variable, codec
+    def __init__(self, move: Move, src: int, dst: int, h: Handoff, variable: bool = False) -> None:
+        grids, self.variable, self.codec = move.grids, variable, move.codec
         self.group = grids.handoff_group(src, dst)
         # variable batch: a round's gradient goes back while the next round's rows arrive, two
         # split-phase calls in flight: each on its own group
         self.back = grids.handoff_group(src, dst, "handoff-back") if variable else self.group
-        self.rows, self.ledger, self.layer, self.h, self.fused = rows, ledger, layer, h, fused
+        self.rows, self.ledger, self.layer = move.rows, move.ledger, move.layer
+        self.h, self.fused = h, move.fused
         self.per_round: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
         """variable batch (Krizhevsky 4.2): called with each round's index, head output and its
         rows' positions in the head's output; it takes the round's loss, runs its backward and
