@@ -188,33 +188,30 @@ def resnet20(input_size: int = 32, num_classes: int = 10, in_channels: int = 3) 
 
 def digits_cnn(input_size: int = 8, num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
     """Two 3x3 convs and a 3-layer FC head, for scikit-learn's 8x8 digits."""
-    if input_size < 2 or input_size % 2:
-        raise ConfigError(f"digits-cnn needs an even input size, got {input_size}")
-    s = input_size // 2
-    return nn.Sequential(
-        nn.Conv2d(in_channels, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(64 * s * s, 256), nn.ReLU(),
-        nn.Linear(256, 128), nn.ReLU(),
-        nn.Linear(128, num_classes),
-    )  # fmt: skip
+    return _digits("digits-cnn", input_size, num_classes, in_channels, (256, 128), ())
 
 
 def digits_wide(input_size: int = 8, num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
     """digits-cnn's convolutions with a 2048-wide FC head (6.3 M of its 6.3 M parameters): pure
     batch parallelism all-reduces 25 MB of gradients a step, a model split of the head moves a few
     hundred KB of activations, so the planner picks a hybrid plan even on one machine."""
+    return _digits("digits-wide", input_size, num_classes, in_channels, (2048, 2048), (0.25,))
+
+
+def _digits(name, input_size, num_classes, in_channels, widths, dropout) -> nn.Sequential:
+    """The digits nets: two 3x3 convs and a pool, then FC layers of `widths` with ReLU (and a
+    dropout of `dropout` after the first), then the classifier."""
     if input_size < 2 or input_size % 2:
-        raise ConfigError(f"digits-wide needs an even input size, got {input_size}")
+        raise ConfigError(f"{name} needs an even input size, got {input_size}")
     s = input_size // 2
+    (a, b), drop = widths, [nn.Dropout(p) for p in dropout]
     return nn.Sequential(
         nn.Conv2d(in_channels, 32, 3, padding=1), nn.ReLU(),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(64 * s * s, 2048), nn.ReLU(), nn.Dropout(0.25),
-        nn.Linear(2048, 2048), nn.ReLU(),
-        nn.Linear(2048, num_classes),
+        nn.Linear(64 * s * s, a), nn.ReLU(), *drop,
+        nn.Linear(a, b), nn.ReLU(),
+        nn.Linear(b, num_classes),
     )  # fmt: skip
 
 
