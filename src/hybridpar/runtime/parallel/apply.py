@@ -26,7 +26,7 @@ from hybridpar.runtime.comm.host import leader_groups
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import rounds
-from hybridpar.runtime.parallel.batchnorm import BNSwitch, Plateau, convert_global_batchnorm
+from hybridpar.runtime.parallel.batchnorm import BNSwitch, convert_global_batchnorm
 from hybridpar.runtime.parallel.dropout import Where, replace_dropouts
 from hybridpar.runtime.parallel.kinds import move, runtime_style
 from hybridpar.runtime.parallel.layout import Layout
@@ -43,7 +43,6 @@ __all__ = [
     "handoff_rounds",
     "redistributions",
     "shard",
-    "switch",
 ]
 
 
@@ -167,15 +166,6 @@ def dropouts(
         return Where(step, first_example, sum(bands[: grid.r]), tuple(spec.in_shape))
 
     return replace_dropouts(model, seed, where_of)
-
-
-def switch(plan: ParallelPlan, ctx: BuildContext) -> BNSwitch:
-    """The adaptive batch norm's switch (Liu et al. 4.3), deciding over the job's world group."""
-    o = ctx.options
-    rule = Plateau(o.bn_window, o.bn_threshold, o.bn_signal)
-    s = BNSwitch(o.bn_max_batch, rule, group=ctx.grids.world, ledger=ctx.ledger, device=ctx.device)
-    s.start(plan.batch)  # BZ: the global batch (Liu et al. section 5)
-    return s
 
 
 def global_batchnorm(

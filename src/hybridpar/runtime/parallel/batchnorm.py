@@ -356,6 +356,18 @@ class BNSwitch:
     def use_global(self) -> bool:
         return self.mode == "global"
 
+    @classmethod
+    def of(cls, plan, options, group, ledger: Ledger | None, device) -> BNSwitch | None:
+        """The plan's switch (None unless its batch norm is adaptive), with the options' rule,
+        deciding over `group`, started on the plan's global batch; both engines build it so."""
+        if plan.choices.bn != "adaptive":
+            return None
+        o = options
+        rule = Plateau(o.bn_window, o.bn_threshold, o.bn_signal)
+        switch = cls(o.bn_max_batch, rule, group, ledger, device)
+        switch.start(plan.batch)  # BZ: the global batch (Liu et al. section 5)
+        return switch
+
     def start(self, global_batch: int) -> None:
         if self.bz_max is not None and global_batch >= self.bz_max:
             self.large_batch = True

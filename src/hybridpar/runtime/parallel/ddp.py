@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import new_group
-from hybridpar.runtime.parallel.batchnorm import BNSwitch, Plateau, convert_global_batchnorm
+from hybridpar.runtime.parallel.batchnorm import BNSwitch, convert_global_batchnorm
 from hybridpar.runtime.parallel.dropout import Where, replace_dropouts
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.reducers import make_reducer
@@ -38,11 +38,7 @@ class DDPEngine(Engine):
         everyone = list(range(self.P))
         shm = options.shared_memory and device.type == "cpu"
         self.world = new_group(everyone, timeout, "hybridpar_world", "world", shm)
-        self.bn_switch = None
-        if plan.choices.bn == "adaptive":
-            rule = Plateau(options.bn_window, options.bn_threshold, options.bn_signal)
-            self.bn_switch = BNSwitch(options.bn_max_batch, rule, self.world, ledger, device)
-            self.bn_switch.start(plan.batch)
+        self.bn_switch = BNSwitch.of(plan, options, self.world, ledger, device)
         if plan.choices.bn != "local":
             model = convert_global_batchnorm(
                 model, self.world, ledger=ledger, switch=self.bn_switch, layer_of=layout.layer_of

@@ -24,6 +24,7 @@ from torch import nn
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import ProcessGrid
 from hybridpar.runtime.parallel import apply
+from hybridpar.runtime.parallel.batchnorm import BNSwitch
 from hybridpar.runtime.parallel.dropout import SameRandom
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.kinds import runtime_style
@@ -55,7 +56,7 @@ class HybridParallel(Engine):
         if any(s.replicated for s in self.styles):
             self.random = SameRandom(options.seed, [s.random_key for s in self.styles])
             self._hooks += self.random.attach(model, layout.entries)
-        self.bn_switch = apply.switch(plan, self.ctx) if plan.choices.bn == "adaptive" else None
+        self.bn_switch = BNSwitch.of(plan, options, self.world, ledger, device)
         if plan.choices.bn != "local":
             apply.global_batchnorm(model, layout, self.styles, ledger, self.bn_switch)
         self.rounds = apply.handoff_rounds(model, layout, self.ctx)  # every module is final
