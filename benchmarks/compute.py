@@ -9,6 +9,7 @@
            CUDA allocator's peak) and the iteration time, checkpointed / eager
 
     python benchmarks/compute.py [--part compile,memory] [--procs 2] [--rounds 2] [--json F]
+    python benchmarks/compute.py --device cuda --procs 1 --plans batch   # on a GPU (gpu_check)
 
 Times are medians over rounds of each run's median iteration; spread is max - min over rounds.
 """
@@ -32,12 +33,16 @@ PLANS = ("batch", "model", "domain")
 CHECKPOINT = {"alexnet-owt": "0..12", "resnet20": "layer?.?"}
 
 
+DEVICE = ["--device", "cpu"]  # --device: where every run trains
+
+
 def train(model: str, size: int, plan: str, procs: int, batch: int, steps: int, *extra) -> dict:
     with tempfile.TemporaryDirectory(prefix="hybridpar-compute-") as tmp:
         cmd = [sys.executable, "-m", "hybridpar", "train", "--model", model]
         cmd += f"--input-size {size} --batch {batch} --nproc {procs} --preset {plan}".split()
         cmd += f"--data synthetic:{batch * steps} --epochs 1 --max-steps {steps}".split()
         cmd += ["--quiet", "--no-progress", "--save", f"{tmp}/w.pt", "--report", f"{tmp}/r.json"]
+        cmd += DEVICE
         got = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=os.environ)
         if got.returncode != 0:
             raise SystemExit(f"{' '.join(cmd + list(extra))} failed:\n{got.stderr[-2000:]}")
@@ -59,8 +64,9 @@ def compile_part(args) -> list[dict]:
     rows = []
     # resnet20 with local BN too: global BN's all-reduce between every convolution and the next
     # leaves nothing of more than one operation to compile
-    cases = [(m, s, p, "global") for m, s in MODELS.items() for p in PLANS]
-    cases += [("resnet20", MODELS["resnet20"], p, "local") for p in PLANS]
+    plans = args.plans.split(",")
+    cases = [(m, s, p, "global") for m, s in MODELS.items() for p in plans]
+    cases += [("resnet20", MODELS["resnet20"], p, "local") for p in plans]
     got: dict = {(c, k): [] for c in cases for k in ("eager", "compiled")}
     for r in range(args.rounds):
         for m, s, p, bn in cases:
@@ -71,7 +77,8 @@ def compile_part(args) -> list[dict]:
                 )
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
-    print(f"\ncompile: P = {args.procs}, B = {args.batch}, {args.rounds} rounds, inductor (CPU)")
+    where = f"inductor ({args.device})"
+    print(f"\ncompile: P = {args.procs}, B = {args.batch}, {args.rounds} rounds, {where}")
     print(
         "| model | plan | BN | eager ms (spread) | compiled ms (spread) | compiled / eager "
         "| compile s | parts |"
@@ -163,8 +170,11 @@ def main() -> None:
     ap.add_argument("--mem-batch", type=int, default=256, help="the memory part's global batch")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--plans", default=",".join(PLANS), help="the compile part's plans")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    DEVICE[1] = args.device
     out = {}
     if "compile" in args.part:
         out["compile"] = compile_part(args)

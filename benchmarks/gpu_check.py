@@ -24,6 +24,9 @@ Sections (`--sections`, comma-separated; all by default):
    predictions next to its measurements.
 6. beyond: `hybridpar calibrate` at 2 and 4 ranks, then `hybridpar validate` of alexnet-owt at
    P = 8 and 16 on the host's cores (the ranks the calibration never saw; DEV=cpu: P = 4).
+7. compute: benchmarks/compute.py on the device (issue 41): `--compile` against eager and
+   `--activation-checkpointing` against none, one rank on the GPU (DEV=cpu: 2 ranks, small):
+   iteration times, compile time, and the CUDA allocator's peak next to the resident one.
 
 Exits 1 on any CRASH or DIFFERS in the matrix, 2 on bad arguments. Prints tables to paste into
 docs/runtime.md; `--out FILE` writes them as JSON too.
@@ -45,7 +48,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
-SECTIONS = ("matrix", "overhead", "predict", "codecs", "ddp", "beyond")
+SECTIONS = ("matrix", "overhead", "predict", "codecs", "ddp", "beyond", "compute")
 
 
 def _device() -> str:
@@ -410,6 +413,23 @@ def beyond(dev: str, quick: bool) -> list[dict]:
     return rows
 
 
+# --- 7. torch.compile and activation checkpointing on the device -------------------------------
+
+
+def compute(dev: str, quick: bool) -> str:
+    gpu = dev == "cuda" and not quick
+    args = ["--device", dev, "--plans", "batch", "--rounds", "2" if gpu else "1"]
+    args += ["--procs", "1", "--batch", "256", "--mem-batch", "512"] if dev == "cuda" else []
+    args += [] if gpu else ["--steps", "4", "--batch", "16", "--mem-batch", "32"]
+    print(f"\n7. benchmarks/compute.py {' '.join(args)}")
+    done = subprocess.run(
+        [sys.executable, str(HERE / "compute.py"), *args], capture_output=True, text=True
+    )
+    text = done.stdout if done.returncode == 0 else done.stdout + done.stderr[-3000:]
+    print(text.rstrip())
+    return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -438,6 +458,8 @@ def main() -> int:
         out["ddp"] = ddp(dev, args.quick)
     if "beyond" in wanted:
         out["beyond"] = beyond(dev, args.quick)
+    if "compute" in wanted:
+        out["compute"] = compute(dev, args.quick)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     failed = [r for r in out.get("matrix", []) if r["result"] in ("CRASH", "DIFFERS")]
