@@ -107,8 +107,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise ConfigError("--check measures this machine on its own: run it without torchrun")
         return _check(device, backend, args.repeats)
     d = calibrate(nproc=args.nproc, repeats=args.repeats, device=device, backend=backend)
-    if d is None:  # a rank of a torchrun job other than 0: rank 0 reports
-        return 0
+    if d is not None:  # None: a rank of a torchrun job other than 0 (rank 0 reports)
+        _print_calibration(d, device, backend)
+    return 0
+
+
+def _print_calibration(d: dict, device: str, backend: str) -> None:
+    """What `hybridpar calibrate` measured: the network, the devices' copies and shared
+    memory, each rank count's fit and points, the sync table, the codecs."""
     unit = "core" if device == "cpu" else "GPU"
     print(
         f"localhost ({device}, {backend}): alpha {d['alpha'] * 1e6:.2f} us, bandwidth "
@@ -124,6 +130,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")
     if d.get("shm_beta"):
         print(f"  all-gather through shared memory: {1 / d['shm_beta'] / 1e9:8.2f} GB/s")
+    _print_levels(d)
+    if d.get("codecs"):
+        print("  codecs, one thread, ns per element (encode/decode):")
+        print(
+            "    "
+            + "  ".join(f"{k} {e * 1e9:.2f}/{x * 1e9:.2f}" for k, (e, x) in d["codecs"].items())
+        )
+
+
+def _print_levels(d: dict) -> None:
+    """The calibration's levels: between hosts, each rank count's fit and the sync table."""
     net = d.get("network")
     if net is not None:
         print(
@@ -159,13 +176,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(
             f"  small all-reduce of all ranks across the hosts: {net['small_alpha'] * 1e3:.3f} ms"
         )
-    if d.get("codecs"):
-        print("  codecs, one thread, ns per element (encode/decode):")
-        print(
-            "    "
-            + "  ".join(f"{k} {e * 1e9:.2f}/{x * 1e9:.2f}" for k, (e, x) in d["codecs"].items())
-        )
-    return 0
 
 
 def print_rechecks(rows, out=sys.stdout) -> None:
