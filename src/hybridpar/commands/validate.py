@@ -21,6 +21,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -484,8 +485,6 @@ def trace(cands: list[Candidate], profile: str | None) -> dict:
     side of the prediction that is off (compute, or communication: the calibration's all-reduce
     fit and meetings, which `hybridpar calibrate --check` measures again). {"line": what to
     print, "quantity", "source", "explained_s", "error_s"}."""
-    from collections import Counter
-
     from hybridpar.planning.profile import recheck
 
     done = [c for c in cands if c.error is not None]
@@ -497,20 +496,7 @@ def trace(cands: list[Candidate], profile: str | None) -> dict:
         f"ms, measured {m['total_s'] * 1e3:.1f} ms)"
     )
     rows = recheck(profile) if profile and Path(profile).is_file() else []
-    update = worst.plan.totals.get("update_s", 0.0)
-    # the samples most of its layers run on a rank (B / Pc of their styles)
-    pcs = Counter(s.pc for s in worst.plan.styles.values())
-    samples = worst.plan.batch // pcs.most_common(1)[0][0]
-    best, explained = None, 0.0
-    for r in rows:
-        if r.quantity == "update_s":
-            part = update * (1 - r.ratio)
-        elif r.quantity == f"iteration at {samples} samples":
-            part = (p["compute_s"] - update) * (1 - r.ratio)
-        else:
-            continue
-        if part * gap > 0 and abs(part) > abs(explained):
-            best, explained = r, part
+    best, explained = _explains(rows, worst, gap)
     out = {"quantity": None, "source": None, "side": None, "explained_s": explained}
     out["error_s"] = gap
     if best is not None and abs(explained) >= abs(gap) / 4:
@@ -537,6 +523,26 @@ def trace(cands: list[Candidate], profile: str | None) -> dict:
     )
     line = f"{head}: mostly its {side}, from {where}{held_text if rows else ''}"
     return {**out, "line": line, "side": side}
+
+
+def _explains(rows: list, worst: Candidate, gap: float) -> tuple:
+    """(the re-measured quantity that takes most of `gap` out of the worst plan's prediction,
+    the seconds it takes out), or (None, 0.0)."""
+    p, update = worst.predicted, worst.plan.totals.get("update_s", 0.0)
+    # the samples most of its layers run on a rank (B / Pc of their styles)
+    pcs = Counter(s.pc for s in worst.plan.styles.values())
+    samples = worst.plan.batch // pcs.most_common(1)[0][0]
+    best, explained = None, 0.0
+    for r in rows:
+        if r.quantity == "update_s":
+            part = update * (1 - r.ratio)
+        elif r.quantity == f"iteration at {samples} samples":
+            part = (p["compute_s"] - update) * (1 - r.ratio)
+        else:
+            continue
+        if part * gap > 0 and abs(part) > abs(explained):
+            best, explained = r, part
+    return best, explained
 
 
 def _preset(result, name: str) -> ParallelPlan:
