@@ -5,6 +5,8 @@ batch, model and domain plans (and DDP's engine): the parameters and batch-norm 
 graph capture and AOTAutograd, what meets the collectives; inductor's code generation is the same
 for hybridpar as for any model and costs seconds per graph), and one test inductor itself."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from dist_helpers import run_ranks
@@ -130,10 +132,10 @@ def test_a_checkpointed_module_updates_its_batch_norm_once_and_recomputes_the_sa
     plain = nn.Sequential(_Block(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
     ckpt = nn.Sequential(_Block(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
     ckpt.load_state_dict(plain.state_dict())
-    assert checkpoint_modules(ckpt, ("0",), {}, None) == ["0"]
+    assert checkpoint_modules(ckpt, ("0",), None, None) == ["0"]
     seg = nn.Sequential(_Block(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
     seg.load_state_dict(plain.state_dict())
-    assert checkpoint_modules(seg, ("0..1",), {}, None) == ["0..1"]
+    assert checkpoint_modules(seg, ("0..1",), None, None) == ["0..1"]
     x = torch.randn(B, 2, 4, 4)
     for m in (plain, ckpt, seg):
         torch.manual_seed(1)
@@ -163,7 +165,7 @@ def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_re
     ):
         matching(m, ("features",))
     with pytest.raises(ConfigError, match="--handoff a"):
-        matching(m, ("0",), {1: object()})
+        matching(m, ("0",), SimpleNamespace(handoffs={1: object()}, hooked=set))
     nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 2))
     assert matching(nested, ("0*",)) == [["0"]]
     assert matching(nested, ("0.0..0.1", "1")) == [["0.0", "0.1"], ["1"]]
@@ -172,11 +174,14 @@ def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_re
         matching(nn.Sequential(*[nn.ReLU() for _ in range(4)]), ("0..2", "1..3"))
     with pytest.raises(ConfigError, match=r"two children of one nn\.Sequential"):
         matching(nested, ("0.0..1",))
-    nested[1].register_forward_pre_hook(lambda mod, args: None)  # an entry at "1"
+    entry = SimpleNamespace(handoffs={}, hooked=lambda: {"1"})  # a hooked plan segment at "1"
     with pytest.raises(
-        ConfigError, match="crosses the entry of a plan segment at 1; end it before 1"
+        ConfigError, match="crosses the entry of a plan segment at 1, which the runtime hooks"
     ):
-        checkpoint_modules(nested, ("0..1",), {}, None)
+        matching(nested, ("0..1",), entry)
+    nested[1].register_forward_pre_hook(lambda mod, args: None)  # a hook of the user's
+    with pytest.raises(ConfigError, match=r"crosses a hook at 1 \(it would run twice\)"):
+        checkpoint_modules(nested, ("0..1",), None, None)
     assert Choices(activation_checkpointing="a, b*").activation_checkpointing == ("a", "b*")
     with pytest.raises(ConfigError, match=r"matches none of the model's layers; e\.g\. 0\.0, 1"):
         covered(["0.0", "1"], ("features",))

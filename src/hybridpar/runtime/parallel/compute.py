@@ -39,13 +39,13 @@ from hybridpar.runtime.comm.ledger import Ledger
 __all__ = ["checkpoint_modules", "compile_plain", "matching"]
 
 
-def matching(
-    model: nn.Module, patterns: tuple[str, ...], handoffs: dict | None = None
-) -> list[list[str]]:
+def matching(model: nn.Module, patterns: tuple[str, ...], layout=None) -> list[list[str]]:
     """What `patterns` checkpoint, each a run of sibling modules recomputed as one: the outermost
     modules a glob matches (a run of one each), or a segment `A..B` of a Sequential's children
-    from A to B. A pattern matching nothing, a segment that is not one, or a plan with a hand-off
-    sent in rounds (`handoffs`: the layout's) is a one-line error."""
+    from A to B. A one-line error: a pattern matching nothing, a segment that is not one or that
+    overlaps another in part, and with the plan's `layout`, a segment that crosses the entry of
+    a plan segment (its hooks would run twice) or a hand-off sent in rounds."""
+    handoffs, entries = (layout.handoffs, layout.hooked()) if layout else ({}, set())
     if patterns and handoffs:
         raise ConfigError(
             "--activation-checkpointing cannot recompute a hand-off sent in rounds "
@@ -66,6 +66,14 @@ def matching(
             )
         runs += hits
     runs = [r for i, r in enumerate(runs) if r not in runs[:i]]
+    for r in runs:
+        inside = [n for n in r[1:] if n in entries]
+        if inside:
+            raise ConfigError(
+                f"--activation-checkpointing segment {r[0]}..{r[-1]} crosses the entry of a "
+                f"plan segment at {inside[0]}, which the runtime hooks (a layout change, or the "
+                f"random state of a style split over model groups); end it before {inside[0]}"
+            )
     out = []
     for r in runs:  # what lies inside another run is recomputed with it
         others = [o for q in runs if q is not r for o in q]
@@ -153,21 +161,21 @@ def _as_one(mods: list[nn.Module], wrap) -> None:
 
 
 def checkpoint_modules(
-    model: nn.Module, patterns: tuple[str, ...], handoffs: dict, ledger: Ledger | None
+    model: nn.Module, patterns: tuple[str, ...], layout, ledger: Ledger | None
 ) -> list[str]:
     """Activation checkpointing of what `patterns` match (`matching`); returns their names. A
     segment runs as one (`_as_one`) under one checkpoint; no module after its first may carry a
     hook (the entry of a plan segment, where activations move: end the segment before it)."""
     out = []
-    for run in matching(model, patterns, handoffs):
+    for run in matching(model, patterns, layout):
         mods = [model.get_submodule(n) for n in run]
         late = [n for n, m in zip(run[1:], mods[1:], strict=True) if _hooked(m)]
         if len(run) > 1 and mods[0]._forward_hooks:  # it would see the segment's output
             late.insert(0, run[0])
-        if late:
+        if late:  # a hook of the user's, or one `matching` could not see (no layout)
             raise ConfigError(
-                f"--activation-checkpointing segment {run[0]}..{run[-1]} crosses the entry of a "
-                f"plan segment at {late[0]}; end it before {late[0]} or start one there"
+                f"--activation-checkpointing segment {run[0]}..{run[-1]} crosses a hook at "
+                f"{late[0]} (it would run twice); end the segment before {late[0]}"
             )
         contexts = functools.partial(
             lambda mods: (contextlib.nullcontext(), _recomputing(mods, ledger)), mods

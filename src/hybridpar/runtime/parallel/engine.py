@@ -71,9 +71,7 @@ class Engine(nn.Module):
         self.build(model)
         # the parts recomputed in backward, and those compiled (inside them too)
         patterns = plan.choices.activation_checkpointing
-        self.checkpointed = compute.checkpoint_modules(
-            self.module, patterns, layout.handoffs, ledger
-        )
+        self.checkpointed = compute.checkpoint_modules(self.module, patterns, layout, ledger)
         backend = options.compile_backend
         self.compiled = compute.compile_plain(self.module, backend) if options.compile else []
 

@@ -39,6 +39,13 @@ class Layout:
     layer_of: dict[str, str]  # leaf module -> the cost-model layer it belongs to (ledger names)
     handoffs: dict[int, Handoff] = field(default_factory=dict)  # segment -> scheme, where not (a)
 
+    def hooked(self) -> set[str]:
+        """The segment entries the runtime hooks: where the layout changes (the move), and with
+        a style replicated over model groups every entry (hybrid.py: the same random state)."""
+        if any(s.pr > 1 for s in self.segments):
+            return {m for m in self.entries.values() if m}
+        return {self.entries[k] for k, _, _ in self.moves() if self.entries.get(k)}
+
     def moves(self) -> list[tuple[int, Style, Style]]:
         """(segment, the style before it, its style) wherever the layout changes."""
         return [

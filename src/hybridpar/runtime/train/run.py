@@ -79,7 +79,7 @@ def prepare(cfg: TrainConfig) -> Job:
     if layout is not None and cfg.handoff in ("b", "c"):
         _check_handoff(cfg.handoff, cfg.rounds, layout)
     # the checkpointing patterns match, and no hand-off runs in rounds
-    matching(model, cfg.choices.activation_checkpointing, layout.handoffs if layout else None)
+    matching(model, cfg.choices.activation_checkpointing, layout)
     if layout is not None and cfg.runtime.variable_batch:
         why = why_not_variable_batch(layout.handoffs, layout.segments)
         if why:
