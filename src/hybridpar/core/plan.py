@@ -345,7 +345,13 @@ class ParallelPlan:
             f"plan {self.scenario} for {self.model or 'a model'}: P={self.procs}, B={self.batch}, "
             f"engine {self.engine}, bn {c.bn}, codec {c.codec}"
             + (f" on {'+'.join(c.compress)}" if c.codec != "none" else "")
-            + f", reducer {c.reducer}; predicted KB per rank per iteration"
+            + f", reducer {c.reducer}"
+            + (
+                f", recomputed {','.join(c.activation_checkpointing)}"
+                if c.activation_checkpointing
+                else ""
+            )
+            + "; predicted KB per rank per iteration"
             + (f" on {self.cluster}" if self.cluster else ""),
             head,
         ]
