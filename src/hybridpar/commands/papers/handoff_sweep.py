@@ -132,23 +132,7 @@ def sweep_handoffs(
                 rounds=rounds if scheme == "c" else None,
                 **kwargs,
             )
-            plan = next((p for p in result.candidates.get("fc-grid", []) if p.grid == (K, 1)), None)
-            where = f"--handoffs: {model} at K = {K}"
-            if plan is None or not plan.feasible:
-                why = plan.reason if plan is not None else "no grid K x 1"
-                raise ConfigError(f"{where}: the fc-grid plan on grid {K}x1 is infeasible ({why})")
-            found = _handoff(plan)
-            if found is None:
-                raise ConfigError(
-                    f"{where}: no batch -> model hand-off in its fc-grid plan; the sweep needs "
-                    "convolutional layers before model-parallel ones (e.g. alexnet-owt)"
-                )
-            i, lp = found
-            if (lp.handoff.scheme, lp.handoff.rounds) != (scheme, rounds):  # type: ignore[union-attr]
-                raise ConfigError(
-                    f"{where}: scheme ({scheme}) in {rounds} rounds is refused for the hand-off "
-                    f"into {lp.layer.name} (`hybridpar plan --handoff {scheme}` says why)"
-                )
+            plan, i, lp = _swept(result, f"--handoffs: {model} at K = {K}", K, scheme, rounds)
             net = result.cluster.at(K)
             alpha, beta = (net.net_alpha, net.net_beta) if net.two_level else (net.alpha, net.beta)
             head = _head(plan, i)
@@ -173,6 +157,28 @@ def sweep_handoffs(
     if not out:
         raise ConfigError("--handoffs needs a process count of 2 or more in --procs")
     return out
+
+
+def _swept(result, where: str, K: int, scheme: str, rounds: int) -> tuple:
+    """(the fc-grid plan on grid K x 1, the index and plan of its hand-off's layer), or a
+    ConfigError saying why the sweep cannot price it."""
+    plan = next((p for p in result.candidates.get("fc-grid", []) if p.grid == (K, 1)), None)
+    if plan is None or not plan.feasible:
+        why = plan.reason if plan is not None else "no grid K x 1"
+        raise ConfigError(f"{where}: the fc-grid plan on grid {K}x1 is infeasible ({why})")
+    found = _handoff(plan)
+    if found is None:
+        raise ConfigError(
+            f"{where}: no batch -> model hand-off in its fc-grid plan; the sweep needs "
+            "convolutional layers before model-parallel ones (e.g. alexnet-owt)"
+        )
+    i, lp = found
+    if (lp.handoff.scheme, lp.handoff.rounds) != (scheme, rounds):  # type: ignore[union-attr]
+        raise ConfigError(
+            f"{where}: scheme ({scheme}) in {rounds} rounds is refused for the hand-off "
+            f"into {lp.layer.name} (`hybridpar plan --handoff {scheme}` says why)"
+        )
+    return plan, i, lp
 
 
 def write_handoffs(points: list[HandoffPoint], path: Path) -> None:
