@@ -420,16 +420,7 @@ class HostReducer:
         for c, _, _ in parts:
             self._wait(seg, parity, c * _FLAGS + DONE, step, everyone, "sum its slice of", key)
         if hosts:  # hierarchical: the host sums meet over the network
-            if topo.leader:
-                if self.codec is not None:  # books its payload and overhead itself
-                    compressed_all_reduce(
-                        total, topo.leaders, self.codec, self.ledger, term, layers
-                    )
-                else:
-                    dist.all_reduce(total, group=topo.leaders)
-                flags[FINAL] = step
-            else:
-                self._wait(seg, parity, FINAL, step, [0], "share the all-host sum of", key)
+            self._across_hosts(seg, parity, total, (key, step, term, layers))
         if not in_slot:
             _from_host(total, flat)
         self.wait_s += time.perf_counter() - t0
@@ -439,6 +430,21 @@ class HostReducer:
                 nbytes = seg.n * seg.dtype.itemsize
                 self.ledger.record("all_reduce", topo.hosts, nbytes, 0.0, term, layers)
         return total.view(t.shape) if in_slot else t
+
+    def _across_hosts(self, seg: _Segment, parity: int, total, call: tuple) -> None:
+        """The host's sum in `total` summed over the hosts: the leader all-reduces it over the
+        leaders' group (encoded with a codec), the others wait for it. `call`: (key, step, term,
+        layers) of the reduction."""
+        key, step, term, layers = call
+        topo = self.topo
+        if not topo.leader:
+            self._wait(seg, parity, FINAL, step, [0], "share the all-host sum of", key)
+            return
+        if self.codec is not None:  # books its payload and overhead itself
+            compressed_all_reduce(total, topo.leaders, self.codec, self.ledger, term, layers)
+        else:
+            dist.all_reduce(total, group=topo.leaders)
+        seg.flags[parity, topo.local_rank][FINAL] = step
 
     def close(self) -> None:
         self._worker.close()
