@@ -571,16 +571,24 @@ def plan_layers(
             fuse_handoff=fuse_handoff,
         )
         for n in scenarios:
-            for plan in _candidates(ctx, n, grids_here, memory_limit):
-                plan.placement = placement
-                grids = [(x.style.pr, x.style.pc) for x in plan.layers]
-                why = plan.feasible and why_not_placement(placement, grids)
-                if why:
-                    plan.reason = why
-                if plan.feasible or placement is None:
-                    candidates[n].append(plan)
+            candidates[n] += _placed(_candidates(ctx, n, grids_here, memory_limit), placement)
     best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in scenarios]
     return PlanResult(model, P, B, cluster, best, candidates, base, choices, input_shape)
+
+
+def _placed(plans: list[Plan], placement: tuple[int, int] | None) -> list[Plan]:
+    """The candidates at `placement`, each refused where its grids cannot sit so; without a
+    placement the infeasible ones too (they say why)."""
+    out = []
+    for plan in plans:
+        plan.placement = placement
+        grids = [(x.style.pr, x.style.pc) for x in plan.layers]
+        why = plan.feasible and why_not_placement(placement, grids)
+        if why:
+            plan.reason = why
+        if plan.feasible or placement is None:
+            out.append(plan)
+    return out
 
 
 def placements(cluster: Cluster, grids: list[tuple[int, int]]) -> list[tuple[int, int] | None]:
