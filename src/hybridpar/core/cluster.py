@@ -438,6 +438,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDPAR_CACHE", Path.home() / ".cache" / "hybridpar"))
 
 
+def cache_write(path: Path, data: object, indent: int | None = 1) -> None:
+    """Write `data` as JSON at `path` atomically: a reader (another rank, another job) never
+    sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=indent))
+    tmp.replace(path)
+
+
 def localhost_path(device: str = "cpu") -> Path:
     """Where `hybridpar calibrate` caches what it measured of this machine, one file per device
     (`--device cuda`: localhost-cuda.json)."""

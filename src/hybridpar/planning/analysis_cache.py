@@ -8,12 +8,13 @@ HYBRIDPAR_NO_CACHE=1 to bypass it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from pathlib import Path
 
-from hybridpar.core.cluster import cache_dir
+from hybridpar.core.cluster import cache_dir, cache_write
 from hybridpar.core.layers import CostLayer, cost_layers
 
 __all__ = ["zoo_cost_layers"]
@@ -57,11 +58,6 @@ def zoo_cost_layers(model: str, input_size: int | None = None) -> list[CostLayer
         except (json.JSONDecodeError, TypeError):
             pass  # a damaged cache entry is rebuilt below
     layers = _analyse(model, input_size)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps([x.__dict__ for x in layers]))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only home only costs the speed-up
+    with contextlib.suppress(OSError):  # a read-only home only costs the speed-up
+        cache_write(path, [x.__dict__ for x in layers], indent=None)
     return layers

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import platform
 import statistics
 import time
 import warnings
 from pathlib import Path
 
-from hybridpar.core.cluster import Cluster, cache_dir, contention, rank_threads
+from hybridpar.core.cluster import Cluster, cache_dir, cache_write, contention, rank_threads
 from hybridpar.core.timing import Recheck, Settled, clock, settle
 from hybridpar.planning.cost.compute import ProfileModel
 
@@ -600,10 +599,7 @@ def profile_compute(
             if "update_s" not in data:
                 beside.run(UPDATE)
                 data.update(_measure_update(net, repeats, device).fields("update_s"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        cache_write(path, data)
     per_count = {
         int(k): {leaf: (float(v[0]), float(v[1])) for leaf, v in table.items()}
         for k, table in data["per_count"].items()

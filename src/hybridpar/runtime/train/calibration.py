@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from hybridpar.core.cluster import localhost_path
+from hybridpar.core.cluster import cache_write, localhost_path
 from hybridpar.core.timing import Recheck, Settled, clock, settle
 from hybridpar.runtime.comm.devices import local_gpu
 
@@ -458,10 +458,7 @@ def _save(data: dict) -> Path:
     half a file."""
     data = {k: v for k, v in data.items() if k != "sync"}  # it lives in by_procs, per count
     path = localhost_path(data.get("device", "cpu"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    cache_write(path, data)
     return path
 
 
