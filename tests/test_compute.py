@@ -172,8 +172,9 @@ def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_re
     assert matching(nested, ("0..1", "0.1", "0..1")) == [["0", "1"]]  # inside: recomputed with it
     with pytest.raises(ConfigError, match="overlaps another segment in part"):
         matching(nn.Sequential(*[nn.ReLU() for _ in range(4)]), ("0..2", "1..3"))
-    with pytest.raises(ConfigError, match=r"two children of one nn\.Sequential"):
-        matching(nested, ("0.0..1",))
+    for wrong in ("0.0..1", "1..0", "x.0..x.1"):  # not siblings, backwards, no such parent
+        with pytest.raises(ConfigError, match=r"two children of one nn\.Sequential"):
+            matching(nested, (wrong,))
     entry = SimpleNamespace(handoffs={}, hooked=lambda: {"1"})  # a hooked plan segment at "1"
     with pytest.raises(
         ConfigError, match="crosses the entry of a plan segment at 1, which the runtime hooks"

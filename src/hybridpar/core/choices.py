@@ -108,7 +108,7 @@ def covered(leaves: list[str], patterns: tuple[str, ...]) -> set[str]:
             kid = ".".join(leaf.split(".")[:depth])
             if (parent == "" or leaf.startswith(parent + ".")) and kid not in kids:
                 kids.append(kid)
-        if a in kids and b in kids:
+        if a in kids and b in kids:  # (B before A: nothing; the runtime refuses it)
             run = set(kids[kids.index(a) : kids.index(b) + 1])
             out |= {x for x in leaves if ".".join(x.split(".")[:depth]) in run}
     if patterns and not out:

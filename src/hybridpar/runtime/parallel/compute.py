@@ -98,7 +98,8 @@ def _segment(model: nn.Module, pat: str) -> list[str]:
     kids = [
         f"{parent}.{n}" if parent else n for n, _ in (container or nn.Module()).named_children()
     ]
-    if type(container).forward is not nn.Sequential.forward or a not in kids or b not in kids:
+    wrong = a not in kids or b not in kids or kids.index(a) > kids.index(b)
+    if wrong or type(container).forward is not nn.Sequential.forward:
         raise ConfigError(
             f"--activation-checkpointing segment {pat!r}: A..B names two children of one "
             f"nn.Sequential, first and last (e.g. 0..12 of a Sequential model)"
