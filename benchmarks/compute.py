@@ -40,7 +40,9 @@ def train(model: str, size: int, plan: str, procs: int, batch: int, steps: int, 
     with tempfile.TemporaryDirectory(prefix="hybridpar-compute-") as tmp:
         cmd = [sys.executable, "-m", "hybridpar", "train", "--model", model]
         cmd += f"--input-size {size} --batch {batch} --nproc {procs} --preset {plan}".split()
-        cmd += f"--data synthetic:{batch * steps} --epochs 1 --max-steps {steps}".split()
+        # every step a full batch (a smaller last one recompiles the compiled parts): the data
+        # keeps a fifth for the test split
+        cmd += f"--data synthetic:{batch * steps * 2} --epochs 1 --max-steps {steps}".split()
         cmd += ["--quiet", "--no-progress", "--save", f"{tmp}/w.pt", "--report", f"{tmp}/r.json"]
         cmd += DEVICE
         got = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=os.environ)
@@ -53,6 +55,12 @@ def train(model: str, size: int, plan: str, procs: int, batch: int, steps: int, 
         "compiled": len(r["compute"]["compiled"]),
         **r["memory"],
     }
+
+
+def _header(*columns: str) -> None:
+    """A markdown table's header row and rule."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + " --- |" * len(columns))
 
 
 def _stat(runs: list[dict], key: str) -> tuple[float, float]:
@@ -79,11 +87,10 @@ def compile_part(args) -> list[dict]:
     print(file=sys.stderr)
     where = f"inductor ({args.device})"
     print(f"\ncompile: P = {args.procs}, B = {args.batch}, {args.rounds} rounds, {where}")
-    print(
-        "| model | plan | BN | eager ms (spread) | compiled ms (spread) | compiled / eager "
-        "| compile s | parts |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    _header(
+        "model", "plan", "BN", "eager ms (spread)", "compiled ms (spread)", "compiled / eager",
+        "compile s", "parts",
+    )  # fmt: skip
     for c in cases:
         e, k = got[(c, "eager")], got[(c, "compiled")]
         (te, se), (tk, sk) = _stat(e, "time_s"), _stat(k, "time_s")
@@ -129,11 +136,10 @@ def memory_part(args) -> list[dict]:
     print(
         f"\nactivation checkpointing: P = {args.procs}, B = {args.mem_batch}, batch plan, {sizes}"
     )
-    print(
-        "| model | recomputed | peak | eager MB (growth) | checkpointed MB (growth) | saved "
-        "| ms eager / ckpt |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    _header(
+        "model", "recomputed", "peak", "eager MB (growth)", "checkpointed MB (growth)", "saved",
+        "ms eager / ckpt",
+    )  # fmt: skip
     for m in MODELS:
         e, c = got[(m, "eager")], got[(m, "checkpointed")]
         te, tc = _stat(e, "time_s")[0], _stat(c, "time_s")[0]
