@@ -184,6 +184,8 @@ def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_re
     with pytest.raises(ConfigError, match=r"crosses a hook at 1 \(it would run twice\)"):
         checkpoint_modules(nested, ("0..1",), None, None)
     assert Choices(activation_checkpointing="a, b*").activation_checkpointing == ("a", "b*")
+    with pytest.raises(ConfigError, match="--compile-backend must be one of inductor"):
+        RuntimeOptions(compile=True, compile_backend="inductr")
     with pytest.raises(ConfigError, match=r"matches none of the model's layers; e\.g\. 0\.0, 1"):
         covered(["0.0", "1"], ("features",))
 

@@ -65,7 +65,9 @@ class RuntimeOptions:
         "torch.compile each rank's compute: every part of the model with no hybridpar collective "
         "in it (the collectives stay eager)",
     )
-    compile_backend: str = meta("inductor", "the torch.compile backend of --compile")
+    compile_backend: Literal["inductor", "aot_eager", "eager", "cudagraphs"] = meta(
+        "inductor", "the torch.compile backend of --compile"
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
