@@ -1,7 +1,7 @@
 """Issue 41: --compile and --activation-checkpointing under any plan. The same 3 steps run plain,
-with the model's compute compiled and with modules checkpointed, on 2 and 4 gloo ranks under
-batch, model and domain plans (and DDP's engine): the parameters and batch-norm statistics equal the plain run's
-(the float32 oracle tolerance). Compiled tests use torch.compile's aot_eager backend (Dynamo's
+with the model's compute compiled and with modules checkpointed, on 2, 3 and 4 gloo ranks
+under batch, model and domain plans (and DDP's engine): the parameters and batch-norm
+statistics equal the plain run's (the float32 oracle tolerance). Compiled tests use torch.compile's aot_eager backend (Dynamo's
 graph capture and AOTAutograd, what meets the collectives; inductor's code generation is the same
 for hybridpar as for any model and costs seconds per graph), and one test inductor itself."""
 
@@ -102,7 +102,7 @@ def _check(name: str, P: int, out: dict) -> None:
             assert recomputed > 0, label
 
 
-@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("P", [2, 3, 4])
 @pytest.mark.parametrize("name", ["tv-alexnet", "resnet20"])
 def test_compiled_and_checkpointed_runs_equal_the_plain_run(name, P):
     out = run_ranks(_runs, P, name, P, timeout_s=400)[0]
