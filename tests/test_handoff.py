@@ -415,7 +415,7 @@ def _variable(P: int, B: int, K: int, folder: str) -> dict:
     options = RuntimeOptions(seed=SEED, variable_batch=True)
     t = HybridTrainer(_tv(), plan, optimizer, options=options)
     counts = {"head": 0, "trunk": 0}
-    for which, opt in (("head", t.head_optimizer), ("trunk", t.optimizer)):
+    for which, opt in (("head", t.optimizer.head), ("trunk", t.optimizer.rest)):
         step = opt.step
 
         def counted(*a, _step=step, _which=which, **kw):
@@ -427,6 +427,14 @@ def _variable(P: int, B: int, K: int, folder: str) -> dict:
         t, lambda: HybridTrainer(_tv(), plan, optimizer, options=options), data, 2, folder
     )
     out = {"counts": counts}
+
+    class Scaled(TVAlexNet):  # changes the head's output after it: no per-round loss of it
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    scaled = HybridTrainer(Scaled(), plan, optimizer, options=options)
+    with pytest.raises(ConfigError, match="drop --variable-batch"):
+        scaled.train_step(*data[0])
     if dist.get_rank() == 0:
         want = _variable_reference(data, P, K)
         for k, v in want.items():

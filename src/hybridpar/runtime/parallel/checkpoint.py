@@ -153,34 +153,6 @@ class _Rank:  # a DCP Stateful (a protocol: state_dict and load_state_dict)
         slot[j] = torch.zeros(size)
 
 
-class _Routed(dict):
-    """Several optimizers' per-parameter state seen as one (each parameter's in its own)."""
-
-    def __init__(self, optimizers) -> None:
-        super().__init__()
-        self.optimizers = optimizers
-
-    def _owner(self, p):
-        for o in self.optimizers:
-            if any(q is p for g in o.param_groups for q in g["params"]):
-                return o
-        raise KeyError("a parameter no optimizer steps")
-
-    def __getitem__(self, p):
-        return self._owner(p).state[p]
-
-    def items(self):
-        return [kv for o in self.optimizers for kv in o.state.items()]
-
-
-class Joined:
-    """Optimizers that step different parameters (a variable batch's head and the rest), as the
-    one optimizer a checkpoint holds: their state by parameter name, in one `optim` part."""
-
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.state = _Routed(optimizers)
-
-
 def _stateful(engine: Engine, optimizer, per_rank: bool) -> dict:
     out = {"model": _Model(engine), "optim": _Optimizer(engine, optimizer)}
     if per_rank:

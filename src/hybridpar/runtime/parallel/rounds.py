@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from hybridpar.core import faults
+from hybridpar.core.errors import ConfigError
 from hybridpar.core.handoff import Handoff, round_rows
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import (
@@ -45,7 +46,7 @@ from hybridpar.runtime.comm.grid import rows_of_group
 from hybridpar.runtime.comm.group import group_rank
 from hybridpar.runtime.parallel.redistribute import Move, regroup_place
 
-__all__ = ["Rounds", "install"]
+__all__ = ["Rounds", "VariableBatch", "install", "optimizer_for"]
 
 
 class _Plan:
@@ -294,3 +295,77 @@ def install(model: nn.Module, entry: str, later: list[str], rounds: Rounds) -> N
 
     module.forward = forward_entry
     rounds.head_params = list(module.parameters())
+
+
+def optimizer_for(trainer, optimizer: Callable, head_optimizer: Callable | None = None):
+    """A trainer's one optimizer: `optimizer` of its engine's parameters, or where the engine
+    runs a variable batch (`engine.variable`) a VariableBatch of the two."""
+    v = trainer.model.variable
+    if v is None:
+        return optimizer(trainer.model.parameters())
+    return VariableBatch(v, trainer, optimizer, head_optimizer or optimizer)
+
+
+class VariableBatch:
+    """Krizhevsky's variable batch size (section 4.2) as the trainer's one optimizer. The head of
+    the hand-off sent in rounds (`rounds.head_params`, stepped by `head`) takes its loss,
+    backward and step once per round on that round's examples, inside the forward; the other
+    parameters (`rest`) step once per iteration, where the trainer steps its optimizer. For a
+    checkpoint and a learning-rate schedule it is one optimizer: `state` by parameter, and the
+    param groups of both."""
+
+    def __init__(self, rounds: Rounds, trainer, optimizer: Callable, head_optimizer: Callable):
+        head = {id(p) for p in rounds.head_params}
+        params = trainer.model.parameters()
+        self.rest = optimizer([p for p in params if id(p) not in head])
+        self.head = head_optimizer(rounds.head_params)
+        self.state = _Routed((self.rest, self.head))
+        self.param_groups = self.rest.param_groups + self.head.param_groups
+        self.defaults = self.rest.defaults
+        self.rounds, self.trainer = rounds, trainer
+        rounds.per_round = self._round
+        trainer.model.register_forward_hook(self._check)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.rest.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.rest.step()
+
+    def _round(self, j: int, y: torch.Tensor, positions: torch.Tensor) -> None:
+        """Round j's mean loss over its examples (the trainer's loss, on this step's targets at
+        `positions`), its backward through the head, and the head's step."""
+        t = self.trainer
+        target = t.target[positions.to(t.target.device)]
+        with t.autocast():
+            loss = t.loss(y, target, reduction="sum")
+        self.head.zero_grad(set_to_none=True)
+        (loss / len(target)).backward()
+        self.head.step()
+
+    def _check(self, module, inputs, out) -> None:
+        if torch.is_grad_enabled() and out is not self.rounds.output:
+            raise ConfigError(
+                "--variable-batch takes each round's loss on the output of the layers after the "
+                "hand-off, but the model's forward changes it after them; drop --variable-batch"
+            )
+
+
+class _Routed(dict):
+    """Several optimizers' per-parameter state seen as one (each parameter's in its own)."""
+
+    def __init__(self, optimizers) -> None:
+        super().__init__()
+        self.optimizers = optimizers
+
+    def _owner(self, p):
+        for o in self.optimizers:
+            if any(q is p for g in o.param_groups for q in g["params"]):
+                return o
+        raise KeyError("a parameter no optimizer steps")
+
+    def __getitem__(self, p):
+        return self._owner(p).state[p]
+
+    def items(self):
+        return [kv for o in self.optimizers for kv in o.state.items()]

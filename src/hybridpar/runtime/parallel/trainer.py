@@ -23,13 +23,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridpar.core import faults
-from hybridpar.core.errors import ConfigError
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
-from hybridpar.runtime.parallel import checkpoint
+from hybridpar.runtime.parallel import checkpoint, rounds
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.layout import Layout
@@ -74,8 +73,7 @@ class HybridTrainer:
     options: how the runtime runs (hybridpar.runtime.options.RuntimeOptions).
     layout: the plan already resolved against this model (`hybridpar train` resolves it once).
     head_optimizer: with `options.variable_batch`, the optimizer of the layers after the hand-off
-    sent in rounds, which step once per round on that round's examples (Krizhevsky 4.2); the
-    other parameters get `optimizer` and step once per iteration. Default: `optimizer`."""
+    sent in rounds (default: `optimizer`); `self.optimizer` is then a rounds.VariableBatch."""
 
     def __init__(
         self,
@@ -100,16 +98,9 @@ class HybridTrainer:
         self.model: Engine = parallelize(
             model, plan, self.options, ledger=self.ledger, layout=layout, input_shape=input_shape
         )
-        self.head_optimizer: torch.optim.Optimizer | None = None
-        v = self.model.variable
-        if v is None:
-            self.optimizer = optimizer(self.model.parameters())
-        else:  # Krizhevsky 4.2: the head steps per round, the rest once per iteration
-            head = {id(p) for p in v.head_params}
-            self.optimizer = optimizer([p for p in self.model.parameters() if id(p) not in head])
-            self.head_optimizer = (head_optimizer or optimizer)(v.head_params)
-            v.per_round = self._round_step
-        self._target: torch.Tensor | None = None
+        self.optimizer = rounds.optimizer_for(self, optimizer, head_optimizer)
+        self.target: torch.Tensor | None = None
+        """this step's targets of this rank's output rows"""
         self.loss = loss
         self.resharded = False
         self.last: StepResult | None = None
@@ -148,15 +139,10 @@ class HybridTrainer:
             m.train()
         m.set_batch(n)
         faults.at("forward")
-        self._target = target = y[m.output_rows(n)]
+        self.target = target = y[m.output_rows(n)]
         with self.autocast():
             out = m(x[m.input_rows(n)])
             loss_sum = self.loss(out, target, reduction="sum")
-        if m.variable is not None and out is not m.variable.output:
-            raise ConfigError(
-                "--variable-batch takes each round's loss on the output of the layers after the "
-                "hand-off, but the model's forward changes it after them; drop --variable-batch"
-            )
         if out.requires_grad:
             out.register_hook(lambda g: faults.at("backward"))
         self.optimizer.zero_grad(set_to_none=True)
@@ -180,27 +166,6 @@ class HybridTrainer:
         if m.bn_switch is not None:
             m.bn_switch.observe(counted[0], counted[2], counted[1])
         return self.last
-
-    def _round_step(self, j: int, y: torch.Tensor, positions: torch.Tensor) -> None:
-        """Variable batch: round j's mean loss over its examples, its backward through the head,
-        and the head's optimizer step (HybridParallel's rounds call it inside the forward)."""
-        target = self._target[positions.to(self._target.device)]
-        with self.autocast():
-            loss = self.loss(y, target, reduction="sum")
-        self.head_optimizer.zero_grad(set_to_none=True)
-        (loss / len(target)).backward()
-        self.head_optimizer.step()
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizers this trainer steps: one, or with variable batch the rest's and the
-        head's."""
-        return [self.optimizer] + ([self.head_optimizer] if self.head_optimizer else [])
-
-    def _state_optimizer(self):
-        if self.head_optimizer is None:
-            return self.optimizer
-        return checkpoint.Joined(self.optimizer, self.head_optimizer)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on the global batch (x, y); returns its mean loss (one small
@@ -255,13 +220,13 @@ class HybridTrainer:
     def save(self, directory: str | Path, meta: dict | None = None, keep: int = 2) -> Path:
         """Checkpoint the model and the optimizer into `directory` (collective; atomic): a folder
         `step-N` per checkpoint, the newest `keep` kept, `latest` pointing at the last."""
-        return checkpoint.save(self.model, self._state_optimizer(), directory, meta, keep)
+        return checkpoint.save(self.model, self.optimizer, directory, meta, keep)
 
     def load(self, path: str | Path) -> dict:
         """Go on from a checkpoint (a folder `save` wrote into, or one `step-N` in it), on this or
         another plan and P; returns its metadata. On the same plan and P training continues bit
         for bit (random streams and codec residuals included); elsewhere `resharded` is set."""
-        meta, same = checkpoint.load(self.model, self._state_optimizer(), path)
+        meta, same = checkpoint.load(self.model, self.optimizer, path)
         self.resharded = not same
         return meta
 

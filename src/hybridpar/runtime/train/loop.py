@@ -174,7 +174,9 @@ def fit(
     per_epoch = len(epoch_steps(n, cfg.batch, 0, seed))
     per_epoch = min(per_epoch, cfg.max_steps) if cfg.max_steps else per_epoch
     total = cfg.epochs * per_epoch
-    base_lrs = [o.defaults["lr"] for o in trainer.optimizers]
+    groups = trainer.optimizer.param_groups  # --schedule scales each from its initial lr
+    for g in groups:
+        g.setdefault("initial_lr", g["lr"])
     bar = _bar(trainer, cfg, total, pos.epoch * per_epoch + pos.index, log is not None)
     epochs, times = list(pos.history), {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
@@ -188,9 +190,8 @@ def fit(
             if i < first:
                 continue
             factor = lr_factor(cfg.schedule, (epoch * per_epoch + i) / total)
-            for o, base_lr in zip(trainer.optimizers, base_lrs, strict=True):
-                for g in o.param_groups:
-                    g["lr"] = base_lr * factor
+            for g in groups:
+                g["lr"] = g["initial_lr"] * factor
             if len(idx) == cfg.batch:
                 full_steps.add(trainer.steps)
             trace.before_step()
@@ -198,7 +199,7 @@ def fit(
             trace.after_step()
             sums = [sums[0] + r.loss_sum, sums[1] + r.correct, sums[2] + r.count]
             if trainer.steps % stride == 0 and r.count:
-                lr = base_lrs[0] * factor
+                lr = groups[0]["lr"]
                 steps.append({"step": trainer.steps, "epoch": epoch + 1, "lr": lr})
                 steps[-1].update(loss=r.loss_sum / r.count, time_s=r.time_s)
                 if log is not None:
@@ -406,8 +407,8 @@ def _describe(out: dict, trainer, plan: ParallelPlan, steps, names, peaks) -> No
     # what the optimizer ran with: --lr and --weight-decay after --scale-rule
     group = trainer.optimizer.param_groups[0]
     out["hparams"] = {"lr": trainer.optimizer.defaults["lr"], "weight_decay": group["weight_decay"]}
-    if trainer.head_optimizer is not None:  # Krizhevsky 4.2: the head's own step and batch
-        head = trainer.head_optimizer
+    head = getattr(trainer.optimizer, "head", None)
+    if head is not None:  # Krizhevsky 4.2 (rounds.VariableBatch): the head's own step and batch
         out["variable_batch"] = {
             "rounds": _rounds(plan),
             "head_batch": plan.batch / _rounds(plan),
