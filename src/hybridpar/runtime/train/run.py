@@ -50,32 +50,31 @@ def prepare(cfg: TrainConfig) -> Job:
     """Check everything that can be checked without processes; raise a one-line ConfigError."""
     cfg.validate()
     loaded = ParallelPlan.load(cfg.plan) if cfg.plan else None
-    cfg = _defaults(cfg, loaded)
-    resume = _resume(cfg)
-    cfg = _outputs(cfg)
+    cfg = cfg.with_(**_defaults(cfg, loaded))  # the one rewrite: defaults, device, outputs
     P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
+    resume = _resume(cfg)
     shape, classes = _signature(cfg)
     model = meta_model(cfg.model, shape, classes)
     traced = trace(model, shape)  # also the check that the model runs on the data's shape
     if classes is None:  # a user's model on synthetic data: as many classes as it outputs
         classes = traced.specs[-1].out_shape[-1]
     layers = cost_layers(traced.specs)
-    cfg = cfg.with_(choices=_device(cfg, P))
-    placed = {"device": cfg.choices.device, "backend": cfg.choices.backend}
     layout = None
     if loaded is not None:  # names, styles, layouts: every check before spawning
+        placed = {"device": cfg.choices.device, "backend": cfg.choices.backend}
         layout = _resolve_file(model, loaded.with_choices(**placed), shape, P, traced, cfg.model)
         if cfg.handoff is not None:  # the file's hand-offs sent by another scheme: re-priced
             moved = replace(with_handoff(layout, cfg.handoff, cfg.rounds), predicted=[])
             layout = resolve(model, moved, shape, P, traced)
         plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
         layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
-    else:  # a preset: what the arguments decide is checked before any profile is measured
-        preset_plan(cfg, P, layers, shape, BYTES_ONLY)
+    else:
         cluster = pricing_cluster(cfg.cluster, False, cfg.choices.device)
+        if cfg.searched or cluster is not BYTES_ONLY:  # what the arguments decide, checked
+            preset_plan(cfg, P, layers, shape, BYTES_ONLY)  # before a profile is measured
         if not cfg.searched:  # rank 0 plans a searched one in the job
             plan = preset_plan(cfg, P, layers, shape, cluster)
-            layout = resolve(model, plan.with_choices(**placed), shape, P, traced)
+            layout = resolve(model, plan, shape, P, traced)
     if layout is not None and cfg.handoff in ("b", "c"):
         _check_handoff(cfg.handoff, cfg.rounds, layout)
     # the checkpointing patterns match, and no hand-off runs in rounds
@@ -173,10 +172,10 @@ def device_and_backend(device: str, backend: str, local: int) -> tuple[str, str]
     return "cuda", "nccl"
 
 
-def _device(cfg: TrainConfig, P: int) -> Choices:
+def _device(choices: Choices, P: int) -> Choices:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", P)) if under_torchrun() else P
-    device, backend = device_and_backend(cfg.choices.device, cfg.choices.backend, local)
-    return cfg.choices.with_(device=device, backend=backend)
+    device, backend = device_and_backend(choices.device, choices.backend, local)
+    return choices.with_(device=device, backend=backend)
 
 
 def _resume(cfg: TrainConfig) -> Path | None:
@@ -220,11 +219,12 @@ def _check_resume(path: Path, cfg: TrainConfig, shape: tuple[int, ...]) -> None:
             )
 
 
-def _outputs(cfg: TrainConfig) -> TrainConfig:
-    """Where the weights go, and a check that every output can be written, before any work."""
+def _outputs(cfg: TrainConfig, model: str) -> str:
+    """Where the weights go (returned), and a check that every output can be written, before
+    any work."""
     save = cfg.save or str(
         Path(cfg.checkpoint_dir or "runs")
-        / ("final.pt" if cfg.checkpoint_dir else f"{file_label(cfg.model)}.pt")
+        / ("final.pt" if cfg.checkpoint_dir else f"{file_label(model)}.pt")
     )
     for flag, target in (
         ("--save", save),
@@ -243,16 +243,25 @@ def _outputs(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(
                 "--tensorboard needs the tensorboard package: pip install tensorboard"
             ) from None
-    return cfg.with_(save=save)
+    return save
 
 
-def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
-    """Model, processes and batch come from the plan file when given, else the defaults; the
-    choices of a plan file win, and an explicit conflicting one is an error."""
-    if plan is None:
-        return cfg.with_(
-            model=cfg.model or DEFAULT_MODEL, nproc=cfg.nproc or 4, batch=cfg.batch or 64
-        )
+def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> dict:
+    """What the run takes from the plan file or the defaults: model, processes and batch (the
+    choices of a plan file win, and an explicit conflicting one is an error); where it runs
+    (the command line's device, else the plan's, checked against this machine); and where the
+    weights go."""
+    out = _from_plan(cfg, plan) if plan else {}
+    out.setdefault("model", cfg.model or DEFAULT_MODEL)
+    out.setdefault("nproc", cfg.nproc or 4)
+    out.setdefault("batch", cfg.batch or 64)
+    P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else out["nproc"]
+    out["choices"] = _device(out.get("choices", cfg.choices), P)
+    out["save"] = _outputs(cfg, out["model"])
+    return out
+
+
+def _from_plan(cfg: TrainConfig, plan: ParallelPlan) -> dict:
     for name, value in (("nproc", plan.procs), ("batch", plan.batch)):
         given = getattr(cfg, name)
         if given is not None and given != value:
@@ -276,14 +285,14 @@ def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> TrainConfig:
     # where it runs: the command line's, else the plan's
     placed = {k: getattr(cfg.choices, k) for k in ("device", "backend")}
     placed = {k: v if v != "auto" else getattr(plan.choices, k) for k, v in placed.items()}
-    return cfg.with_(
-        model=model,
-        nproc=plan.procs,
-        batch=plan.batch,
-        input_size=size,
-        input_shape=shape,
-        choices=plan.choices.with_(**placed),
-    )
+    return {
+        "model": model,
+        "nproc": plan.procs,
+        "batch": plan.batch,
+        "input_size": size,
+        "input_shape": shape,
+        "choices": plan.choices.with_(**placed),
+    }
 
 
 def meta_model(name: str, shape: tuple[int, ...], classes: int | None) -> torch.nn.Module:
