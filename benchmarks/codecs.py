@@ -152,17 +152,16 @@ def error(block: int, n: int) -> None:
 def _reduce(n: int, block: int) -> dict:
     import torch.distributed as dist
 
-    from hybridpar.runtime.comm.collectives import all_reduce, compressed_all_reduce
+    from hybridpar.runtime.comm.collectives import Via, all_reduce, compressed_all_reduce
     from hybridpar.runtime.comm.ledger import Ledger
 
     torch.set_num_threads(1)
     t = torch.randn(n)
     plain, comp = Ledger(), Ledger()
-    all_reduce(t.clone(), dist.group.WORLD, plain, "dw_allreduce")
+    all_reduce(t.clone(), Via(dist.group.WORLD, plain, "dw_allreduce"))
     t0 = time.perf_counter()
-    compressed_all_reduce(
-        t.clone(), dist.group.WORLD, get_codec("dynamic-tree", block), comp, "dw_allreduce"
-    )
+    codec = get_codec("dynamic-tree", block)
+    compressed_all_reduce(t.clone(), Via(dist.group.WORLD, comp, "dw_allreduce", None, codec))
     dt = time.perf_counter() - t0
     return {
         "fp32": sum(e.bytes for e in plain.entries),

@@ -12,7 +12,7 @@ from dist_helpers import run_ranks
 from torch import nn
 
 from hybridpar.runtime.comm import kernels
-from hybridpar.runtime.comm.collectives import all_reduce
+from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel import batchnorm
 from hybridpar.runtime.parallel.batchnorm import (
@@ -85,8 +85,8 @@ def _exactness(dims, affine, momentum, path="kernels"):
         pairs = [(y, y_ref[lo:hi]), (x.grad, dx_ref[lo:hi])]
         if affine:
             gw, gb = bn.weight.grad.clone(), bn.bias.grad.clone()
-            all_reduce(gw, dist.group.WORLD, None, "test")  # what the gradient synchroniser does
-            all_reduce(gb, dist.group.WORLD, None, "test")
+            all_reduce(gw, Via(dist.group.WORLD))  # what the gradient synchroniser does
+            all_reduce(gb, Via(dist.group.WORLD))
             pairs += [(gw, grads_ref[0]), (gb, grads_ref[1])]
         for a, b in pairs:
             torch.testing.assert_close(a.detach(), b, rtol=1e-5, atol=1e-5)

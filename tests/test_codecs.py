@@ -210,9 +210,8 @@ def _allreduce(name, block, n, ef, dtype=torch.float32):
     ledger = Ledger()
     t = xs[rank].to(dtype, copy=True)
     residuals = {} if ef else None
-    compressed_all_reduce(
-        t, dist.group.WORLD, codec, ledger, "dw_allreduce", {"w": n}, residuals, key=0
-    )
+    via = Via(dist.group.WORLD, ledger, "dw_allreduce", {"w": n}, codec)
+    compressed_all_reduce(t, via, residuals, key=0)
     exact = sum(xs)
     same = [torch.empty_like(t) for _ in range(P)]
     dist.all_gather(same, t)
@@ -224,7 +223,7 @@ def _allreduce(name, block, n, ef, dtype=torch.float32):
     ef_rel = None
     if ef:
         t2 = xs[rank].clone()
-        compressed_all_reduce(t2, dist.group.WORLD, codec, None, "dw_allreduce", None, residuals, 0)
+        compressed_all_reduce(t2, Via(dist.group.WORLD, codec=codec), residuals, 0)
         ef_rel = float(((t + t2) - 2 * exact).norm() / (2 * exact).norm())
     return identical, rel, payload, overhead, ef_rel
 
@@ -358,10 +357,8 @@ def _threaded_hook(P_split):
         for i, x in xs.items():
             ref = x.clone()
             for k, lo in enumerate(range(0, x.numel(), P_split)):
-                compressed_all_reduce(
-                    ref[lo : lo + P_split], twin, codec, None, "dw_allreduce", None, residuals,
-                    piece_key(i, k),
-                )  # fmt: skip
+                via = Via(twin, term="dw_allreduce", codec=codec)
+                compressed_all_reduce(ref[lo : lo + P_split], via, residuals, piece_key(i, k))
             step.append(ref / P)
         refs.append(step)
     got = torch.cat([t for step in results for t in step])

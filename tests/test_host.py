@@ -196,7 +196,7 @@ def _small(sizes):
     rank, both parities, float64 and float32, a tensor over the first segment's capacity (which
     grows), a non-contiguous one, and one over MAX_BYTES back on gloo."""
     from hybridpar.runtime.comm import small
-    from hybridpar.runtime.comm.collectives import all_reduce
+    from hybridpar.runtime.comm.collectives import Via, all_reduce
     from hybridpar.runtime.comm.ledger import Ledger
 
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -210,7 +210,7 @@ def _small(sizes):
             x = torch.stack([x, x]).t()[:, 0]
         ref = x.clone()
         dist.all_reduce(ref)
-        all_reduce(x, group, ledger, "bn_stats", {"bn": n})
+        all_reduce(x, Via(group, ledger, "bn_stats", {"bn": n}))
         # another order of the same sums than gloo's: float32 rounding apart
         tol = 1e-12 if dtype == torch.float64 else 1e-6
         ok.append(torch.allclose(x, ref, rtol=tol, atol=tol))
@@ -292,13 +292,13 @@ def test_all_gather_through_shared_memory(P):
 
 
 def _small_missing():
-    from hybridpar.runtime.comm.collectives import all_reduce
+    from hybridpar.runtime.comm.collectives import Via, all_reduce
 
     group = new_group([0, 1], TWO_SECONDS, "test_small_missing", shm=True)
     if dist.get_rank() == 1:
         return "skipped"  # rank 1 never joins the all-reduce
     try:
-        all_reduce(torch.ones(3), group, None, "metrics")
+        all_reduce(torch.ones(3), Via(group))
     except RuntimeError as exc:
         return str(exc)
     return "returned"

@@ -48,13 +48,13 @@ __all__ = [
 @dataclass(frozen=True)
 class Via:
     """What a collective runs over and how the ledger books it, as one value: the group, the
-    ledger (None: not booked), the cost-model term, the layer it carries, and the codec of its
-    payload (None: unencoded)."""
+    ledger (None: not booked), the cost-model term, the layer it carries (or, for a bucket of
+    several, each layer's elements in it), and the codec of its payload (None: unencoded)."""
 
     group: Group | dist.ProcessGroup
     ledger: Ledger | None = None
     term: str = ""
-    layer: str | None = None
+    layer: str | dict[str, float] | None = None
     codec: Codec | None = None
 
     @property
@@ -66,8 +66,12 @@ class Via:
         layer."""
         if self.ledger is None:
             return None
-        layers = {self.layer: numel} if self.layer else None
-        return self.ledger.record(kind, p, nbytes, seconds, self.term, layers)
+        return self.ledger.record(kind, p, nbytes, seconds, self.term, self.layers(numel))
+
+    def layers(self, numel: int) -> dict[str, float] | None:
+        if isinstance(self.layer, dict) or self.layer is None:
+            return self.layer
+        return {self.layer: numel}
 
     def overhead(self, kind: str, p: int, nbytes: float) -> None:
         """Book a codec's scales and padding apart (`codec_overhead`: measured, not predicted)."""
@@ -76,7 +80,7 @@ class Via:
 
 
 def labelled(fn):
-    """`fn` (a collective taking a `via`, or `term` and `layers`) inside a torch.profiler range
+    """`fn` (a collective taking a `via`) inside a torch.profiler range
     named "hybridpar <collective> <term> <layers>" while a profiler records (`--profile-trace`),
     so a trace shows what each collective carried; a direct call otherwise."""
     import functools
@@ -95,11 +99,9 @@ def labelled(fn):
 
 
 def _label(name: str, bound) -> str:
-    a = bound.arguments
-    via = a.get("via")
-    term = via.term if via is not None else a.get("term", "")
-    layers = (via.layer if via is not None else None) or ",".join(list(a.get("layers") or ())[:3])
-    return f"hybridpar {name} {term} {layers or ''}".rstrip()
+    via = bound.arguments["via"]
+    layers = via.layer if isinstance(via.layer, str) else ",".join(list(via.layer or ())[:3])
+    return f"hybridpar {name} {via.term} {layers or ''}".rstrip()
 
 
 class Pending:
@@ -121,33 +123,22 @@ class Pending:
 
 
 @labelled
-def all_reduce(
-    t: torch.Tensor,
-    group: Group | dist.ProcessGroup,
-    ledger: Ledger | None,
-    term: str,
-    layers: dict[str, float] | None = None,
-    async_op: bool = False,
-) -> Pending:
-    """Sum `t` in place over `group`, logged under `term`."""
+def all_reduce(t: torch.Tensor, via: Via, async_op: bool = False) -> Pending:
+    """Sum `t` in place over `via.group`, booked as `via` says."""
+    group = via.group
     p = group_size(group)
     t0 = time.perf_counter()
     if p == 1:
         return Pending(None, None, t0)
     small = None if async_op or not isinstance(group, Group) else group.shm
+    nbytes = t.numel() * t.element_size()
     if small is not None and small.fits(t):  # shared memory: microseconds instead of milliseconds
         small.small_all_reduce(t)
-        if ledger:  # its seconds: the report's time split counts them as communication
-            took = time.perf_counter() - t0
-            ledger.record("all_reduce", p, t.numel() * t.element_size(), took, term, layers)
+        # its seconds: the report's time split counts them as communication
+        via.book("all_reduce", p, nbytes, time.perf_counter() - t0, t.numel())
         return Pending(None, None, t0)
     work = dist.all_reduce(t, group=pg_of(group), async_op=async_op)
-    entry = (
-        ledger.record("all_reduce", p, t.numel() * t.element_size(), 0.0, term, layers)
-        if ledger
-        else None
-    )
-    pending = Pending(work, entry, t0)
+    pending = Pending(work, via.book("all_reduce", p, nbytes, 0.0, t.numel()), t0)
     if not async_op:
         pending.wait()
     return pending
@@ -423,16 +414,9 @@ def _compressed_all_gather(t, sizes, dim, via: Via) -> torch.Tensor:
 
 @labelled
 def compressed_all_reduce(
-    t: torch.Tensor,
-    group: Group | dist.ProcessGroup,
-    codec: Codec,
-    ledger: Ledger | None,
-    term: str,
-    layers: dict[str, float] | None = None,
-    residuals: dict | None = None,
-    key: object = None,
+    t: torch.Tensor, via: Via, residuals: dict | None = None, key: object = None
 ) -> torch.Tensor:
-    """Sum `t` over `group` in place, with every byte on the wire encoded by `codec`.
+    """Sum `t` over `via.group` in place, with every byte on the wire encoded by `via.codec`.
 
     Krizhevsky's section 4.1 scheme: each rank owns 1/p of the tensor. Every rank encodes the
     chunks it does not own and sends them to their owners in one all-to-all; the owner decodes
@@ -444,11 +428,11 @@ def compressed_all_reduce(
     Error feedback (as in 1-bit SGD): with a `residuals` dict, what the encoding lost this time
     (of the chunks sent, and of the owned sum) is kept under `key` and added back next time.
     """
-    if group_size(group) == 1:
+    if group_size(via.group) == 1:
         return t
     # one-shot pipelines end flushed, so they can all use this thread's "once" buffers
-    pipe = CompressedPipeline(group, codec, ledger, term, residuals, buffers="once")
-    pipe.push(t, layers, key)
+    pipe = CompressedPipeline(via.group, via.codec, via.ledger, via.term, residuals, buffers="once")
+    pipe.push(t, via.layers(t.numel()), key)
     pipe.flush()
     return t
 

@@ -15,6 +15,7 @@ from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec, get_codec
 from hybridpar.runtime.comm.collectives import (
     CompressedPipeline,
+    Via,
     all_reduce,
     compressed_all_reduce,
 )
@@ -73,9 +74,8 @@ def allreduce_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.Te
     buf = bucket.buffer()
     p = group_size(state.group) if state.group is not None else dist.get_world_size()
     group = state.group if state.group is not None else dist.group.WORLD
-    pending = all_reduce(
-        buf, group, state.ledger, state.term, state.bucket_layers.get(bucket.index()), async_op=True
-    )
+    layers = state.bucket_layers.get(bucket.index())
+    pending = all_reduce(buf, Via(group, state.ledger, state.term, layers), async_op=True)
     if pending.work is None:  # one rank
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
@@ -129,7 +129,8 @@ def compressed_hook(state: ReducerState, bucket) -> torch.futures.Future[torch.T
     residuals = state.residuals if state.error_feedback else None
 
     if state.worker is None:
-        compressed_all_reduce(buf, group, codec, state.ledger, state.term, layers, residuals, index)
+        via = Via(group, state.ledger, state.term, layers, codec)
+        compressed_all_reduce(buf, via, residuals, index)
         return _done(buf.div_(p) if state.average else buf)
     return _queued(state, bucket, group, codec, residuals)
 

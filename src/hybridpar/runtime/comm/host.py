@@ -44,7 +44,7 @@ import torch.distributed as dist
 from hybridpar.core import faults
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
-from hybridpar.runtime.comm.collectives import compressed_all_reduce
+from hybridpar.runtime.comm.collectives import Via, compressed_all_reduce
 from hybridpar.runtime.comm.group import Group, group_timeout, pg_of
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.comm.worker import CommWorker
@@ -441,7 +441,7 @@ class HostReducer:
             self._wait(seg, parity, FINAL, step, [0], "share the all-host sum of", key)
             return
         if self.codec is not None:  # books its payload and overhead itself
-            compressed_all_reduce(total, topo.leaders, self.codec, self.ledger, term, layers)
+            compressed_all_reduce(total, Via(topo.leaders, self.ledger, term, layers, self.codec))
         else:
             dist.all_reduce(total, group=topo.leaders)
         seg.flags[parity, topo.local_rank][FINAL] = step

@@ -30,7 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm import kernels
-from hybridpar.runtime.comm.collectives import all_reduce
+from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.group import Group, group_size
 from hybridpar.runtime.comm.ledger import Ledger
 
@@ -85,7 +85,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             kernels.bn().hp_bn_stats(x.data_ptr(), n, c, s, stats.data_ptr())
         else:
             _stats_torch(x, stats)
-        all_reduce(stats, group, ledger, Term.BN_STATS, {layer: stats.numel()} if layer else None)
+        all_reduce(stats, Via(group, ledger, Term.BN_STATS, layer))
         m = float(stats[2 * c])
         if m <= 1:
             raise ValueError(
@@ -135,8 +135,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             torch.cat([dbias, dweight], out=sums)
         dx = None
         if need[0]:
-            layers = {ctx.layer: sums.numel()} if ctx.layer else None
-            all_reduce(sums, ctx.group, ctx.ledger, Term.BN_GRAD, layers)
+            all_reduce(sums, Via(ctx.group, ctx.ledger, Term.BN_GRAD, ctx.layer))
             if fast:
                 dx = torch.empty_like(x)
                 kernels.bn().hp_bn_backward(
@@ -384,7 +383,7 @@ class BNSwitch:
         sums = [self._acc[0], self._acc[1], self._acc[3]]
         t = torch.tensor(sums, dtype=torch.float64, device=self.device)
         if dist.is_available() and dist.is_initialized():
-            all_reduce(t, self.group or dist.group.WORLD, self.ledger, Term.BN_SWITCH)
+            all_reduce(t, Via(self.group or dist.group.WORLD, self.ledger, Term.BN_SWITCH))
         self._acc = [0.0, 0.0, 0.0, 0.0]
         signal = float(t[0]) if self.rule.signal == "loss" else float(t[2])
         self.window_means.append(signal / max(float(t[1]), 1.0))

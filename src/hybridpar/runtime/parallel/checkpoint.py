@@ -39,7 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from hybridpar.core import faults
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.terms import Term
-from hybridpar.runtime.comm.collectives import all_reduce
+from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.hooks import PIECE_STRIDE
 from hybridpar.runtime.parallel.engine import Engine
 
@@ -194,7 +194,7 @@ def _switch_state(engine: Engine) -> dict | None:
         return None
     state = engine.bn_switch.state()
     t = torch.tensor(state["acc"][:2], dtype=torch.float64, device=_device(engine))
-    all_reduce(t, engine.world, None, Term.STATE)
+    all_reduce(t, Via(engine.world, term=Term.STATE))
     state["acc"] = [*t.tolist(), state["acc"][2]]
     return state
 

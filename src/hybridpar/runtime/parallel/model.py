@@ -65,11 +65,10 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         v, grad = ctx.via, grad.contiguous().clone()
-        layers = {v.layer: grad.numel()}
         if v.encoded:
-            compressed_all_reduce(grad, v.group, v.codec, v.ledger, v.term, layers)
+            compressed_all_reduce(grad, v)
         else:
-            all_reduce(grad, v.group, v.ledger, v.term, layers)
+            all_reduce(grad, v)
         return grad, None
 
 

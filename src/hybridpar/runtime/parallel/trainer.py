@@ -172,7 +172,7 @@ class HybridTrainer:
         all-reduce of the loss sums over the ranks)."""
         r = self.train_step(x, y)
         total = torch.tensor([r.loss_sum], dtype=torch.float64, device=self.device)
-        all_reduce(total, self.model.world, self.ledger, Term.METRICS)
+        all_reduce(total, Via(self.model.world, self.ledger, Term.METRICS))
         return float(total) / len(x)
 
     @torch.no_grad()

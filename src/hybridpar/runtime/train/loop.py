@@ -23,7 +23,7 @@ from hybridpar.core.models import build_any
 from hybridpar.core.optim import KrizhevskySGD, lr_factor, scale_hparams
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
-from hybridpar.runtime.comm.collectives import all_reduce
+from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.devices import local_gpu
 from hybridpar.runtime.comm.host import host_name
 from hybridpar.runtime.parallel.checkpoint import save_weights
@@ -138,7 +138,7 @@ class Progress:
 
 def _sum_over_world(trainer: HybridTrainer, values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=trainer.device)
-    all_reduce(t, trainer.model.world, trainer.ledger, Term.METRICS)
+    all_reduce(t, Via(trainer.model.world, trainer.ledger, Term.METRICS))
     return t.tolist()
 
 
