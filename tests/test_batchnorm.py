@@ -145,7 +145,7 @@ def test_kernel_and_torch_paths_agree_in_one_process(shape, affine):
             try:
                 run = (bn.running_mean, bn.running_var)
                 y = batchnorm._GlobalBatchNormFn.apply(
-                    xi, bn.weight, bn.bias, run, 0.1, bn.eps, None, None, ""
+                    xi, bn.weight, bn.bias, run, 0.1, bn.eps, Via(None)
                 )
             finally:
                 batchnorm._use_kernels = USE_KERNELS

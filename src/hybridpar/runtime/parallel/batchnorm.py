@@ -20,7 +20,7 @@ float64. The relative error of the variance is then about 1e-16 * (mean/std)^2 i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
     dy + [the eval-mode batch norm of x whose weight and bias carry the global sums]."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running, factor, eps, group, ledger, layer):
+    def forward(ctx, x, weight, bias, running, factor, eps, via: Via):
         c = x.shape[1]
         n, s = (x.shape[0], x.numel() // (x.shape[0] * c)) if x.numel() else (0, 0)
         fast = _use_kernels(x, weight, running)
@@ -85,7 +85,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             kernels.bn().hp_bn_stats(x.data_ptr(), n, c, s, stats.data_ptr())
         else:
             _stats_torch(x, stats)
-        all_reduce(stats, Via(group, ledger, Term.BN_STATS, layer))
+        all_reduce(stats, replace(via, term=Term.BN_STATS))
         m = float(stats[2 * c])
         if m <= 1:
             raise ValueError(
@@ -102,7 +102,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             y, mean, var, invstd = _forward_torch(x, stats, m, weight, bias, running, factor, eps)
         ctx.save_for_backward(x, weight, mean, invstd, var)
         ctx.m, ctx.eps, ctx.fast = m, eps, fast
-        ctx.group, ctx.ledger, ctx.layer = group, ledger, layer
+        ctx.via = replace(via, term=Term.BN_GRAD)
         return y
 
     @staticmethod
@@ -135,7 +135,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             torch.cat([dbias, dweight], out=sums)
         dx = None
         if need[0]:
-            all_reduce(sums, Via(ctx.group, ctx.ledger, Term.BN_GRAD, ctx.layer))
+            all_reduce(sums, ctx.via)
             if fast:
                 dx = torch.empty_like(x)
                 kernels.bn().hp_bn_backward(
@@ -148,7 +148,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             dweight = None
         if weight is None or not need[2]:
             dbias = None
-        return dx, dweight, dbias, None, None, None, None, None, None
+        return dx, dweight, dbias, None, None, None, None
 
 
 def _stats_torch(x: torch.Tensor, stats: torch.Tensor) -> None:
@@ -255,7 +255,13 @@ class GlobalBatchNorm(_BatchNorm):
             x = x.float()
         with torch.autocast(x.device.type, enabled=False):
             return _GlobalBatchNormFn.apply(
-                x, self.weight, self.bias, running, factor, self.eps, group, self.ledger, self.layer
+                x,
+                self.weight,
+                self.bias,
+                running,
+                factor,
+                self.eps,
+                Via(group, self.ledger, layer=self.layer),
             )
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
