@@ -37,19 +37,10 @@ from hybridpar.core.rows import ELEMENTWISE_ACTIVATIONS, function_blocker, modul
 __all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_POOL = (
-    nn.MaxPool1d,
-    nn.MaxPool2d,
-    nn.MaxPool3d,
-    nn.AvgPool1d,
-    nn.AvgPool2d,
-    nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d,
-    nn.AdaptiveAvgPool2d,
-    nn.AdaptiveAvgPool3d,
-    nn.AdaptiveMaxPool1d,
-    nn.AdaptiveMaxPool2d,
-    nn.AdaptiveMaxPool3d,
+_POOL = tuple(  # MaxPool1d ... AdaptiveMaxPool3d
+    getattr(nn, f"{kind}Pool{d}d")
+    for kind in ("Max", "Avg", "AdaptiveAvg", "AdaptiveMax")
+    for d in (1, 2, 3)
 )
 _NORM = (
     nn.modules.batchnorm._NormBase,

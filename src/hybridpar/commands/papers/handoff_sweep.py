@@ -33,11 +33,11 @@ schemes: (c) sends the same bytes as (a), in K pieces. The paper's "constant" is
 
 from __future__ import annotations
 
-import csv
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpar.commands.papers import write_rows
 from hybridpar.core.cluster import Cluster
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.handoff import exposed, head
@@ -182,26 +182,17 @@ def _swept(result, where: str, K: int, scheme: str, rounds: int) -> tuple:
 
 
 def write_handoffs(points: list[HandoffPoint], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(
-            [
-                "workers",
-                "scheme",
-                "rounds",
-                "compute_s",
-                "exposed_s",
-                "paper_exposed_s",
-                "raw_s",
-                "paper_rounds_hide",
-            ]
+    rows = []
+    for p in points:
+        row = {"workers": p.workers, "scheme": p.scheme, "rounds": p.rounds}
+        seconds = (
+            ("compute_s", p.compute_s),
+            ("exposed_s", p.exposed_s),
+            ("paper_exposed_s", p.paper_s),
         )
-        for p in points:
-            w.writerow(
-                [p.workers, p.scheme, p.rounds]
-                + [f"{v:.9g}" for v in (p.compute_s, p.exposed_s, p.paper_s, p.raw_s)]
-                + [p.hides]
-            )
+        row.update({k: f"{v:.9g}" for k, v in (*seconds, ("raw_s", p.raw_s))})
+        rows.append({**row, "paper_rounds_hide": p.hides})
+    write_rows(path, rows)
 
 
 def plot_handoffs(points: list[HandoffPoint], path: Path, title: str) -> Path:

@@ -4,10 +4,10 @@ with its speedup over pure batch: total, and communication in parentheses)."""
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Callable
 from pathlib import Path
 
+from hybridpar.commands.papers import write_rows
 from hybridpar.planning.search import PlanResult
 
 __all__ = ["FIGURES", "plot_sweep", "write_csv"]
@@ -21,46 +21,19 @@ FIGURES = {
 
 
 def write_csv(results: list[PlanResult], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(
-            [
-                "procs",
-                "batch",
-                "scenario",
-                "pr",
-                "pc",
-                "feasible",
-                "comm_s",
-                "compute_s",
-                "total_s",
-                "best_of_scenario",
-                "best_overall",
-                "reason",
-            ]
-        )
-        for r in results:
-            best = r.best
-            for name, plans in r.candidates.items():
-                chosen = r.scenario(name)
-                for p in plans:
-                    pr, pc = p.grid if p.grid else ("", "")
-                    w.writerow(
-                        [
-                            r.procs,
-                            r.batch,
-                            name,
-                            pr,
-                            pc,
-                            p.feasible,
-                            f"{p.comm_s:.9g}" if p.feasible else "",
-                            f"{p.compute_s:.9g}" if p.feasible else "",
-                            f"{p.total_s:.9g}" if p.feasible else "",
-                            p is chosen,
-                            p is best,
-                            p.reason,
-                        ]
-                    )
+    rows = []
+    for r in results:
+        for name, plans in r.candidates.items():
+            chosen = r.scenario(name)
+            for p in plans:
+                pr, pc = p.grid if p.grid else ("", "")
+                row = {"procs": r.procs, "batch": r.batch, "scenario": name, "pr": pr, "pc": pc}
+                row["feasible"] = p.feasible
+                for k in ("comm_s", "compute_s", "total_s"):
+                    row[k] = f"{getattr(p, k):.9g}" if p.feasible else ""
+                row.update(best_of_scenario=p is chosen, best_overall=p is r.best, reason=p.reason)
+                rows.append(row)
+    write_rows(path, rows)
 
 
 def plot_sweep(

@@ -79,11 +79,7 @@ class Ledger:
         self.entries.clear()
 
     def bytes_by_term(self, steps: set[int] | None = None) -> dict[str, float]:
-        out: dict[str, float] = defaultdict(float)
-        for e in self.entries:
-            if steps is None or e.step in steps:
-                out[e.term] += e.bytes
-        return dict(out)
+        return self._by_term("bytes", steps)
 
     def bytes_by_layer_term(self, steps: set[int] | None = None) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = defaultdict(float)
@@ -94,10 +90,13 @@ class Ledger:
         return dict(out)
 
     def seconds_by_term(self, steps: set[int] | None = None) -> dict[str, float]:
+        return self._by_term("seconds", steps)
+
+    def _by_term(self, field: str, steps: set[int] | None) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
         for e in self.entries:
             if steps is None or e.step in steps:
-                out[e.term] += e.seconds
+                out[e.term] += getattr(e, field)
         return dict(out)
 
     def count(self, term: str | None = None) -> int:
