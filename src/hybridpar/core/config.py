@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import types
@@ -227,6 +228,19 @@ def positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
             raise ConfigError(
                 f"{flag} must be {'at least 0' if allow_zero else 'positive'}, got {v}"
             )
+
+
+def read_json(path: str | Path, what: str, hint: str) -> Any:
+    """The JSON in `path`; where it is missing or not JSON, a one-line ConfigError that names
+    `what` it should be and says what to do (`hint`)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} does not exist; {hint}")
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        why = str(exc).splitlines()[0]
+        raise ConfigError(f"{what} {str(p)!r} is not valid JSON ({why}); {hint}") from None
 
 
 def writable(flag: str, path: str | Path) -> Path:

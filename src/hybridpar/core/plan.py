@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hybridpar.core.choices import Choices
+from hybridpar.core.config import read_json
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.groups import check_placement, why_not_placement
 from hybridpar.core.terms import Term
@@ -310,18 +311,8 @@ class ParallelPlan:
 
     @staticmethod
     def load(path: str | Path) -> ParallelPlan:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(
-                f"plan file {str(p)!r} does not exist; write one with `hybridpar plan ... --out`"
-            )
-        try:
-            data = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(
-                f"plan file {str(p)!r} is not valid JSON: {str(exc).splitlines()[0]}"
-            ) from None
-        return ParallelPlan.from_dict(data, f"plan file {str(p)!r}")
+        data = read_json(path, "plan file", "write one with `hybridpar plan ... --out`")
+        return ParallelPlan.from_dict(data, f"plan file {str(path)!r}")
 
     def save(self, path: str | Path) -> Path:
         p = Path(path)

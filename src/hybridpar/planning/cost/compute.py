@@ -13,11 +13,11 @@ parameters and the slowdown of ranks sharing cores.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from hybridpar.core.config import read_json
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
@@ -161,17 +161,12 @@ def style_times(
 
 
 def load_table(path: str | Path) -> TableModel:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(
-            f"compute table {str(p)!r} does not exist; make one with `hybridpar profile`"
-        )
+    data = read_json(path, "compute table", "make one with `hybridpar profile`")
     try:
-        data = json.loads(p.read_text())
         table = {k: (float(v[0]), float(v[1])) for k, v in data["per_sample_s"].items()}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise ConfigError(
-            f"compute table {str(p)!r} is malformed ({exc.__class__.__name__}); "
+            f"compute table {str(path)!r} is malformed ({exc.__class__.__name__}); "
             "re-run `hybridpar profile`"
         ) from exc
-    return TableModel(table, str(p))
+    return TableModel(table, str(path))
