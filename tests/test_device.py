@@ -196,15 +196,13 @@ def test_device_and_backend(monkeypatch, gpus, device, backend, local, want):
         assert device_and_backend(device, backend, local) == want
 
 
-def test_a_calibration_prices_only_the_device_it_measured(tmp_path, monkeypatch):
+def test_a_calibration_prices_only_the_device_it_measured(localhost):
     import json
 
     from hybridpar.core.cluster import for_device, load_cluster, localhost_path
 
-    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
-    cpu = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "device": "cpu"}
-    localhost_path("cpu").parent.mkdir(parents=True, exist_ok=True)
-    localhost_path("cpu").write_text(json.dumps(cpu))
+    localhost(device="cpu")
+    cpu = json.loads(localhost_path("cpu").read_text())
     with pytest.raises(ConfigError, match="calibrate --device cuda"):
         load_cluster("localhost", "cuda")  # one file per device: the GPU's is not there
     assert for_device(load_cluster("localhost", "cpu"), "cpu").device == "cpu"

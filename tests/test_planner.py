@@ -186,13 +186,12 @@ def test_cluster_files(tmp_path):
         Cluster("x", alpha=1, beta=0, flops=1)
 
 
-def test_cached_and_fresh_analysis_agree(monkeypatch, tmp_path):
-    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
+def test_cached_and_fresh_analysis_agree(monkeypatch, cache):
     first = zoo_cost_layers("alexnet-owt", 64)
     second = zoo_cost_layers("alexnet-owt", 64)  # from the cache file
     monkeypatch.setenv("HYBRIDPAR_NO_CACHE", "1")
     assert first == second == zoo_cost_layers("alexnet-owt", 64)
-    assert list((tmp_path / "analysis").glob("*.json"))
+    assert list((cache / "analysis").glob("*.json"))
 
 
 def _segmented():

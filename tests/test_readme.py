@@ -14,7 +14,6 @@ a sandbox, so that the README cannot drift from the program.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import sys
@@ -103,16 +102,13 @@ def _promise(command: str, job, plan) -> None:
         assert (cfg.preset, cfg.lr, cfg.epochs, plan.engine) == ("ddp", 0.1, 5, "ddp")
 
 
-def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, capsys):
+def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, capsys, localhost):
     from hybridpar.commands import cli
     from hybridpar.core.cluster import BYTES_ONLY
     from hybridpar.runtime.train.plans import preset_plan
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "cache").mkdir()
-    calibrated = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2}
-    (tmp_path / "cache" / "localhost.json").write_text(json.dumps({**calibrated, "device": "cpu"}))
+    localhost(cores=2, device="cpu")
     monkeypatch.setattr("hybridpar.planning.profile.profile_compute", lambda *a, **k: None)
     (tmp_path / "mynets.py").write_text(_mynets())
     monkeypatch.syspath_prepend(str(tmp_path))

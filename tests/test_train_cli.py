@@ -154,29 +154,27 @@ def test_the_report_plot_shows_steps_for_few_epochs_and_prediction_next_to_measu
     assert drawn[0] == 5  # five epochs: the loss per epoch
 
 
-def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path):
+def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path, cache):
     """`make demo` runs `hybridpar train` with its defaults: digits-wide on digits, 4 ranks, auto.
     The planner's choice on this machine splits the wide FC head (Pr > 1): a hybrid plan. The
     defaults but for the epochs: 6 of the 20 (test accuracy 0.98 after 6 on a 2-core machine,
     0.99 after 20)."""
-    env = {**os.environ, "HYBRIDPAR_CACHE": str(tmp_path)}  # auto calibrates this machine first
-    r = subprocess.run(
+    r = subprocess.run(  # auto calibrates this machine first, into the empty cache
         CMD + ["--epochs", "6", "--report", str(tmp_path / "demo.json")],
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
     )
     assert r.returncode == 0, r.stderr
     d = json.loads((tmp_path / "demo.json").read_text())
     assert d["procs"] == 4 and d["config"]["preset"] == "auto" and d["model"] == "digits-wide"
     assert any(v.startswith("model(") for v in d["plan"]["styles"].values()), d["plan"]["styles"]
     assert d["final"]["test_acc"] >= 0.95, d["final"]
-    assert (tmp_path / "localhost.json").exists()
+    assert (cache / "localhost.json").exists()
     assert "bytes per iteration per rank" in r.stdout and "dx_allreduce" in r.stdout
     # the calibration measured where 4 ranks meet on this host (planning.cost.sync) and the
     # model plan's prediction charges its meetings: the predicted split adds up to the total
-    sync = json.loads((tmp_path / "localhost.json").read_text())["by_procs"]["4"]["sync"]
+    sync = json.loads((cache / "localhost.json").read_text())["by_procs"]["4"]["sync"]
     assert len(sync) == 7 and all(b[0] > a[0] for a, b in itertools.pairwise(sync))
     it = d["iteration"]
     assert it["predicted_waiting_s"] > 0, it
@@ -251,15 +249,6 @@ def test_ranks_start_with_torch_dynamo_imported_by_their_fork_server():
     assert launch(_dynamo_there, 2, backend="gloo", timeout_s=60) == [True, True]
 
 
-def _localhost(cache):
-    """A calibrated `localhost` without measuring: fixed numbers, so the plan is repeatable."""
-    cache.mkdir(exist_ok=True)
-    (cache / "localhost.json").write_text(
-        json.dumps({"name": "localhost", "alpha": 1e-4, "beta": 1e-9, "flops": 1e11})
-    )
-    return {**os.environ, "HYBRIDPAR_CACHE": str(cache)}
-
-
 def _plan_out(args: str, plan_file, env, cwd=None) -> dict:
     """`hybridpar plan ARGS --out plan_file`; the plan it wrote."""
     r = subprocess.run(
@@ -281,10 +270,10 @@ def _measured_is_predicted(rows: dict) -> None:
             assert v["measured"] == pytest.approx(v["predicted"], rel=1e-9), (layer, term)
 
 
-def test_plan_file_round_trip_measures_what_it_predicts(tmp_path):
+def test_plan_file_round_trip_measures_what_it_predicts(tmp_path, localhost):
     """`hybridpar plan ... --out p.json`, then `hybridpar train --plan p.json`: the report's
     measured bytes equal the plan's predicted bytes per (layer, term), exactly (invariant 2)."""
-    env = _localhost(tmp_path / "cache")
+    env = localhost(alpha=1e-4, flops=1e11)
     plan_file, report = tmp_path / "p.json", tmp_path / "r.json"
     planning = "--model alexnet-owt --input-size 64 --procs 4 --batch 32 --cluster localhost --scenario per-layer"
     plan = _plan_out(planning, plan_file, env)
@@ -301,17 +290,13 @@ def test_plan_file_round_trip_measures_what_it_predicts(tmp_path):
     _measured_is_predicted(rows)
 
 
-def test_a_plan_made_for_another_cluster_is_priced_again_on_the_one_it_runs_on(
-    tmp_path, monkeypatch
-):
+def test_a_plan_made_for_another_cluster_is_priced_again_on_the_one_it_runs_on(tmp_path, localhost):
     """Issue 43 item 4: a plan written for cori-knl (`hybridpar plan`'s default) and trained on
     the calibrated localhost reported 1.3 ms predicted against 28.3 ms measured, with no word
     that the seconds were cori-knl's. It keeps its styles and bytes and takes localhost's."""
     from hybridpar.planning.search import make_plan
 
-    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
-    slow = {"name": "localhost", "alpha": 1e-3, "beta": 1e-8, "flops": 1e9, "device": "cpu"}
-    (tmp_path / "localhost.json").write_text(json.dumps(slow))  # no cores: priced by FLOPs
+    localhost(alpha=1e-3, beta=1e-8, flops=1e9, device="cpu")  # no cores: priced by FLOPs
     knl = make_plan("digits-wide", 2, 64, load_cluster("cori-knl"), scenarios=["per-layer"])
     made = knl.export()
     made.save(tmp_path / "p.json")
@@ -326,11 +311,11 @@ def test_a_plan_made_for_another_cluster_is_priced_again_on_the_one_it_runs_on(
     assert all(p.seconds < 1e-3 for p in made.predicted if p.bytes and p.term != "dw_allreduce")
 
 
-def test_a_domain_plan_round_trips_measuring_its_halos(tmp_path):
+def test_a_domain_plan_round_trips_measuring_its_halos(tmp_path, localhost):
     """`hybridpar plan --scenario domain --out`, then `hybridpar train --plan`: resnet20 with its
     stem and first stage split by height (Pr > 1 domain styles), halo and redistribution bytes
     measured per (layer, term) equal to the plan's prediction (invariant 2)."""
-    env = _localhost(tmp_path / "cache")
+    env = localhost(alpha=1e-4, flops=1e11)
     plan_file, report, net = tmp_path / "p.json", tmp_path / "r.json", tmp_path / "net.toml"
     net.write_text('name = "slow-net"\nalpha = 1e-6\nbeta = 1e-8\nflops = 1e11\n')  # bytes cost
     planning = f"--model resnet20 --input-size 8 --procs 4 --batch 8 --cluster {net}"
@@ -617,27 +602,25 @@ def test_a_nonfinite_loss_stops_the_run_naming_the_step(tmp_path):
     assert d["final"]["loss"] is None
 
 
-def test_one_process_trains_without_calibrating(tmp_path):
+def test_one_process_trains_without_calibrating(tmp_path, cache):
     """P = 1 has no all-reduce to time: an uncalibrated `localhost` must not stop `auto` (found
     on the GPU machine: the in-job calibration of one rank fitted beta = inf and refused)."""
-    env = {**os.environ, "HYBRIDPAR_CACHE": str(tmp_path)}
     r = subprocess.run(
         CMD + f"--model digits-cnn --nproc 1 --epochs 1 --save {tmp_path / 'w.pt'}".split(),
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
     )
     assert r.returncode == 0, r.stderr
-    assert "calibrating" not in r.stdout and not (tmp_path / "localhost.json").exists()
+    assert "calibrating" not in r.stdout and not (cache / "localhost.json").exists()
 
 
-def test_a_users_own_model_plans_and_trains_from_the_command_line(tmp_path):
+def test_a_users_own_model_plans_and_trains_from_the_command_line(tmp_path, localhost):
     """`hybridpar plan --model package.module:factory --input-shape C,H,W --scenario model --out`,
     then `hybridpar train --plan`: a model nobody here wrote (tests/user_models.py: a depthwise
     convolution with reflect padding, dropout) split over 2 ranks, its depthwise layer's dX
     all-gathered, every (layer, term) measured equal to the prediction, trained on the digits."""
-    env = _localhost(tmp_path / "cache")
+    env = localhost(alpha=1e-4, flops=1e11)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     plan_file, report = tmp_path / "p.json", tmp_path / "r.json"
     planning = "--model user_models:small --input-shape 1,8,8 --procs 2 --batch 32"
@@ -659,12 +642,12 @@ def test_a_users_own_model_plans_and_trains_from_the_command_line(tmp_path):
 @pytest.mark.parametrize(
     ("preset", "followed"), [("grid:2x2", True), ("model", False)], ids=["2x2", "4x1"]
 )
-def test_ranks_dealt_round_robin_follow_the_hosts_or_say_why_not(tmp_path, preset, followed):
+def test_ranks_dealt_round_robin_follow_the_hosts_or_say_why_not(tmp_path, cache, preset, followed):
     """Four ranks dealt to two hosts round-robin (h0 h1 h0 h1, as SLURM's cyclic distribution
     deals them): the 2x2 grid's groups follow the hosts; a model group of all four cannot (its
     pieces are ordered by rank), and the job says so on stderr."""
     report = tmp_path / "r.json"
-    env = {**os.environ, "HYBRIDPAR_HOST": "h0,h1,h0,h1", "HYBRIDPAR_CACHE": str(tmp_path)}
+    env = {**os.environ, "HYBRIDPAR_HOST": "h0,h1,h0,h1"}
     r = subprocess.run(
         CMD
         + ["--quiet", "--nproc", "4", "--model", "digits-wide", "--preset", preset]

@@ -90,17 +90,8 @@ def test_candidates_are_distinct_plans_with_the_pick_first_and_the_presets_after
 # --- the command -----------------------------------------------------------------------------
 
 
-def _calibrated(cache, cores=None):
-    cache.mkdir(exist_ok=True)
-    data = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10}
-    if cores:
-        data["cores"] = cores
-    (cache / "localhost.json").write_text(json.dumps(data))
-    return {**os.environ, "HYBRIDPAR_CACHE": str(cache)}
-
-
-def test_validate_runs_each_plan_and_writes_the_table(tmp_path):
-    env = _calibrated(tmp_path / "cache", cores=os.cpu_count() or 1)
+def test_validate_runs_each_plan_and_writes_the_table(tmp_path, cache, localhost):
+    env = localhost(cores=os.cpu_count() or 1)
     out = tmp_path / "v"
     r = subprocess.run(
         VALIDATE
@@ -137,17 +128,18 @@ def test_validate_runs_each_plan_and_writes_the_table(tmp_path):
     assert "Spearman's rho" in r.stdout and "plans: |error| median" in r.stdout
     assert len(list((out / "plans").glob("*.json"))) == 3
     # priced with the profile measured here (cached for the next plan), not FLOPs at 1e10
-    profiles = list((tmp_path / "cache" / "profiles").glob("digits-wide-1x8x8-t*.json"))
+    profiles = list((cache / "profiles").glob("digits-wide-1x8x8-t*.json"))
     assert len(profiles) == 1
     assert d["summary"]["traced"]["line"] in r.stdout
 
 
-def test_a_poisoned_cached_quantity_is_named_by_calibrate_check_and_by_validate(tmp_path):
+def test_a_poisoned_cached_quantity_is_named_by_calibrate_check_and_by_validate(
+    tmp_path, cache, localhost
+):
     """The optimizer step of a cached profile made 100x slower (the issue's was 10x, kept by
     every later prediction): `hybridpar calibrate --check` measures it again and says it no
     longer holds (exit 1), and validate traces its largest error to it."""
-    cache = tmp_path / "cache"
-    env = _calibrated(cache, cores=os.cpu_count() or 1)
+    env = localhost(cores=os.cpu_count() or 1)
     data = json.loads((cache / "localhost.json").read_text())
     data["by_procs"] = {"2": {"alpha": 1e-5, "beta": 1e-9}}
     (cache / "localhost.json").write_text(json.dumps(data))
@@ -192,12 +184,11 @@ def test_a_poisoned_cached_quantity_is_named_by_calibrate_check_and_by_validate(
     assert "traces to update_s" in r.stdout
 
 
-def test_validate_under_torchrun_runs_across_the_jobs_hosts(tmp_path):
+def test_validate_under_torchrun_runs_across_the_jobs_hosts(tmp_path, cache, localhost):
     """Under torchrun validate runs in the job (issue 24, item 4): rank 0 plans on a two-level
     cluster (two hosts of one rank, named by HYBRIDPAR_HOST, the network slower than the host)
     and every rank runs each candidate in turn; rank 0 writes the table."""
-    cache = tmp_path / "cache"
-    env = _calibrated(cache, cores=os.cpu_count() or 1)
+    env = localhost(cores=os.cpu_count() or 1)
     data = json.loads((cache / "localhost.json").read_text())
     data["network"] = {"ranks_per_host": 1, "alpha": 1e-4, "beta": 8e-9}
     (cache / "localhost.json").write_text(json.dumps(data))
@@ -232,8 +223,8 @@ def test_validate_under_torchrun_runs_across_the_jobs_hosts(tmp_path):
         ("--procs 2 --model nope", "unknown model"),
     ],
 )
-def test_validate_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
-    env = _calibrated(tmp_path / "cache")
+def test_validate_bad_input_is_one_line_and_exit_2(tmp_path, localhost, args, needle):
+    env = localhost()
     out = tmp_path / "v"
     base = ["--model", "digits-wide", "--batch", "16", "--out", str(out)]
     r = subprocess.run(
@@ -353,8 +344,7 @@ class _Alone:
         pass
 
 
-def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path, monkeypatch):
-    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
+def test_profile_is_cached_extended_and_remeasured_after_a_calibration(cache, monkeypatch):
     calls = []
     real = prof._measure_count
 
@@ -381,7 +371,7 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(tmp_path,
     assert sorted(calls) == [2, 4, 4, 8, 8]  # a new calibration measures again
     # a profile cached by an older release (the fastest iteration, no `method`) is measured again
     # 2 ranks of one thread fill 2 cores: measured beside one neighbour ("-b2"), also for 4
-    (cached,) = (tmp_path / "profiles").glob("digits-wide-*-t1-b2.json")
+    (cached,) = (cache / "profiles").glob("digits-wide-*-t1-b2.json")
     old = json.loads(cached.read_text())
     cached.write_text(json.dumps({k: v for k, v in old.items() if k != "method"}))
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
@@ -456,15 +446,14 @@ def test_one_stalled_call_does_not_make_a_leaf_slow_in_the_profile():
 # --- collectives measured at the job's number of ranks ------------------------------------------
 
 
-def test_a_job_is_priced_with_the_collectives_measured_at_its_P(tmp_path, monkeypatch):
+def test_a_job_is_priced_with_the_collectives_measured_at_its_P(cache):
     from hybridpar.core.cluster import load_cluster
     from hybridpar.core.errors import ConfigError
     from hybridpar.core.terms import Term
 
-    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
     base = {"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2}
     four = {"alpha": 2e-5, "beta": 3e-9, "small_alpha": None, "shm_beta": None}
-    (tmp_path / "localhost.json").write_text(json.dumps({**base, "by_procs": {"4": four}}))
+    (cache / "localhost.json").write_text(json.dumps({**base, "by_procs": {"4": four}}))
     host = load_cluster("localhost")
     assert host.at(2) is host and host.at(4).beta == 3e-9 and host.at(4).alpha == 2e-5
     assert host.to_dict()["by_procs"] == {"4": four}
@@ -476,7 +465,7 @@ def test_a_job_is_priced_with_the_collectives_measured_at_its_P(tmp_path, monkey
     n = LAYER.params * 4  # fp32 gradient bytes
     assert dw(2) == pytest.approx(2 * 1e-5 * 1 + 1e-9 * n)  # 2 (P-1)/P n = n at P = 2
     assert dw(4) == pytest.approx(2 * 2e-5 * 2 + 3e-9 * 1.5 * n)
-    (tmp_path / "localhost.json").write_text(json.dumps({**base, "by_procs": {"x": four}}))
+    (cache / "localhost.json").write_text(json.dumps({**base, "by_procs": {"x": four}}))
     with pytest.raises(ConfigError, match="by_procs"):
         load_cluster("localhost")
 
