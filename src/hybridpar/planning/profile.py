@@ -216,33 +216,10 @@ def _band_ratio(
     each, and a convolution's cost per row grows as its rows shrink."""
     import torch
     from torch import nn
-    from torch.nn import functional as F
 
     top_pad, top, own, bottom, bottom_pad = _busiest_band(window, pr)
     fill = float("-inf") if isinstance(module, nn.MaxPool2d) else 0.0
-    if isinstance(module, nn.Conv2d):
-        wp = (0, module.padding[1])
-
-        def compute(rows):
-            st, dil, g = module.stride, module.dilation, module.groups
-            return F.conv2d(rows, module.weight, module.bias, st, wp, dil, g)
-    else:
-        kw = _pair(module.kernel_size)[1]
-        sw = _pair(module.stride or module.kernel_size)[1]
-        pw = _pair(module.padding)[1]
-        pool = F.max_pool2d if isinstance(module, nn.MaxPool2d) else F.avg_pool2d
-
-        def compute(rows):
-            return pool(rows, (window.kernel, kw), (window.stride, sw), (0, pw))
-
-    def timed(run) -> tuple[float, float]:
-        run()  # warm up
-        fs, bs = [], []
-        for _ in range(repeats):
-            f, b = run()
-            fs.append(f)
-            bs.append(b)
-        return statistics.median(fs), statistics.median(bs)
+    compute = _on_rows(module, window)
 
     def whole() -> tuple[float, float]:
         x = torch.randn(n, c, window.h_in, w, device=device, requires_grad=needs_dx)
@@ -275,10 +252,34 @@ def _band_ratio(
     if own <= 0:
         return 0.0, 0.0
     module.zero_grad(set_to_none=True)
-    wf, wb = timed(whole)
-    bf, bb = timed(band)
+    wf, wb = _medians(whole, repeats)
+    bf, bb = _medians(band, repeats)
     module.zero_grad(set_to_none=True)
     return (bf / wf if wf > 0 else 1.0 / pr), (bb / wb if wb > 0 else 1.0 / pr)
+
+
+def _on_rows(module, window):
+    """The convolution or pooling as the runtime computes it on a band's rows (their height
+    already padded, the width padded as the module does)."""
+    from torch import nn
+    from torch.nn import functional as F
+
+    if isinstance(module, nn.Conv2d):
+        wp = (0, module.padding[1])
+        st, dil, g = module.stride, module.dilation, module.groups
+        return lambda rows: F.conv2d(rows, module.weight, module.bias, st, wp, dil, g)
+    kw = _pair(module.kernel_size)[1]
+    sw = _pair(module.stride or module.kernel_size)[1]
+    pw = _pair(module.padding)[1]
+    pool = F.max_pool2d if isinstance(module, nn.MaxPool2d) else F.avg_pool2d
+    return lambda rows: pool(rows, (window.kernel, kw), (window.stride, sw), (0, pw))
+
+
+def _medians(run, repeats: int) -> tuple[float, float]:
+    """The median (forward, backward) seconds of `repeats` calls of `run`, after one warm-up."""
+    run()
+    fs, bs = zip(*(run() for _ in range(repeats)), strict=True)
+    return statistics.median(fs), statistics.median(bs)
 
 
 def _measure_bands(

@@ -199,7 +199,7 @@ def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> 
     if group is None:
         everyone = list(range(dist.get_world_size()))
         group = new_group(everyone, None, "hybridpar_world", "world", shm=True)
-    p, me = dist.get_world_size(group.pg), dist.get_rank(group.pg)
+    p = dist.get_world_size(group.pg)
     cores = os.cpu_count() or 1
     before = torch.get_num_threads()
     threads = rank_threads(cores, ranks_here or p)  # as many threads as a rank trains with
@@ -214,34 +214,8 @@ def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> 
 
     try:
         a = torch.randn(256, 256)
-        solo: dict[int, float] = {}
-        for w in SYNC_WORK:  # one rank at a time: its work with the cores to itself
-            for r in range(p):
-                dist.barrier(group=group.pg)
-                if r == me:
-                    ts = []
-                    for _ in range(5):
-                        t0 = time.perf_counter()
-                        for _ in range(w):
-                            a @ a
-                        ts.append(time.perf_counter() - t0)
-                    solo[w] = statistics.median(ts)
-        mine = {}
-        for w in SYNC_WORK:
-            for _ in range(3):  # warm up
-                for _ in range(w):
-                    a @ a
-                sync()
-            calls = []
-            dist.barrier(group=group.pg)
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                for _ in range(w):
-                    a @ a
-                c = time.perf_counter()
-                sync()
-                calls.append(time.perf_counter() - c)
-            mine[w] = ((time.perf_counter() - t0) / repeats, solo[w], calls)
+        solo = _alone(a, group.pg)
+        mine = {w: (*_together(a, w, sync, group.pg, repeats), solo[w]) for w in SYNC_WORK}
     finally:
         torch.set_num_threads(before)
     every: list = [None] * p
@@ -249,11 +223,55 @@ def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> 
     rows = []
     for w in SYNC_WORK:
         wall = statistics.fmean(t[w][0] for t in every)
-        alone = statistics.fmean(t[w][1] for t in every)
-        _, waits = split_waits([dict(enumerate(t[w][2])) for t in every])
+        alone = statistics.fmean(t[w][2] for t in every)
+        _, waits = split_waits([dict(enumerate(t[w][1])) for t in every])
         rows.append([alone, wall, waits / (len(every) * repeats)])
     _, wall0, wait0 = rows[0]
     return [[s, wall - wall0, max(0.0, x - wait0)] for s, wall, x in rows[1:]]
+
+
+def _work(a, w: int) -> None:
+    for _ in range(w):
+        a @ a
+
+
+def _alone(a, pg) -> dict[int, float]:
+    """Each amount of work's median time on this rank, the ranks taking turns (the cores to
+    itself)."""
+    import torch.distributed as dist
+
+    p, me = dist.get_world_size(pg), dist.get_rank(pg)
+    solo: dict[int, float] = {}
+    for w in SYNC_WORK:
+        for r in range(p):
+            dist.barrier(group=pg)
+            if r == me:
+                ts = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    _work(a, w)
+                    ts.append(time.perf_counter() - t0)
+                solo[w] = statistics.median(ts)
+    return solo
+
+
+def _together(a, w: int, sync, pg, repeats: int) -> tuple[float, list[float]]:
+    """Work w then a meeting, `repeats` times in a row on every rank: (wall time per round,
+    each meeting's time on this rank)."""
+    import torch.distributed as dist
+
+    for _ in range(3):  # warm up
+        _work(a, w)
+        sync()
+    calls = []
+    dist.barrier(group=pg)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        _work(a, w)
+        c = time.perf_counter()
+        sync()
+        calls.append(time.perf_counter() - c)
+    return (time.perf_counter() - t0) / repeats, calls
 
 
 def _rank_device(device: str):
