@@ -105,11 +105,6 @@ class Engine(nn.Module):
         of them counts)."""
         return True
 
-    @property
-    def metrics_group(self) -> Group:
-        """The ranks whose counted outputs make up the global batch."""
-        return self.world
-
     def finish_backward(self) -> float:
         """Wait for the gradient sums (and count the step); returns the exposed wait in seconds."""
         self.step += 1

@@ -104,10 +104,6 @@ class HybridParallel(Engine):
         """Model-group replicas hold the same outputs: only r = 0 counts them in the metrics."""
         return self.output_grid.r == 0
 
-    @property
-    def metrics_group(self):
-        return self.output_grid.batch_group
-
     def forward(self, x: torch.Tensor, *args, **kwargs):
         if self.training and self.sync.pending():
             raise RuntimeError(

@@ -75,10 +75,6 @@ class Layout:
         """The first weighted layer of segment `seg`, the one its hand-off enters."""
         return next(x for x in self.layers if x.segment == seg)
 
-    def split_layers(self) -> dict[str, Style]:
-        """Weighted layers whose weights are split (model style with Pr > 1)."""
-        return {k: s for k, s in self.styles.items() if not s.is_batch}
-
 
 def resolve(
     model: nn.Module,

@@ -52,9 +52,6 @@ class Bucket:
     def parameters(self) -> list[torch.Tensor]:
         return self.params
 
-    def gradients(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.params]
-
     def pack(self, deliver: Callable[[int], None] | None = None, piece: int = 0) -> None:
         """Copy the gradients into `flat`. `deliver(k)`: called whenever the first k elements
         are written, `piece` elements at a time at most (a staged reducer sums what has arrived
