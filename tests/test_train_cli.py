@@ -290,6 +290,27 @@ def test_plan_file_round_trip_measures_what_it_predicts(tmp_path, localhost):
     _measured_is_predicted(rows)
 
 
+def test_a_plan_file_sent_by_another_hand_off_scheme_keeps_its_styles_and_is_priced_again(
+    tmp_path, localhost
+):
+    """`train --plan p.json --handoff c --rounds 2`: the parent re-routes the file's batch ->
+    model hand-off (scheme c, 2 rounds) on the layout it resolved (the styles are the file's),
+    checks it by the planner's rule and prices the plan again with the new scheme."""
+    from hybridpar.core.handoff import Handoff
+
+    localhost(device="cpu")
+    args = {"model": "digits-wide", "nproc": 2, "batch": 16, "data": "synthetic:32"}
+    made = prepare(build(TrainConfig, preset="grid:2x1", **args).validate()).plan
+    made.save(tmp_path / "p.json")
+    assert all(r.scheme == "a" for r in made.redistributions)
+    files = {"plan": str(tmp_path / "p.json"), "data": "synthetic:32"}
+    job = prepare(build(TrainConfig, handoff="c", rounds=2, **files).validate())
+    assert list(job.layout.handoffs.values()) == [Handoff("c", 2)]
+    assert job.plan.styles == made.styles and job.layout.plan is job.plan
+    (moved,) = [r for r in job.plan.redistributions if r.scheme != "a"]
+    assert moved.rounds == 2 and job.plan.predicted and job.plan.totals != made.totals
+
+
 def test_a_plan_made_for_another_cluster_is_priced_again_on_the_one_it_runs_on(tmp_path, localhost):
     """Issue 43 item 4: a plan written for cori-knl (`hybridpar plan`'s default) and trained on
     the calibrated localhost reported 1.3 ms predicted against 28.3 ms measured, with no word

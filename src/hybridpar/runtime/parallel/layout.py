@@ -138,10 +138,11 @@ def _handoffs(layout: Layout) -> dict[int, Handoff]:
     return out
 
 
-def with_handoff(layout: Layout, scheme: str, rounds: int | None = None) -> ParallelPlan:
-    """The layout's plan with every batch -> model hand-off sent by `scheme` in `rounds` rounds
-    (None: one per gathering rank, the paper's K); the other moves keep scheme (a). The plan's
-    redistributions are filled in from the model where it listed none."""
+def with_handoff(layout: Layout, scheme: str, rounds: int | None = None) -> Layout:
+    """The layout with every batch -> model hand-off sent by `scheme` in `rounds` rounds (None:
+    one per gathering rank, the paper's K), checked as `resolve` checks a plan's; the other moves
+    keep scheme (a). Its plan lists every move, and no predictions (they were for other
+    schemes). The styles and segments are the layout's: nothing is resolved again."""
     listed = {(r.at, r.layer): r for r in layout.plan.redistributions}
     out = []
     for k, a, b in layout.moves():
@@ -155,7 +156,11 @@ def with_handoff(layout: Layout, scheme: str, rounds: int | None = None) -> Para
         else:
             r = dataclasses.replace(r, scheme="a", rounds=1)
         out.append(r)
-    return dataclasses.replace(layout.plan, redistributions=out)
+    plan = dataclasses.replace(layout.plan, redistributions=out, predicted=[])
+    moved = dataclasses.replace(layout, plan=plan)
+    _check_redistributions(moved)
+    moved.handoffs = _handoffs(moved)
+    return moved
 
 
 def _checked_styles(

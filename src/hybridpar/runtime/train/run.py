@@ -64,8 +64,7 @@ def prepare(cfg: TrainConfig) -> Job:
         placed = {"device": cfg.choices.device, "backend": cfg.choices.backend}
         layout = _resolve_file(model, loaded.with_choices(**placed), shape, P, traced, cfg.model)
         if cfg.handoff is not None:  # the file's hand-offs sent by another scheme: re-priced
-            moved = replace(with_handoff(layout, cfg.handoff, cfg.rounds), predicted=[])
-            layout = resolve(model, moved, shape, P, traced)
+            layout = with_handoff(layout, cfg.handoff, cfg.rounds)
         plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
         layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
     else:
