@@ -15,6 +15,7 @@ between two orders' medians. The goals (issue 42): within 5 points of each other
 <= 15 %, worst <= 30 %, pick within 10 %.
 
     python benchmarks/validate_orders.py [--models alexnet-owt:64,resnet20:32] [--rounds 1]
+        [--keep DIR]   (each run's cache and validate folder, to price them again offline)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,7 +43,7 @@ def run(cmd: list[str], env: dict) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed ({got.returncode}):\n{got.stderr[-2000:]}")
 
 
-def one(order: str, model: str, size: int, batch: int, procs: int, steps: int) -> dict:
+def one(order: str, model: str, size: int, batch: int, procs: int, steps: int, keep) -> dict:
     hp = [sys.executable, "-m", "hybridpar"]
     with tempfile.TemporaryDirectory(prefix="hybridpar-orders-") as tmp:
         env = {**os.environ, "HYBRIDPAR_CACHE": f"{tmp}/cache"}
@@ -60,6 +62,8 @@ def one(order: str, model: str, size: int, batch: int, procs: int, steps: int) -
         summary = json.loads(Path(f"{tmp}/v/validate.json").read_text())["summary"]
         (profile,) = glob.glob(f"{tmp}/cache/profiles/*.json")
         update = json.loads(Path(profile).read_text())["update_s"]
+        if keep is not None:  # the cache and the table, to price the same runs another way
+            shutil.copytree(tmp, Path(keep) / f"{model}-{order}-{time.time_ns()}")
         return {**summary, "update_s": update, "wall_s": time.perf_counter() - t0}
 
 
@@ -71,6 +75,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--json", help="also write every run's summary here")
+    ap.add_argument("--keep", help="copy each run's cache and validate folder into this folder")
     ap.add_argument(
         "--orders",
         default=",".join(ORDERS),
@@ -91,7 +96,7 @@ def main() -> None:
     for r in range(args.rounds):
         for model, size in models:
             for order in orders if r % 2 == 0 else orders[::-1]:
-                s = one(order, model, size, args.batch, args.procs, args.steps)
+                s = one(order, model, size, args.batch, args.procs, args.steps, args.keep)
                 rows.append((model, order, s))
                 if args.json:
                     Path(args.json).write_text(json.dumps(rows, indent=1))
