@@ -388,7 +388,7 @@ class Codec:
                 triton_codecs.decode(payload, block, scales, t.decode, acc.view(-1), add=True)
                 return acc
             if e.payload.device.type == "cpu" and n >= _KERNEL_MIN and kernels.available():
-                kernels.decode_add(payload, block, scales, t.decode, acc)
+                kernels.decode(payload, block, scales, t.decode, acc, add=True)
                 return acc
         return acc.add_(self.decode(e).view(acc.shape))
 

@@ -36,7 +36,7 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["available", "bn", "decode", "decode_add", "encode"]
+__all__ = ["available", "bn", "decode", "encode"]
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -89,30 +89,22 @@ int64_t hp_encode(const float *x, int64_t n, int64_t block, const uint64_t *pack
     return bad_blocks;
 }
 
-/* Decode: out = table[code] * scale of the element's block. */
+/* Decode: out = table[code] * scale of the element's block; with `add`, out += that product (the
+   same float32 product, then one add: bit for bit out + decode). */
 void hp_decode(const uint8_t *codes, int64_t n, int64_t block, const float *scales,
-               const float *table, float *out) {
+               const float *table, float *out, int32_t add) {
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t len = n - lo < block ? n - lo : block;
         float s = scales[b];
         const uint8_t *cs = codes + lo;
         float *os = out + lo;
+        if (add) {
 #pragma omp simd
-        for (int64_t j = 0; j < len; j++) os[j] = table[cs[j]] * s;
-    }
-}
-
-/* Decode and accumulate: acc += table[code] * scale (the same float32 product as hp_decode, then
-   one add: bit for bit acc + decode). */
-void hp_decode_add(const uint8_t *codes, int64_t n, int64_t block, const float *scales,
-                   const float *table, float *acc) {
-    for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
-        int64_t len = n - lo < block ? n - lo : block;
-        float s = scales[b];
-        const uint8_t *cs = codes + lo;
-        float *os = acc + lo;
+            for (int64_t j = 0; j < len; j++) os[j] += table[cs[j]] * s;
+        } else {
 #pragma omp simd
-        for (int64_t j = 0; j < len; j++) os[j] += table[cs[j]] * s;
+            for (int64_t j = 0; j < len; j++) os[j] = table[cs[j]] * s;
+        }
     }
 }
 
@@ -255,10 +247,8 @@ def _build() -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     dll.hp_encode.argtypes = [p, i64, i64, p, ctypes.c_int32, p, p]
     dll.hp_encode.restype = i64
-    dll.hp_decode.argtypes = [p, i64, i64, p, p, p]
+    dll.hp_decode.argtypes = [p, i64, i64, p, p, p, ctypes.c_int32]
     dll.hp_decode.restype = None
-    dll.hp_decode_add.argtypes = [p, i64, i64, p, p, p]
-    dll.hp_decode_add.restype = None
     f64 = ctypes.c_double
     dll.hp_bn_stats.argtypes = [p, i64, i64, i64, p]
     dll.hp_bn_forward.argtypes = [p, i64, i64, i64, p, f64, p, p, p, p, p, p, p, f64]
@@ -306,20 +296,14 @@ def encode(x, block: int, packed, codes, scales) -> int:
     )  # fmt: skip
 
 
-def decode(codes, block: int, scales, table, out) -> None:
+def decode(codes, block: int, scales, table, out, add: bool = False) -> None:
+    """out = the decoded values, or with `add` out += them (bit for bit out + decode)."""
     lib = _get()
     assert lib is not None
     lib.hp_decode(
-        codes.data_ptr(), codes.numel(), block, scales.data_ptr(), table.data_ptr(), out.data_ptr()
-    )
-
-
-def decode_add(codes, block: int, scales, table, acc) -> None:
-    lib = _get()
-    assert lib is not None
-    lib.hp_decode_add(
-        codes.data_ptr(), codes.numel(), block, scales.data_ptr(), table.data_ptr(), acc.data_ptr()
-    )
+        codes.data_ptr(), codes.numel(), block, scales.data_ptr(), table.data_ptr(),
+        out.data_ptr(), int(add),
+    )  # fmt: skip
 
 
 def bn() -> ctypes.CDLL:
