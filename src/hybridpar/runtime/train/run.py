@@ -171,8 +171,10 @@ def device_and_backend(device: str, backend: str, local: int) -> tuple[str, str]
     return "cuda", "nccl"
 
 
-def _device(choices: Choices, P: int) -> Choices:
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", P)) if under_torchrun() else P
+def _device(choices: Choices, nproc: int) -> Choices:
+    """The device and backend for this machine's ranks (torchrun's local ones, else `nproc`)."""
+    env = os.environ
+    local = int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])) if under_torchrun() else nproc
     device, backend = device_and_backend(choices.device, choices.backend, local)
     return choices.with_(device=device, backend=backend)
 
@@ -254,8 +256,7 @@ def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> dict:
     out.setdefault("model", cfg.model or DEFAULT_MODEL)
     out.setdefault("nproc", cfg.nproc or 4)
     out.setdefault("batch", cfg.batch or 64)
-    P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else out["nproc"]
-    out["choices"] = _device(out.get("choices", cfg.choices), P)
+    out["choices"] = _device(out.get("choices", cfg.choices), out["nproc"])
     out["save"] = _outputs(cfg, out["model"])
     return out
 
