@@ -42,6 +42,7 @@ def test_c_kernels_equal_reference_and_the_torch_path(name, monkeypatch):
     codec = get_codec(name, 512)
     x = torch.cat([_data(5000), _data(1000, 1e-5, 1), torch.zeros(700), _data(333, 7.0, 2)])
     x[700], x[2100] = float("nan"), float("-inf")
+    x[5:9] = torch.tensor([1e-9, -3e-12, 1e-40, 2e-7])  # below the packed table's first bucket
     e = codec.encode(x)
     codes, scales = reference_encode(codec, x)
     finite = torch.isfinite(scales).repeat_interleave(512)[: x.numel()]

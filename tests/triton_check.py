@@ -26,6 +26,7 @@ def data() -> torch.Tensor:
     x[32:48] *= 1e-6
     x[50], x[70], x[90] = float("nan"), float("inf"), -0.0  # NaN and inf blocks; a negative zero
     x[100] = float("-inf")
+    x[1:5] = torch.tensor([1e-9, -3e-12, 1e-40, 2e-7])  # below the packed table's first bucket
     return x
 
 

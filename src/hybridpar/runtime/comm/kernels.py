@@ -44,13 +44,14 @@ _SOURCE = r"""
 #include <string.h>
 
 /* Encode n floats in blocks of `block`: per block the absmax into scales[b], then per element the
-   nearest level: bucket k = top 17 bits of |x|/absmax; packed[k] holds the midpoint above the
+   nearest level: bucket k = top 17 bits of |x|/absmax; packed[k - first] holds the midpoint above the
    bucket's lower level (low 32 bits, float) and the codes of that level and the next, each with
    its sign mask (codecs._packed): one comparison picks the level. Returns how many blocks hold a
    non-finite value; their scale is set to NaN and their codes are left for the caller. */
 int64_t hp_encode(const float *x, int64_t n, int64_t block, const uint64_t *packed,
                   int32_t nbuckets, uint8_t *codes, float *scales) {
     int64_t bad_blocks = 0;
+    const int32_t first = (0x3F800000 >> 15) + 1 - nbuckets; /* packed[0]'s bucket: 1.0's is last */
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t len = n - lo < block ? n - lo : block;
         const float *xs = x + lo;
@@ -76,8 +77,8 @@ int64_t hp_encode(const float *x, int64_t n, int64_t block, const uint64_t *pack
             v = v < 1.0f ? v : 1.0f;
             int32_t bits;
             memcpy(&bits, &v, 4);
-            int32_t k = bits >> 15;
-            k = k < nbuckets - 1 ? k : nbuckets - 1;
+            int32_t k = (bits >> 15) - first;
+            k = k < 0 ? 0 : k < nbuckets - 1 ? k : nbuckets - 1;
             uint64_t e = packed[k];
             uint32_t mb = (uint32_t)e, both = (uint32_t)(e >> 32);
             float mid;
