@@ -1,6 +1,6 @@
 """Run in a fresh interpreter with TRITON_INTERPRET=1 (tests/test_triton_codecs.py): the Triton
 codec kernels on CPU tensors against the reference and the torch path; prints one JSON line per
-case. `--shift 1` launches the encoder with every block boundary one element off (the check must
+case (blocks of 7 to 2500). `--shift 1` launches the encoder with every block boundary one element off (the check must
 then fail); `--finite` replaces the NaN and inf values by finite ones."""
 
 import json
@@ -19,9 +19,9 @@ from hybridpar.runtime.comm.codecs import (
 )
 
 
-def data() -> torch.Tensor:
+def data(n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(16 * 7 + 5, generator=g) * 3  # a short tail block
+    x = torch.randn(n, generator=g) * 3  # a short tail block
     x[16:32] = 0.0  # a block of zeros
     x[32:48] *= 1e-6
     x[50], x[70], x[90] = float("nan"), float("inf"), -0.0  # NaN and inf blocks; a negative zero
@@ -35,10 +35,11 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def case(name: str, block: int, shift: int, finite: bool) -> dict:
-    x, t, codec = data(), _tables(name), get_codec(name, block)
+    n = 16 * 7 + 5 if block < 1024 else 2 * block + 117  # a block over several decode tiles
+    x, t, codec = data(n), _tables(name), get_codec(name, block)
     if finite:
         x = x.nan_to_num(0.5, 4.0, -4.0)
-    n, nb = x.numel(), -(-x.numel() // block)
+    nb = -(-n // block)
     codes, scales = torch.empty(n, dtype=torch.uint8), torch.empty(nb)
     triton_codecs.encode(x, block + shift, t.packed, codes, scales)
     ref_codes, ref_scales = reference_encode(codec, x)
@@ -66,5 +67,5 @@ def case(name: str, block: int, shift: int, finite: bool) -> dict:
 if __name__ == "__main__":
     shift = int(sys.argv[sys.argv.index("--shift") + 1]) if "--shift" in sys.argv else 0
     for name in EIGHT_BIT:
-        for block in (7, 16, 64, 200):
+        for block in (7, 16, 64, 200, 2500):
             print(json.dumps(case(name, block, shift, "--finite" in sys.argv)))

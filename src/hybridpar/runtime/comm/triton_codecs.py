@@ -4,7 +4,8 @@ One read and one write per element. Encoding: a program per block, the block hel
 its absolute maximum reduced in the same pass, then per element one gather of the C encoder's
 packed 64-bit word (`codecs._packed`: the midpoint above the bucket's lower level and both
 levels' codes with their sign masks; 16-55 KB a codec, L1-resident). Decoding: a program per tile of
-elements, one gather from the 256-entry table, times the block's scale; `decode_add` adds into
+elements inside one block, one gather from the 256-entry table, times the block's scale (one
+load and one division a program, none an element); `decode_add` adds into
 the accumulator in the same pass (no decoded temporary), rounding the product first as torch's
 `acc.add_(decode(e))` does (the fused multiply-add is turned off for it).
 
@@ -70,13 +71,16 @@ def _kernels():
 
     @triton.jit
     def decode_kernel(
-        codes_ptr, scales_ptr, table_ptr, out_ptr, n, block,
+        codes_ptr, scales_ptr, table_ptr, out_ptr, n, block, tiles,
         ADD: tl.constexpr, TILE_: tl.constexpr,
     ):  # fmt: skip
-        idx = tl.program_id(0).to(tl.int64) * TILE_ + tl.arange(0, TILE_)
-        mask = idx < n
+        p = tl.program_id(0).to(tl.int64)
+        b = p // tiles  # a tile never straddles blocks: one scale, one division per program
+        lo = b * block
+        idx = lo + (p - b * tiles) * TILE_ + tl.arange(0, TILE_)
+        mask = (idx < lo + block) & (idx < n)
         code = tl.load(codes_ptr + idx, mask=mask, other=0).to(tl.int32)
-        scale = tl.load(scales_ptr + idx // block, mask=mask, other=0.0)
+        scale = tl.load(scales_ptr + b)
         y = tl.load(table_ptr + code, mask=mask, other=0.0) * scale
         if ADD:
             y = tl.load(out_ptr + idx, mask=mask, other=0.0) + y
@@ -104,7 +108,12 @@ def encode(x: torch.Tensor, block: int, packed: torch.Tensor, codes, scales) -> 
 
 def decode(codes, block: int, scales, table: torch.Tensor, out: torch.Tensor, add: bool) -> None:
     """out = table[codes] * scale of each element's block, or out += that with `add`."""
+    import triton
+
     n = codes.numel()
     _, kernel = _kernels()
+    tile = min(TILE, triton.next_power_of_2(block))
+    tiles = -(-block // tile)
+    grid = (scales.numel() * tiles,)
     # no fused multiply-add: torch rounds the product, then the sum
-    kernel[(-(-n // TILE),)](codes, scales, table, out, n, block, add, TILE, enable_fp_fusion=False)
+    kernel[grid](codes, scales, table, out, n, block, tiles, add, tile, enable_fp_fusion=False)
