@@ -10,7 +10,7 @@ the accumulator in the same pass (no decoded temporary), rounding the product fi
 `acc.add_(decode(e))` does (the fused multiply-add is turned off for it).
 
 The arithmetic is `codecs._encode_blocks`'s, byte for byte, NaN and inf blocks included: the
-block's maximum propagates NaN as torch's `amax` does, and the clamp keeps NaN, so the bucket
+block's maximum propagates NaN as torch's `amax` does (taken over the bits as integers), and the clamp keeps NaN, so the bucket
 arithmetic sees what torch's sees (on a GPU, `tl.max` and `tl.minimum` would drop NaN). The
 tests run these kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1) against
 `codecs.reference_encode` and the torch decode. Triton is optional: `available()` says whether it
@@ -55,8 +55,8 @@ def _kernels():
         mask = (offs < block) & (idx < n)
         x = tl.load(x_ptr + idx, mask=mask, other=0.0)
         a = tl.abs(x)
-        nan = tl.max(tl.where(a != a, 1, 0), axis=0)
-        absmax = tl.where(nan > 0, float("nan"), tl.max(a, axis=0))
+        # one reduction over the bits: non-negative floats order as integers, NaN above inf
+        absmax = tl.max(a.to(tl.int32, bitcast=True), axis=0).to(tl.float32, bitcast=True)
         inv = tl.where(absmax > 0, 1.0 / absmax, 0.0)
         v = a * inv
         v = tl.where(v > 1.0, 1.0, v)  # a clamp that keeps NaN
