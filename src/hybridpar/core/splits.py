@@ -3,13 +3,32 @@ examples of a batch, the output units of a split layer, the groups of a grouped 
 
 from __future__ import annotations
 
-__all__ = ["chunk_sizes", "even_split", "group_split", "whole_group_prs"]
+__all__ = ["buckets", "chunk_sizes", "even_split", "group_split", "whole_group_prs"]
 
 
 def even_split(n: int, parts: int) -> list[int]:
     """Split n into `parts` sizes differing by at most one, the larger ones first: how examples
     split over ranks and how a layer's output features split over a model group."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def buckets(sizes: list[float], cap: float) -> list[list[int]]:
+    """The gradient buckets of a group: the indices of `sizes` (bytes, in the order the gradients
+    arrive) cut into runs, each closed by the size that brings it to `cap` or more, as torch
+    DDP fills its buckets (a large gradient shares its bucket with the small ones before it,
+    instead of leaving them a bucket and a latency of their own). The runtime fills its buckets
+    so (runtime.parallel.sync.GradSync) and the planner prices one latency per bucket; a layer's
+    weight arrives after its bias and batch-norm riders, so whole layers give the same runs
+    while those hold less than a bucket."""
+    out: list[list[int]] = [[]]
+    fill = 0.0
+    for i, n in enumerate(sizes):
+        out[-1].append(i)
+        fill += n
+        if fill >= cap:
+            out.append([])
+            fill = 0.0
+    return [run for run in out if run]
 
 
 def chunk_sizes(n: int, parts: int) -> list[int]:

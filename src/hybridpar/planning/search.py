@@ -42,6 +42,7 @@ from hybridpar.core.handoff import fused as handoff_fused
 from hybridpar.core.layers import CostLayer, cost_layers
 from hybridpar.core.plan import Style
 from hybridpar.core.rules import why_not, why_not_choices
+from hybridpar.core.splits import buckets
 from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import (
     OVERLAPPABLE,
@@ -54,7 +55,15 @@ from hybridpar.planning.candidates import (
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
 from hybridpar.planning.cost.sync import sync_of
-from hybridpar.planning.cost.terms import Wire, codec_s, layer_comms, on_host, plus, redistribute
+from hybridpar.planning.cost.terms import (
+    Wire,
+    codec_s,
+    layer_comms,
+    on_host,
+    plus,
+    redistribute,
+    t_dw_allreduce,
+)
 
 __all__ = [
     "SCENARIOS",
@@ -341,8 +350,36 @@ class _Context:
                 return Plan(scenario, grid, overlap=self.overlap, reason=lp)
             plan.layers.append(lp)
             prev = s
+        if self.bucket is not None:
+            self._by_buckets(plan.layers)
         plan.sync = sync_of(plan.layers, self.net.sync_cost if self.net.sync else None)
         return plan
+
+    def _by_buckets(self, chosen: list[LayerPlan]) -> None:
+        """The weight-gradient sums priced by the buckets the runtime fills (runtime.parallel.sync
+        .GradSync: per group, in reverse layer order, a new bucket where the next would overflow
+        this one). `fused` charges a layer the latency in proportion to its share of a full
+        bucket, which the search needs per layer; but a group pays a whole latency for every
+        bucket however little it holds (all of resnet20's 1.1 MB goes in one 4 MiB bucket: 0.27
+        of a latency priced, one paid). Each layer is priced again with its share of the bucket
+        it lands in, so a group pays one latency per bucket."""
+        groups: dict[tuple[int, int], list[LayerPlan]] = {}
+        for lp in chosen:
+            st = lp.style
+            if Term.DW_ALLREDUCE in lp.terms and lp.terms[Term.DW_ALLREDUCE].bytes > 0:
+                key = (1, st.pr * st.pc) if st.kind == "domain" else (st.pr, st.pc)
+                groups.setdefault(key, []).append(lp)
+        held = self.net.word_bytes / Wire.of(self.e).grads  # a bucket holds uncompressed ones
+        for (shard, p), members in groups.items():
+            members = members[::-1]  # as the gradients arrive
+            # each layer's gradient bytes on the wire, as `fused` takes them from its all-reduce
+            wire = [lp.terms[Term.DW_ALLREDUCE].bytes * p / (2 * (p - 1)) for lp in members]
+            for run in buckets([n * held for n in wire], self.bucket):
+                fill = math.fsum(wire[i] for i in run)
+                for i in run:
+                    lp = members[i]
+                    dw = t_dw_allreduce(lp.layer, p, shard, self.net, self.e, self.reducer, fill)
+                    lp.terms[Term.DW_ALLREDUCE] = dw
 
     def chain(self, options: list[list[Style]], lam: float) -> list[Style] | str:
         """Dynamic programming over layers: the chain of styles, one per layer, with the least
@@ -514,7 +551,11 @@ def _candidates(
         + ([Style.domain(*g) for g in all_grids if g[0] > 1] if c else [])
         for c in conv
     ]
-    return [ctx.search(name, None, options, memory_limit)]
+    # the search prices each layer's share of a gradient bucket; the evaluated plan pays whole
+    # buckets per group (`_Context._by_buckets`), so a chain of one grid can come out cheaper
+    same = [[Style.model(*g)] * L for g in all_grids]
+    same += [[Style.batch(P) if c else Style.model(*g) for c in conv] for g in all_grids]
+    return [ctx.search(name, None, options, memory_limit), *(fixed(None, c) for c in same)]
 
 
 def plan_layers(

@@ -199,7 +199,7 @@ def t_host_reduce(
     s = net.span("batch", shard, p)
     L, H, share = min(s.per_host, p), s.hosts, 1.0
     if bucket is not None:  # the reducer sums whole buckets: a layer pays its share of one
-        share = min(1.0, elems * 4.0 / bucket)
+        share = min(1.0, elems * w.grads / bucket)  # wire bytes, as `fused` takes them
     intra = all_reduce(elems * 4.0, L, net)  # float32 in shared memory, whatever the codec
     if L > 1 and net.small_alpha is not None and net.shm_beta is not None:
         intra_s = share * net.small_alpha + net.shm_beta * intra.bytes

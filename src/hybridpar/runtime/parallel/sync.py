@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.core.splits import buckets
 from hybridpar.runtime.comm.group import Group, group_size
 from hybridpar.runtime.comm.hooks import ReducerState, allreduce_hook
 from hybridpar.runtime.comm.ledger import Ledger
@@ -114,16 +115,9 @@ class GradSync:
         for group, named in groups:
             if group_size(group) == 1:
                 continue
-            named = [(n, p) for n, p in named if p.requires_grad]
-            chunks: list[list[tuple[str, nn.Parameter]]] = []
-            size = bucket_bytes + 1
-            for n, p in reversed(named):  # gradients arrive roughly in reverse order
-                nbytes = p.numel() * p.element_size()
-                if size + nbytes > bucket_bytes and (not chunks or chunks[-1]):
-                    chunks.append([])
-                    size = 0
-                chunks[-1].append((n, p))
-                size += nbytes
+            named = [(n, p) for n, p in named if p.requires_grad][::-1]  # as gradients arrive
+            sizes = [p.numel() * p.element_size() for _, p in named]
+            chunks = [[named[i] for i in run] for run in buckets(sizes, bucket_bytes)]
             state = state_factory(group=group, average=False, ledger=ledger)
             if hasattr(state, "buckets_per_step"):  # the compressed pipeline flushes per step
                 state.buckets_per_step = len(chunks)
