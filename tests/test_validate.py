@@ -3,6 +3,7 @@ candidates, the summary, a real run end to end and its bad inputs; ProfileModel'
 style, that the planner's search weighs it, and the profile's cache."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -497,10 +498,12 @@ def test_blocking_time_splits_into_transfer_and_waiting_for_the_slowest():
 
 
 def test_gradient_all_reduces_are_priced_fused_into_the_runtimes_buckets():
-    """A layer pays the all-reduce latency in proportion to the share of a bucket it fills (at
-    most one whole latency); without a bucket, once per layer (Gholami et al.'s Eq. 4)."""
+    """The layers' gradients share the runtime's buckets: each bucket pays one all-reduce
+    latency, split over its layers by their bytes (a lone small layer pays a whole one, as its
+    bucket does); without a bucket, once per layer (Gholami et al.'s Eq. 4). The search prices
+    a layer by its share of a full bucket (`fused`), the plan it returns by the buckets."""
     from hybridpar.core.terms import Term
-    from hybridpar.planning.cost.terms import eq4_batch
+    from hybridpar.planning.cost.terms import eq4_batch, fused, t_dw_allreduce
     from hybridpar.planning.search import GRAD_BUCKET_BYTES
     from hybridpar.runtime.options import RuntimeOptions
 
@@ -509,18 +512,29 @@ def test_gradient_all_reduces_are_priced_fused_into_the_runtimes_buckets():
     big = CostLayer(**{**LAYER.__dict__, "name": "big", "params": 2 * 2**20})  # 8 MiB > bucket
     P, latency = 4, 2 * 1e-3 * 2
 
-    def dw(layer, bucket):
-        r = plan_layers([layer], P, 16, net, scenarios=["batch"], grad_bucket=bucket)
-        return r.best.layers[0].terms[Term.DW_ALLREDUCE]
+    def dw(layers, bucket):
+        r = plan_layers(layers, P, 16, net, scenarios=["batch"], grad_bucket=bucket)
+        return [x.terms[Term.DW_ALLREDUCE] for x in r.best.layers]
 
     for layer in (LAYER, big):
         n = layer.params * 4
-        assert dw(layer, None).seconds == pytest.approx(latency + 1e-9 * 1.5 * n)
+        (alone,) = dw([layer], None)
+        assert alone.seconds == pytest.approx(latency + 1e-9 * 1.5 * n)
+        (bucketed,) = dw([layer], GRAD_BUCKET_BYTES)
+        assert bucketed.seconds == pytest.approx(alone.seconds)  # a bucket of its own
+        assert bucketed.bytes == alone.bytes
         share = min(1.0, n / GRAD_BUCKET_BYTES)
-        fused = dw(layer, GRAD_BUCKET_BYTES)
-        assert fused.seconds == pytest.approx(latency * share + 1e-9 * 1.5 * n)
-        assert fused.bytes == dw(layer, None).bytes
-    assert eq4_batch([LAYER], P, net) == pytest.approx(dw(LAYER, None).seconds)
+        flat = t_dw_allreduce(layer, P, 1, net, net.word_bytes)
+        assert fused(flat, net, GRAD_BUCKET_BYTES).seconds == pytest.approx(
+            latency * share + 1e-9 * 1.5 * n
+        )
+    two = [LAYER, CostLayer(**{**LAYER.__dict__, "name": "second"})]  # one bucket together
+    both = dw(two, GRAD_BUCKET_BYTES)
+    assert math.fsum(c.seconds for c in both) == pytest.approx(
+        latency + 1e-9 * 1.5 * 8 * LAYER.params
+    )
+    assert both[0].seconds == pytest.approx(both[1].seconds)
+    assert eq4_batch([LAYER], P, net) == pytest.approx(dw([LAYER], None)[0].seconds)
 
 
 def test_a_gpu_job_is_profiled_on_the_gpu_and_a_cpu_job_on_the_cpu(monkeypatch):
