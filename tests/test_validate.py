@@ -290,6 +290,35 @@ def test_domain_prices_its_windows_at_the_share_measured_on_the_busiest_band():
     assert (f, b) == pytest.approx((2 * (16e-3 + 2e-3), 2 * (8e-3 + 2e-3)))
 
 
+def test_model_prices_its_weighted_module_at_the_share_measured_with_its_units():
+    table = {16: {"fc": (16e-3, 8e-3), "act": (2e-3, 2e-3)}}
+    # fc with the busiest rank's half of its units took 0.9 / 0.6 of its whole time at 16
+    pm = ProfileModel(table, splits={(2, 16): {"fc": (0.9, 0.6)}}, contention=2.0)
+    f, b, _ = style_times(pm, LAYER, Style.model(2, 1), 16, 2)
+    assert (f, b) == pytest.approx((2 * (0.9 * 16e-3 + 2e-3), 2 * (0.6 * 8e-3 + 2e-3)))
+    # another Pr or count has no share: 1/Pr of the weighted module's time
+    f, b, _ = style_times(pm, LAYER, Style.model(4, 1), 16, 4)
+    assert (f, b) == pytest.approx((2 * (16e-3 / 4 + 2e-3), 2 * (8e-3 / 4 + 2e-3)))
+
+
+def test_a_split_is_timed_with_the_busiest_ranks_units_against_the_whole(monkeypatch):
+    import torch
+
+    seen = []
+
+    class Seen(torch.nn.Linear):
+        def forward(self, x):
+            seen.append(self.weight.shape[0])
+            return super().forward(x)
+
+    conv = torch.nn.Sequential(torch.nn.Unflatten(1, (1, 10)), torch.nn.Conv1d(1, 7, 3))
+    net = torch.nn.Sequential(Seen(6, 10), torch.nn.ReLU(), conv)
+    shares = prof._measure_splits(net, (6,), 3, 4, repeats=2)
+    assert set(shares) == {"0", "2.1"}  # the linear layer and the convolution
+    assert set(seen) == {10, 4} and seen.count(4) == 3  # ceil(10 / 3) units, warm-up + 2
+    assert all(f > 0 and b > 0 for f, b in shares.values())
+
+
 def test_the_busiest_band_follows_the_halo_geometry():
     from hybridpar.core.halo import Window
 
@@ -354,13 +383,15 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(cache, mo
         return real(model, shape, n, 1, device)
 
     monkeypatch.setattr(prof, "_measure_count", counting)
-    bands = prof._measure_bands
+    bands, splits = prof._measure_bands, prof._measure_splits
     monkeypatch.setattr(prof, "_measure_bands", lambda m, s, pr, n, _, d: bands(m, s, pr, n, 1, d))
+    monkeypatch.setattr(prof, "_measure_splits", lambda m, s, pr, n, _, d: splits(m, s, pr, n, 1))
     monkeypatch.setattr(prof, "_Neighbours", _Alone)  # what is cached when, not the neighbours
     host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
     pm = prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)  # counts 4 (1x2), 8 (2x1)
     assert sorted(calls) == [4, 8] and sorted(pm.per_count) == [4, 8]
     assert list(pm.bands) == [(2, 8)] and set(pm.bands[(2, 8)]) == {"0", "2", "4"}  # domain 2x1
+    assert list(pm.splits) == [(2, 8)] and set(pm.splits[(2, 8)]) == {"0", "2", "6", "9", "11"}
     assert pm.contention == 1.0 and pm.update_s > 0
     assert set(pm.per_count[8]) >= {"0", "2", "6", "9", "11"}  # the leaves, by module name
     prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)

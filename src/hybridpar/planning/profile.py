@@ -295,6 +295,73 @@ def _measure_bands(
     return out
 
 
+def _measure_splits(
+    model, shape, pr: int, n: int, repeats: int, device="cpu"
+) -> dict[str, tuple[float, float]]:
+    """{leaf: (forward, backward) share of its time} of every linear layer and ungrouped
+    convolution on the rank of `pr` that holds the most output units (torch.chunk's split,
+    core.splits.chunk_sizes, as the model style lays them out), on n examples (`_split_ratio`;
+    the first layer computes no input gradient, as in the profile's iterations). A small
+    layer's time does not fall with its units: resnet20's 16-channel convolutions at 8 examples
+    took as long forward with half of them, where 1/Pr priced half."""
+    import torch
+    from torch import nn
+
+    from hybridpar.core.splits import chunk_sizes
+
+    inputs: dict[str, tuple] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        ungrouped = isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.groups == 1
+        if ungrouped or isinstance(m, nn.Linear):
+
+            def grab(mod, args, name=name) -> None:
+                inputs.setdefault(name, (mod, tuple(args[0].shape)))
+
+            hooks.append(m.register_forward_pre_hook(grab))
+    training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()  # the shapes only: no batch statistics (one example of a BatchNorm1d)
+            model(torch.zeros(n, *shape, device=device))
+    finally:
+        model.train(training)
+        for h in hooks:
+            h.remove()
+    return {
+        name: _split_ratio(module, x, chunk_sizes(module.weight.shape[0], pr)[0], i > 0, repeats)
+        for i, (name, (module, x)) in enumerate(inputs.items())
+    }
+
+
+def _split_ratio(module, x_shape, k: int, dx: bool, repeats: int) -> tuple[float, float]:
+    """(forward, backward) time of `module` with the first k of its output units' weights over
+    its time whole, on inputs of `x_shape` (with an input gradient where `dx`): medians of
+    `repeats` calls of each, taken in turn."""
+    import torch
+    from torch.func import functional_call
+
+    w = module.weight
+    device = w.device
+
+    def run(units: int) -> tuple[float, float]:
+        params = {"weight": w[:units].detach().requires_grad_()}
+        if module.bias is not None:
+            params["bias"] = module.bias[:units].detach().requires_grad_()
+        x = torch.randn(x_shape, device=device, requires_grad=dx)
+        t0 = clock(device)
+        y = functional_call(module, params, (x,))
+        t1 = clock(device)
+        y.backward(torch.ones_like(y))
+        return t1 - t0, clock(device) - t1
+
+    run(w.shape[0]), run(k)  # warm up
+    whole, part = zip(*((run(w.shape[0]), run(k)) for _ in range(repeats)), strict=True)
+    (wf, wb), (pf, pb) = (map(statistics.median, zip(*t, strict=True)) for t in (whole, part))
+    share = k / w.shape[0]
+    return (pf / wf if wf > 0 else share), (pb / wb if wb > 0 else share)
+
+
 def _stepper(net):
     """The trainer's optimizer (hybridpar.core.optim.KrizhevskySGD: in place, no temporaries) over
     `net`'s parameters, each with a gradient: what the profile times and its neighbours run
@@ -547,6 +614,7 @@ def _load(path: Path, cluster: Cluster) -> dict:
         "method": METHOD,
         "per_count": {},
         "bands": {},
+        "splits": {},
         "iteration": {},  # {samples: the settled iteration (hybridpar.core.timing.Settled.fields)}
     }
     try:
@@ -556,6 +624,8 @@ def _load(path: Path, cluster: Cluster) -> dict:
     if data.get("calibration") != cluster.flops or data.get("method") != METHOD:
         return fresh
     if not all(isinstance(data.get(k), dict) for k in ("per_count", "iteration", "bands")):
+        return fresh
+    if not isinstance(data.setdefault("splits", {}), dict):  # none before 2026-11-27
         return fresh
     return data
 
@@ -571,8 +641,9 @@ def profile_compute(
     device: str = "cpu",
 ) -> ProfileModel | None:
     """The ProfileModel of `model` for a P-rank job on `device` of this calibrated host at the
-    sample counts `counts`, and the band shares (`_measure_bands`) of its windows for each
-    (Pr, samples) in `bands`; None where the cluster is not this host (no `cores`: priced by
+    sample counts `counts`, and for each (Pr, samples) in `bands` the band shares of its windows
+    (`_measure_bands`) and the split shares of its linear layers and convolutions
+    (`_measure_splits`); None where the cluster is not this host (no `cores`: priced by
     FLOPs). On a GPU (`cores`: the GPUs) the ranks that share one take turns: no neighbours."""
     if cluster.cores is None:
         return None
@@ -583,9 +654,10 @@ def profile_compute(
     path = _path(model, shape, threads, busy, device)
     data = _load(path, cluster)
     missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
-    shares = data.setdefault("bands", {})
+    shares, splits = data["bands"], data["splits"]
     unbanded = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in shares})
-    if missing or unbanded or "update_s" not in data:
+    unsplit = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in splits})
+    if missing or unbanded or unsplit or "update_s" not in data:
         data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
         data["measured"].update(busy=busy, device=device)
         with _measuring(model, shape, threads, busy, device) as (net, beside):
@@ -597,6 +669,9 @@ def profile_compute(
             for pr, n in unbanded:
                 beside.run(n)
                 shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats, device)
+            for pr, n in unsplit:
+                beside.run(n)
+                splits[f"{pr}x{n}"] = _measure_splits(net, shape, pr, n, 2 * repeats, device)
             if "update_s" not in data:
                 beside.run(UPDATE)
                 data.update(_measure_update(net, repeats, device).fields("update_s"))
@@ -605,12 +680,17 @@ def profile_compute(
         int(k): {leaf: (float(v[0]), float(v[1])) for leaf, v in table.items()}
         for k, table in data["per_count"].items()
     }
+
+    def read(tables: dict) -> dict:
+        return {
+            _key(k): {leaf: (float(v[0]), float(v[1])) for leaf, v in table.items()}
+            for k, table in tables.items()
+        }
+
     return ProfileModel(
         per_count,
-        bands={
-            _key(k): {leaf: (float(v[0]), float(v[1])) for leaf, v in table.items()}
-            for k, table in shares.items()
-        },
+        bands=read(shares),
+        splits=read(splits),
         update_s=float(data["update_s"]),
         # ranks that meet at every collective run at the pace of the most crowded core: 3 ranks
         # on 2 cores take as long as 4 (measured: a lockstep loop of 3 ranks ran 2.2x slower

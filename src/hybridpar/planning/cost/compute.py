@@ -69,6 +69,9 @@ class ProfileModel:
     # {(Pr, samples): {leaf: (forward, backward) share of its time on the busiest band}}: the
     # domain style's convolutions and poolings, measured on band and halo (planning.profile)
     bands: dict[tuple[int, int], dict[str, tuple[float, float]]] = field(default_factory=dict)
+    # {(Pr, samples): {leaf: (forward, backward) share of its time with the most output units
+    # of Pr}}: the model style's weighted modules, measured with their split weights
+    splits: dict[tuple[int, int], dict[str, tuple[float, float]]] = field(default_factory=dict)
     update_s: float = 0.0  # optimizer step, seconds per parameter element
     contention: float = 1.0
     source: str = ""
@@ -118,8 +121,10 @@ class ProfileModel:
     def style_times(self, layer: CostLayer, s: Style, B: int, P: int) -> tuple[float, float, float]:
         """(forward, backward, optimizer update) seconds of `layer` on one rank under `s`: batch
         runs all of it on B/P samples; model runs the weighted module with 1/Pr of its weights
-        on B/Pc samples, 1/Pr of its time there (a wide layer's time on a small batch is mostly
-        its weights', which do not shrink with the samples), and all of the layers riding along (they act on the gathered output); domain
+        on B/Pc samples, at the share of its time measured with the busiest rank's units
+        (`splits`), where the profile has one, else 1/Pr of it (a wide layer's time on a small
+        batch is mostly its weights', which do not shrink with the samples), and all of the
+        layers riding along (they act on the gathered output); domain
         runs everything on 1/Pr of the rows of B/Pc samples with whole weights: its convolutions
         and poolings at the share of their time measured on the busiest rank's band and halo
         (`bands`), where the profile has one; elsewhere what does not grow with the samples (the
@@ -131,7 +136,9 @@ class ProfileModel:
             riders = [m for m in layer.members if m != layer.name]
             wf, wb = self._sum(weighted, n)
             rf, rb = self._sum(riders, n)
-            f, b = wf / s.pr + rf, wb / s.pr + rb
+            split = self.splits.get((s.pr, round(n)), {}).get(layer.name)
+            sf, sb = split if split is not None else (1.0 / s.pr, 1.0 / s.pr)
+            f, b = wf * sf + rf, wb * sb + rb
             params = (layer.params - layer.extra_params) / s.pr + layer.extra_params
         elif s.kind == "domain":
             # the windows at their measured share of the busiest band (halo rows, the joins);
