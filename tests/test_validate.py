@@ -279,24 +279,20 @@ def test_profile_prices_what_a_rank_runs_under_each_style():
     assert style_times(lean, LAYER, Style.domain(4, 1), 16, 4)[:2] == pytest.approx((5e-3, 2e-3))
 
 
-def test_domain_prices_its_windows_at_the_share_measured_on_the_busiest_band():
+def test_domain_and_model_price_their_layers_at_the_shares_measured():
+    """Domain's windows at the share of their time measured on the busiest band; model's
+    weighted module at the share measured with the busiest rank's units; without a share for
+    that Pr and count, 1/Pr (domain: of what grows with the samples)."""
     table = {16: {"fc": (16e-3, 8e-3), "act": (2e-3, 2e-3)}}
-    # fc measured at 0.7 / 0.8 of its whole-image time on the busiest of 2 bands, 16 samples
-    pm = ProfileModel(table, bands={(2, 16): {"fc": (0.7, 0.8)}}, contention=2.0)
+    # fc at 0.7 / 0.8 of its time on the busiest of 2 bands, 0.9 / 0.6 with half its units
+    shares = {(2, 16): {"fc": (0.7, 0.8)}}, {(2, 16): {"fc": (0.9, 0.6)}}
+    pm = ProfileModel(table, bands=shares[0], splits=shares[1], contention=2.0)
     f, b, _ = style_times(pm, LAYER, Style.domain(2, 1), 16, 2)
     assert (f, b) == pytest.approx((2 * (0.7 * 16e-3 + 1e-3), 2 * (0.8 * 8e-3 + 1e-3)))
-    # another Pr or count has no share: half the rows (one count, no fixed part)
-    f, b, _ = style_times(pm, LAYER, Style.domain(2, 1), 32, 2)
-    assert (f, b) == pytest.approx((2 * (16e-3 + 2e-3), 2 * (8e-3 + 2e-3)))
-
-
-def test_model_prices_its_weighted_module_at_the_share_measured_with_its_units():
-    table = {16: {"fc": (16e-3, 8e-3), "act": (2e-3, 2e-3)}}
-    # fc with the busiest rank's half of its units took 0.9 / 0.6 of its whole time at 16
-    pm = ProfileModel(table, splits={(2, 16): {"fc": (0.9, 0.6)}}, contention=2.0)
     f, b, _ = style_times(pm, LAYER, Style.model(2, 1), 16, 2)
     assert (f, b) == pytest.approx((2 * (0.9 * 16e-3 + 2e-3), 2 * (0.6 * 8e-3 + 2e-3)))
-    # another Pr or count has no share: 1/Pr of the weighted module's time
+    f, b, _ = style_times(pm, LAYER, Style.domain(2, 1), 32, 2)  # half the rows, no fixed part
+    assert (f, b) == pytest.approx((2 * (16e-3 + 2e-3), 2 * (8e-3 + 2e-3)))
     f, b, _ = style_times(pm, LAYER, Style.model(4, 1), 16, 4)
     assert (f, b) == pytest.approx((2 * (16e-3 / 4 + 2e-3), 2 * (8e-3 / 4 + 2e-3)))
 
