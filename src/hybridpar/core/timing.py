@@ -9,12 +9,24 @@ the value, so that `hybridpar calibrate --check` can tell drift from noise.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["CHECK_TOL", "TOL", "TRIES", "Recheck", "Settled", "clock", "settle", "spread"]
+__all__ = [
+    "CHECK_TOL",
+    "TOL",
+    "TRIES",
+    "Recheck",
+    "Settled",
+    "clock",
+    "settle",
+    "spread",
+    "steady_malloc",
+]
 
 TOL = 0.10  # a batch whose interquartile range is at most this share of its median counts
 TRIES = 4
@@ -27,6 +39,24 @@ def clock(device) -> float:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def steady_malloc() -> bool:
+    """Fix glibc malloc's thresholds in this process, as every rank, the compute profile and its
+    neighbours do (HYBRIDPAR_MALLOC=0 leaves them): blocks under 32 MiB come from the heap, which
+    is trimmed past 128 MiB free. By default a block over the mmap threshold is mapped and
+    unmapped on every call and the threshold moves with what the process freed before, so a
+    step's time depended on its history: resnet20's profile at 16 examples took 40-45 ms in a
+    fresh process, 35 after a codec timing had freed 4 MB blocks, 32-34 with the thresholds
+    fixed (docs/validate.md). False where it does not apply (no glibc)."""
+    if os.environ.get("HYBRIDPAR_MALLOC", "1") == "0":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 128 << 20))
 
 
 def spread(samples: list[float]) -> float:

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 
 from hybridpar.core.cluster import Cluster, cache_dir, cache_write, contention, rank_threads
-from hybridpar.core.timing import Recheck, Settled, clock, settle
+from hybridpar.core.timing import Recheck, Settled, clock, settle, steady_malloc
 from hybridpar.planning.cost.compute import ProfileModel
 
 __all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute", "recheck"]
@@ -452,6 +452,7 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int) -> None:
 
     from hybridpar.core.models import build_any
 
+    steady_malloc()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     net = build_any(model, shape, None)
@@ -574,6 +575,7 @@ def _measuring(model: str, shape: tuple[int, ...], threads: int, busy: int, devi
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    steady_malloc()  # as the ranks allocate (runtime.launcher)
     try:
         torch.manual_seed(0)
         net = build_any(model, shape, None).to(device)
