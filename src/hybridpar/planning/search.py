@@ -356,13 +356,13 @@ class _Context:
         return plan
 
     def _by_buckets(self, chosen: list[LayerPlan]) -> None:
-        """The weight-gradient sums priced by the buckets the runtime fills (runtime.parallel.sync
-        .GradSync: per group, in reverse layer order, a new bucket where the next would overflow
-        this one). `fused` charges a layer the latency in proportion to its share of a full
-        bucket, which the search needs per layer; but a group pays a whole latency for every
-        bucket however little it holds (all of resnet20's 1.1 MB goes in one 4 MiB bucket: 0.27
-        of a latency priced, one paid). Each layer is priced again with its share of the bucket
-        it lands in, so a group pays one latency per bucket."""
+        """The weight-gradient sums priced by the buckets the runtime fills: per group, in
+        reverse layer order, cut by `core.splits.buckets` as GradSync cuts them. `fused` charges
+        a layer the latency in proportion to its share of a full bucket, which the search needs
+        per layer; but a group pays a whole latency for every bucket however little it holds
+        (all of resnet20's 1.1 MB goes in one 4 MiB bucket: 0.27 of a latency priced, one
+        paid). Each layer is priced again with its share of the bucket it lands in, so a group
+        pays one latency per bucket."""
         groups: dict[tuple[int, int], list[LayerPlan]] = {}
         for lp in chosen:
             st = lp.style
