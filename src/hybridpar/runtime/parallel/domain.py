@@ -46,7 +46,7 @@ from hybridpar.runtime.comm import p2p
 from hybridpar.runtime.comm.collectives import Via
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.parallel.redistribute import Chain, Move, gather, replicated, split
+from hybridpar.runtime.parallel.redistribute import Chain, Move, Pieces, gather, replicated, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
 
 __all__ = ["MOVES", "DomainConv2d", "DomainPool2d", "DomainStyle", "Exchange"]
@@ -349,54 +349,40 @@ class DomainPool2d(_Windowed):
 
 
 class _Transposed(torch.autograd.Function):
-    """An all-to-all within the model group between pure batch and the domain layout: `into` it,
-    this rank's examples' bands to the bands' owners; out of it, each example's bands to the
-    rank holding the example in pure batch. Backward: the inverse all-to-all."""
+    """An all-to-all within the model group, from one cut of the activation to another: this
+    rank's tensor cut into `send`'s pieces, piece q to rank q; what arrives joined along `recv`'s
+    dim. Into the domain layout `send` is the bands and `recv` the examples of each rank in pure
+    batch; out of it the other way round. Backward: the same with the two cuts swapped."""
 
     @staticmethod
-    def forward(ctx, x, heights, counts, via, into):
-        ctx.args = (heights, counts, via, not into)
-        return _transpose(x, heights, counts, via, into)
+    def forward(ctx, x, send, recv, via):
+        ctx.args = (recv, send, via)
+        return _all_to_all(x, send, recv, via)
 
     @staticmethod
     def backward(ctx, g):
-        return _transpose(g.contiguous(), *ctx.args), None, None, None, None
+        return _all_to_all(g.contiguous(), *ctx.args), None, None, None
 
 
-def _transpose(x, heights, counts, via: Via, into: bool) -> torch.Tensor:
-    return (_to_rows if into else _to_examples)(x, heights, counts, via)
-
-
-def _all_to_all(pieces: list[torch.Tensor], shapes: list, via: Via) -> list:
-    """Uneven all-to-all of tensors (flattened on the wire); booked as one all-to-all of this
-    rank's whole buffer under the redistribution term."""
+def _all_to_all(x: torch.Tensor, send: Pieces, recv: Pieces, via: Via) -> torch.Tensor:
+    """Uneven all-to-all (flattened on the wire); booked as one all-to-all of this rank's whole
+    buffer under the redistribution term."""
     t0 = time.perf_counter()
-    send = torch.cat([p.reshape(-1) for p in pieces])
+    me, group = via.group.rank, via.group
+    pieces = torch.split(x, list(send.sizes), dim=send.dim)
+    shapes = []
+    for n in recv.sizes:
+        shape = list(x.shape)
+        shape[send.dim], shape[recv.dim] = send.sizes[me], n
+        shapes.append(shape)
     sizes = [int(torch.Size(s).numel()) for s in shapes]
-    recv = send.new_empty(sum(sizes))
-    group = via.group
-    dist.all_to_all_single(recv, send, sizes, [p.numel() for p in pieces], group=group.pg)
-    nbytes, took = send.numel() * send.element_size(), time.perf_counter() - t0
+    out = torch.cat([p.reshape(-1) for p in pieces])
+    into = out.new_empty(sum(sizes))
+    dist.all_to_all_single(into, out, sizes, [p.numel() for p in pieces], group=group.pg)
+    nbytes, took = out.numel() * out.element_size(), time.perf_counter() - t0
     via.book("all_to_all", group.size, nbytes, took, 1)
-    out, off = [], 0
-    for s, n in zip(shapes, sizes, strict=True):
-        out.append(recv[off : off + n].view(s))
-        off += n
-    return out
-
-
-def _to_rows(x, heights, counts, via: Via) -> torch.Tensor:
-    me, edges = via.group.rank, bands(sum(heights), len(heights))
-    pieces = [x[:, :, a:b] for a, b in edges]
-    shapes = [(counts[q], x.shape[1], heights[me], x.shape[3]) for q in range(len(heights))]
-    return torch.cat(_all_to_all(pieces, shapes, via), dim=0)
-
-
-def _to_examples(x, heights, counts, via: Via) -> torch.Tensor:
-    me = via.group.rank
-    pieces = list(torch.split(x, counts, dim=0))
-    shapes = [(counts[me], x.shape[1], h, x.shape[3]) for h in heights]
-    return torch.cat(_all_to_all(pieces, shapes, via), dim=2)
+    parts = [part.view(s) for part, s in zip(torch.split(into, sizes), shapes, strict=True)]
+    return torch.cat(parts, dim=recv.dim)
 
 
 class _Rows:
@@ -412,11 +398,10 @@ class _Rows:
         faults.at("handoff")
         x, *rest = args
         h = x.shape[2] if self.into else self.m.height
-        sizes = [b - a for a, b in bands(h, self.pr)]
-        move = split if self.into else gather
+        rows = Pieces(tuple(b - a for a, b in bands(h, self.pr)), 2)
         m = self.m
-        y = move(x, sizes, 2, Via(self.group, m.ledger, Term.REDISTRIBUTE, m.layer, m.codec))
-        return (y, *rest)
+        via = Via(self.group, m.ledger, Term.REDISTRIBUTE, m.layer, m.codec)
+        return (split(x, rows, via) if self.into else gather(x, rows, via), *rest)
 
 
 class _Transpose:
@@ -436,14 +421,13 @@ class _Transpose:
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         faults.at("handoff")
         x, *rest = args
-        finest = self.m.rows.sizes
-        first = self.grid.c * self.pr
-        counts = list(finest[first : first + self.pr])  # examples of each rank in pure batch
+        first = self.grid.c * self.pr  # the examples of each rank in pure batch
+        examples = Pieces(tuple(self.m.rows.sizes[first : first + self.pr]), 0)
         h = x.shape[2] if self.into else self.m.height
-        heights = [b - a for a, b in bands(h, self.pr)]
+        rows = Pieces(tuple(b - a for a, b in bands(h, self.pr)), 2)
+        send, recv = (rows, examples) if self.into else (examples, rows)
         via = Via(self.group, self.m.ledger, Term.REDISTRIBUTE, self.m.layer)
-        y = _Transposed.apply(x, heights, counts, via, self.into)
-        return (y, *rest)
+        return (_Transposed.apply(x, send, recv, via), *rest)
 
 
 def into_domain(src: Style, dst: Style, m: Move):

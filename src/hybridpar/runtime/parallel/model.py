@@ -42,7 +42,7 @@ from hybridpar.runtime.comm.collectives import (
 )
 from hybridpar.runtime.comm.group import Group, group_rank, group_size
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.parallel.redistribute import gather, split
+from hybridpar.runtime.parallel.redistribute import Pieces, gather, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
 
 __all__ = [
@@ -148,8 +148,8 @@ class ModelParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.compute(self.enter(x))
-        dim = self.unit_dim % y.dim()
-        return gather(y, self.sizes, dim, self._via(Term.ALLGATHER))
+        pieces = Pieces(tuple(self.sizes), self.unit_dim % y.dim())
+        return gather(y, pieces, self._via(Term.ALLGATHER))
 
     def _via(self, term: str) -> Via:
         return Via(self.group, self.ledger, term, self.name, self.codec)
@@ -217,7 +217,7 @@ class ModelParallelConv2d(ModelParallel):
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if self.in_sizes is None:
             return super().enter(x)
-        return split(x, self.in_sizes, 1, self._via(Term.DX_ALLGATHER))
+        return split(x, Pieces(tuple(self.in_sizes), 1), self._via(Term.DX_ALLGATHER))
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         w, b, groups = self.weight, self.bias, self.my_groups

@@ -29,8 +29,9 @@ file's `MOVES` holds rep -> rep, and a style with a layout of its own holds its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -47,6 +48,7 @@ __all__ = [
     "MOVES",
     "Chain",
     "Move",
+    "Pieces",
     "Redistribute",
     "StepRows",
     "gather",
@@ -56,46 +58,56 @@ __all__ = [
 ]
 
 
+class Pieces(NamedTuple):
+    """How a tensor is cut among the ranks of a group: rank i holds sizes[i] along `dim`."""
+
+    sizes: tuple[int, ...]
+    dim: int
+
+    def mine(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s piece of the whole `x`."""
+        return x.narrow(self.dim, sum(self.sizes[:rank]), self.sizes[rank]).contiguous()
+
+
 class _Gather(torch.autograd.Function):
-    """Forward: all-gather the pieces along `dim`. Backward: keep this rank's piece, or, where the
-    gradient is every rank's partial sum (`fused`: core/handoff.py), reduce-scatter it."""
+    """Forward: all-gather the pieces. Backward: keep this rank's piece, or, where the gradient
+    is every rank's partial sum (`fused`: core/handoff.py), reduce-scatter it."""
 
     @staticmethod
-    def forward(ctx, x, sizes, dim, via, fused):
-        ctx.dim, ctx.sizes, ctx.via, ctx.fused = dim, sizes, via, fused
-        return all_gather_uneven(x, sizes, dim, via)
+    def forward(ctx, x, pieces, via, fused):
+        ctx.pieces, ctx.via, ctx.fused = pieces, via, fused
+        return all_gather_uneven(x, pieces.sizes, pieces.dim, via)
 
     @staticmethod
     def backward(ctx, grad):
+        pieces, via = ctx.pieces, ctx.via
         if ctx.fused:
-            return reduce_scatter_uneven(grad, ctx.sizes, ctx.dim, ctx.via), None, None, None, None
-        r = group_rank(ctx.via.group)
-        mine = grad.narrow(ctx.dim, sum(ctx.sizes[:r]), ctx.sizes[r]).contiguous()
-        return mine, None, None, None, None
+            return reduce_scatter_uneven(grad, pieces.sizes, pieces.dim, via), None, None, None
+        return pieces.mine(grad, group_rank(via.group)), None, None, None
 
 
 class _Split(torch.autograd.Function):
-    """Forward: keep this rank's piece along `dim`. Backward: all-gather the pieces of the grad."""
+    """Forward: keep this rank's piece. Backward: all-gather the pieces of the grad."""
 
     @staticmethod
-    def forward(ctx, x, sizes, dim, via):
-        ctx.args = (sizes, dim, via)
-        rank = group_rank(via.group)
-        return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
+    def forward(ctx, x, pieces, via):
+        ctx.pieces, ctx.via = pieces, via
+        return pieces.mine(x, group_rank(via.group))
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_uneven(grad.contiguous(), *ctx.args), None, None, None
+        p = ctx.pieces
+        return all_gather_uneven(grad.contiguous(), p.sizes, p.dim, ctx.via), None, None
 
 
-def gather(x: torch.Tensor, sizes: Sequence[int], dim: int, via: Via, fused: bool = False):
-    """The pieces of every rank of `via.group` along `dim` (piece i has sizes[i])."""
-    return x if len(sizes) == 1 else _Gather.apply(x, tuple(sizes), dim, via, fused)
+def gather(x: torch.Tensor, pieces: Pieces, via: Via, fused: bool = False) -> torch.Tensor:
+    """The pieces of every rank of `via.group`, joined."""
+    return x if len(pieces.sizes) == 1 else _Gather.apply(x, pieces, via, fused)
 
 
-def split(x: torch.Tensor, sizes: Sequence[int], dim: int, via: Via) -> torch.Tensor:
-    """This rank's piece of `x` along `dim` (piece i has sizes[i] over `via.group`)."""
-    return x if len(sizes) == 1 else _Split.apply(x, tuple(sizes), dim, via)
+def split(x: torch.Tensor, pieces: Pieces, via: Via) -> torch.Tensor:
+    """This rank's piece of the whole `x`."""
+    return x if len(pieces.sizes) == 1 else _Split.apply(x, pieces, via)
 
 
 class StepRows:
@@ -138,9 +150,10 @@ class Redistribute:
     def __call__(self, module: torch.nn.Module, args: tuple) -> tuple:
         faults.at("handoff")
         x, *rest = args
+        pieces = Pieces(tuple(self.sizes()), 0)
         if self.dst < self.src:
-            return (gather(x, self.sizes(), 0, self.via, self.fused), *rest)
-        return (split(x, self.sizes(), 0, self.via), *rest)
+            return (gather(x, pieces, self.via, self.fused), *rest)
+        return (split(x, pieces, self.via), *rest)
 
 
 @dataclass
