@@ -6,7 +6,9 @@ are in hybridpar.core.models.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from hybridpar.core.config import meta
 from hybridpar.core.errors import ConfigError
 
 __all__ = [
@@ -16,6 +18,8 @@ __all__ = [
     "input_shape",
     "is_factory",
     "parse_input_shape",
+    "shape_option",
+    "size_option",
     "zoo_entry",
 ]
 
@@ -57,6 +61,16 @@ def input_shape(
 def is_factory(name: str) -> bool:
     """Whether `--model` names a user's factory, package.module:function, not a zoo model."""
     return ":" in name
+
+
+def size_option(default: str) -> Any:
+    """A configuration's --input-size field."""
+    return meta(None, f"image side, e.g. 64 (default: {default})")
+
+
+def shape_option(note: str = "") -> Any:
+    """A configuration's --input-shape field (parse_input_shape reads it)."""
+    return meta(None, "one example's shape C,H,W for --model package.module:factory" + note)
 
 
 def parse_input_shape(text: str | tuple | list, flag: str = "--input-shape") -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from typing import Literal
 from hybridpar.core.choices import Choices
 from hybridpar.core.config import check_fields, meta, nested, positive
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.zoo import MODELS, parse_input_shape
+from hybridpar.core.zoo import MODELS, parse_input_shape, shape_option, size_option
 
 __all__ = ["PlanConfig"]
 
@@ -27,10 +27,8 @@ class PlanConfig:
         "cori-knl",
         "preset (cori-knl, k20-pcie, fdr-infiniband, p100-nvlink), localhost, or a .toml/.json file",
     )
-    input_size: int | None = meta(None, "image side, e.g. 64 (default: the model's)")
-    input_shape: str | None = meta(
-        None, "one example's shape C,H,W for --model package.module:factory, e.g. 3,32,32"
-    )
+    input_size: int | None = size_option("the model's")
+    input_shape: str | None = shape_option(", e.g. 3,32,32")
     compute: str | None = meta(
         None,
         "compute times: a table from `hybridpar profile`, or 'flops' (FLOPs / the cluster's "

@@ -12,7 +12,7 @@ from hybridpar.core.choices import Choices
 from hybridpar.core.config import check_fields, evolve, meta, nested, positive
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.rules import why_not_choices
-from hybridpar.core.zoo import parse_input_shape
+from hybridpar.core.zoo import parse_input_shape, shape_option, size_option
 from hybridpar.planning.presets import SEARCHED, parse_preset
 from hybridpar.runtime.options import RuntimeOptions
 
@@ -80,12 +80,8 @@ class TrainConfig:
     rounds: int | None = meta(
         None, "rounds of --handoff c (default: one per rank that gathers, the paper's K)"
     )
-    input_size: int | None = meta(None, "image side, e.g. 64 (default: the data's or the model's)")
-    input_shape: str | None = meta(
-        None,
-        "one example's shape C,H,W for --model package.module:factory (default: the data's; "
-        "needed with synthetic data)",
-    )
+    input_size: int | None = size_option("the data's or the model's")
+    input_shape: str | None = shape_option(" (default: the data's; needed with synthetic data)")
     report: str | None = meta(
         None, "JSON report path (a PNG of the curves and a JSON-lines log go next to it)"
     )
