@@ -113,7 +113,7 @@ def test_tensorboard_without_its_package_is_refused_before_any_rank(tmp_path, mo
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     cfg = build(TrainConfig, tensorboard=str(tmp_path / "tb"), nproc=2, preset="ddp")
     with pytest.raises(ConfigError, match="pip install tensorboard"):
-        prepare(cfg.validate())
+        prepare(cfg)
 
 
 def test_the_report_plot_shows_steps_for_few_epochs_and_prediction_next_to_measurement(tmp_path):
@@ -300,11 +300,11 @@ def test_a_plan_file_sent_by_another_hand_off_scheme_keeps_its_styles_and_is_pri
 
     localhost(device="cpu")
     args = {"model": "digits-wide", "nproc": 2, "batch": 16, "data": "synthetic:32"}
-    made = prepare(build(TrainConfig, preset="grid:2x1", **args).validate()).plan
+    made = prepare(build(TrainConfig, preset="grid:2x1", **args)).plan
     made.save(tmp_path / "p.json")
     assert all(r.scheme == "a" for r in made.redistributions)
     files = {"plan": str(tmp_path / "p.json"), "data": "synthetic:32"}
-    job = prepare(build(TrainConfig, handoff="c", rounds=2, **files).validate())
+    job = prepare(build(TrainConfig, handoff="c", rounds=2, **files))
     assert list(job.layout.handoffs.values()) == [Handoff("c", 2)]
     assert job.plan.styles == made.styles and job.layout.plan is job.plan
     (moved,) = [r for r in job.plan.redistributions if r.scheme != "a"]
@@ -321,7 +321,7 @@ def test_a_plan_made_for_another_cluster_is_priced_again_on_the_one_it_runs_on(t
     knl = make_plan("digits-wide", 2, 64, load_cluster("cori-knl"), scenarios=["per-layer"])
     made = knl.export()
     made.save(tmp_path / "p.json")
-    job = prepare(build(TrainConfig, plan=str(tmp_path / "p.json")).validate())
+    job = prepare(build(TrainConfig, plan=str(tmp_path / "p.json")))
     assert made.cluster == "cori-knl" and job.plan.cluster == "localhost"
     assert job.plan.styles == made.styles and job.plan.predicted_bytes() == made.predicted_bytes()
     assert job.plan.totals["total_s"] > 10 * made.totals["total_s"]

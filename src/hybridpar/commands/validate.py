@@ -380,7 +380,7 @@ def _base(args, cfg):
         max_steps=args.steps,
         quiet=True,
         progress=False,
-    ).validate()
+    )
 
 
 def _in_job(args, cfg, cluster, plan_candidates) -> int:

@@ -3,7 +3,8 @@ from its fields (flag, type, choices, default and help), the way torchtitan's Jo
 CLI. Enumerations are `Literal` types, checked once by `check_fields` before any work starts.
 
 A field's metadata may carry `help`, `flag` (instead of --field-name), `aliases`, `required`,
-`show` (the default as the help prints it), and for a bool that defaults to True, `flag` names
+`show` (the default as the help prints it), `positive` or `nonneg` (its bound, checked by
+`check_fields`), and for a bool that defaults to True, `flag` names
 the switch that turns it off (e.g. --no-progress). A field whose type is itself such a dataclass
 (`choices: Choices`, `runtime: RuntimeOptions`) is nested: its fields become flags of their own
 (`--codec`, `--bucket-mb`), and `from_namespace` builds it back, so one dataclass (the choices)
@@ -36,7 +37,6 @@ __all__ = [
     "load_toml",
     "meta",
     "nested",
-    "positive",
     "writable",
 ]
 
@@ -196,8 +196,8 @@ def evolve(obj: Any, **flat: Any):
 
 
 def check_fields(obj: Any) -> None:
-    """Every Literal field holds one of its values, every number is finite (nested configs
-    too)."""
+    """Every Literal field holds one of its values, every number is finite and within its
+    declared bound (nested configs too)."""
     hints = typing.get_type_hints(type(obj))
     for f in fields(obj):
         tp, optional = _unwrap(hints[f.name])
@@ -212,22 +212,15 @@ def check_fields(obj: Any) -> None:
             raise ConfigError(f"{flag} must be one of {', '.join(typing.get_args(tp))}, got {v!r}")
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{flag} must be a finite number, got {v}")
+        strict = f.metadata.get("positive", False)
+        if (strict or f.metadata.get("nonneg")) and (v <= 0 if strict else v < 0):
+            raise ConfigError(f"{flag} must be {'positive' if strict else 'at least 0'}, got {v}")
 
 
 def flag_of(obj: Any, name: str) -> str:
     """The command-line flag of a field (its metadata's `flag`, or --field-name)."""
     f = next(f for f in fields(obj) if f.name == name)
     return f.metadata.get("flag", "--" + name.replace("_", "-"))
-
-
-def positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        if v is not None and (v < 0 or (v == 0 and not allow_zero)):
-            flag = flag_of(obj, name)
-            raise ConfigError(
-                f"{flag} must be {'at least 0' if allow_zero else 'positive'}, got {v}"
-            )
 
 
 def read_json(path: str | Path, what: str, hint: str) -> Any:

@@ -65,7 +65,7 @@ def is_factory(name: str) -> bool:
 
 def size_option(default: str) -> Any:
     """A configuration's --input-size field."""
-    return meta(None, f"image side, e.g. 64 (default: {default})")
+    return meta(None, f"image side, e.g. 64 (default: {default})", positive=True)
 
 
 def shape_option(note: str = "") -> Any:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hybridpar.core.choices import Choices
-from hybridpar.core.config import check_fields, meta, nested, positive
+from hybridpar.core.config import check_fields, meta, nested
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.zoo import MODELS, parse_input_shape, shape_option, size_option
 
@@ -36,14 +36,17 @@ class PlanConfig:
         "rank runs (cached), elsewhere flops",
     )
     bytes_per_element: float | None = meta(
-        None, "wire bytes per element (default: the cluster's word size)"
+        None, "wire bytes per element (default: the cluster's word size)", positive=True
     )
-    memory_limit: float | None = meta(None, "GiB per process (parameters + activations)")
+    memory_limit: float | None = meta(
+        None, "GiB per process (parameters + activations)", positive=True
+    )
     overlap: bool = meta(False, "hide the weight all-reduce behind the backward pass (Fig. 8)")
     grad_bucket_mb: float = meta(
         4.0,
         "weight-gradient all-reduces priced fused into buckets of this many MiB, as the runtime "
         "sends them (--bucket-mb of train); 0: one message per layer, as Gholami et al.'s Eq. 4",
+        nonneg=True,
     )
     handoff: Literal["a", "b", "c", "auto"] = meta(
         "a",
@@ -52,19 +55,18 @@ class PlanConfig:
         "cheapest of a, b and c in 2, 4 or one round per gathering rank)",
     )
     rounds: int | None = meta(
-        None, "rounds of --handoff c (default: one per rank that gathers, the paper's K)"
+        None,
+        "rounds of --handoff c (default: one per rank that gathers, the paper's K)",
+        positive=True,
     )
     choices: Choices = nested(Choices)
 
     def __post_init__(self) -> None:
         check_fields(self)
-        positive(self, "rounds")
         if self.rounds is not None and self.handoff != "c":
             raise ConfigError("--rounds is for --handoff c; drop it or add --handoff c")
         if not isinstance(self.batch, int) or self.batch < 1:
             raise ConfigError(f"--batch must be a positive integer, got {self.batch!r}")
-        positive(self, "input_size", "bytes_per_element", "memory_limit")
-        positive(self, "grad_bucket_mb", allow_zero=True)
         if self.input_shape is not None:
             parse_input_shape(self.input_shape)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from hybridpar.core.config import check_fields, meta, positive
+from hybridpar.core.config import check_fields, meta
 from hybridpar.core.errors import ConfigError
 
 __all__ = ["RuntimeOptions"]
@@ -28,12 +28,17 @@ class RuntimeOptions:
         "collective timeout in seconds: a dead or hung rank ends the job within it "
         "(parallelize's groups: the default group's when None)",
         flag="--timeout",
+        positive=True,
     )
-    bucket_mb: float = meta(4.0, "gradient bucket size in MB")
-    codec_block: int = meta(4096, "elements per 8-bit scale (0: one per tensor, as in the paper)")
+    bucket_mb: float = meta(4.0, "gradient bucket size in MB", positive=True)
+    codec_block: int = meta(
+        4096, "elements per 8-bit scale (0: one per tensor, as in the paper)", nonneg=True
+    )
     error_feedback: bool = meta(False, "add what gradient compression lost back at the next step")
     host_stage_mb: float = meta(
-        1.0, "the host reducer sums a bucket in stages of this many MB as it is packed (0: one)"
+        1.0,
+        "the host reducer sums a bucket in stages of this many MB as it is packed (0: one)",
+        nonneg=True,
     )
     shared_memory: bool = meta(
         True,
@@ -48,12 +53,17 @@ class RuntimeOptions:
         "after it after every round (batch B/K there) and the layers before it once (batch B)",
     )
     bn_max_batch: int | None = meta(
-        None, "adaptive BN: local BN throughout when the global batch is at least this"
+        None,
+        "adaptive BN: local BN throughout when the global batch is at least this",
+        positive=True,
     )
-    bn_window: int = meta(50, "adaptive BN: steps per window of the convergence signal")
+    bn_window: int = meta(
+        50, "adaptive BN: steps per window of the convergence signal", positive=True
+    )
     bn_threshold: float = meta(
         0.01,
         "adaptive BN: turn global when a window's signal improves by less than this (relative)",
+        nonneg=True,
     )
     bn_signal: Literal["accuracy", "loss"] = meta(
         "accuracy",
@@ -71,8 +81,6 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        positive(self, "timeout_s", "bucket_mb", "bn_window", "bn_max_batch")
-        positive(self, "codec_block", "host_stage_mb", "bn_threshold", allow_zero=True)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"--seed must be an integer, got {self.seed!r}")
 

@@ -1,5 +1,5 @@
 """The one typed configuration of a training run. `hybridpar train`'s options are generated from
-it; `validate` checks it once, before any process is spawned. The plan's choices (codec, bn, ...)
+it, and it is checked when it is made, before any process is spawned. The plan's choices (codec, bn, ...)
 and the runtime's knobs (bucket size, seed, timeout, ...) are the dataclasses the library takes
 too, nested: hybridpar.core.choices.Choices and hybridpar.runtime.options.RuntimeOptions."""
 
@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from hybridpar.core.choices import Choices
-from hybridpar.core.config import check_fields, evolve, meta, nested, positive
+from hybridpar.core.config import check_fields, evolve, meta, nested
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.rules import why_not_choices
 from hybridpar.core.zoo import parse_input_shape, shape_option, size_option
@@ -33,6 +33,7 @@ class TrainConfig:
         None,
         "local processes (default: the plan's, else 4; torchrun decides when it starts us)",
         aliases=["--procs"],
+        positive=True,
     )
     preset: str = meta(
         "auto",
@@ -49,21 +50,23 @@ class TrainConfig:
         "cluster the presets are planned on and predictions priced for "
         "(localhost is calibrated on first use)",
     )
-    epochs: int = meta(20, "passes over the training data")
+    epochs: int = meta(20, "passes over the training data", positive=True)
     batch: int | None = meta(
         None,
         "global mini-batch B (default: the plan's, else 64); every batch group's share must be "
         "whole, and B may be below the number of processes where the plan splits images",
+        positive=True,
     )
-    lr: float = meta(0.05, "learning rate")
+    lr: float = meta(0.05, "learning rate", positive=True)
     momentum: float = meta(0.9, "momentum")
-    weight_decay: float = meta(5e-4, "weight decay")
+    weight_decay: float = meta(5e-4, "weight decay", nonneg=True)
     schedule: Literal["constant", "krizhevsky", "cosine"] = meta(
         "constant", "learning-rate schedule (krizhevsky: x 250^(-1/3) at 25, 50 and 75 %)"
     )
     base_batch: int | None = meta(
         None,
         "the batch --lr and --weight-decay were tuned for; --scale-rule scales them to --batch",
+        positive=True,
     )
     scale_rule: Literal["none", "linear", "sqrt"] = meta(
         "none",
@@ -78,7 +81,9 @@ class TrainConfig:
         "plan's, else a)",
     )
     rounds: int | None = meta(
-        None, "rounds of --handoff c (default: one per rank that gathers, the paper's K)"
+        None,
+        "rounds of --handoff c (default: one per rank that gathers, the paper's K)",
+        positive=True,
     )
     input_size: int | None = size_option("the data's or the model's")
     input_shape: str | None = shape_option(" (default: the data's; needed with synthetic data)")
@@ -93,8 +98,8 @@ class TrainConfig:
     checkpoint_dir: str | None = meta(
         None, "write checkpoints (torch.distributed.checkpoint) here; a folder every rank can write"
     )
-    checkpoint_every: int = meta(0, "steps between checkpoints (0: only at the end)")
-    checkpoint_keep: int = meta(2, "checkpoints kept in --checkpoint-dir")
+    checkpoint_every: int = meta(0, "steps between checkpoints (0: only at the end)", nonneg=True)
+    checkpoint_keep: int = meta(2, "checkpoints kept in --checkpoint-dir", positive=True)
     resume: str | None = meta(
         None,
         "a checkpoint (or a --checkpoint-dir) to go on from, on this or another plan and P; "
@@ -102,7 +107,7 @@ class TrainConfig:
     )
     quiet: bool = meta(False, "no live lines on stdout (the log next to --report still has them)")
     progress: bool = meta(True, "no progress bar (for logs)", flag="--no-progress")
-    max_steps: int | None = meta(None, "cap the steps per epoch (benchmarks)")
+    max_steps: int | None = meta(None, "cap the steps per epoch (benchmarks)", positive=True)
     tensorboard: str | None = meta(
         None,
         "write TensorBoard scalars here (rank 0): loss, learning rate and iteration time per "
@@ -117,11 +122,10 @@ class TrainConfig:
     choices: Choices = nested(Choices)
     runtime: RuntimeOptions = nested(RuntimeOptions)
 
-    def validate(self) -> TrainConfig:
-        """Check every field once; raise a one-line ConfigError saying what to change."""
+    def __post_init__(self) -> None:
+        """Every TrainConfig is checked when it is made (a copy by `with_` too): a one-line
+        ConfigError says what to change."""
         check_fields(self)
-        positive(self, "nproc", "epochs", "batch", "lr", "max_steps", "input_size", "base_batch")
-        positive(self, "rounds")
         if self.rounds is not None and self.handoff != "c":
             raise ConfigError("--rounds is for --handoff c; drop it or add --handoff c")
         if self.runtime.variable_batch and self.plan is None and self.handoff not in ("b", "c"):
@@ -133,8 +137,6 @@ class TrainConfig:
             raise ConfigError(
                 "--handoff auto asks the planner; with --plan name a scheme (a, b or c)"
             )
-        positive(self, "weight_decay", "checkpoint_every", allow_zero=True)
-        positive(self, "checkpoint_keep")
         if self.scale_rule != "none" and self.base_batch is None:
             raise ConfigError(f"--scale-rule {self.scale_rule} scales from --base-batch: give one")
         if self.resume == "auto" and not self.checkpoint_dir:
@@ -149,7 +151,6 @@ class TrainConfig:
         parse_preset(self.preset, self.nproc or 1, check_procs=False)
         if self.plan is not None and self.preset != "auto":
             raise ConfigError("give --plan or --preset, not both")
-        return self
 
     @property
     def searched(self) -> bool:

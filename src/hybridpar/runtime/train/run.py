@@ -48,7 +48,6 @@ __all__ = ["meta_model", "prepare", "run"]
 
 def prepare(cfg: TrainConfig) -> Job:
     """Check everything that can be checked without processes; raise a one-line ConfigError."""
-    cfg.validate()
     loaded = ParallelPlan.load(cfg.plan) if cfg.plan else None
     cfg = cfg.with_(**_defaults(cfg, loaded))  # the one rewrite: defaults, device, outputs
     P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
@@ -68,10 +67,10 @@ def prepare(cfg: TrainConfig) -> Job:
         plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
         layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
     else:
-        cluster = pricing_cluster(cfg.cluster, False, cfg.choices.device)
-        if cfg.searched or cluster is not BYTES_ONLY:  # what the arguments decide, checked
+        cluster, searched = pricing_cluster(cfg.cluster, False, cfg.choices.device), cfg.searched
+        if searched or cluster is not BYTES_ONLY:  # what the arguments decide, checked
             preset_plan(cfg, P, layers, shape, BYTES_ONLY)  # before a profile is measured
-        if not cfg.searched:  # rank 0 plans a searched one in the job
+        if not searched:  # rank 0 plans a searched one in the job
             plan = preset_plan(cfg, P, layers, shape, cluster)
             layout = resolve(model, plan, shape, P, traced)
     if layout is not None and cfg.handoff in ("b", "c"):
