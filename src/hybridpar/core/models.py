@@ -15,6 +15,10 @@ of the papers' tables) with real module trees (resnet20: stages of BasicBlocks, 
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -257,9 +261,6 @@ def build_model(
 def user_factory(spec: str) -> Callable[..., nn.Module]:
     """The function `package.module:factory` names (the working directory importable, as torchrun
     and uvicorn make it); a one-line ConfigError for what cannot be imported or called."""
-    import importlib
-    import os
-    import sys
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -286,7 +287,6 @@ def user_factory(spec: str) -> Callable[..., nn.Module]:
 def build_user_model(spec: str, num_classes: int | None = None) -> nn.Module:
     """Call the user's factory (with num_classes= when it takes that argument and the data gives
     the classes); the result must be an nn.Module."""
-    import inspect
 
     fn = user_factory(spec)
     kwargs = {}

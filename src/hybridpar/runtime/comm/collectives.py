@@ -11,6 +11,8 @@ padding under the separate term `codec_overhead`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import threading
 import time
@@ -83,8 +85,6 @@ def labelled(fn):
     """`fn` (a collective taking a `via`) inside a torch.profiler range
     named "hybridpar <collective> <term> <layers>" while a profiler records (`--profile-trace`),
     so a trace shows what each collective carried; a direct call otherwise."""
-    import functools
-    import inspect
 
     sig = inspect.signature(fn)
 

@@ -36,6 +36,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from hybridpar.core.cluster import cache_dir
+
 __all__ = ["available", "bn", "decode", "encode"]
 
 _SOURCE = r"""
@@ -226,7 +228,6 @@ def _cpu_key() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    from hybridpar.core.cluster import cache_dir
 
     key = hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_key()).encode()).hexdigest()[:16]
     folder = cache_dir() / "kernels"

@@ -23,15 +23,28 @@ network (`[network]`'s `sync`), for the jobs whose groups span the hosts.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from hybridpar.core.cluster import cache_write, localhost_path
-from hybridpar.core.timing import Recheck, Settled, clock, settle
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridpar.core.choices import CODECS
+from hybridpar.core.cluster import cache_write, localhost_path, rank_threads
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.timing import TOL, TRIES, Recheck, Settled, clock, settle, spread
+from hybridpar.planning.cost.collectives import clog2
+from hybridpar.runtime.comm.codecs import time_codec
 from hybridpar.runtime.comm.devices import local_gpu
+from hybridpar.runtime.comm.grid import new_group
+from hybridpar.runtime.comm.host import host_names
+from hybridpar.runtime.launcher import launch, under_torchrun
+from hybridpar.runtime.train.report import split_waits
 
 __all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta", "fit_network", "recheck"]
 
@@ -46,10 +59,6 @@ def _time_allreduce(
     rank's batch has a spread of at most hybridpar.core.timing.TOL (the ranks agree on it; TRIES at
     most: then the median of every batch). A rank outside the group (`timed` False) only joins
     the barriers."""
-    import torch
-    import torch.distributed as dist
-
-    from hybridpar.core.timing import TOL, TRIES, spread
 
     out = {}
     where = _rank_device(device)
@@ -82,10 +91,6 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     """The two levels of a job whose ranks sit on several hosts (`names`: each rank's host):
     every host's ranks all-reduce among themselves at once, then the first rank of each host
     all-reduces with the others' first ranks over the network. Collective over the world."""
-    import torch
-    import torch.distributed as dist
-
-    from hybridpar.runtime.comm.grid import new_group
 
     me, hosts = dist.get_rank(), sorted(set(names), key=names.index)
     members = {h: [r for r, n in enumerate(names) if n == h] for h in hosts}
@@ -150,10 +155,6 @@ def _time_shm(group=None, piece: int = 1 << 18) -> tuple[float | None, float | N
     take): its median less small_alpha, over the bytes each rank receives. (None, None) where
     the path does not apply (several hosts). `group`: a host's ranks (comm.grid.new_group with
     shared memory), else the world."""
-    import torch
-    import torch.distributed as dist
-
-    from hybridpar.runtime.comm.grid import new_group
 
     if group is None:
         everyone = list(range(dist.get_world_size()))
@@ -189,12 +190,6 @@ def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> 
     for W > 0; the cost model applies its contention factor to the alone time. Collective over
     `group` (the world where None); each rank runs with the threads a rank of `ranks_here` on
     its host gets (the group's size where None: a group of one host)."""
-    import torch
-    import torch.distributed as dist
-
-    from hybridpar.core.cluster import rank_threads
-    from hybridpar.runtime.comm.grid import new_group
-    from hybridpar.runtime.train.report import split_waits
 
     if group is None:
         everyone = list(range(dist.get_world_size()))
@@ -238,7 +233,6 @@ def _work(a, w: int) -> None:
 def _alone(a, pg) -> dict[int, float]:
     """Each amount of work's median time on this rank, the ranks taking turns (the cores to
     itself)."""
-    import torch.distributed as dist
 
     p, me = dist.get_world_size(pg), dist.get_rank(pg)
     solo: dict[int, float] = {}
@@ -258,7 +252,6 @@ def _alone(a, pg) -> dict[int, float]:
 def _together(a, w: int, sync, pg, repeats: int) -> tuple[float, list[float]]:
     """Work w then a meeting, `repeats` times in a row on every rank: (wall time per round,
     each meeting's time on this rank)."""
-    import torch.distributed as dist
 
     for _ in range(3):  # warm up
         _work(a, w)
@@ -276,7 +269,6 @@ def _together(a, w: int, sync, pg, repeats: int) -> tuple[float, list[float]]:
 
 def _rank_device(device: str):
     """This rank's device for `device` (cuda: its GPU, shared with others under gloo)."""
-    import torch
 
     if device != "cuda":
         return torch.device(device)
@@ -289,7 +281,6 @@ def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict
     """Everything a calibration measures between ranks. The shared-memory paths and the
     meetings' table are the CPU's (a GPU's collectives go through its backend, and its ranks
     do not share cores): measured for a CPU calibration only."""
-    from hybridpar.runtime.comm.host import host_names
 
     names = host_names()
     cpu = device == "cpu"
@@ -311,8 +302,6 @@ def _time_codecs(
     CPU), into reused buffers (as the reducers run them), the medians of a batch of `repeats`
     settled on their sums (hybridpar.core.timing.settle): what the cost model charges a rank for the
     elements it encodes and decodes (planning.cost.terms.codec_s)."""
-    from hybridpar.core.choices import CODECS
-    from hybridpar.runtime.comm.codecs import time_codec
 
     out, spreads = {}, {}
     for name in CODECS:
@@ -332,7 +321,6 @@ def _time_codecs(
 def _flops(threads: int, device: str = "cpu") -> Settled:
     """FLOP/s of float32 matrix products, settled (hybridpar.core.timing.settle, on the seconds of a
     product): one CPU core's (`threads` 1), or one GPU's."""
-    import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # put back after: a rank of a job calibrates in it
@@ -360,7 +348,6 @@ def _flops(threads: int, device: str = "cpu") -> Settled:
 def _time_copies(device: str, nbytes: int = 1 << 26, repeats: int = 5) -> dict[str, float]:
     """Seconds per byte of a copy from pinned host memory to `device` and back: what the host
     reducer and gloo's staging pay for a GPU's tensors (recorded; not yet priced)."""
-    import torch
 
     where = torch.device(device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -381,9 +368,6 @@ def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
     """Least squares of the relative error for t = 2 ceil(log2 p) alpha + 2 (p-1)/p n beta,
     both kept non-negative: each size weighs by 1 / t, so the microseconds of the small sizes
     decide alpha instead of vanishing beside the milliseconds of the large ones."""
-    import numpy as np
-
-    from hybridpar.planning.cost.collectives import clog2
 
     n = np.array(sorted(times), dtype=float)
     t = np.array([times[int(k)] for k in n])
@@ -406,7 +390,6 @@ def fit_network(times: dict[int, float], p: int) -> tuple[float, float]:
     Within a host too (`_fitted` uses it for every level): the small sizes' rate moves from one
     calibration to the next, the slope of the megabyte sizes is what a gradient sum then takes
     (docs/cost-model.md has the measurements). The small sizes set alpha alone."""
-    from hybridpar.planning.cost.collectives import clog2
 
     n = sorted(times)
     v = [2 * (p - 1) / p * k for k in n]
@@ -432,9 +415,6 @@ def _fitted(
     device: str = "cpu",
     backend: str = "gloo",
 ) -> dict:
-    import math
-
-    from hybridpar.core.errors import ConfigError
 
     spreads = [times[n][1] for n in sorted(times)]
     alpha, beta = fit_network(_medians(times), nproc)
@@ -446,8 +426,6 @@ def _fitted(
         )
     gpu = device == "cuda"
     if gpu:
-        import torch
-
         units = torch.cuda.device_count()  # a GPU's FLOP/s, shared by the ranks on it
     return {
         "name": "localhost",
@@ -495,8 +473,6 @@ def calibrate(
     the collectives of GPU tensors over `backend` (nccl: a GPU per rank; gloo: ranks sharing
     GPUs), a GPU's FLOP/s, the codecs and the host <-> device copies on a GPU, saved apart from
     the CPU's calibration (`localhost` then prices a CUDA job with it)."""
-    from hybridpar.core.errors import ConfigError
-    from hybridpar.runtime.launcher import launch, under_torchrun
 
     counts = [nproc] if isinstance(nproc, int) else list(nproc)
     if under_torchrun():
@@ -545,7 +521,6 @@ def with_levels(data: dict, levels: dict | None) -> dict:
     `by_procs` entry at the ranks a host has), the leaders' fit the `[network]`."""
     if levels is None:
         return data
-    from hybridpar.core.errors import ConfigError
 
     L, H = levels["ranks_per_host"], levels["hosts"]
     if levels["uneven"]:
@@ -574,9 +549,6 @@ def with_levels(data: dict, levels: dict | None) -> dict:
 def calibrate_in_job(repeats: int = 5, device: str = "cpu", backend: str = "gloo") -> None:
     """Calibrate on the ranks of a running job (every rank calls it): they all take part in the
     all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
-    import torch.distributed as dist
-
-    from hybridpar.runtime.comm.host import host_names
 
     names = host_names()
     times = _time_allreduce(SIZES, repeats, device)
@@ -599,8 +571,6 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu", backend: str = "gloo
     got: list = [error]
     dist.broadcast_object_list(got, src=0)
     if got[0] is not None:
-        from hybridpar.core.errors import ConfigError
-
         raise ConfigError(got[0])
 
 
@@ -608,8 +578,6 @@ def recheck(device: str = "cpu", backend: str = "gloo", repeats: int = 5) -> lis
     """The calibration of `device` measured again on a sample: the all-reduce fit at its
     smallest count of ranks, a core's (a GPU's) FLOP/s and every codec's encode and decode
     (`hybridpar calibrate --check`)."""
-    from hybridpar.core.errors import ConfigError
-    from hybridpar.runtime.launcher import launch
 
     path = localhost_path(device)
     try:

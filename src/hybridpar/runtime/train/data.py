@@ -15,6 +15,8 @@ first B % P ranks taking one more, so batch group c holds a contiguous block.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,9 +174,6 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
     Importing sklearn.datasets would import joblib, whose loky backend creates named semaphores in
     /dev/shm in every rank; a rank killed by a signal would leave them behind. Reading the file
     directly (what load_digits does) avoids that import."""
-    import gzip
-    import importlib.util
-    from pathlib import Path
 
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
