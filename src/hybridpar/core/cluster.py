@@ -120,7 +120,8 @@ class Cluster:
         by how far the last of P ranks arrives behind their mean against the last of that
         count (`_scaled`, `expected_max`: independent, equally noisy ranks); for a job that
         spans the
-        hosts of a two-level cluster, the table measured with the ranks meeting across them."""
+        hosts of a two-level cluster, the table measured with the ranks meeting across them. Its
+        shared-memory numbers take the contention factor of its ranks on the host's cores."""
         here, local = self, self.local(P)
         spans = self.two_level and bool(self.net_sync) and local < P
         if self.sync_by_procs or spans:
@@ -135,6 +136,13 @@ class Cluster:
         fits = {p: rest for p, *rest in self.by_procs}
         if _below(fits, local):
             alpha, beta, small, shm = fits[_below(fits, local)]
+            # a shared-memory collective is the ranks' own copying, summing and polling: timed
+            # back to back, the waiting ranks hand each other the cores; in a step the ranks
+            # around it compute, and it gets its share of a core as compute and the codecs do
+            c = 1.0
+            if self.cores is not None:
+                c = contention(self.cores, local, rank_threads(self.cores, local))
+            small, shm = (None if x is None else x * c for x in (small, shm))
             return replace(here, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
         return here
 
