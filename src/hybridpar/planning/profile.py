@@ -137,6 +137,31 @@ def _median_iteration(calls: list[float], repeats: int) -> float:
     return statistics.median(sum(calls[i * k : (i + 1) * k]) for i in range(repeats))
 
 
+def _calls(model, x, pick) -> list[tuple[str, object, tuple[int, ...]]]:
+    """(name, module, its input's shape) of every call of a module `pick` takes, in the order of
+    one forward of x (no_grad, in eval mode: the shapes only, no batch statistics)."""
+    import torch
+
+    calls: list = []
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, args, name=name: calls.append((name, mod, tuple(args[0].shape)))
+        )
+        for name, m in model.named_modules()
+        if pick(m)
+    ]
+    training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()
+            model(x)
+    finally:
+        model.train(training)
+        for h in hooks:
+            h.remove()
+    return calls
+
+
 def _windows(model, shape: tuple[int, ...]) -> dict[str, tuple]:
     """{leaf: (module, Window, input channels, input width)} of every 2-d convolution (zero
     padding) and max or average pooling, in forward order: the layers the domain style runs on
@@ -146,32 +171,17 @@ def _windows(model, shape: tuple[int, ...]) -> dict[str, tuple]:
 
     from hybridpar.core.halo import Window
 
-    seen: dict[str, tuple] = {}
-    hooks = []
-    for name, m in model.named_modules():
+    def pick(m) -> bool:
         conv = isinstance(m, nn.Conv2d) and m.padding_mode == "zeros"
-        if not (conv or isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))) or isinstance(m.padding, str):
-            continue
-        k, st = _pair(m.kernel_size), _pair(m.stride or m.kernel_size)
-        pad, dil = _pair(m.padding), _pair(getattr(m, "dilation", 1))
+        pool = isinstance(m, (nn.MaxPool2d, nn.AvgPool2d))
+        return (conv or pool) and not isinstance(m.padding, str)
 
-        def grab(mod, args, *_, name=name, k=k, st=st, pad=pad, dil=dil) -> None:
-            x = args[0]
-            if x.dim() == 4:
-                seen[name] = (
-                    mod,
-                    Window(k[0], st[0], pad[0], dil[0], x.shape[2]),
-                    x.shape[1],
-                    x.shape[3],
-                )
-
-        hooks.append(m.register_forward_hook(grab))
-    try:
-        with torch.no_grad():
-            model(torch.zeros(1, *shape))
-    finally:
-        for h in hooks:
-            h.remove()
+    seen: dict[str, tuple] = {}
+    for name, m, x in _calls(model, torch.zeros(1, *shape), pick):
+        if len(x) == 4:  # its last call's input
+            k, st = _pair(m.kernel_size), _pair(m.stride or m.kernel_size)
+            pad, dil = _pair(m.padding), _pair(getattr(m, "dilation", 1))
+            seen[name] = (m, Window(k[0], st[0], pad[0], dil[0], x[2]), x[1], x[3])
     return seen
 
 
@@ -309,25 +319,13 @@ def _measure_splits(
 
     from hybridpar.core.splits import chunk_sizes
 
-    inputs: dict[str, tuple] = {}
-    hooks = []
-    for name, m in model.named_modules():
+    def pick(m) -> bool:
         ungrouped = isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.groups == 1
-        if ungrouped or isinstance(m, nn.Linear):
+        return ungrouped or isinstance(m, nn.Linear)
 
-            def grab(mod, args, name=name) -> None:
-                inputs.setdefault(name, (mod, tuple(args[0].shape)))
-
-            hooks.append(m.register_forward_pre_hook(grab))
-    training = model.training
-    try:
-        with torch.no_grad():
-            model.eval()  # the shapes only: no batch statistics (one example of a BatchNorm1d)
-            model(torch.zeros(n, *shape, device=device))
-    finally:
-        model.train(training)
-        for h in hooks:
-            h.remove()
+    inputs: dict[str, tuple] = {}
+    for name, m, x in _calls(model, torch.zeros(n, *shape, device=device), pick):
+        inputs.setdefault(name, (m, x))  # its first call's input
     return {
         name: _split_ratio(module, x, chunk_sizes(module.weight.shape[0], pr)[0], i > 0, repeats)
         for i, (name, (module, x)) in enumerate(inputs.items())
