@@ -72,10 +72,18 @@ class Exchange:
         self.ranks = [dist.get_global_rank(group.pg, j) for j in range(pr)]
         self.band = bands(window.h_in, pr)[me]
         self.out = bands(window.h_out, pr)[me]
-        self.plan = plan = window.plan(pr)  # every rank's receives: {rank: [lo, hi)}
+        plan = window.plan(pr)  # every rank's receives: {rank: [lo, hi)}
         self.receives = plan[me]
         self.sends = {q: plan[q][me] for q in range(pr) if me in plan[q]}
         self.needed = any(plan)  # no rank reads another's rows (1x1, aligned pools): nothing moves
+        # through shared memory each rank's slot holds its pieces in rank order (forward: the rows
+        # it sends, by receiver; backward: the gradients of the rows it got, by sender): the most
+        # rows a slot holds, and where this rank's piece starts in another's
+        sent = [{q: plan[q][r] for q in range(pr) if r in plan[q]} for r in range(pr)]
+        self.most = max(sum(b - a for a, b in s.values()) for s in sent)
+        self.most_back = max(sum(b - a for a, b in got.values()) for got in plan)
+        self.read_at = {q: _rows_before(sent[q], me) for q in self.receives}
+        self.back_at = {q: _rows_before(plan[q], me) for q in self.sends}
         self.hidden: list[tuple[float, float]] = []  # per forward: (halo seconds, exposed seconds)
 
     def _shape(self, like: torch.Tensor, rows: tuple[int, int]) -> tuple[int, ...]:
@@ -92,23 +100,15 @@ class Exchange:
             return None
         return shm
 
-    def _sends_of(self, r: int) -> list[tuple[int, tuple[int, int]]]:
-        return [(q, self.plan[q][r]) for q in range(self.pr) if r in self.plan[q]]
-
-    def _offset(self, pieces: list[tuple[int, tuple[int, int]]], until: int) -> int:
-        """Rows before the piece for rank `until` among (rank, rows) pieces in rank order."""
-        return sum(b - a for q, (a, b) in pieces if q < until)
-
     def post(self, x: torch.Tensor, call: dict) -> None:
         """Start sending the rows others read and receiving the ones this rank reads."""
         lo = self.band[0]
         call["t0"] = time.perf_counter()
         pieces = [x[:, :, a - lo : b - lo] for _, (a, b) in sorted(self.sends.items())]
         sent = sum(t.numel() * t.element_size() for t in pieces)
-        most = max(sum(b - a for _, (a, b) in self._sends_of(r)) for r in range(self.pr))
-        shm = self._shm(x, most)
+        shm = self._shm(x, self.most)
         if shm is not None:
-            call["shm"] = (shm, shm.begin(pieces, most * self._row_bytes(x)), x)
+            call["shm"] = (shm, shm.begin(pieces, self.most * self._row_bytes(x)), x)
         else:
             works, bufs = [], {}
             for (q, _), piece in zip(sorted(self.sends.items()), pieces, strict=True):
@@ -131,7 +131,7 @@ class Exchange:
         slots = shm.finish(posted, "send the halo rows of")
         row, out = self._row_bytes(x), {}
         for q, rows in self.receives.items():
-            off = self._offset(self._sends_of(q), self.me) * row
+            off = self.read_at[q] * row
             n = (rows[1] - rows[0]) * row
             out[q] = slots[q][off : off + n].view(x.dtype).view(self._shape(x, rows)).clone()
         return out
@@ -156,11 +156,10 @@ class Exchange:
             shm = call["shm"][0]
             grads = call.get("grads", {})
             pieces = [grads[q] for q in sorted(grads)]
-            most = max(sum(b - a for a, b in self.plan[r].values()) for r in range(self.pr))
             row = self._row_bytes(g)
-            slots = shm.finish(shm.begin(pieces, most * row), "send halo gradients of")
+            slots = shm.finish(shm.begin(pieces, self.most_back * row), "send halo gradients of")
             for q, rows in self.sends.items():
-                off = self._offset(sorted(self.plan[q].items()), self.me) * row
+                off = self.back_at[q] * row
                 n = (rows[1] - rows[0]) * row
                 inbound[q] = slots[q][off : off + n].view(g.dtype).view(self._shape(g, rows))
         else:
@@ -178,6 +177,11 @@ class Exchange:
             took, sent = time.perf_counter() - t0, call.get("back_bytes", 0)
             self.ledger.record("halo", self.pr, sent, took, Term.HALO_BWD, {self.layer: 1.0})
         return g
+
+
+def _rows_before(pieces: dict[int, tuple[int, int]], me: int) -> int:
+    """Rows of the pieces {rank: [lo, hi)} of ranks below `me` (a slot's pieces in rank order)."""
+    return sum(b - a for q, (a, b) in pieces.items() if q < me)
 
 
 class _Post(torch.autograd.Function):
