@@ -46,9 +46,8 @@ def steady_malloc() -> bool:
     neighbours do (HYBRIDPAR_MALLOC=0 leaves them): blocks under 32 MiB come from the heap, which
     is trimmed past 128 MiB free. By default a block over the mmap threshold is mapped and
     unmapped on every call and the threshold moves with what the process freed before, so a
-    step's time depended on its history: resnet20's profile at 16 examples took 39-46 ms in a
-    fresh process, 35-40 after a codec timing had freed 4 MB blocks, 32-34 with the thresholds
-    fixed (docs/validate.md). False where it does not apply (no glibc)."""
+    step's time would depend on its history (measured in docs/validate.md). False where it does
+    not apply (no glibc)."""
     if os.environ.get("HYBRIDPAR_MALLOC", "1") == "0":
         return False
     try:

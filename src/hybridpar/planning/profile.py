@@ -363,9 +363,8 @@ def _split_ratio(module, x_shape, k: int, dx: bool, repeats: int) -> tuple[float
 def _stepper(net):
     """The trainer's optimizer (hybridpar.core.optim.KrizhevskySGD: in place, no temporaries) over
     `net`'s parameters, each with a gradient: what the profile times and its neighbours run
-    beside it. (torch.optim.SGD with weight decay, timed here before, allocates a gradient-sized
-    temporary per step: its page faults cost 0.7 or 2.3 ns an element depending on the
-    allocator's history, and the trainer never pays them.)"""
+    beside it. (torch.optim.SGD with weight decay allocates a gradient-sized temporary per step,
+    whose page faults depend on the allocator's history; the trainer never pays them.)"""
     import torch
 
     from hybridpar.core.optim import KrizhevskySGD
@@ -378,8 +377,7 @@ def _stepper(net):
 
 # the words an element of the optimizer's step moves (v *= mu: 2; v -= lr g, v -= lr wd w,
 # w += v: 3 each) against a copy's 2, and how many times that traffic at the speed of a copy
-# measured beside it a step may take before it is measured again (on this machine the step
-# took 0.7x: 0.75 ns an element against 0.20 ns for a copy's)
+# measured beside it a step may take before it is measured again (docs/validate.md)
 STEP_WORDS, STEP_BOUND = 11, 4.0
 
 
@@ -489,10 +487,10 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int) -> None:
 
 class _Neighbours:
     """`busy - 1` processes that keep the host's other cores doing what the profile measures
-    (`_neighbour`): ranks that share a host share its memory bandwidth and caches, and an SGD
-    step over 4M elements took 0.66-0.70 ns an element alone and 1.25-1.33 beside another (this
-    2-core machine), as the ranks of a job step their optimizers together. Plain subprocesses:
-    multiprocessing would run the caller's main module again in each."""
+    (`_neighbour`): ranks that share a host share its memory bandwidth and caches, so a step
+    streamed beside another takes longer than alone, as the ranks of a job step their optimizers
+    together. Plain subprocesses: multiprocessing would run the caller's main module again in
+    each."""
 
     def __init__(self, model: str, shape: tuple[int, ...], threads: int, busy: int) -> None:
         self.args = [model, "x".join(map(str, shape)), str(threads)]
@@ -676,25 +674,13 @@ def profile_compute(
                 beside.run(UPDATE)
                 data.update(_measure_update(net, repeats, device).fields("update_s"))
         cache_write(path, data)
-    per_count = {
-        int(k): {leaf: (float(v[0]), float(v[1])) for leaf, v in table.items()}
-        for k, table in data["per_count"].items()
-    }
-
-    def read(tables: dict) -> dict:
-        return {
-            _key(k): {leaf: (float(v[0]), float(v[1])) for leaf, v in table.items()}
-            for k, table in tables.items()
-        }
-
     return ProfileModel(
-        per_count,
-        bands=read(shares),
-        splits=read(splits),
+        _read(data["per_count"], int),
+        bands=_read(shares, _key),
+        splits=_read(splits, _key),
         update_s=float(data["update_s"]),
         # ranks that meet at every collective run at the pace of the most crowded core: 3 ranks
-        # on 2 cores take as long as 4 (measured: a lockstep loop of 3 ranks ran 2.2x slower
-        # than one alone, 4 ranks 2.3x)
+        # on 2 cores take as long as 4
         contention=contention(cluster.cores, local, threads),
         source=str(path),
     )
@@ -714,6 +700,13 @@ def planning_compute(
     counts = sorted({B // pc for _, pc in shapes})
     where = "cuda" if device == "cuda" else "cpu"
     return profile_compute(cluster, model, shape, P, counts, bands=bands, device=where)
+
+
+def _read(tables: dict, key) -> dict:
+    """Cached tables {key: {leaf: [forward, backward]}} as numbers, each key read by `key`."""
+    return {
+        key(k): {x: (float(v[0]), float(v[1])) for x, v in t.items()} for k, t in tables.items()
+    }
 
 
 def _key(k: str) -> tuple[int, int]:

@@ -154,9 +154,7 @@ def _child(
     os.environ.update(env)
     os.chdir(cwd)
     sys.path[:] = path
-    faulthandler.register(
-        signal.SIGUSR1, all_threads=True
-    )  # `kill -USR1 <pid>` prints where a rank is
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where it is
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -187,10 +185,8 @@ def _child(
         shutdown()  # nobody tears down the group while another rank still uses it
         code = 0
     except BaseException as exc:  # report everything, including KeyboardInterrupt
-        last = (
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        )
-        queue.put((rank, "error", (last, traceback.format_exc())))
+        first = (str(exc).strip().splitlines() or [""])[0]
+        queue.put((rank, "error", (f"{type(exc).__name__}: {first}", traceback.format_exc())))
         code = 1
     _leave(queue, code)
 

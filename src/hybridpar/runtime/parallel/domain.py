@@ -280,9 +280,9 @@ class _Windowed(nn.Module):
         x = _Post.apply(x, ex, call)
         own = [(ex.band[0], x)]
         # the interior rows while the halo rows travel, over the network; through shared memory
-        # they are there in microseconds, and computing the band in three pieces (the interior,
-        # the rows next to each neighbour, their concatenation, forward and backward) cost
-        # 0.7-0.9 ms a convolution more than one call on band and halo (docs/validate.md)
+        # they are there at once, and three pieces (the interior, the rows next to each
+        # neighbour, their concatenation, forward and backward) cost more than one call on band
+        # and halo (measured in docs/validate.md)
         pieces = i0 < i1 and "shm" not in call
         mid = self._out(own, i0, i1, x) if pieces else None
         t_mid = time.perf_counter()

@@ -197,7 +197,7 @@ class SameRandom:
     def enter(self, seg: int) -> None:
         # the generators this process draws from, not torch.manual_seed: that one also queues a
         # seeding of every lazy device kind (cuda, xpu, mtia) with a captured stack each time,
-        # about 1 ms a call on one CPU thread, paid at every segment of every step
+        # which would be paid at every segment of every step
         seed = (self.seed * 1_000_003 + self.step * 1_009 + seg * 10_007 + self.keys[seg]) % 2**63
         torch.default_generator.manual_seed(seed)
         if torch.cuda.is_initialized():

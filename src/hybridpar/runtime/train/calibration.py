@@ -116,8 +116,8 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     )
     across = _time_sync(world, ranks_here=len(members[names[me]]))
     # a small all-reduce (what batch-norm statistics take) over all of them, across the hosts:
-    # 3.5-4.1 ms on the emulated hosts, 1.5-4.5x what the leaders' alpha gives (the ranks share
-    # cores with the link's packet processing, and each waits for the slowest)
+    # timed, not derived from the leaders' alpha (the ranks share cores with the link's packet
+    # processing, and each waits for the slowest; docs/cluster.md)
     stats = torch.zeros(33, dtype=torch.float64)
     mine = _median_s(lambda: dist.all_reduce(stats, group=world.pg), warmup=10, repeats=60)
     small_net: list = [None] * dist.get_world_size()

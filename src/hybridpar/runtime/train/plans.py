@@ -125,8 +125,8 @@ def checked_file_plan(
             "the plan's predicted bytes do not match this model (different widths or classes?): "
             "it was made for another model; re-plan for this one"
         )
-    # its seconds priced again on the cluster it runs on: a plan made for cori-knl promised
-    # 1.3 ms an iteration to a run on this machine that took 28.3 (issue 43 item 4)
+    # its seconds priced again on the cluster it runs on, not the one it was made for (a plan
+    # made for cori-knl would promise a laptop a supercomputer's step)
     return replace(plan, predicted=fresh.predicted, cluster=fresh.cluster, totals=fresh.totals)
 
 
