@@ -408,9 +408,9 @@ def _per_meeting(points: list[tuple[float, float]], seconds: float, share: float
     """The excess of one meeting after `seconds` of priced compute, from the sync table's points
     (priced compute, excess): a least-squares line, a fixed cost per meeting (ranks that share
     cores wait for the scheduler to hand a core back to the last one) plus a share of the
-    compute the scheduler interleaves; below the first point
-    in proportion from (0, 0), so meetings back to back cost nothing. Where the line's intercept
-    or slope comes out negative (a noisy table), or with one point, `share` of the compute."""
+    compute the scheduler interleaves; below the first point in proportion from (0, 0), so
+    meetings back to back cost nothing. Where the line's intercept or slope comes out negative
+    (a noisy table), or with one point, `share` of the compute."""
     if len(points) < 2:
         return share * seconds
     mx = math.fsum(x for x, _ in points) / len(points)
