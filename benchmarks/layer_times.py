@@ -136,7 +136,7 @@ def _predicted(job) -> tuple[dict, float]:
     from hybridpar.planning.search import evaluate
 
     cfg, plan = job.cfg, job.plan
-    cluster = pricing_cluster(cfg.cluster, True, cfg.choices.device)
+    cluster = pricing_cluster(cfg, True)
     compute = settled_compute(
         cluster, cfg.model, job.input_shape, plan.procs, plan.batch, cfg.choices.device
     )

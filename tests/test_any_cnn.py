@@ -179,7 +179,7 @@ def test_train_with_the_host_reducer_plans_splits_under_auto():
     shape = (1, 8, 8)
     model = zoo("digits-wide", 8)()
     layers = cost_layers(trace(model, shape).specs)
-    slow = pricing_cluster("fdr-infiniband", False, "cpu")
+    slow = pricing_cluster(TrainConfig(cluster="fdr-infiniband"), False)
     for reducer, split in (("process-group", True), ("host", True)):
         cfg = TrainConfig(nproc=4, batch=64).with_(reducer=reducer)
         plan = preset_plan(cfg, 4, layers, shape, slow)

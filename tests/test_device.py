@@ -219,11 +219,11 @@ def test_a_calibration_prices_only_the_device_it_measured(localhost):
     from hybridpar.runtime.train.plans import preset_plan, pricing_cluster
 
     localhost_path("cuda").unlink()
-    assert pricing_cluster("localhost", False, "cuda") is BYTES_ONLY
     cfg = build(TrainConfig, model="digits-wide", batch=16, preset="batch", device="cuda")
+    assert pricing_cluster(cfg, False) is BYTES_ONLY
     plan = preset_plan(cfg, 2, zoo_cost_layers("digits-wide"), (1, 8, 8), BYTES_ONLY)
     assert plan.totals == {}  # no seconds printed: "time not predicted"
-    assert pricing_cluster("localhost", False, "cpu").device == "cpu"
+    assert pricing_cluster(cfg.with_(device="cpu"), False).device == "cpu"
 
 
 def test_a_plan_priced_bytes_only_carries_no_seconds_and_a_wild_one_is_refused():

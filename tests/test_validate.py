@@ -527,6 +527,46 @@ def test_shared_memory_collectives_take_their_share_of_a_crowded_host(cache):
     assert bn.best.layers[0].terms[Term.BN_STATS].seconds == pytest.approx(1e-4)
 
 
+def test_a_run_without_shared_memory_is_priced_as_it_runs(cache):
+    """`--no-shared-memory` sends a job's activations' and small collectives through gloo, so its
+    prediction prices them on alpha-beta, not at the shared-memory numbers the calibration
+    measured (before: resnet20's domain 4 x 1 predicted 76.5 ms with it, measured 318.8)."""
+    import dataclasses
+
+    from hybridpar.core.analysis import analyze
+    from hybridpar.core.cluster import load_cluster
+    from hybridpar.core.config import build
+    from hybridpar.core.layers import cost_layers
+    from hybridpar.core.models import build_model
+    from hybridpar.core.terms import Term
+    from hybridpar.planning.cost.terms import t_halo
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.plans import pricing_cluster
+
+    base = {"name": "localhost", "alpha": 1e-4, "beta": 1e-9, "flops": 1e10, "cores": 2}
+    four = {"alpha": 1e-4, "beta": 1e-9, "small_alpha": 5e-6, "shm_beta": 1e-11}
+    (cache / "localhost.json").write_text(json.dumps({**base, "by_procs": {"4": four}}))
+    on = pricing_cluster(build(TrainConfig, cluster="localhost", device="cpu"), True)
+    cfg = build(TrainConfig, cluster="localhost", device="cpu", shared_memory=False)
+    off = pricing_cluster(cfg, True)
+    assert on == load_cluster("localhost") and on.at(4).shm_paths
+    assert off == dataclasses.replace(on, shared_memory=False) and not off.at(4).shm_paths
+    assert "shared_memory" not in off.to_dict()  # a run's, not the cluster file's
+    normed = dataclasses.replace(LAYER, norms=((16, True),))
+    bn = {
+        c: plan_layers([normed], 4, 16, c, scenarios=["batch"], grad_bucket=None)
+        .best.layers[0]
+        .terms[Term.BN_STATS]
+        for c in (on, off)
+    }
+    assert bn[on].seconds == pytest.approx(1e-5)  # small_alpha, at 2 ranks a core
+    assert bn[off].seconds > 2e-4 and bn[off].bytes == bn[on].bytes  # gloo's alpha-beta
+    conv = next(x for x in cost_layers(analyze(build_model("resnet20"), (3, 32, 32))) if x.windows)
+    halo = {c: t_halo(conv, 4, 1, 32, c.at(4), 4.0) for c in (on, off)}
+    assert halo[off].bytes == halo[on].bytes > 0
+    assert halo[off].seconds > 1e-4 > halo[on].seconds  # a message each way, or the segment
+
+
 def _split_on_ranks():
     import torch.distributed as dist
 

@@ -84,6 +84,10 @@ class Cluster:
     # how a plan places its positions on the ranks (hybridpar.core.groups): set by the
     # planner (`placed`), not by cluster files
     placement: tuple[int, int] | None = None
+    # whether the job's groups take the host's shared-memory paths (RuntimeOptions'
+    # shared_memory: set for a run, not by cluster files); False: its activations' and small
+    # collectives go through gloo and are priced on alpha-beta (the host reducer keeps its own)
+    shared_memory: bool = True
     # what the ranks of one host lose where they meet, measured by `hybridpar calibrate` for each
     # number of ranks on a host: (P, ((alone s, wall s, wait s), ...)) (planning.cost.sync);
     # `sync` is the table of the job `at` prices and `sync_ranks` its ranks on a host
@@ -103,6 +107,12 @@ class Cluster:
     # the device a calibration measured its compute and collectives on (cpu, cuda): a job on
     # another device is not priced with it; empty for a described cluster (a preset, a file)
     device: str = ""
+
+    @property
+    def shm_paths(self) -> bool:
+        """Whether a job's activation collectives and halos on one host are priced through shared
+        memory: calibrated (small_alpha, shm_beta) and not turned off for the run."""
+        return self.shared_memory and self.small_alpha is not None and self.shm_beta is not None
 
     @property
     def two_level(self) -> bool:
@@ -319,8 +329,8 @@ class Cluster:
             by_procs.setdefault(str(p), {})["sync"] = [list(r) for r in rows]
         out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
         out["codecs"] = {name: [enc, dec] for name, enc, dec in self.codecs}
-        drop = ("ranks_per_host", "net_alpha", "net_beta", "placement", "sync_by_procs", "sync")
-        for k in (*drop, "sync_ranks", "net_sync", "net_small"):
+        drop = ("ranks_per_host", "net_alpha", "net_beta", "placement", "shared_memory", "sync")
+        for k in (*drop, "sync_by_procs", "sync_ranks", "net_sync", "net_small"):
             out.pop(k)
         if self.two_level:
             out["network"] = {
@@ -505,6 +515,7 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         "net_alpha",
         "net_beta",
         "placement",
+        "shared_memory",
         "sync_by_procs",
         "sync",
         "sync_ranks",

@@ -122,7 +122,7 @@ def on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm:
     Encoded activations (a codec), clusters without those numbers, and collectives of more than
     SHM_MAX_BYTES per rank stay on alpha-beta, as the runtime sends them on gloo (`rank_bytes`:
     what one rank contributes, the size the runtime compares with that limit)."""
-    if compressed or net.small_alpha is None or net.shm_beta is None or c.group <= 1:
+    if compressed or not net.shm_paths or c.group <= 1:
         return c
     if rank_bytes > SHM_MAX_BYTES:
         return c
@@ -219,7 +219,7 @@ def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> d
 
     def small(n: float) -> Comm:
         c = all_reduce(n, p, net)
-        if net.small_alpha is None or p <= 1:
+        if net.small_alpha is None or not net.shared_memory or p <= 1:
             return c
         return Comm(c.kind, c.group, c.bytes, net.small_alpha)
 
@@ -280,7 +280,7 @@ def t_halo(
             continue
         total += sum(sent) / pr * row
         most = max(sent) * row
-        if net.small_alpha is not None and net.shm_beta is not None and most <= SHM_MAX_BYTES:
+        if net.shm_paths and most <= SHM_MAX_BYTES:
             seconds += net.small_alpha + net.shm_beta * most  # through shared memory (one host)
         else:
             pairs = zip(msgs, sent, strict=True)

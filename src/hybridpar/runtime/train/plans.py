@@ -40,12 +40,14 @@ def settled_compute(
     return planning_compute(cluster, model, shape, P, B, device)
 
 
-def pricing_cluster(spec: str, required: bool, device: str) -> Cluster:
-    """The cluster presets are planned and priced on, for a job on `device`. An uncalibrated
+def pricing_cluster(cfg: TrainConfig, required: bool) -> Cluster:
+    """The cluster presets are planned and priced on, for the job of `cfg` (its device, and
+    whether its groups take the shared-memory paths, `--no-shared-memory`). An uncalibrated
     `localhost` prices bytes only (no seconds: the report says so) for a fixed preset, and is
     calibrated in the job for a searched one; a calibration of another device is refused. Under
     torchrun, ranks other than 0 price bytes only: rank 0 prices the plan in the job and sends
     it (`agreed_plan`), so only it measures the compute profile, and every rank runs its plan."""
+    spec, device = cfg.cluster, cfg.choices.device
     if spec == "localhost" and not localhost_path(device).exists() and not required:
         return BYTES_ONLY
     cluster = load_cluster(
@@ -53,7 +55,7 @@ def pricing_cluster(spec: str, required: bool, device: str) -> Cluster:
     )  # every rank checks the spec: a bad one is named everywhere
     if not required and under_torchrun() and os.environ.get("RANK", "0") != "0":
         return BYTES_ONLY
-    return cluster
+    return cluster if cfg.runtime.shared_memory else replace(cluster, shared_memory=False)
 
 
 def preset_plan(
@@ -91,7 +93,7 @@ def checked_file_plan(
             f"the plan was made for input {tuple(plan.input_shape)} but the data gives "
             f"{tuple(shape)}; re-plan with the data's --input-size"
         )
-    cluster = pricing_cluster(cfg.cluster, False, cfg.choices.device)
+    cluster = pricing_cluster(cfg, False)
     chosen = [styles[x.name] for x in layers]
     compute = settled_compute(cluster, cfg.model, shape, plan.procs, plan.batch, cfg.choices.device)
     priced = evaluate(
@@ -171,7 +173,7 @@ def agreed_plan(job: Job) -> ParallelPlan:
     answer: object = None
     if rank == 0:
         try:
-            cluster = pricing_cluster(cfg.cluster, searched, cfg.choices.device)
+            cluster = pricing_cluster(cfg, searched)
             plan = preset_plan(cfg, job.procs, job.layers, job.input_shape, cluster)
             answer = ("plan", plan.to_json())
         except ConfigError as exc:

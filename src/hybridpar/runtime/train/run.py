@@ -67,7 +67,7 @@ def prepare(cfg: TrainConfig) -> Job:
         plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
         layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
     else:
-        cluster, searched = pricing_cluster(cfg.cluster, False, cfg.choices.device), cfg.searched
+        cluster, searched = pricing_cluster(cfg, False), cfg.searched
         if searched or cluster is not BYTES_ONLY:  # what the arguments decide, checked
             preset_plan(cfg, P, layers, shape, BYTES_ONLY)  # before a profile is measured
         if not searched:  # rank 0 plans a searched one in the job
