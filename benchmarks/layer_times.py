@@ -138,7 +138,7 @@ def _predicted(job) -> tuple[dict, float]:
     cfg, plan = job.cfg, job.plan
     cluster = pricing_cluster(cfg, True)
     compute = settled_compute(
-        cluster, cfg.model, job.input_shape, plan.procs, plan.batch, cfg.choices.device
+        cluster, cfg.model, job.input_shape, plan.procs, plan.batch, cfg.choices
     )
     styles = [job.layout.styles[x.name] for x in job.layers]
     handoffs = {r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions}

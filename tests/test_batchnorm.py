@@ -179,6 +179,29 @@ def test_no_cancellation_for_large_means():
         assert naive_err > 1e-2  # the naive fp32 formula really is wrong on this data
 
 
+def _under_autocast():
+    """A global BN between two convolutions under CPU bf16 autocast, as the trainer runs it."""
+    P, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    reference, x = copy.deepcopy(net), torch.randn(4 * P, 3, 8, 8)
+    got = convert_global_batchnorm(net)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mine = got[:2](x[4 * rank : 4 * rank + 4])
+        want = reference[:2](x)[4 * rank : 4 * rank + 4]
+        got(x[4 * rank : 4 * rank + 4]).float().sum().backward()
+    return mine.dtype, want.dtype, float((mine.float() - want.float()).abs().max())
+
+
+def test_under_autocast_global_bn_hands_on_the_dtype_torch_batch_norm_does():
+    """Under CPU bf16 autocast torch's batch norm gives bf16 to the next layer; the global one
+    normalises in float32 and gives the same dtype (before: float32, so the activation and the
+    next layer's input cast were twice as large as a one-process run's)."""
+    for mine, want, err in run_ranks(_under_autocast, 2):
+        assert mine == want == torch.bfloat16
+        assert err < 0.05, err  # bf16 rounding of O(1) normalised values
+
+
 def test_single_process_is_plain_batchnorm():
     torch.manual_seed(0)
     ref = nn.BatchNorm2d(4)

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -409,6 +410,33 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(cache, mo
     pm = prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
     assert sorted(calls) == [2, 4, 4, 4, 4, 8, 8, 8, 8] and list(pm.bands) == [(2, 8)]
     assert prof.planning_compute(PRESETS["cori-knl"], "digits-wide", (1, 8, 8), 2, 8) is None
+
+
+def test_a_bf16_run_is_profiled_under_its_autocast(cache, monkeypatch):
+    """`--amp bf16` trains under bf16 autocast, so its compute profile is timed under the same
+    autocast and cached apart from the fp32 one; before, a bf16 job was priced with fp32
+    times (resnet20 at 16 examples runs 1.2x faster in bf16 on this CPU, a GPU far more)."""
+    import torch
+
+    monkeypatch.setattr(prof, "_Neighbours", _Alone)
+    seen = []
+    real = prof._measure_count
+
+    def once(model, shape, n, repeats, device):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real(model, shape, n, 1, device)
+
+    monkeypatch.setattr(prof, "_measure_count", once)
+    host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
+    fp32 = prof.planning_compute(host, "digits-wide", (1, 8, 8), 1, 8)
+    bf16 = prof.planning_compute(host, "digits-wide", (1, 8, 8), 1, 8, amp="bf16")
+    assert seen == [False, True]  # one count each, timed under its own precision
+    assert fp32.source != bf16.source and bf16.source.endswith("-bf16.json")
+    assert json.loads(Path(bf16.source).read_text())["measured"]["amp"] == "bf16"
+    with prof._measuring("digits-wide", (1, 8, 8), 1, 1, "cpu", "bf16") as (net, _):
+        assert net(torch.randn(2, 1, 8, 8)).dtype == torch.bfloat16
+    with prof._measuring("digits-wide", (1, 8, 8), 1, 1, "cpu") as (net, _):
+        assert net(torch.randn(2, 1, 8, 8)).dtype == torch.float32
 
 
 def test_the_profile_runs_beside_the_ranks_that_share_its_cores_and_leaves_none_behind():

@@ -108,8 +108,9 @@ def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:
             if cfg.input_shape
             else input_shape(cfg.model, cfg.input_size)
         )
+        choices = cfg.choices
         kwargs["compute"] = planning_compute(
-            cluster, cfg.model, tuple(shape), P, cfg.batch, cfg.choices.device
+            cluster, cfg.model, tuple(shape), P, cfg.batch, choices.device, choices.amp
         )
     return kwargs
 

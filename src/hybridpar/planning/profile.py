@@ -417,14 +417,29 @@ def _measure_update(net, repeats: int = 5, device="cpu") -> Settled:
 
 
 def _path(
-    model: str, shape: tuple[int, ...], threads: int, busy: int = 1, device: str = "cpu"
+    model: str,
+    shape: tuple[int, ...],
+    threads: int,
+    busy: int = 1,
+    device: str = "cpu",
+    amp: str = "none",
 ) -> Path:
     from hybridpar.core.zoo import file_label
 
     dims = "x".join(map(str, shape))
     beside = f"-b{busy}" if busy > 1 else ""
     where = "" if device == "cpu" else f"-{device}"
+    where += "" if amp == "none" else f"-{amp}"
     return cache_dir() / "profiles" / f"{file_label(model)}-{dims}-t{threads}{beside}{where}.json"
+
+
+def _autocast(device: str, amp: str):
+    """The trainer's autocast for `amp` on `device` (none: off), which the profile times under,
+    without the cache of cast weights: the trainer enters autocast every step, so it casts its
+    weights every step, where one context around the whole profile would cast them once."""
+    import torch
+
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=amp == "bf16", cache_enabled=False)
 
 
 def busy_ranks(cores: int, local: int, threads: int) -> int:
@@ -436,7 +451,7 @@ def busy_ranks(cores: int, local: int, threads: int) -> int:
 UPDATE = -1  # a neighbour's phase: the optimizer's step (a positive phase: the model at that count)
 
 
-def _neighbour(model: str, shape: tuple[int, ...], threads: int) -> None:
+def _neighbour(model: str, shape: tuple[int, ...], threads: int, amp: str) -> None:
     """A neighbour of the profile (`python -m hybridpar.planning.profile`): runs what the profile
     measures over and over, as the host's other ranks would beside it. Each line on stdin is the
     next phase (the model's training iteration at that many samples, or `UPDATE`: the optimizer's
@@ -480,7 +495,8 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int) -> None:
             current = p
             print(p, flush=True)
         if p > 0:
-            _iteration(net, x, y)
+            with _autocast("cpu", amp):
+                _iteration(net, x, y)
         else:
             opt.step()
 
@@ -492,8 +508,10 @@ class _Neighbours:
     together. Plain subprocesses: multiprocessing would run the caller's main module again in
     each."""
 
-    def __init__(self, model: str, shape: tuple[int, ...], threads: int, busy: int) -> None:
-        self.args = [model, "x".join(map(str, shape)), str(threads)]
+    def __init__(
+        self, model: str, shape: tuple[int, ...], threads: int, busy: int, amp: str = "none"
+    ) -> None:
+        self.args = [model, "x".join(map(str, shape)), str(threads), amp]
         self.busy = busy
         self.procs: list = []
         self.phase: int | None = None
@@ -562,9 +580,12 @@ class _Neighbours:
 
 
 @contextlib.contextmanager
-def _measuring(model: str, shape: tuple[int, ...], threads: int, busy: int, device: str):
-    """(the model on `device`, its neighbours) with this process on `threads` threads: where
-    the profile measures, and where a check measures it again."""
+def _measuring(
+    model: str, shape: tuple[int, ...], threads: int, busy: int, device: str, amp: str = "none"
+):
+    """(the model on `device`, its neighbours) with this process on `threads` threads, under the
+    trainer's autocast for `amp`: where the profile measures, and where a check measures it
+    again."""
     import torch
 
     from hybridpar.core.models import build_any
@@ -575,7 +596,7 @@ def _measuring(model: str, shape: tuple[int, ...], threads: int, busy: int, devi
     try:
         torch.manual_seed(0)
         net = build_any(model, shape, None).to(device)
-        with _Neighbours(model, shape, threads, busy) as beside:
+        with _Neighbours(model, shape, threads, busy, amp) as beside, _autocast(device, amp):
             yield net, beside
     finally:
         torch.set_num_threads(before)
@@ -591,7 +612,15 @@ def recheck(path: Path, repeats: int = 5) -> list[Recheck]:
         return []
     shape = tuple(how["shape"])
     out = []
-    with _measuring(how["model"], shape, how["threads"], how["busy"], how["device"]) as (net, b):
+    where = (
+        how["model"],
+        shape,
+        how["threads"],
+        how["busy"],
+        how["device"],
+        how.get("amp", "none"),
+    )
+    with _measuring(*where) as (net, b):
         for n, old in sorted(data["iteration"].items(), key=lambda kv: int(kv[0])):
             b.run(int(n))
             _, now = _measure_count(net, shape, int(n), repeats, how["device"])
@@ -637,9 +666,11 @@ def profile_compute(
     repeats: int = 5,
     bands: list[tuple[int, int]] = (),
     device: str = "cpu",
+    amp: str = "none",
 ) -> ProfileModel | None:
-    """The ProfileModel of `model` for a P-rank job on `device` of this calibrated host at the
-    sample counts `counts`, and for each (Pr, samples) in `bands` the band shares of its windows
+    """The ProfileModel of `model` for a P-rank job on `device` of this calibrated host, under
+    the trainer's autocast for `amp` (bf16 kernels for --amp bf16), at the sample counts
+    `counts`, and for each (Pr, samples) in `bands` the band shares of its windows
     (`_measure_bands`) and the split shares of its linear layers and convolutions
     (`_measure_splits`); None where the cluster is not this host (no `cores`: priced by
     FLOPs). On a GPU (`cores`: the GPUs) the ranks that share one take turns: no neighbours."""
@@ -649,7 +680,7 @@ def profile_compute(
     gpu = device != "cpu"
     threads = 1 if gpu else rank_threads(cluster.cores, local)
     busy = 1 if gpu else busy_ranks(cluster.cores, local, threads)
-    path = _path(model, shape, threads, busy, device)
+    path = _path(model, shape, threads, busy, device, amp)
     data = _load(path, cluster)
     missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
     shares, splits = data["bands"], data["splits"]
@@ -657,8 +688,8 @@ def profile_compute(
     unsplit = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in splits})
     if missing or unbanded or unsplit or "update_s" not in data:
         data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
-        data["measured"].update(busy=busy, device=device)
-        with _measuring(model, shape, threads, busy, device) as (net, beside):
+        data["measured"].update(busy=busy, device=device, amp=amp)
+        with _measuring(model, shape, threads, busy, device, amp) as (net, beside):
             for n in missing:
                 beside.run(n)
                 table, whole = _measure_count(net, shape, n, repeats, device)
@@ -687,19 +718,25 @@ def profile_compute(
 
 
 def planning_compute(
-    cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int, device: str = "cpu"
+    cluster: Cluster,
+    model: str,
+    shape: tuple[int, ...],
+    P: int,
+    B: int,
+    device: str = "cpu",
+    amp: str = "none",
 ) -> ProfileModel | None:
     """The compute model a plan for P ranks and global batch B is priced with on `cluster`: a
     profile of `model` at every batch a rank can run (B / Pc over the grids), timed on the job's
-    device (cuda: a GPU, synchronised) of a calibrated host; None (FLOPs at the cluster's rate)
-    elsewhere."""
+    device (cuda: a GPU, synchronised) of a calibrated host and in its precision (`amp`); None
+    (FLOPs at the cluster's rate) elsewhere."""
     from hybridpar.planning.search import grids
 
     shapes = grids(P, B)
     bands = sorted({(pr, B // pc) for pr, pc in shapes if pr > 1})
     counts = sorted({B // pc for _, pc in shapes})
     where = "cuda" if device == "cuda" else "cpu"
-    return profile_compute(cluster, model, shape, P, counts, bands=bands, device=where)
+    return profile_compute(cluster, model, shape, P, counts, bands=bands, device=where, amp=amp)
 
 
 def _read(tables: dict, key) -> dict:
@@ -718,4 +755,5 @@ def _key(k: str) -> tuple[int, int]:
 if __name__ == "__main__":  # a neighbour of a profile (`_Neighbours`)
     import sys
 
-    _neighbour(sys.argv[1], tuple(int(d) for d in sys.argv[2].split("x")), int(sys.argv[3]))
+    shape = tuple(int(d) for d in sys.argv[2].split("x"))
+    _neighbour(sys.argv[1], shape, int(sys.argv[3]), sys.argv[4])

@@ -250,19 +250,13 @@ class GlobalBatchNorm(_BatchNorm):
         running = None
         if self.track_running_stats and self.running_mean is not None:
             running = (self.running_mean, self.running_var)
-        if torch.is_autocast_enabled(x.device.type):
-            # autocast runs batch norm in float32 (torch's policy for F.batch_norm): the same here
-            x = x.float()
+        # under autocast the statistics and the normalisation run in float32 (the kernels'),
+        # and y comes back in x's dtype, as torch's batch norm gives it to the next layer
+        dtype, x = x.dtype, x.float() if torch.is_autocast_enabled(x.device.type) else x
         with torch.autocast(x.device.type, enabled=False):
-            return _GlobalBatchNormFn.apply(
-                x,
-                self.weight,
-                self.bias,
-                running,
-                factor,
-                self.eps,
-                Via(group, self.ledger, layer=self.layer),
-            )
+            via = Via(group, self.ledger, layer=self.layer)
+            y = _GlobalBatchNormFn.apply(x, self.weight, self.bias, running, factor, self.eps, via)
+        return y.to(dtype)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """torch BatchNorm's forward (what the module would do without the group)."""

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
+from hybridpar.core.choices import Choices
 from hybridpar.core.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.handoff import Handoff
@@ -29,7 +30,7 @@ __all__ = ["agreed_plan", "checked_file_plan", "preset_plan", "pricing_cluster"]
 
 
 def settled_compute(
-    cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int, device: str
+    cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int, choices: Choices
 ) -> ProfileModel | None:
     """planning.profile.planning_compute, once a fork server `hybridpar train` started early has
     finished importing (launcher.settle_server; at once otherwise): a profile it measures would
@@ -37,7 +38,7 @@ def settled_compute(
     if cluster.cores is None:  # not this host (a preset, bytes only): priced by FLOPs
         return None
     settle_server()
-    return planning_compute(cluster, model, shape, P, B, device)
+    return planning_compute(cluster, model, shape, P, B, choices.device, choices.amp)
 
 
 def pricing_cluster(cfg: TrainConfig, required: bool) -> Cluster:
@@ -70,7 +71,7 @@ def preset_plan(
         choices=cfg.choices,
         model=cfg.model,
         input_shape=shape,
-        compute=settled_compute(cluster, cfg.model, shape, P, cfg.batch, cfg.choices.device),
+        compute=settled_compute(cluster, cfg.model, shape, P, cfg.batch, cfg.choices),
         grad_bucket=cfg.runtime.bucket_bytes,
         handoff=cfg.handoff or "a",
         rounds=cfg.rounds,
@@ -95,7 +96,7 @@ def checked_file_plan(
         )
     cluster = pricing_cluster(cfg, False)
     chosen = [styles[x.name] for x in layers]
-    compute = settled_compute(cluster, cfg.model, shape, plan.procs, plan.batch, cfg.choices.device)
+    compute = settled_compute(cluster, cfg.model, shape, plan.procs, plan.batch, cfg.choices)
     priced = evaluate(
         layers,
         plan.procs,
