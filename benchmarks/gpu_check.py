@@ -218,13 +218,12 @@ def predict(dev: str, measured: list[dict]) -> list[dict]:
     cluster = load_cluster("localhost", dev)
     rows = []
     print(
-        "| model | px | B | predicted ms | measured ms (fp32) | error |\n| --- | --- | --- | --- | --- | --- |"
+        "| model | px | B | precision | predicted ms | measured ms | error |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |"
     )
-    for r in measured:
-        if r["amp"] != "none":
-            continue
+    for r in measured:  # each precision priced with its own profile (bf16: under autocast)
         shape = tuple(input_shape(r["model"], r["size"]))
-        compute = planning_compute(cluster, r["model"], shape, 1, r["batch"], dev)
+        compute = planning_compute(cluster, r["model"], shape, 1, r["batch"], dev, r["amp"])
         plan = make_plan(
             r["model"],
             1,
@@ -236,9 +235,13 @@ def predict(dev: str, measured: list[dict]) -> list[dict]:
         ).export()
         pred, meas = plan.totals["total_s"], statistics.median(r["hybridpar"])
         err = (pred - meas) / meas
-        rows.append({"model": r["model"], "predicted_s": pred, "measured_s": meas, "error": err})
+        precision = "bf16" if r["amp"] == "bf16" else "fp32"
+        rows.append(
+            {"model": r["model"], "precision": precision, "predicted_s": pred, "measured_s": meas}
+            | {"error": err}
+        )
         print(
-            f"| {r['model']} | {r['size']} | {r['batch']} | {pred * 1e3:.2f} | "
+            f"| {r['model']} | {r['size']} | {r['batch']} | {precision} | {pred * 1e3:.2f} | "
             f"{meas * 1e3:.2f} | {100 * err:+.1f} % |"
         )
     return rows
