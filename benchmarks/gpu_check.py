@@ -11,10 +11,12 @@ Sections (`--sections`, comma-separated; all by default):
    (a developer's box), and over NCCL with a GPU each where there are two. On the CPU the cells
    run under CUDA's device rules (tests/device_rules.py), on the paths a GPU takes.
 2. overhead: P = 1, hybridpar's trainer against a plain torch loop on the same model, batch and
-   optimizer (torch SGD), fp32 and bf16 autocast, interleaved rounds: median, range, ratio.
+   optimizer (KrizhevskySGD, what `hybridpar train` steps with), fp32 and bf16 autocast,
+   interleaved rounds: median, range, ratio.
    Goal: within 1.05x.
 3. predict: the device calibrated from scratch (`hybridpar calibrate --device DEV` in a fresh
-   cache), then the P = 1 prediction of each model of section 2 next to its measured fp32 time.
+   cache), then the P = 1 prediction of each model and precision of section 2 (bf16 priced
+   with its own profile, under autocast) next to its measured time.
    Goal: within 20 %.
 4. codecs: each 8-bit type's encode and decode on the device (GB/s of float32), its relative L2
    error and the paper's mean relative error (over elements of at least 1e-6 of the largest),
@@ -133,13 +135,14 @@ def overhead_rank(sizes: dict, dev: str, rounds: int, steps: int) -> list[dict]:
 
     from hybridpar.core.choices import Choices
     from hybridpar.core.models import build_model
+    from hybridpar.core.optim import KrizhevskySGD
     from hybridpar.core.plan import ParallelPlan
     from hybridpar.runtime.parallel.trainer import HybridTrainer
 
     where = torch.device(dev)
 
-    def sgd(params):
-        return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4, foreach=True)
+    def sgd(params):  # what `hybridpar train` steps with, and so what section 3 prices
+        return KrizhevskySGD(params, lr=0.01, momentum=0.9, weight_decay=5e-4)
 
     out = []
     for name, (size, batch) in sizes.items():
