@@ -612,15 +612,8 @@ def recheck(path: Path, repeats: int = 5) -> list[Recheck]:
         return []
     shape = tuple(how["shape"])
     out = []
-    where = (
-        how["model"],
-        shape,
-        how["threads"],
-        how["busy"],
-        how["device"],
-        how.get("amp", "none"),
-    )
-    with _measuring(*where) as (net, b):
+    how_else = (how["threads"], how["busy"], how["device"], how.get("amp", "none"))
+    with _measuring(how["model"], shape, *how_else) as (net, b):
         for n, old in sorted(data["iteration"].items(), key=lambda kv: int(kv[0])):
             b.run(int(n))
             _, now = _measure_count(net, shape, int(n), repeats, how["device"])
