@@ -9,14 +9,25 @@
 4. AGBN against GBN over a whole run (the paper: AGBN trains about 10 % faster than GBN): resnet20
    on digits, 4 ranks x 8, global and adaptive BN (the accuracy signal) interleaved, repeated;
    wall time of the training epochs, the step the adaptive rule turned global, test accuracy.
+5. bf16 under autocast, one layer: the C kernels reading bf16 as autocast hands it over, against
+   the cast to float32 and back around the float32 kernels (the path before them), the float32
+   kernels on float32, and torch's batch norm in bf16; forward and backward on resnet20's three
+   BN shapes at a per-rank batch of 16, one thread, contenders interleaved, repeated.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+
+import torch
+from torch.nn import functional as F
 
 from hybridpar.core.config import build
+from hybridpar.runtime.comm import kernels
+from hybridpar.runtime.comm.collectives import Via
+from hybridpar.runtime.parallel.batchnorm import _GlobalBatchNormFn
 from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import run
 
@@ -129,6 +140,57 @@ def whole_run(epochs: int, repeat: int) -> None:
     print(f"AGBN speed over GBN: {med['global'] / med['adaptive']:.3f}x (the paper: about 1.10x)")
 
 
+def _bf16_contenders(shape: tuple[int, ...]) -> dict:
+    """One BN layer's forward and backward on `shape` by each contender (part 5)."""
+    c = shape[1]
+    w, b = torch.ones(c, requires_grad=True), torch.zeros(c, requires_grad=True)
+    run_stats = (torch.zeros(c), torch.ones(c))
+    x16 = torch.randn(shape).bfloat16().requires_grad_()
+    x32 = x16.detach().float().requires_grad_()
+    dy16 = torch.randn(shape).bfloat16()
+
+    def fn(x):
+        return _GlobalBatchNormFn.apply(x, w, b, run_stats, 0.1, 1e-5, Via(None))
+
+    def torch_bf16():
+        F.batch_norm(x16, *run_stats, w, b, True, 0.1, 1e-5).backward(dy16)
+
+    return {
+        "bf16 kernels": lambda: fn(x16).backward(dy16),
+        "cast both ways": lambda: fn(x16.float()).bfloat16().backward(dy16),
+        "f32 kernels": lambda: fn(x32).backward(dy16.float()),
+        "torch bf16": torch_bf16,
+    }
+
+
+def bf16_layer(repeat: int) -> None:
+    print(
+        "\n5. one BN layer under bf16 autocast, forward + backward, one thread, per-rank batch 16; "
+        f"contenders interleaved, {repeat * 5} rounds: median us [min-max], and over the bf16 kernels"
+    )
+    if not kernels.available():
+        print("no C compiler: the kernels are not built, nothing to compare")
+        return
+    torch.set_num_threads(1)
+    for shape in ((16, 16, 32, 32), (16, 32, 16, 16), (16, 64, 8, 8)):
+        steps = _bf16_contenders(shape)
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(repeat * 5):
+            for k, step in steps.items():
+                for _ in range(5):
+                    step()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    step()
+                times[k].append((time.perf_counter() - t0) / 50 * 1e6)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        cells = [
+            f"{k} {med[k]:.0f} [{min(v):.0f}-{max(v):.0f}] {med[k] / med['bf16 kernels']:.2f}x"
+            for k, v in times.items()
+        ]
+        print(f"{shape!s:18s} " + " | ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--procs", default="2,4")
@@ -147,6 +209,8 @@ def main() -> None:
         large_batch(args.epochs * 3)
     if "4" in parts:
         whole_run(args.epochs, args.repeat)
+    if "5" in parts:
+        bf16_layer(args.repeat)
 
 
 if __name__ == "__main__":

@@ -157,6 +157,90 @@ def test_kernel_and_torch_paths_agree_in_one_process(shape, affine):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(7, 5), (7, 5, 3), (4, 5, 6, 7), (2, 3, 1, 1)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_bf16_kernels_round_what_the_float32_kernels_compute(shape, affine):
+    """The kernels on bfloat16 activations (as autocast hands them over) read each value as the
+    float32 kernels read its float32 copy and round their results to nearest even: the same
+    output and input gradient, rounded, bit for bit; the same parameter gradients and running
+    statistics. Before, bfloat16 took the torch path (a cast both ways around the kernels)."""
+    if not kernels.available():
+        pytest.skip("no C compiler: the kernels are not built")
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 2 + 3).bfloat16()
+    dy = torch.randn(shape).bfloat16()
+    x[0].view(-1)[0] = 1.0 + 2**-7  # a tie in the output's rounding is likely somewhere
+    assert batchnorm._use_kernels(x, None, None)
+    outs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        bn = (
+            nn.BatchNorm1d(5, affine=affine)
+            if len(shape) < 4
+            else nn.BatchNorm2d(shape[1], affine=affine)
+        )
+        if affine:
+            with torch.no_grad():
+                bn.weight.copy_(torch.linspace(0.5, 1.5, bn.num_features))
+                bn.bias.copy_(torch.linspace(-1, 1, bn.num_features))
+        xi = x.to(dtype, copy=True).requires_grad_()
+        run = (bn.running_mean, bn.running_var)
+        y = batchnorm._GlobalBatchNormFn.apply(xi, bn.weight, bn.bias, run, 0.1, bn.eps, Via(None))
+        assert y.dtype == dtype
+        y.backward(dy.to(dtype))
+        grads = [bn.weight.grad, bn.bias.grad] if affine else []
+        outs.append([y.detach(), xi.grad, *grads, *run])
+    (y16, dx16, *rest16), (y32, dx32, *rest32) = outs
+    assert dx16.dtype == torch.bfloat16
+    assert torch.equal(y16, y32.bfloat16())
+    assert torch.equal(dx16, dx32.bfloat16())
+    for a, b in zip(rest16, rest32, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bf16_kernels_round_ties_to_even():
+    """Per channel +1 and -1 (mean 0, variance 1; eps 0): y = x + b. 1 + 2^-8 and 1 + 3 2^-8 lie
+    halfway between two bfloat16 values; each rounds to the even one (1.0 down, 1 + 2^-6 up), as
+    torch rounds."""
+    if not kernels.available():
+        pytest.skip("no C compiler: the kernels are not built")
+    x = torch.tensor([1.0, -1.0, 1.0, -1.0]).view(4, 1, 1, 1).expand(4, 3, 1, 1).contiguous()
+    w, b = torch.ones(3), torch.tensor([1.0, 3.0, 0.0]) * 2.0**-8
+    y = batchnorm._GlobalBatchNormFn.apply(x.bfloat16(), w, b, None, 0.0, 0.0, Via(None))
+    y32 = batchnorm._GlobalBatchNormFn.apply(x, w, b, None, 0.0, 0.0, Via(None))
+    assert y32[0, :2, 0, 0].tolist() == [1 + 2.0**-8, 1 + 3 * 2.0**-8]
+    assert torch.equal(y, y32.bfloat16())
+    assert y[0, :2, 0, 0].tolist() == [1.0, 1 + 2.0**-6]
+
+
+def _casts_under_autocast():
+    """aten casts a global BN's forward and backward dispatch under CPU bf16 autocast."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Casts.n += func.overloadpacket is torch.ops.aten._to_copy
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    bn = convert_global_batchnorm(nn.BatchNorm2d(4))
+    x = torch.randn(3, 4, 5, 5).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16), Casts():
+        y = bn(x)
+        y.backward(torch.ones_like(y))
+    return Casts.n, y.dtype, x.grad.dtype
+
+
+def test_under_autocast_the_kernels_take_bf16_without_casts():
+    """The cast of the activation to float32 and back, forward and backward, cost more than the
+    batch norm itself at resnet20's first layers (docs/batchnorm.md); the kernels read bf16."""
+    if not kernels.available():
+        pytest.skip("no C compiler: the kernels are not built")
+    for casts, y, dx in run_ranks(_casts_under_autocast, 2):
+        assert (casts, y, dx) == (0, torch.bfloat16, torch.bfloat16)
+
+
 def _large_mean():
     """mean 1e4, std 3: fp32 E[x^2] - E[x]^2 would lose every digit of the variance."""
     P, rank = dist.get_world_size(), dist.get_rank()

@@ -15,10 +15,11 @@ the same, and the tests compare them with `reference_encode`. A block holding Na
 to the torch path, which defines what such a block becomes (the kernel marks it; it is rare).
 ctypes releases the GIL during a call, so a reducer thread encodes while autograd runs.
 
-Global batch norm (hybridpar.runtime.parallel.batchnorm) on CPU float32: per layer a per-rank batch of 8
+Global batch norm (hybridpar.runtime.parallel.batchnorm) on CPU: per layer a per-rank batch of 8
 holds a few thousand values, so torch's path costs its ~20 small ops (a few microseconds each),
 not its arithmetic. Four kernels replace them: the per-channel moments (in float64, two passes),
-the normalisation with the running-statistics update, the backward's per-channel sums, and dx.
+the normalisation with the running-statistics update, the backward's per-channel sums, and dx;
+on float32 activations, and on bfloat16 ones as autocast hands them over (no casts both ways).
 
 HYBRIDPAR_KERNELS=0 turns the kernels off. A missing or failing compiler falls back to the torch
 path with one warning.
@@ -35,10 +36,11 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 from hybridpar.core.cluster import cache_dir
 
-__all__ = ["available", "bn", "decode", "encode"]
+__all__ = ["BN_TYPES", "available", "bn", "decode", "encode"]
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -111,26 +113,52 @@ void hp_decode(const uint8_t *codes, int64_t n, int64_t block, const float *scal
     }
 }
 
-/* Global batch norm over x of shape (n, c, s), contiguous (s = the spatial size). */
+/* Global batch norm over x of shape (n, c, s), contiguous (s = the spatial size), once per
+   element type (`_BN` below, _SFX = _f32 or _bf16): x, y, dy and dx hold ELEM_SFX, read as float
+   (LD_SFX) and written rounded to their type (ST_SFX, bf16 to nearest even as torch rounds); the
+   parameters, the running and saved statistics are float32 in both, as under torch's autocast. */
+typedef float ELEM_f32;
+typedef uint16_t ELEM_bf16;
+#define LD_f32(p, j) ((p)[j])
+#define ST_f32(q, j, v) ((q)[j] = (v))
+static inline float hp_bf16_load(const uint16_t *p, int64_t j) {
+    uint32_t u = (uint32_t)p[j] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t hp_bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r); /* NaN stays NaN */
+}
+#define LD_bf16(p, j) hp_bf16_load((p), (j))
+#define ST_bf16(q, j, v) ((q)[j] = hp_bf16_round(v))
+"""
 
+# the batch-norm kernels, written once for an element type (see the comment above), compiled
+# for each of BN_TYPES: hp_bn_stats_f32, hp_bn_stats_bf16, ...
+BN_TYPES = ("f32", "bf16")
+_BN = r"""
 /* This rank's share of the moments, in float64, two passes per channel (mean, then squared
    deviations): stats[ch] = sum x, stats[c + ch] = sum (x - mean)^2 + m mean^2 (= sum x^2, without
    the cancellation), stats[2c] = m = n s. */
-void hp_bn_stats(const float *x, int64_t n, int64_t c, int64_t s, double *stats) {
+void hp_bn_stats_SFX(const ELEM_SFX *x, int64_t n, int64_t c, int64_t s, double *stats) {
     double m = (double)(n * s);
     for (int64_t ch = 0; ch < c; ch++) {
         double sum = 0.0;
         for (int64_t i = 0; i < n; i++) {
-            const float *p = x + (i * c + ch) * s;
+            const ELEM_SFX *p = x + (i * c + ch) * s;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < s; j++) sum += p[j];
+            for (int64_t j = 0; j < s; j++) sum += LD_SFX(p, j);
         }
         double mean = m > 0.0 ? sum / m : 0.0, sq = 0.0;
         for (int64_t i = 0; i < n; i++) {
-            const float *p = x + (i * c + ch) * s;
+            const ELEM_SFX *p = x + (i * c + ch) * s;
 #pragma omp simd reduction(+ : sq)
             for (int64_t j = 0; j < s; j++) {
-                double d = p[j] - mean;
+                double d = LD_SFX(p, j) - mean;
                 sq += d * d;
             }
         }
@@ -143,9 +171,9 @@ void hp_bn_stats(const float *x, int64_t n, int64_t c, int64_t s, double *stats)
 /* After the all-reduce (stats global, m = stats[2c] > 1): the mean and invstd saved for the
    backward, the running statistics updated as torch's BatchNorm does (unbiased variance; skipped
    when run_mean is NULL), and y = (x - mean) invstd w + b (w, b may be NULL). */
-void hp_bn_forward(const float *x, int64_t n, int64_t c, int64_t s, const double *stats,
-                   double eps, const float *w, const float *b, float *y, float *save_mean,
-                   float *save_invstd, float *run_mean, float *run_var, double factor) {
+void hp_bn_forward_SFX(const ELEM_SFX *x, int64_t n, int64_t c, int64_t s, const double *stats,
+                       double eps, const float *w, const float *b, ELEM_SFX *y, float *save_mean,
+                       float *save_invstd, float *run_mean, float *run_var, double factor) {
     double m = stats[2 * c];
     for (int64_t ch = 0; ch < c; ch++) {
         double mean = stats[ch] / m, var = stats[c + ch] / m - mean * mean;
@@ -160,28 +188,29 @@ void hp_bn_forward(const float *x, int64_t n, int64_t c, int64_t s, const double
         }
         float mu = (float)mean, alpha = (float)(invstd * (w ? w[ch] : 1.0f)), beta = b ? b[ch] : 0.0f;
         for (int64_t i = 0; i < n; i++) {
-            const float *p = x + (i * c + ch) * s;
-            float *q = y + (i * c + ch) * s;
+            const ELEM_SFX *p = x + (i * c + ch) * s;
+            ELEM_SFX *q = y + (i * c + ch) * s;
 #pragma omp simd
-            for (int64_t j = 0; j < s; j++) q[j] = (p[j] - mu) * alpha + beta;
+            for (int64_t j = 0; j < s; j++) ST_SFX(q, j, (LD_SFX(p, j) - mu) * alpha + beta);
         }
     }
 }
 
 /* This rank's sums for the backward, in float64: sums[ch] = sum dy, sums[c + ch] = invstd sum dy
    (x - mean); also as float32 into dbias and dweight (this rank's shares; either may be NULL). */
-void hp_bn_backward_reduce(const float *dy, const float *x, int64_t n, int64_t c, int64_t s,
-                           const float *mean, const float *invstd, double *sums, float *dweight,
-                           float *dbias) {
+void hp_bn_backward_reduce_SFX(const ELEM_SFX *dy, const ELEM_SFX *x, int64_t n, int64_t c,
+                               int64_t s, const float *mean, const float *invstd, double *sums,
+                               float *dweight, float *dbias) {
     for (int64_t ch = 0; ch < c; ch++) {
         double sdy = 0.0, sdyx = 0.0;
         float mu = mean[ch];
         for (int64_t i = 0; i < n; i++) {
-            const float *g = dy + (i * c + ch) * s, *p = x + (i * c + ch) * s;
+            const ELEM_SFX *g = dy + (i * c + ch) * s, *p = x + (i * c + ch) * s;
 #pragma omp simd reduction(+ : sdy, sdyx)
             for (int64_t j = 0; j < s; j++) {
-                sdy += g[j];
-                sdyx += (double)g[j] * (double)(p[j] - mu);
+                float gj = LD_SFX(g, j);
+                sdy += gj;
+                sdyx += (double)gj * (double)(LD_SFX(p, j) - mu);
             }
         }
         sums[ch] = sdy;
@@ -193,25 +222,29 @@ void hp_bn_backward_reduce(const float *dy, const float *x, int64_t n, int64_t c
 
 /* dx = w invstd (dy - sum dy / m - (x - mean) invstd^2 sum dy (x - mean) / m), from the global
    sums (sums[c + ch] holds invstd times the second). w may be NULL. */
-void hp_bn_backward(const float *dy, const float *x, int64_t n, int64_t c, int64_t s,
-                    const float *mean, const float *invstd, const float *w, const double *sums,
-                    double m, float *dx) {
+void hp_bn_backward_SFX(const ELEM_SFX *dy, const ELEM_SFX *x, int64_t n, int64_t c, int64_t s,
+                        const float *mean, const float *invstd, const float *w,
+                        const double *sums, double m, ELEM_SFX *dx) {
     for (int64_t ch = 0; ch < c; ch++) {
         double is = invstd[ch];
         float k = (float)(is * (w ? w[ch] : 1.0f)), a = (float)(sums[ch] / m),
               bq = (float)(sums[c + ch] / m * is), mu = mean[ch];
         for (int64_t i = 0; i < n; i++) {
-            const float *g = dy + (i * c + ch) * s, *p = x + (i * c + ch) * s;
-            float *q = dx + (i * c + ch) * s;
+            const ELEM_SFX *g = dy + (i * c + ch) * s, *p = x + (i * c + ch) * s;
+            ELEM_SFX *q = dx + (i * c + ch) * s;
 #pragma omp simd
-            for (int64_t j = 0; j < s; j++) q[j] = k * (g[j] - a - (p[j] - mu) * bq);
+            for (int64_t j = 0; j < s; j++)
+                ST_SFX(q, j, k * (LD_SFX(g, j) - a - (LD_SFX(p, j) - mu) * bq));
         }
     }
 }
 """
 
+_SOURCE += "".join(_BN.replace("_SFX", f"_{t}") for t in BN_TYPES)
+
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
+_bn: dict[str, SimpleNamespace] = {}
 _tried = False
 _lock = threading.Lock()
 
@@ -252,12 +285,15 @@ def _build() -> ctypes.CDLL:
     dll.hp_decode.argtypes = [p, i64, i64, p, p, p, ctypes.c_int32]
     dll.hp_decode.restype = None
     f64 = ctypes.c_double
-    dll.hp_bn_stats.argtypes = [p, i64, i64, i64, p]
-    dll.hp_bn_forward.argtypes = [p, i64, i64, i64, p, f64, p, p, p, p, p, p, p, f64]
-    dll.hp_bn_backward_reduce.argtypes = [p, p, i64, i64, i64, p, p, p, p, p]
-    dll.hp_bn_backward.argtypes = [p, p, i64, i64, i64, p, p, p, p, f64, p]
-    for f in (dll.hp_bn_stats, dll.hp_bn_forward, dll.hp_bn_backward_reduce, dll.hp_bn_backward):
-        f.restype = None
+    for t in BN_TYPES:
+        for name, args in (
+            ("stats", [p, i64, i64, i64, p]),
+            ("forward", [p, i64, i64, i64, p, f64, p, p, p, p, p, p, p, f64]),
+            ("backward_reduce", [p, p, i64, i64, i64, p, p, p, p, p]),
+            ("backward", [p, p, i64, i64, i64, p, p, p, p, f64, p]),
+        ):
+            f = getattr(dll, f"hp_bn_{name}_{t}")
+            f.argtypes, f.restype = args, None
     return dll
 
 
@@ -308,9 +344,13 @@ def decode(codes, block: int, scales, table, out, add: bool = False) -> None:
     )  # fmt: skip
 
 
-def bn() -> ctypes.CDLL:
-    """The loaded library, for the batch-norm kernels (call `available()` first); their pointer
-    arguments are passed by the caller (hybridpar.runtime.parallel.batchnorm), 0 for NULL."""
-    lib = _get()
-    assert lib is not None
-    return lib
+def bn(elem: str) -> SimpleNamespace:
+    """The batch-norm kernels for elements of type `elem` (one of BN_TYPES; call `available()`
+    first) as .stats, .forward, .backward_reduce and .backward; their pointer arguments are
+    passed by the caller (hybridpar.runtime.parallel.batchnorm), 0 for NULL."""
+    if elem not in _bn:
+        lib = _get()
+        assert lib is not None
+        names = ("stats", "forward", "backward_reduce", "backward")
+        _bn[elem] = SimpleNamespace(**{k: getattr(lib, f"hp_bn_{k}_{elem}") for k in names})
+    return _bn[elem]

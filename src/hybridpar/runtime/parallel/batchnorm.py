@@ -50,12 +50,16 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+_ELEM = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the kernels' element types
+
+
 def _use_kernels(x: torch.Tensor, weight: torch.Tensor | None, running) -> bool:
-    """The C kernels take contiguous float32 CPU tensors (parameters and buffers included)."""
+    """The C kernels take contiguous CPU activations of float32 or bfloat16 (as autocast hands
+    them over), with float32 parameters and buffers."""
     f32 = torch.float32
     return (
         x.device.type == "cpu"
-        and x.dtype == f32
+        and x.dtype in _ELEM
         and x.is_contiguous()
         and (weight is None or weight.dtype == f32)
         and (running is None or all(r.dtype == f32 and r.is_contiguous() for r in running))
@@ -68,9 +72,10 @@ class _GlobalBatchNormFn(torch.autograd.Function):
     running_var) to update with weight `factor`, or None.
 
     At a per-rank batch of 8 a BN layer holds a few thousand values, so small ops, not arithmetic,
-    set its cost. On CPU float32 four C kernels (hybridpar.runtime.comm.kernels) do the work: the moments,
-    the normalisation with the running-statistics update, the backward's sums, and dx. Elsewhere
-    (CUDA, other dtypes) torch ops do it: forward `batch_norm_update_stats`, the all-reduce, then
+    set its cost. On CPU, for float32 and bfloat16 activations, four C kernels
+    (hybridpar.runtime.comm.kernels) do the work: the moments, the normalisation with the
+    running-statistics update, the backward's sums, and dx. Elsewhere (CUDA, other dtypes) torch
+    ops do it: forward `batch_norm_update_stats`, the all-reduce, then
     batch norm in eval mode with the global statistics as its running ones; backward torch's
     eval-mode batch-norm backward for this rank's sums and, after their all-reduce, dx = w invstd
     dy + [the eval-mode batch norm of x whose weight and bias carry the global sums]."""
@@ -82,7 +87,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
         fast = _use_kernels(x, weight, running)
         stats = torch.empty(2 * c + 1, dtype=torch.float64, device=x.device)
         if fast:
-            kernels.bn().hp_bn_stats(x.data_ptr(), n, c, s, stats.data_ptr())
+            kernels.bn(_ELEM[x.dtype]).stats(x.data_ptr(), n, c, s, stats.data_ptr())
         else:
             _stats_torch(x, stats)
         all_reduce(stats, replace(via, term=Term.BN_STATS))
@@ -92,9 +97,10 @@ class _GlobalBatchNormFn(torch.autograd.Function):
                 f"GlobalBatchNorm needs more than 1 value per channel over the group, got {int(m)}"
             )
         if fast:
-            y, mean, invstd, var = torch.empty_like(x), x.new_empty(c), x.new_empty(c), None
+            y, var = torch.empty_like(x), None
+            mean, invstd = (torch.empty(c, dtype=torch.float32) for _ in range(2))
             rm, rv = running if running is not None else (None, None)
-            kernels.bn().hp_bn_forward(
+            kernels.bn(_ELEM[x.dtype]).forward(
                 x.data_ptr(), n, c, s, stats.data_ptr(), eps, _ptr(weight), _ptr(bias),
                 y.data_ptr(), mean.data_ptr(), invstd.data_ptr(), _ptr(rm), _ptr(rv), factor,
             )  # fmt: skip
@@ -117,9 +123,9 @@ class _GlobalBatchNormFn(torch.autograd.Function):
         # this rank's sum dy and invstd * sum dy * (x - mean): the bias and weight gradients'
         # shares (the gradient synchroniser sums them, as for torch's SyncBatchNorm)
         if fast:
-            dweight = x.new_empty(c) if weight is not None and need[1] else None
-            dbias = x.new_empty(c) if weight is not None and need[2] else None
-            kernels.bn().hp_bn_backward_reduce(
+            dweight = torch.empty_like(weight) if weight is not None and need[1] else None
+            dbias = torch.empty_like(weight) if weight is not None and need[2] else None
+            kernels.bn(_ELEM[x.dtype]).backward_reduce(
                 dy.data_ptr(), x.data_ptr(), n, c, s, mean.data_ptr(), invstd.data_ptr(),
                 sums.data_ptr(), _ptr(dweight), _ptr(dbias),
             )  # fmt: skip
@@ -138,7 +144,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             all_reduce(sums, ctx.via)
             if fast:
                 dx = torch.empty_like(x)
-                kernels.bn().hp_bn_backward(
+                kernels.bn(_ELEM[x.dtype]).backward(
                     dy.data_ptr(), x.data_ptr(), n, c, s, mean.data_ptr(), invstd.data_ptr(),
                     _ptr(weight), sums.data_ptr(), ctx.m, dx.data_ptr(),
                 )  # fmt: skip
@@ -152,7 +158,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
 
 
 def _stats_torch(x: torch.Tensor, stats: torch.Tensor) -> None:
-    """hp_bn_stats in torch ops: [sum x, m (var + mean^2), m] in float64 from torch's own stable
+    """hp_bn_stats_* in torch ops: [sum x, m (var + mean^2), m] in float64 from torch's own stable
     per-channel statistics (var = E[x^2] - E[x]^2 would cancel in fp32 when |mean| >> std)."""
     c = x.shape[1]
     m_local = x.numel() // c if c else 0
@@ -168,7 +174,7 @@ def _stats_torch(x: torch.Tensor, stats: torch.Tensor) -> None:
 
 
 def _forward_torch(x, stats, m, weight, bias, running, factor, eps):
-    """hp_bn_forward in torch ops; returns y, mean, biased variance, invstd."""
+    """hp_bn_forward_* in torch ops; returns y, mean, biased variance, invstd."""
     c = x.shape[1]
     mom = stats[: 2 * c].view(2, c) / m  # E[x], E[x^2] in float64
     var64 = torch.addcmul(mom[1], mom[0], mom[0], value=-1.0).clamp_min_(0.0)
@@ -183,7 +189,7 @@ def _forward_torch(x, stats, m, weight, bias, running, factor, eps):
 
 
 def _backward_torch(dy, x, weight, mean, var, invstd, sums, m, eps):
-    """hp_bn_backward in torch ops."""
+    """hp_bn_backward_* in torch ops."""
     c = x.shape[1]
     scale = invstd if weight is None else invstd * weight  # d y / d x-hat, per channel
     # -(w invstd / m) * [global sum dy, global invstd * sum dy * (x - mean)]
@@ -250,9 +256,12 @@ class GlobalBatchNorm(_BatchNorm):
         running = None
         if self.track_running_stats and self.running_mean is not None:
             running = (self.running_mean, self.running_var)
-        # under autocast the statistics and the normalisation run in float32 (the kernels'),
-        # and y comes back in x's dtype, as torch's batch norm gives it to the next layer
-        dtype, x = x.dtype, x.float() if torch.is_autocast_enabled(x.device.type) else x
+        # under autocast the statistics and the normalisation run in float32 (the kernels read
+        # bfloat16 as it is; torch's ops take it cast), and y comes back in x's dtype, as torch's
+        # batch norm gives it to the next layer
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type) and not _use_kernels(x, self.weight, running):
+            x = x.float()
         with torch.autocast(x.device.type, enabled=False):
             via = Via(group, self.ledger, layer=self.layer)
             y = _GlobalBatchNormFn.apply(x, self.weight, self.bias, running, factor, self.eps, via)
