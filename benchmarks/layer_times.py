@@ -4,7 +4,8 @@ Runs plan files as `hybridpar train --plan` does (the same Job, trainer and opti
 batches of the model's shape) and times, on every rank, each layer's forward and backward in
 thread CPU time with the collectives' own CPU taken out:
 - forward: from one weighted layer's call to the next (its batch norm, activation and residual
-  add ride along, as the cost model groups them, with the hand-off into the next layer);
+  add ride along, as the cost model groups them, with the hand-off into the next layer); the
+  last one's ends at the model's output, and the loss after it has a row of its own;
 - backward: from the gradient of one weighted layer's input to the next one's.
 Thread CPU time leaves out the time a rank waits for a core, so on a host with more ranks than
 cores it compares with the cost model's time alone (its prediction over the contention factor).
@@ -38,6 +39,7 @@ from hybridpar.runtime.train.run import prepare
 
 WEIGHTED = ("Conv2d", "Linear")  # a layer starts at its weighted module (the cost model's layers)
 WARMUP = 4
+AFTER = "<the loss, after the model>"
 
 
 class _Clock:
@@ -94,6 +96,7 @@ def _body(job, steps: int) -> dict:
 
     # the backward starts at the gradient of the model's output
     def output(module, args, out) -> None:
+        events.append(("F:" + AFTER, clock.now()))  # the loss: no layer's, and not priced
         out.register_hook(mark("B:<out>"))
 
     trainer.model.register_forward_hook(output)
@@ -179,6 +182,8 @@ def main() -> int:
             rf, rb = (m / p if p else float("nan") for m, p in ((mf, pf), (mb, pb)))
             print(f"  {name:18s} {style:12s} | {mf:7.2f} {pf:5.2f} {rf:6.2f} | "
                   f"{mb:8.2f} {pb:5.2f} {rb:6.2f}")  # fmt: skip
+        after = 1e3 * measured.get(AFTER, (0.0, 0.0))[0]
+        print(f"  {AFTER:31s} | {after:7.2f}     -      - |")
         wall, cpu, comm = (1e3 * measured[f"<{k}>"][0] for k in ("wall", "cpu", "comm"))
         print(
             f"  a step: wall {wall:.1f}, a rank's thread CPU {cpu:.1f}, of it collectives {comm:.1f}"
