@@ -35,12 +35,13 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
 from hybridpar.core.cluster import cache_dir
 
-__all__ = ["BN_TYPES", "available", "bn", "decode", "encode"]
+__all__ = ["available", "bn", "decode", "encode"]
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -244,7 +245,6 @@ _SOURCE += "".join(_BN.replace("_SFX", f"_{t}") for t in BN_TYPES)
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
-_bn: dict[str, SimpleNamespace] = {}
 _tried = False
 _lock = threading.Lock()
 
@@ -344,13 +344,12 @@ def decode(codes, block: int, scales, table, out, add: bool = False) -> None:
     )  # fmt: skip
 
 
+@cache
 def bn(elem: str) -> SimpleNamespace:
     """The batch-norm kernels for elements of type `elem` (one of BN_TYPES; call `available()`
     first) as .stats, .forward, .backward_reduce and .backward; their pointer arguments are
     passed by the caller (hybridpar.runtime.parallel.batchnorm), 0 for NULL."""
-    if elem not in _bn:
-        lib = _get()
-        assert lib is not None
-        names = ("stats", "forward", "backward_reduce", "backward")
-        _bn[elem] = SimpleNamespace(**{k: getattr(lib, f"hp_bn_{k}_{elem}") for k in names})
-    return _bn[elem]
+    lib = _get()
+    assert lib is not None
+    names = ("stats", "forward", "backward_reduce", "backward")
+    return SimpleNamespace(**{k: getattr(lib, f"hp_bn_{k}_{elem}") for k in names})

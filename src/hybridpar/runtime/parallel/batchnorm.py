@@ -98,7 +98,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             )
         if fast:
             y, var = torch.empty_like(x), None
-            mean, invstd = (torch.empty(c, dtype=torch.float32) for _ in range(2))
+            mean, invstd = (x.new_empty(c, dtype=torch.float32) for _ in range(2))
             rm, rv = running if running is not None else (None, None)
             kernels.bn(_ELEM[x.dtype]).forward(
                 x.data_ptr(), n, c, s, stats.data_ptr(), eps, _ptr(weight), _ptr(bias),
