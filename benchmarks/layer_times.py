@@ -138,11 +138,9 @@ def _predicted(job) -> tuple[dict, float]:
     contention factor it was priced with."""
     from hybridpar.planning.search import evaluate
 
-    cfg, plan = job.cfg, job.plan
-    cluster = pricing_cluster(cfg, True)
-    compute = settled_compute(
-        cluster, cfg.model, job.input_shape, plan.procs, plan.batch, cfg.choices
-    )
+    plan = job.plan
+    cluster = pricing_cluster(job, True)
+    compute = settled_compute(job, cluster)
     styles = [job.layout.styles[x.name] for x in job.layers]
     handoffs = {r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions}
     priced = evaluate(

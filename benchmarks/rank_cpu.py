@@ -121,11 +121,9 @@ def _body(job, steps: int) -> dict:
 
 def _priced(job) -> tuple[float, float, float]:
     """(step, compute alone, exposed communication) seconds, as `hybridpar train` prices it."""
-    cfg, plan = job.cfg, job.plan
-    cluster = pricing_cluster(cfg, True)
-    compute = settled_compute(
-        cluster, cfg.model, job.input_shape, plan.procs, plan.batch, cfg.choices
-    )
+    plan = job.plan
+    cluster = pricing_cluster(job, True)
+    compute = settled_compute(job, cluster)
     priced = evaluate(
         job.layers, plan.procs, plan.batch, cluster, [job.layout.styles[x.name] for x in job.layers],
         choices=plan.choices, compute=compute, placement=plan.placement,

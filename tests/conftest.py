@@ -33,3 +33,27 @@ def localhost(cache: Path) -> Callable[..., dict[str, str]]:
         return dict(os.environ)
 
     return write
+
+
+@pytest.fixture
+def train_job() -> Callable[..., object]:
+    """`train_job(model=, procs=, batch=, device=, **flags)`: the Job `hybridpar train` hands its
+    ranks before a plan is chosen (the model traced on the meta device), said to run on `device`
+    whether or not this machine has one; `flags` are TrainConfig's, by flag name."""
+    from hybridpar.core.analysis import trace
+    from hybridpar.core.config import build
+    from hybridpar.core.layers import cost_layers
+    from hybridpar.core.zoo import input_shape, zoo_entry
+    from hybridpar.runtime.train.config import TrainConfig
+    from hybridpar.runtime.train.job import Job
+    from hybridpar.runtime.train.run import meta_model
+
+    def make(model="digits-wide", procs=2, batch=16, device="cpu", **flags):
+        cfg = build(TrainConfig, model=model, nproc=procs, batch=batch, **flags)
+        shape, classes = input_shape(model, None), zoo_entry(model).num_classes
+        traced = trace(meta_model(model, shape, classes), shape)
+        choices = cfg.choices.with_(device=device, backend="gloo")
+        layers = cost_layers(traced.specs)
+        return Job(cfg, model, procs, batch, choices, "w.pt", shape, classes, traced, layers, None)
+
+    return make

@@ -166,22 +166,19 @@ def test_other_padding_modes_cannot_take_domain(pad):
     assert f"pads with '{pad}'" in why_not(layers["blocks.0.f.0"], Style.domain(2, 1), B)
 
 
-def test_train_with_the_host_reducer_plans_splits_under_auto():
+def test_train_with_the_host_reducer_plans_splits_under_auto(train_job):
     """`hybridpar train --reducer host` as a user types it (preset auto): the host reducer runs
     any grid (a reducer per batch group), so on a cluster where the planner splits the FC layers
     it splits them with the host reducer too, and the runtime accepts the plan."""
     from nets import zoo
 
-    from hybridpar.core.analysis import trace
-    from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.plans import preset_plan, pricing_cluster
 
     shape = (1, 8, 8)
     model = zoo("digits-wide", 8)()
-    layers = cost_layers(trace(model, shape).specs)
-    slow = pricing_cluster(TrainConfig(cluster="fdr-infiniband"), False)
+    slow = pricing_cluster(train_job(cluster="fdr-infiniband"), False)
     for reducer, split in (("process-group", True), ("host", True)):
-        cfg = TrainConfig(nproc=4, batch=64).with_(reducer=reducer)
-        plan = preset_plan(cfg, 4, layers, shape, slow)
+        job = train_job(procs=4, batch=64, reducer=reducer)
+        plan = preset_plan(job, slow)
         assert any(not s.is_batch for s in plan.styles.values()) == split, (reducer, plan.styles)
         resolve(model, plan, shape, 4)

@@ -75,7 +75,7 @@ def test_cuda_is_refused_where_there_is_no_gpu_for_every_rank():
     with pytest.raises(ConfigError, match=f"{gpus + 1} local ranks but {gpus} GPUs"):
         prepare(build(TrainConfig, device="cuda", nproc=gpus + 1, preset=grid, batch=64))
     job = prepare(build(TrainConfig, nproc=2, preset="owt"))  # auto: cpu without a GPU per rank
-    device = job.cfg.choices.device
+    device = job.choices.device
     assert device == ("cuda" if gpus >= 2 else "cpu") and job.plan.choices.device == device
 
 
@@ -196,7 +196,7 @@ def test_device_and_backend(monkeypatch, gpus, device, backend, local, want):
         assert device_and_backend(device, backend, local) == want
 
 
-def test_a_calibration_prices_only_the_device_it_measured(localhost):
+def test_a_calibration_prices_only_the_device_it_measured(localhost, train_job):
     import json
 
     from hybridpar.core.cluster import for_device, load_cluster, localhost_path
@@ -213,17 +213,14 @@ def test_a_calibration_prices_only_the_device_it_measured(localhost):
     assert for_device(load_cluster("cori-knl"), "cuda").name == "cori-knl"  # described: any
     # what `hybridpar train --device cuda` prices a fixed preset on: not the CPU's calibration
     from hybridpar.core.cluster import BYTES_ONLY
-    from hybridpar.core.config import build
-    from hybridpar.planning.analysis_cache import zoo_cost_layers
-    from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.plans import preset_plan, pricing_cluster
 
     localhost_path("cuda").unlink()
-    cfg = build(TrainConfig, model="digits-wide", batch=16, preset="batch", device="cuda")
-    assert pricing_cluster(cfg, False) is BYTES_ONLY
-    plan = preset_plan(cfg, 2, zoo_cost_layers("digits-wide"), (1, 8, 8), BYTES_ONLY)
+    job = train_job(preset="batch", device="cuda")
+    assert pricing_cluster(job, False) is BYTES_ONLY
+    plan = preset_plan(job, BYTES_ONLY)
     assert plan.totals == {}  # no seconds printed: "time not predicted"
-    assert pricing_cluster(cfg.with_(device="cpu"), False).device == "cpu"
+    assert pricing_cluster(train_job(preset="batch"), False).device == "cpu"
 
 
 def test_a_plan_priced_bytes_only_carries_no_seconds_and_a_wild_one_is_refused():

@@ -58,7 +58,7 @@ def _promise(command: str, job, plan) -> None:
     """What the example's comment says, on the job the parent built."""
     cfg, styles = job.cfg, {s.label for s in plan.styles.values()}
     if command == "hybridpar train":  # digits-wide on digits, 4 ranks, the planner's plan
-        assert (cfg.model, cfg.data, job.procs, cfg.preset) == ("digits-wide", "digits", 4, "auto")
+        assert (job.model, cfg.data, job.procs, cfg.preset) == ("digits-wide", "digits", 4, "auto")
     if "--plan p.json" in command:
         assert plan.scenario == "per-layer" and cfg.data == "synthetic:256"
     if "grid:2x2 --epochs" in command:  # conv batch, FC on a 2 x 2 grid
@@ -144,9 +144,7 @@ def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, 
             Path(into).write_text(out)
         if name == "train" and "--print-config" not in argv:
             job = jobs[-1]
-            plan = job.plan or preset_plan(
-                job.cfg, job.procs, job.layers, job.input_shape, BYTES_ONLY
-            )
+            plan = job.plan or preset_plan(job, BYTES_ONLY)
             _promise(command, job, plan)
         ran.append(command)
     assert sum(c.startswith("hybridpar train") for c in ran) >= 14, ran

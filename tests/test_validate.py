@@ -555,7 +555,7 @@ def test_shared_memory_collectives_take_their_share_of_a_crowded_host(cache):
     assert bn.best.layers[0].terms[Term.BN_STATS].seconds == pytest.approx(1e-4)
 
 
-def test_a_run_without_shared_memory_is_priced_as_it_runs(cache):
+def test_a_run_without_shared_memory_is_priced_as_it_runs(cache, train_job):
     """`--no-shared-memory` sends a job's activations' and small collectives through gloo, so its
     prediction prices them on alpha-beta, not at the shared-memory numbers the calibration
     measured (before: resnet20's domain 4 x 1 predicted 76.5 ms with it, measured 318.8)."""
@@ -563,20 +563,17 @@ def test_a_run_without_shared_memory_is_priced_as_it_runs(cache):
 
     from hybridpar.core.analysis import analyze
     from hybridpar.core.cluster import load_cluster
-    from hybridpar.core.config import build
     from hybridpar.core.layers import cost_layers
     from hybridpar.core.models import build_model
     from hybridpar.core.terms import Term
     from hybridpar.planning.cost.terms import t_halo
-    from hybridpar.runtime.train.config import TrainConfig
     from hybridpar.runtime.train.plans import pricing_cluster
 
     base = {"name": "localhost", "alpha": 1e-4, "beta": 1e-9, "flops": 1e10, "cores": 2}
     four = {"alpha": 1e-4, "beta": 1e-9, "small_alpha": 5e-6, "shm_beta": 1e-11}
     (cache / "localhost.json").write_text(json.dumps({**base, "by_procs": {"4": four}}))
-    on = pricing_cluster(build(TrainConfig, cluster="localhost", device="cpu"), True)
-    cfg = build(TrainConfig, cluster="localhost", device="cpu", shared_memory=False)
-    off = pricing_cluster(cfg, True)
+    on = pricing_cluster(train_job(cluster="localhost"), True)
+    off = pricing_cluster(train_job(cluster="localhost", shared_memory=False), True)
     assert on == load_cluster("localhost") and on.at(4).shm_paths
     assert off == dataclasses.replace(on, shared_memory=False) and not off.at(4).shm_paths
     assert "shared_memory" not in off.to_dict()  # a run's, not the cluster file's
@@ -661,13 +658,10 @@ def test_gradient_all_reduces_are_priced_fused_into_the_runtimes_buckets():
     assert eq4_batch([LAYER], P, net) == pytest.approx(dw([LAYER], None)[0].seconds)
 
 
-def test_a_gpu_job_is_profiled_on_the_gpu_and_a_cpu_job_on_the_cpu(monkeypatch):
+def test_a_gpu_job_is_profiled_on_the_gpu_and_a_cpu_job_on_the_cpu(monkeypatch, train_job):
     """The profile is timed on the job's device (5135867 priced a CUDA job by the CPU
     calibration's FLOPs)."""
-    from hybridpar.core.config import build
-    from hybridpar.planning.analysis_cache import zoo_cost_layers
     from hybridpar.runtime.train import plans
-    from hybridpar.runtime.train.config import TrainConfig
 
     devices = []
 
@@ -677,10 +671,8 @@ def test_a_gpu_job_is_profiled_on_the_gpu_and_a_cpu_job_on_the_cpu(monkeypatch):
 
     monkeypatch.setattr(prof, "profile_compute", profiled)
     host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
-    cfg = build(TrainConfig, model="digits-wide", batch=16, preset="model", device="cuda")
-    layers = zoo_cost_layers("digits-wide")
-    plans.preset_plan(cfg, 2, layers, (1, 8, 8), host)
-    plans.preset_plan(cfg.with_(device="cpu"), 2, layers, (1, 8, 8), host)
+    plans.preset_plan(train_job(preset="model", device="cuda"), host)
+    plans.preset_plan(train_job(preset="model"), host)
     assert devices == ["cuda", "cpu"]
 
 

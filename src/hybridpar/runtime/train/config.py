@@ -13,7 +13,7 @@ from hybridpar.core.config import check_fields, evolve, meta, nested
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.rules import why_not_choices
 from hybridpar.core.zoo import parse_input_shape, shape_option, size_option
-from hybridpar.planning.presets import SEARCHED, parse_preset
+from hybridpar.planning.presets import parse_preset
 from hybridpar.runtime.options import RuntimeOptions
 
 __all__ = ["DEFAULT_MODEL", "TrainConfig"]
@@ -151,11 +151,6 @@ class TrainConfig:
         parse_preset(self.preset, self.nproc or 1, check_procs=False)
         if self.plan is not None and self.preset != "auto":
             raise ConfigError("give --plan or --preset, not both")
-
-    @property
-    def searched(self) -> bool:
-        """Whether the plan is chosen by the planner on a cluster (rank 0 decides, in the job)."""
-        return self.plan is None and self.preset in SEARCHED
 
     def with_(self, **changes) -> TrainConfig:
         """A copy with fields changed by their flag names (a choice or a runtime option too)."""

@@ -142,15 +142,15 @@ def _sum_over_world(trainer: HybridTrainer, values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _checkpoint(trainer: HybridTrainer, cfg: TrainConfig, pos: Position) -> None:
+def _checkpoint(trainer: HybridTrainer, job: Job, pos: Position) -> None:
     """A checkpoint at `pos`, with the epoch's sums taken over every rank (collective)."""
     sums = _sum_over_world(trainer, pos.sums)
     position = {**pos.__dict__, "sums": sums}
-    meta = {"position": position, "config": cfg.to_dict()}
-    trainer.save(cfg.checkpoint_dir, meta, cfg.checkpoint_keep)
+    meta = {"position": position, "config": job.config()}
+    trainer.save(job.cfg.checkpoint_dir, meta, job.cfg.checkpoint_keep)
 
 
-def _bar(trainer: HybridTrainer, cfg: TrainConfig, total: int, start: int, shown: bool):
+def _bar(trainer: HybridTrainer, job: Job, total: int, start: int, shown: bool):
     from tqdm import tqdm
 
     return tqdm(
@@ -158,26 +158,26 @@ def _bar(trainer: HybridTrainer, cfg: TrainConfig, total: int, start: int, shown
         initial=start,
         unit="step",
         leave=False,
-        desc=f"train {cfg.model} P={trainer.plan.procs} {trainer.plan.scenario}",
-        disable=not shown or not cfg.progress or not sys.stderr.isatty(),
+        desc=f"train {job.model} P={trainer.plan.procs} {trainer.plan.scenario}",
+        disable=not shown or not job.cfg.progress or not sys.stderr.isatty(),
     )
 
 
 def fit(
-    trainer: HybridTrainer, data: Dataset, cfg: TrainConfig, pos: Position, log: Progress | None
+    trainer: HybridTrainer, data: Dataset, job: Job, pos: Position, log: Progress | None
 ) -> tuple[list[dict], dict, set[int]]:
     """Train from `pos` to cfg.epochs, checkpointing every cfg.checkpoint_every steps; returns
     (epoch records, per-step timings, the steps with a full batch, step records: the loss on
     this rank's examples, the learning rate and the time, for at most about 2000 steps)."""
-    n = len(data.x_train)
+    n, cfg, B = len(data.x_train), job.cfg, job.batch
     seed = cfg.runtime.seed
-    per_epoch = len(epoch_steps(n, cfg.batch, 0, seed))
+    per_epoch = len(epoch_steps(n, B, 0, seed))
     per_epoch = min(per_epoch, cfg.max_steps) if cfg.max_steps else per_epoch
     total = cfg.epochs * per_epoch
     groups = trainer.optimizer.param_groups  # --schedule scales each from its initial lr
     for g in groups:
         g.setdefault("initial_lr", g["lr"])
-    bar = _bar(trainer, cfg, total, pos.epoch * per_epoch + pos.index, log is not None)
+    bar = _bar(trainer, job, total, pos.epoch * per_epoch + pos.index, log is not None)
     epochs, times = list(pos.history), {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
     steps, stride = [], max(1, -(-total // 2000))
@@ -186,13 +186,13 @@ def fit(
         t0 = time.perf_counter()
         first = pos.index if epoch == pos.epoch else 0
         sums = list(pos.sums) if epoch == pos.epoch else [0.0, 0.0, 0.0]  # loss, correct, count
-        for i, idx in enumerate(epoch_steps(n, cfg.batch, epoch, seed)[:per_epoch]):
+        for i, idx in enumerate(epoch_steps(n, B, epoch, seed)[:per_epoch]):
             if i < first:
                 continue
             factor = lr_factor(cfg.schedule, (epoch * per_epoch + i) / total)
             for g in groups:
                 g["lr"] = g["initial_lr"] * factor
-            if len(idx) == cfg.batch:
+            if len(idx) == B:
                 full_steps.add(trainer.steps)
             trace.before_step()
             r = trainer.train_step(data.x_train[idx], data.y_train[idx])
@@ -210,8 +210,8 @@ def fit(
             bar.update(1)
             every = cfg.checkpoint_every
             if cfg.checkpoint_dir and every and trainer.steps % every == 0:
-                _checkpoint(trainer, cfg, Position(epoch, i + 1, sums, epochs))
-        epochs.append(_epoch_record(trainer, data, cfg.batch, sums, epoch, t0))
+                _checkpoint(trainer, job, Position(epoch, i + 1, sums, epochs))
+        epochs.append(_epoch_record(trainer, data, B, sums, epoch, t0))
         if log is not None:
             log.epoch(epochs[-1])
         bar.set_postfix(loss=f"{epochs[-1]['loss']:.3f}", test=f"{epochs[-1]['test_acc']:.3f}")
@@ -288,10 +288,10 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
     cfg, shape = job.cfg, job.input_shape
     torch.manual_seed(cfg.runtime.seed)
     device = torch.device("cpu")
-    if cfg.choices.device == "cuda":  # NCCL: its own GPU; gloo: ranks may share one
+    if job.choices.device == "cuda":  # NCCL: its own GPU; gloo: ranks may share one
         device = torch.device("cuda", local_gpu())
         torch.cuda.set_device(device)
-    model = build_any(cfg.model, shape, job.num_classes).to(device)
+    model = build_any(job.model, shape, job.num_classes).to(device)
     k = plan.batch / cfg.base_batch if cfg.base_batch else 1.0
     lr, wd = scale_hparams(cfg.lr, cfg.weight_decay, k, cfg.scale_rule)
     layout = job.layout if job.plan is plan else None
@@ -372,11 +372,11 @@ def train_worker(job: Job) -> dict | None:
             + (how if trainer.resharded else "bit-exact"),
         )
     base = _reset_peak(trainer.device)
-    epochs, times, full_steps, steps = fit(trainer, data, cfg, pos, log)
+    epochs, times, full_steps, steps = fit(trainer, data, job, pos, log)
     peak = _peak(trainer.device, base)
     weights = trainer.full_state_dict()  # collective: every rank
     if cfg.checkpoint_dir:
-        _checkpoint(trainer, cfg, Position(cfg.epochs, 0, [0.0, 0.0, 0.0], epochs))
+        _checkpoint(trainer, job, Position(cfg.epochs, 0, [0.0, 0.0, 0.0], epochs))
     bytes_measured = measured(trainer.ledger, full_steps)
     timed = full_steps - {min(full_steps, default=0)}  # as `times`: the first step is left out
     split = waiting(trainer.ledger, timed, BLOCKING_TERMS)
@@ -386,14 +386,14 @@ def train_worker(job: Job) -> dict | None:
     names = [str(n) for n, _ in every]
     if rank != 0:
         return None
-    save_weights(weights, cfg.save)
+    save_weights(weights, job.save)
     engine = trainer.model
     hosts = names if plan.choices.reducer == "host" else None
     args = (epochs, times, bytes_measured, hosts, engine.bn_switch, split, engine.order)
     out = report(job, plan, data.name, *args)
     _describe(out, trainer, plan, steps, names, [p for _, p in every])
     log.close(out)
-    out["written"] = [str(cfg.save)] + ([cfg.tensorboard] if cfg.tensorboard else [])
+    out["written"] = [job.save] + ([cfg.tensorboard] if cfg.tensorboard else [])
     if cfg.report:
         json_path, png = write_report(out, cfg.report)
         out["written"] += [str(json_path), str(log.log)] + ([str(png)] if png else [])

@@ -11,92 +11,92 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from hybridpar.core.choices import Choices
 from hybridpar.core.cluster import BYTES_ONLY, Cluster, load_cluster, localhost_path
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.handoff import Handoff
-from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.planning.cost.compute import ProfileModel
-from hybridpar.planning.presets import plan_preset
+from hybridpar.planning.presets import SEARCHED, plan_preset
 from hybridpar.planning.profile import planning_compute
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.launcher import settle_server, under_torchrun
 from hybridpar.runtime.train.calibration import calibrate_in_job
-from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.job import Job
 
-__all__ = ["agreed_plan", "checked_file_plan", "preset_plan", "pricing_cluster"]
+__all__ = ["agreed_plan", "checked_file_plan", "parent_plan", "preset_plan", "pricing_cluster"]
 
 
-def settled_compute(
-    cluster: Cluster, model: str, shape: tuple[int, ...], P: int, B: int, choices: Choices
-) -> ProfileModel | None:
-    """planning.profile.planning_compute, once a fork server `hybridpar train` started early has
-    finished importing (launcher.settle_server; at once otherwise): a profile it measures would
-    otherwise share a core with that import, and be cached for every later plan."""
+def settled_compute(job: Job, cluster: Cluster) -> ProfileModel | None:
+    """planning.profile.planning_compute for the job, once a fork server `hybridpar train`
+    started early has finished importing (launcher.settle_server; at once otherwise): a profile
+    it measures would otherwise share a core with that import, and be cached for every later
+    plan."""
     if cluster.cores is None:  # not this host (a preset, bytes only): priced by FLOPs
         return None
     settle_server()
-    return planning_compute(cluster, model, shape, P, B, choices.device, choices.amp)
+    P, B, c = job.procs, job.batch, job.choices
+    return planning_compute(cluster, job.model, job.input_shape, P, B, c.device, c.amp)
 
 
-def pricing_cluster(cfg: TrainConfig, required: bool) -> Cluster:
-    """The cluster presets are planned and priced on, for the job of `cfg` (its device, and
-    whether its groups take the shared-memory paths, `--no-shared-memory`). An uncalibrated
-    `localhost` prices bytes only (no seconds: the report says so) for a fixed preset, and is
-    calibrated in the job for a searched one; a calibration of another device is refused. Under
-    torchrun, ranks other than 0 price bytes only: rank 0 prices the plan in the job and sends
-    it (`agreed_plan`), so only it measures the compute profile, and every rank runs its plan."""
-    spec, device = cfg.cluster, cfg.choices.device
+def pricing_cluster(job: Job, required: bool) -> Cluster:
+    """The cluster presets are planned and priced on, for `job` (its device, and whether its
+    groups take the shared-memory paths, `--no-shared-memory`). An uncalibrated `localhost`
+    prices bytes only (no seconds: the report says so) for a fixed preset, and is calibrated in
+    the job for a searched one; a calibration of another device is refused. Under torchrun,
+    ranks other than 0 price bytes only: rank 0 prices the plan in the job and sends it
+    (`agreed_plan`), so only it measures the compute profile, and every rank runs its plan."""
+    spec, device = job.cfg.cluster, job.choices.device
     if spec == "localhost" and not localhost_path(device).exists() and not required:
         return BYTES_ONLY
-    cluster = load_cluster(
-        spec, device
-    )  # every rank checks the spec: a bad one is named everywhere
+    # every rank checks the spec: a bad one is named everywhere
+    cluster = load_cluster(spec, device)
     if not required and under_torchrun() and os.environ.get("RANK", "0") != "0":
         return BYTES_ONLY
-    return cluster if cfg.runtime.shared_memory else replace(cluster, shared_memory=False)
+    return cluster if job.cfg.runtime.shared_memory else replace(cluster, shared_memory=False)
 
 
-def preset_plan(
-    cfg: TrainConfig, P: int, layers: list[CostLayer], shape: tuple[int, ...], cluster: Cluster
-) -> ParallelPlan:
+def parent_plan(job: Job) -> ParallelPlan | None:
+    """A preset's plan as the parent decides it: a fixed one planned (on a calibrated cluster,
+    after a bytes-only planning has checked that it can run, before a profile is measured); a
+    searched one only checked (None: rank 0 plans it in the job)."""
+    cluster, search = pricing_cluster(job, False), job.cfg.preset in SEARCHED
+    if search or cluster is not BYTES_ONLY:  # what the arguments decide, checked
+        preset_plan(job, BYTES_ONLY)
+    return None if search else preset_plan(job, cluster)
+
+
+def preset_plan(job: Job, cluster: Cluster) -> ParallelPlan:
+    """The job's preset, planned on `cluster`."""
+    cfg = job.cfg
     return plan_preset(
         cfg.preset,
-        layers,
-        P,
-        cfg.batch,
+        job.layers,
+        job.procs,
+        job.batch,
         cluster,
-        choices=cfg.choices,
-        model=cfg.model,
-        input_shape=shape,
-        compute=settled_compute(cluster, cfg.model, shape, P, cfg.batch, cfg.choices),
+        choices=job.choices,
+        model=job.model,
+        input_shape=job.input_shape,
+        compute=settled_compute(job, cluster),
         grad_bucket=cfg.runtime.bucket_bytes,
         handoff=cfg.handoff or "a",
         rounds=cfg.rounds,
     )
 
 
-def checked_file_plan(
-    plan: ParallelPlan,
-    cfg: TrainConfig,
-    styles: dict[str, Style],
-    layers: list[CostLayer],
-    shape: tuple[int, ...],
-) -> ParallelPlan:
+def checked_file_plan(plan: ParallelPlan, job: Job, styles: dict[str, Style]) -> ParallelPlan:
     """A plan file must be for this model and data (`styles`: its style of every layer, as
     `resolve` found them). A hand-written one (no predictions) becomes the exact plan it means:
     one style per layer, priced on --cluster; a planned one keeps its styles and is priced
     again on --cluster (its bytes must be this model's)."""
-    if plan.input_shape and tuple(plan.input_shape) != tuple(shape):
+    layers, shape = job.layers, tuple(job.input_shape)
+    if plan.input_shape and tuple(plan.input_shape) != shape:
         raise ConfigError(
             f"the plan was made for input {tuple(plan.input_shape)} but the data gives "
-            f"{tuple(shape)}; re-plan with the data's --input-size"
+            f"{shape}; re-plan with the data's --input-size"
         )
-    cluster = pricing_cluster(cfg, False)
+    cluster = pricing_cluster(job, False)
     chosen = [styles[x.name] for x in layers]
-    compute = settled_compute(cluster, cfg.model, shape, plan.procs, plan.batch, cfg.choices)
     priced = evaluate(
         layers,
         plan.procs,
@@ -104,20 +104,20 @@ def checked_file_plan(
         cluster,
         chosen,
         choices=plan.choices,
-        compute=compute,
-        grad_bucket=cfg.runtime.bucket_bytes,
+        compute=settled_compute(job, cluster),
+        grad_bucket=job.cfg.runtime.bucket_bytes,
         handoffs={r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions},
         placement=plan.placement,
     )
     if not priced.feasible:
-        raise ConfigError(f"the plan cannot run on {cfg.model}: {priced.reason}")
+        raise ConfigError(f"the plan cannot run on {job.model}: {priced.reason}")
     fresh = export(
         priced,
         procs=plan.procs,
         batch=plan.batch,
         choices=plan.choices,
-        model=cfg.model,
-        input_shape=tuple(shape),
+        model=job.model,
+        input_shape=shape,
         engine=plan.engine,
         cluster=cluster.name,
     )
@@ -157,11 +157,11 @@ def agreed_plan(job: Job) -> ParallelPlan:
         return job.plan if text == job.plan.to_json() else ParallelPlan.from_dict(json.loads(text))
     # one process has nothing to calibrate (no all-reduce to time) and one plan: it is priced on
     # whatever `localhost` holds, bytes only when it was never calibrated
-    searched = job.procs > 1
+    search = job.procs > 1
     missing = (
-        searched
+        search
         and cfg.cluster == "localhost"
-        and not (rank == 0 and localhost_path(cfg.choices.device).exists())
+        and not (rank == 0 and localhost_path(job.choices.device).exists())
     )
     if _broadcast(missing):
         if rank == 0:
@@ -170,12 +170,11 @@ def agreed_plan(job: Job) -> ParallelPlan:
                 "`hybridpar calibrate` redoes it) ...",
                 flush=True,
             )
-        calibrate_in_job(device=cfg.choices.device, backend=cfg.choices.backend)
+        calibrate_in_job(device=job.choices.device, backend=job.choices.backend)
     answer: object = None
     if rank == 0:
         try:
-            cluster = pricing_cluster(cfg, searched)
-            plan = preset_plan(cfg, job.procs, job.layers, job.input_shape, cluster)
+            plan = preset_plan(job, pricing_cluster(job, search))
             answer = ("plan", plan.to_json())
         except ConfigError as exc:
             answer = ("error", str(exc))

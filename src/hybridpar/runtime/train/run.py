@@ -19,7 +19,6 @@ import torch
 
 from hybridpar.core.analysis import trace
 from hybridpar.core.choices import Choices
-from hybridpar.core.cluster import BYTES_ONLY
 from hybridpar.core.config import writable
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.handoff import (
@@ -36,61 +35,72 @@ from hybridpar.runtime.comm.group import DEFAULT_TIMEOUT_S
 from hybridpar.runtime.launcher import launch, under_torchrun
 from hybridpar.runtime.parallel.checkpoint import latest, read_meta
 from hybridpar.runtime.parallel.compute import matching
-from hybridpar.runtime.parallel.layout import resolve, with_handoff
+from hybridpar.runtime.parallel.layout import Layout, resolve, with_handoff
 from hybridpar.runtime.train.config import DEFAULT_MODEL, TrainConfig
 from hybridpar.runtime.train.data import signature
 from hybridpar.runtime.train.job import Job
 from hybridpar.runtime.train.loop import train_worker
-from hybridpar.runtime.train.plans import checked_file_plan, preset_plan, pricing_cluster
+from hybridpar.runtime.train.plans import checked_file_plan, parent_plan
 
 __all__ = ["meta_model", "prepare", "run"]
 
 
 def prepare(cfg: TrainConfig) -> Job:
-    """Check everything that can be checked without processes; raise a one-line ConfigError."""
+    """Check everything that can be checked without processes; raise a one-line ConfigError.
+    `cfg` is the user's and is not rewritten: what the run takes from the plan file, the
+    defaults and this machine is decided here, once, and held by the Job."""
     loaded = ParallelPlan.load(cfg.plan) if cfg.plan else None
-    cfg = cfg.with_(**_defaults(cfg, loaded))  # the one rewrite: defaults, device, outputs
-    P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
-    resume = _resume(cfg)
-    shape, classes = _signature(cfg)
-    model = meta_model(cfg.model, shape, classes)
+    given = _from_plan(cfg, loaded) if loaded else {}
+    name = given.get("model") or cfg.model or DEFAULT_MODEL
+    nproc = given.get("nproc") or cfg.nproc or 4
+    P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
+    choices = _device(given.get("choices", cfg.choices), nproc)
+    save, resume = _outputs(cfg, name), _resume(cfg)
+    shape, classes = _signature(cfg, name, given)
+    model = meta_model(name, shape, classes)
     traced = trace(model, shape)  # also the check that the model runs on the data's shape
     if classes is None:  # a user's model on synthetic data: as many classes as it outputs
         classes = traced.specs[-1].out_shape[-1]
+    batch = given.get("batch") or cfg.batch or 64
     layers = cost_layers(traced.specs)
-    layout = None
-    if loaded is not None:  # names, styles, layouts: every check before spawning
-        placed = {"device": cfg.choices.device, "backend": cfg.choices.backend}
-        layout = _resolve_file(model, loaded.with_choices(**placed), shape, P, traced, cfg.model)
-        if cfg.handoff is not None:  # the file's hand-offs sent by another scheme: re-priced
-            layout = with_handoff(layout, cfg.handoff, cfg.rounds)
-        plan = checked_file_plan(layout.plan, cfg, layout.styles, layers, shape)
-        layout = replace(layout, plan=plan)  # priced on --cluster: the same styles
-    else:
-        cluster, searched = pricing_cluster(cfg, False), cfg.searched
-        if searched or cluster is not BYTES_ONLY:  # what the arguments decide, checked
-            preset_plan(cfg, P, layers, shape, BYTES_ONLY)  # before a profile is measured
-        if not searched:  # rank 0 plans a searched one in the job
-            plan = preset_plan(cfg, P, layers, shape, cluster)
-            layout = resolve(model, plan, shape, P, traced)
+    job = Job(cfg, name, P, batch, choices, save, shape, classes, traced, layers, None, resume)
+    layout = _file_layout(job, loaded, model) if loaded else _preset_layout(job, model)
     if layout is not None and cfg.handoff in ("b", "c"):
         _check_handoff(cfg.handoff, cfg.rounds, layout)
     # the checkpointing patterns match, and no hand-off runs in rounds
-    matching(model, cfg.choices.activation_checkpointing, layout)
+    matching(model, choices.activation_checkpointing, layout)
     if layout is not None and cfg.runtime.variable_batch:
         why = why_not_variable_batch(layout.handoffs, layout.segments)
         if why:
             raise ConfigError(why)
     if resume is not None:
-        _check_resume(resume, cfg, shape)
-    return Job(cfg, P, shape, classes, traced, layers, layout, resume)
+        _check_resume(resume, job)
+    return replace(job, layout=layout)
 
 
-def _resolve_file(model, plan: ParallelPlan, shape, P: int, traced, name: str):
+def _file_layout(job: Job, loaded: ParallelPlan, model) -> Layout:
+    """A plan file resolved against the model (names, styles, layouts), sent by --handoff's
+    scheme where given, and priced on --cluster with the same styles."""
+    placed = {"device": job.choices.device, "backend": job.choices.backend}
+    layout = _resolve_file(model, loaded.with_choices(**placed), job)
+    if job.cfg.handoff is not None:  # the file's hand-offs sent by another scheme: re-priced
+        layout = with_handoff(layout, job.cfg.handoff, job.cfg.rounds)
+    return replace(layout, plan=checked_file_plan(layout.plan, job, layout.styles))
+
+
+def _preset_layout(job: Job, model) -> Layout | None:
+    """A fixed preset's plan resolved against the model; None for a searched one (rank 0 plans
+    it in the job)."""
+    plan = parent_plan(job)
+    return None if plan is None else resolve(model, plan, job.input_shape, job.procs, job.trace)
+
+
+def _resolve_file(model, plan: ParallelPlan, job: Job) -> Layout:
     """`resolve` for a plan file; where it does not fit and was made for another model, the
     error says which."""
+    name = job.model
     try:
-        return resolve(model, plan, shape, P, traced)
+        return resolve(model, plan, job.input_shape, job.procs, job.trace)
     except ConfigError as exc:
         if plan.model and plan.model != name:
             raise ConfigError(
@@ -124,27 +134,27 @@ def _check_handoff(scheme: str, rounds: int | None, layout) -> None:
     raise ConfigError(why or f"--handoff {scheme}: the planner kept scheme (a) before {first}")
 
 
-def _signature(cfg: TrainConfig) -> tuple[tuple[int, ...], int | None]:
+def _signature(cfg: TrainConfig, model: str, given: dict) -> tuple[tuple[int, ...], int | None]:
     """(one example's shape, classes) of the data the model trains on; for a user's model the
-    shape is --input-shape where the data does not fix it (and must agree where it does), and
-    the classes None on synthetic data (then the model's outputs decide)."""
-    if not is_factory(cfg.model):
-        if cfg.input_shape is not None:
+    shape is --input-shape (or the plan file's) where the data does not fix it (and must agree
+    where it does), and the classes None on synthetic data (then the model's outputs decide)."""
+    text = given.get("input_shape", cfg.input_shape)
+    if not is_factory(model):
+        if text is not None:
             raise ConfigError(
                 "--input-shape is for --model package.module:factory; zoo models take --input-size"
             )
-        info = zoo_entry(cfg.model)
-        return signature(cfg.data, input_shape(cfg.model, cfg.input_size), info.num_classes)
-    given = parse_input_shape(cfg.input_shape) if cfg.input_shape else None
+        info = zoo_entry(model)
+        size = given.get("input_size", cfg.input_size)
+        return signature(cfg.data, input_shape(model, size), info.num_classes)
+    wanted = parse_input_shape(text) if text else None
     synthetic = cfg.data.split(":")[0] == "synthetic"
-    if synthetic and given is None:
-        raise ConfigError(f"--model {cfg.model} on synthetic data needs --input-shape C,H,W")
-    shape, classes = signature(cfg.data, given or (), None)  # type: ignore[arg-type]
-    if given is not None and tuple(shape) != given:
+    if synthetic and wanted is None:
+        raise ConfigError(f"--model {model} on synthetic data needs --input-shape C,H,W")
+    shape, classes = signature(cfg.data, wanted or (), None)  # type: ignore[arg-type]
+    if wanted is not None and tuple(shape) != wanted:
         shown = ",".join(map(str, shape))
-        raise ConfigError(
-            f"--input-shape {cfg.input_shape} but the data's examples are {shown}; drop it"
-        )
+        raise ConfigError(f"--input-shape {text} but the data's examples are {shown}; drop it")
     return tuple(shape), classes
 
 
@@ -199,17 +209,17 @@ def _resume(cfg: TrainConfig) -> Path | None:
     return path
 
 
-def _check_resume(path: Path, cfg: TrainConfig, shape: tuple[int, ...]) -> None:
+def _check_resume(path: Path, job: Job) -> None:
     """The checkpoint must be of this model and data; the plan and P may differ."""
     meta = read_meta(path)
     then = meta["config"]
     seed = then["runtime"]["seed"] if "runtime" in then else then["seed"]
     given = (
-        ("model", then["model"], cfg.model),
-        ("data", then["data"], cfg.data),
-        ("batch", then["batch"], cfg.batch),
-        ("seed", seed, cfg.runtime.seed),
-        ("input shape", tuple(meta["plan"]["input_shape"] or ()), tuple(shape)),
+        ("model", then["model"], job.model),
+        ("data", then["data"], job.cfg.data),
+        ("batch", then["batch"], job.batch),
+        ("seed", seed, job.cfg.runtime.seed),
+        ("input shape", tuple(meta["plan"]["input_shape"] or ()), tuple(job.input_shape)),
     )
     for what, old, new in given:
         if old != new:
@@ -246,28 +256,17 @@ def _outputs(cfg: TrainConfig, model: str) -> str:
     return save
 
 
-def _defaults(cfg: TrainConfig, plan: ParallelPlan | None) -> dict:
-    """What the run takes from the plan file or the defaults: model, processes and batch (the
-    choices of a plan file win, and an explicit conflicting one is an error); where it runs
-    (the command line's device, else the plan's, checked against this machine); and where the
-    weights go."""
-    out = _from_plan(cfg, plan) if plan else {}
-    out.setdefault("model", cfg.model or DEFAULT_MODEL)
-    out.setdefault("nproc", cfg.nproc or 4)
-    out.setdefault("batch", cfg.batch or 64)
-    out["choices"] = _device(out.get("choices", cfg.choices), out["nproc"])
-    out["save"] = _outputs(cfg, out["model"])
-    return out
-
-
 def _from_plan(cfg: TrainConfig, plan: ParallelPlan) -> dict:
+    """What the run takes from a plan file: model, processes, batch, input and choices (the
+    file's win, and an explicit conflicting one is an error), but where it runs (the command
+    line's device, else the plan's)."""
     for name, value in (("nproc", plan.procs), ("batch", plan.batch)):
         given = getattr(cfg, name)
         if given is not None and given != value:
             raise ConfigError(
                 f"the plan is for --{name} {value}, got {given}; drop --{name} or re-plan"
             )
-    explicit = TrainConfig().choices.differences(cfg.choices)  # what the command line changed
+    explicit = Choices().differences(cfg.choices)  # what the command line changed
     for name, (wanted, given) in plan.choices.differences(cfg.choices).items():
         if name in explicit and name not in ("device", "backend"):
             raise ConfigError(
@@ -304,7 +303,5 @@ def meta_model(name: str, shape: tuple[int, ...], classes: int | None) -> torch.
 def run(cfg: TrainConfig) -> dict | None:
     """Train; rank 0's report (None on the other ranks under torchrun)."""
     job = prepare(cfg)
-    timeout = job.cfg.runtime.timeout_s or DEFAULT_TIMEOUT_S
-    return launch(train_worker, job.procs, job, timeout_s=timeout, backend=job.cfg.choices.backend)[
-        0
-    ]
+    timeout = cfg.runtime.timeout_s or DEFAULT_TIMEOUT_S
+    return launch(train_worker, job.procs, job, timeout_s=timeout, backend=job.choices.backend)[0]
