@@ -682,3 +682,40 @@ def test_ranks_dealt_round_robin_follow_the_hosts_or_say_why_not(tmp_path, cache
     hosts = json.loads(report.read_text())["hosts"]
     assert not hosts["node_by_node"] and hosts["followed"] is followed
     assert ("cannot follow the hosts" in r.stderr) is not followed, r.stderr
+
+
+def test_the_parent_decides_once_and_leaves_the_users_config_as_given(tmp_path, monkeypatch):
+    """Issue 39 item 5: `prepare` made a second TrainConfig from the plan file, the defaults and
+    the device (`cfg.with_`), and called into `plans` up to three times. The user's config now
+    stays as given; the Job holds what the parent decided; `plans` is entered once."""
+    from hybridpar.runtime.train import plans, run
+
+    monkeypatch.chdir(tmp_path)  # the weights' default folder, runs/, is made here
+    made = prepare(build(TrainConfig, preset="grid:2x1", nproc=2, batch=16, data="synthetic:32"))
+    made.plan.save(tmp_path / "p.json")
+    calls: list[str] = []
+    real = TrainConfig.__post_init__
+    monkeypatch.setattr(TrainConfig, "__post_init__", lambda c: calls.append("config") or real(c))
+    for name in ("parent_plan", "checked_file_plan"):  # run.py's entries into plans.py
+        fn = getattr(plans, name)
+        monkeypatch.setattr(run, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    for given in ({"plan": str(tmp_path / "p.json")}, {"preset": "grid:2x1", "nproc": 2}):
+        cfg = TrainConfig(data="synthetic:32", batch=None if "plan" in given else 16, **given)
+        calls.clear()
+        job = prepare(cfg)
+        assert job.cfg is cfg and (cfg.model, cfg.choices.device) == (None, "auto")
+        assert cfg.nproc == given.get("nproc") and cfg.save is None
+        assert (job.model, job.procs, job.batch, job.choices.device) == (
+            "digits-wide",
+            2,
+            16,
+            "cpu",
+        )
+        assert job.plan.styles == made.plan.styles
+        assert calls == ["checked_file_plan" if "plan" in given else "parent_plan"], calls
+        kept = job.config()  # what reports and checkpoints record: the config as the run used it
+        assert (kept["model"], kept["batch"], kept["choices"]["device"]) == (
+            "digits-wide",
+            16,
+            "cpu",
+        )
