@@ -719,3 +719,27 @@ def test_the_parent_decides_once_and_leaves_the_users_config_as_given(tmp_path, 
             16,
             "cpu",
         )
+
+
+def test_a_rank_keeps_the_parents_layout_when_rank_0s_plan_differs_in_predictions_only(
+    tmp_path, monkeypatch
+):
+    """Under torchrun every rank resolves the preset in its own parent leg, and the ranks other
+    than 0 price it bytes only; rank 0's priced plan then reached them as another plan, which
+    they resolved a second time. The layout is kept where only the predictions differ, and
+    resolved again where the styles do."""
+    import dataclasses
+
+    from hybridpar.core.plan import Style
+    from hybridpar.runtime.train import loop
+
+    monkeypatch.chdir(tmp_path)
+    job = prepare(build(TrainConfig, preset="grid:2x1", nproc=2, batch=16, data="synthetic:32"))
+    resolved: list = []
+    monkeypatch.setattr(loop, "resolve", lambda *a: resolved.append(a[1]) or job.layout)
+    priced = dataclasses.replace(job.plan, totals={"total_s": 1.0}, cluster="elsewhere")
+    layout = loop._layout(job, None, priced)
+    assert layout.plan is priced and layout.styles == job.layout.styles and resolved == []
+    other = dataclasses.replace(priced, styles={k: Style.batch(2) for k in priced.styles})
+    loop._layout(job, None, other)
+    assert resolved == [other]

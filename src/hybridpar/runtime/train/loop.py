@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -294,7 +294,6 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
     model = build_any(job.model, shape, job.num_classes).to(device)
     k = plan.batch / cfg.base_batch if cfg.base_batch else 1.0
     lr, wd = scale_hparams(cfg.lr, cfg.weight_decay, k, cfg.scale_rule)
-    layout = job.layout if job.plan is plan else None
 
     def optimizer(params):
         return KrizhevskySGD(params, lr=lr, momentum=cfg.momentum, weight_decay=wd)
@@ -309,7 +308,7 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
         plan,
         optimizer,
         options=cfg.runtime,
-        layout=layout or _resolved(job, model, plan),
+        layout=_layout(job, model, plan),
         head_optimizer=head_optimizer,
     )
 
@@ -348,9 +347,19 @@ def _rounds(plan: ParallelPlan) -> int:
     return next((r.rounds for r in reversed(plan.redistributions) if r.scheme != "a"), 1)
 
 
-def _resolved(job: Job, model: torch.nn.Module, plan: ParallelPlan) -> Layout:
-    """The plan rank 0 chose, resolved against the parent's trace (no second trace)."""
+def _layout(job: Job, model: torch.nn.Module, plan: ParallelPlan) -> Layout:
+    """The parent's layout where `plan` runs as the parent's does (under torchrun rank 0's
+    plan differs from the others' in its predictions only: they priced bytes); else the plan
+    rank 0 chose, resolved against the parent's trace (no second trace)."""
+    mine = job.layout
+    if mine is not None and _runs(mine.plan) == _runs(plan):
+        return replace(mine, plan=plan)
     return resolve(model, plan, job.input_shape, job.procs, job.trace)
+
+
+def _runs(plan: ParallelPlan) -> dict:
+    """What of a plan a rank runs: all of it but its predictions."""
+    return {k: v for k, v in plan.to_dict().items() if k not in ("predicted", "totals", "cluster")}
 
 
 def train_worker(job: Job) -> dict | None:
