@@ -173,6 +173,7 @@ def _time_shm(group=None, piece: int = 1 << 18) -> tuple[float | None, float | N
 # the compute between two synchronisations that `_time_sync` measures, as a number of 256 x 256
 # matrix products on one rank's threads (0: back to back; the largest is tens of milliseconds)
 SYNC_WORK = (0, 1, 2, 4, 8, 16, 32, 64)
+SYNC_TABLES = 3  # tables measured in turn; each entry is their median (benchmarks/sync_repeat.py)
 
 
 def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> list[list[float]]:
@@ -186,10 +187,13 @@ def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> 
     work's time alone (a rank's mean), the wall time per round, and the mean over ranks and
     rounds of each call's time less the shortest any rank saw in it (the wait for the last rank
     to arrive, as the report measures it); the wall and the wait less their values without work
-    (the collective's own cost, which alpha prices). Returns [[alone s, wall s, wait s], ...]
-    for W > 0; the cost model applies its contention factor to the alone time. Collective over
-    `group` (the world where None); each rank runs with the threads a rank of `ranks_here` on
-    its host gets (the group's size where None: a group of one host)."""
+    (the collective's own cost, which alpha prices). The excess the table prices is a few per
+    cent of the work, the difference of two numbers twice as large: one table's rows are noisy,
+    so `SYNC_TABLES` tables are measured in turn and each entry is their median. Returns
+    [[alone s, wall s, wait s], ...] for W > 0; the cost model applies its contention factor to
+    the alone time. Collective over `group` (the world where None); each rank runs with the
+    threads a rank of `ranks_here` on its host gets (the group's size where None: a group of
+    one host)."""
 
     if group is None:
         everyone = list(range(dist.get_world_size()))
@@ -209,12 +213,21 @@ def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> 
 
     try:
         a = torch.randn(256, 256)
-        solo = _alone(a, group.pg)
-        mine = {w: (*_together(a, w, sync, group.pg, repeats), solo[w]) for w in SYNC_WORK}
+        tables = [_sync_table(a, sync, group.pg, repeats) for _ in range(SYNC_TABLES)]
     finally:
         torch.set_num_threads(before)
-    every: list = [None] * p
-    dist.all_gather_object(every, mine, group=group.pg)
+    return [
+        [statistics.median(x) for x in zip(*rows, strict=True)]
+        for rows in zip(*tables, strict=True)
+    ]
+
+
+def _sync_table(a, sync, pg, repeats: int) -> list[list[float]]:
+    """One sync table (`_time_sync`), collective over `pg`."""
+    solo = _alone(a, pg)
+    mine = {w: (*_together(a, w, sync, pg, repeats), solo[w]) for w in SYNC_WORK}
+    every: list = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(every, mine, group=pg)
     rows = []
     for w in SYNC_WORK:
         wall = statistics.fmean(t[w][0] for t in every)
