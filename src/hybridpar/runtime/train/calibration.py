@@ -102,11 +102,15 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     leaders = [members[h][0] for h in hosts]
     net = new_group(leaders, None, "hybridpar_calibrate_net", "calibrate-net")
     sizes_local = {len(m) for m in members.values()}
-    intra = _time_allreduce(sizes, repeats, group=local.pg) if min(sizes_local) > 1 else None
-    small, shm_beta = _time_shm(local) if min(sizes_local) > 1 else (None, None)
+    shared = min(sizes_local) > 1
+    shm = [_time_shm(local) if shared else (None, None)]
+    intra = _time_allreduce(sizes, repeats, group=local.pg) if shared else None
+    shm.append(_time_shm(local) if shared else (None, None))
     inter = _time_allreduce(sizes, repeats, group=net.pg, timed=me in leaders)
     # where the ranks share cores: each host's ranks among themselves, all hosts at once
-    sync = _time_sync(local) if min(sizes_local) > 1 else None
+    sync = _time_sync(local) if shared else None
+    shm.append(_time_shm(local) if shared else (None, None))
+    small, shm_beta = _mean_shm(shm)
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, sync)
     # and all of the job's ranks at once, meeting across the hosts: what a group that spans
@@ -168,6 +172,17 @@ def _time_shm(group=None, piece: int = 1 << 18) -> tuple[float | None, float | N
     gather = _median_s(lambda: r.all_gather(acts, [piece] * p, 0), warmup=3, repeats=20)
     received = (p - 1) * 4 * piece  # the cost model's all-gather volume, (p-1)/p of the whole
     return alpha, max(0.0, gather - alpha) / received
+
+
+def _mean_shm(measured: list[tuple[float | None, float | None]]) -> tuple[float | None, ...]:
+    """(small_alpha, shm_beta): the mean of `_time_shm`'s measurements spread over the
+    calibration. A small collective of ranks that share cores can cost one of two levels for
+    seconds at a time (docs/validate.md), so one measurement's median is either; a step's many
+    calls see both, in proportion."""
+    return tuple(
+        None if any(x is None for x in xs) else statistics.fmean(xs)
+        for xs in zip(*measured, strict=True)
+    )
 
 
 # the compute between two synchronisations that `_time_sync` measures, as a number of 256 x 256
@@ -297,13 +312,18 @@ def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict
 
     names = host_names()
     cpu = device == "cpu"
-    small, shm_beta = _time_shm() if cpu else (None, None)
     one_host = len(set(names)) == 1
+    shm = [_time_shm() if cpu else (None, None)]
+    allreduce = _time_allreduce(sizes, repeats, device)
+    shm.append(_time_shm() if cpu else (None, None))
+    sync = _time_sync() if one_host and cpu else None
+    shm.append(_time_shm() if cpu else (None, None))
+    small, shm_beta = _mean_shm(shm)
     return {
-        "allreduce": _time_allreduce(sizes, repeats, device),
+        "allreduce": allreduce,
         "small": small,
         "shm_beta": shm_beta,
-        "sync": _time_sync() if one_host and cpu else None,
+        "sync": sync,
         "levels": None if one_host else _time_levels(names, sizes, repeats),
     }
 
@@ -563,11 +583,14 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu", backend: str = "gloo
     """Calibrate on the ranks of a running job (every rank calls it): they all take part in the
     all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
 
-    names = host_names()
+    names, cpu = host_names(), device == "cpu"
+    shm = [_time_shm() if cpu else (None, None)]
     times = _time_allreduce(SIZES, repeats, device)
-    small, shm_beta = _time_shm() if device == "cpu" else (None, None)
+    shm.append(_time_shm() if cpu else (None, None))
     levels = _time_levels(names, SIZES, repeats) if len(set(names)) > 1 else None
-    sync = _time_sync() if levels is None and device == "cpu" else None
+    sync = _time_sync() if levels is None and cpu else None
+    shm.append(_time_shm() if cpu else (None, None))
+    small, shm_beta = _mean_shm(shm)
     error = None
     if dist.get_rank() == 0:
         fit = _fitted(times, dist.get_world_size(), small, shm_beta, sync, device, backend)
