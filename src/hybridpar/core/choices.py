@@ -54,8 +54,6 @@ CODECS: tuple[str, ...] = typing.get_args(Codec)
 EIGHT_BIT = CODECS[3:]
 DEFAULT_BLOCK = 4096
 COMPRESSIBLE = ("activations", "grads")
-BN_MODES: tuple[str, ...] = typing.get_args(BN)
-REDUCERS: tuple[str, ...] = typing.get_args(Reducer)
 
 
 def check_codec(name: str) -> str:

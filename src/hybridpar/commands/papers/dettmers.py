@@ -192,7 +192,6 @@ APPENDIX_A_4GPU = NodeProfile(
     source=_T3_T4,
 )
 CONVNET2_TOTAL = 17000 / 96  # ms: Table 7's convnet2 baseline, 17 s for 96 passes of 128
-NERVANA_TOTAL = 10000 / 96  # ms: Table 7's NervanaGPU baseline, 10 s (Table 4 says 104.1)
 
 APPENDIX_A_96GPU = ClusterProfile(
     nodes=32,
