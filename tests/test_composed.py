@@ -5,7 +5,8 @@ gradients across hosts (Dettmers).
 
 - Without a codec it trains as one process does (rtol 1e-5, float32: the host reducer sums in
   float32 shared memory), P = 4 on a 2x2 grid over two emulated hosts, and P = 3 on uneven hosts
-  (2 + 1).
+  (2 + 1); `HybridTrainer.predict` then gives every rank the one process's outputs in
+  evaluation mode.
 - With the codecs and the adaptive batch norm, a checkpoint resumes bit for bit.
 - The same with the first stage's convolutions split by rows (domain 2 x 2, Gholami et al.), and
   with ranks dealt to the hosts round-robin. With domain layers the activations stay 32-bit: a
@@ -106,6 +107,7 @@ def _equal(P: int, B: int, grid: tuple[int, int], hosts: list[int], domain: bool
     for key in {k for k in {*booked, *want} if k[1] != "codec_overhead"}:
         assert booked.get(key, 0.0) == pytest.approx(want.get(key, 0.0), rel=1e-9), key
     assert sum(v for k, v in booked.items() if k[1] == "dw_allreduce") > 0  # crossed hosts
+    outputs = t.predict(data[0][0])  # collective: the global batch's outputs on every rank
     if dist.get_rank() == 0:
         ref = _model()
         opt = optimizer(ref.parameters())
@@ -115,6 +117,9 @@ def _equal(P: int, B: int, grid: tuple[int, int], hosts: list[int], domain: bool
             opt.step()
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=f"P={P}: {k}")
+        with torch.no_grad():
+            want_out = ref.eval()(data[0][0])  # the running statistics, as predict uses them
+        torch.testing.assert_close(outputs, want_out, rtol=1e-4, atol=1e-5, msg=f"P={P}: outputs")
 
 
 def _both(folder: str) -> None:
