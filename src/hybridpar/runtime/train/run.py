@@ -79,10 +79,20 @@ def prepare(cfg: TrainConfig) -> Job:
 
 
 def _file_layout(job: Job, loaded: ParallelPlan, model) -> Layout:
-    """A plan file resolved against the model (names, styles, layouts), sent by --handoff's
-    scheme where given, and priced on --cluster with the same styles."""
-    placed = {"device": job.choices.device, "backend": job.choices.backend}
-    layout = _resolve_file(model, loaded.with_choices(**placed), job)
+    """A plan file resolved against the model (names, styles, layouts; where it does not fit and
+    was made for another model, the error says which), sent by --handoff's scheme where given,
+    and priced on --cluster with the same styles."""
+    name, c = job.model, job.choices
+    plan = loaded.with_choices(device=c.device, backend=c.backend)
+    try:
+        layout = resolve(model, plan, job.input_shape, job.procs, job.trace)
+    except ConfigError as exc:
+        if plan.model and plan.model != name:
+            raise ConfigError(
+                f"the plan was made for {plan.model}, not {name} ({exc}): re-plan for this "
+                f"model (`hybridpar plan --model {name} ... --out`) or drop --model"
+            ) from None
+        raise
     if job.cfg.handoff is not None:  # the file's hand-offs sent by another scheme: re-priced
         layout = with_handoff(layout, job.cfg.handoff, job.cfg.rounds)
     return replace(layout, plan=checked_file_plan(layout.plan, job, layout.styles))
@@ -93,21 +103,6 @@ def _preset_layout(job: Job, model) -> Layout | None:
     it in the job)."""
     plan = parent_plan(job)
     return None if plan is None else resolve(model, plan, job.input_shape, job.procs, job.trace)
-
-
-def _resolve_file(model, plan: ParallelPlan, job: Job) -> Layout:
-    """`resolve` for a plan file; where it does not fit and was made for another model, the
-    error says which."""
-    name = job.model
-    try:
-        return resolve(model, plan, job.input_shape, job.procs, job.trace)
-    except ConfigError as exc:
-        if plan.model and plan.model != name:
-            raise ConfigError(
-                f"the plan was made for {plan.model}, not {name} ({exc}): re-plan for this "
-                f"model (`hybridpar plan --model {name} ... --out`) or drop --model"
-            ) from None
-        raise
 
 
 def _check_handoff(scheme: str, rounds: int | None, layout) -> None:
