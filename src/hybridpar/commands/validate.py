@@ -536,7 +536,7 @@ def _explains(rows: list, worst: Candidate, gap: float) -> tuple:
     for r in rows:
         if r.quantity == "update_s":
             part = update * (1 - r.ratio)
-        elif r.quantity == f"iteration at {samples} samples":
+        elif r.quantity.startswith(f"iteration at {samples} samples"):  # alone or crowded
             part = (p["compute_s"] - update) * (1 - r.ratio)
         else:
             continue

@@ -9,9 +9,12 @@ the iteration measured without them), and times the trainer's optimizer step on 
 parameters, per parameter element, settled and bounded by a copy's speed. It measures beside
 the host's other ranks: as many processes as the ranks that run at once on the host's cores
 (`busy_ranks`) run the same thing meanwhile, since they share its memory bandwidth and caches
-(a memory-bound step beside another takes up to twice as long). The planner then prices
-every style from what a rank runs under it (planning.cost.compute.ProfileModel), with the
-slowdown of ranks sharing cores.
+(a memory-bound step beside another takes up to twice as long). Where a job's ranks outnumber
+the cores, it also times the iteration with that many processes to a core (`_crowd`): they run
+in turn, and each switch evicts the other's data from the caches, so a rank's iteration takes
+more than its share of the core alone would make it (`_crowding`; a measured factor, not a
+model constant). The planner then prices every style from what a rank runs under it
+(planning.cost.compute.ProfileModel), with that slowdown of ranks sharing cores.
 
 Profiles are cached per model, input shape, thread count and neighbours under the cache folder
 and extended with the sample counts a later plan needs; a new calibration of the host measures
@@ -83,11 +86,11 @@ def _iteration(model, x, y) -> None:
 
 
 def _measure_count(
-    model, shape, n: int, repeats: int, device="cpu"
+    model, shape, n: int, repeats: int, device="cpu", leaves: bool = True
 ) -> tuple[dict[str, tuple[float, float]], Settled]:
-    """({leaf: (forward s, backward s)} of one iteration on n samples, the iteration settled
-    (hybridpar.core.timing.settle) without hooks); the leaves sum to that iteration (their remainder,
-    loss and autograd glue, is spread over them in proportion)."""
+    """({leaf: (forward s, backward s)} of one iteration on n samples ({} where not `leaves`),
+    the iteration settled (hybridpar.core.timing.settle) without hooks); the leaves sum to that
+    iteration (their remainder, loss and autograd glue, is spread over them in proportion)."""
     import torch
 
     x = torch.randn(n, *shape, device=device)
@@ -106,6 +109,8 @@ def _measure_count(
         return ts
 
     whole = settle(batch)
+    if not leaves:
+        return {}, whole
     fwd, bwd, handles = hook_timers(model, device)
     try:
         with warnings.catch_warnings():  # the first layer's input needs no gradient: fine here
@@ -511,8 +516,9 @@ class _Neighbours:
     def __init__(
         self, model: str, shape: tuple[int, ...], threads: int, busy: int, amp: str = "none"
     ) -> None:
+        self.spec = (model, shape, threads)
         self.args = [model, "x".join(map(str, shape)), str(threads), amp]
-        self.busy = busy
+        self.busy, self.amp = busy, amp
         self.procs: list = []
         self.phase: int | None = None
 
@@ -613,12 +619,20 @@ def recheck(path: Path, repeats: int = 5) -> list[Recheck]:
     shape = tuple(how["shape"])
     out = []
     how_else = (how["threads"], how["busy"], how["device"], how.get("amp", "none"))
+
+    def again(quantity: str, old: dict, now: Settled) -> Recheck:
+        spread = max(old.get("s_spread", 0.0), now.spread)
+        return Recheck(quantity, str(path), old["s"], now.value, spread)
+
     with _measuring(how["model"], shape, *how_else) as (net, b):
         for n, old in sorted(data["iteration"].items(), key=lambda kv: int(kv[0])):
             b.run(int(n))
-            _, now = _measure_count(net, shape, int(n), repeats, how["device"])
-            spread = max(old.get("s_spread", 0.0), now.spread)
-            out.append(Recheck(f"iteration at {n} samples", str(path), old["s"], now.value, spread))
+            _, now = _measure_count(net, shape, int(n), repeats, how["device"], leaves=False)
+            out.append(again(f"iteration at {n} samples", old, now))
+        for k in sorted({pr for pr, _ in map(_key, data.get("crowded", {}))}):
+            for n, now in _crowd(net, sorted(_counts(data["crowded"], k)), repeats, b, k):
+                old = data["crowded"][f"{k}x{n}"]
+                out.append(again(f"iteration at {n} samples, {k} ranks to a core", old, now))
         b.run(UPDATE)
         now = _measure_update(net, repeats, how["device"])
         spread = max(data.get("update_s_spread", 0.0), now.spread)
@@ -636,6 +650,7 @@ def _load(path: Path, cluster: Cluster) -> dict:
         "bands": {},
         "splits": {},
         "iteration": {},  # {samples: the settled iteration (hybridpar.core.timing.Settled.fields)}
+        "crowded": {},  # {"KxN": the same with K ranks to a core (`_crowd`)}
     }
     try:
         data = json.loads(path.read_text())
@@ -646,6 +661,8 @@ def _load(path: Path, cluster: Cluster) -> dict:
     if not all(isinstance(data.get(k), dict) for k in ("per_count", "iteration", "bands")):
         return fresh
     if not isinstance(data.setdefault("splits", {}), dict):  # none before 2026-11-27
+        return fresh
+    if not isinstance(data.setdefault("crowded", {}), dict):  # none in older profiles
         return fresh
     return data
 
@@ -676,10 +693,12 @@ def profile_compute(
     path = _path(model, shape, threads, busy, device, amp)
     data = _load(path, cluster)
     missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
-    shares, splits = data["bands"], data["splits"]
+    shares, splits, crowded = data["bands"], data["splits"], data["crowded"]
     unbanded = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in shares})
     unsplit = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in splits})
-    if missing or unbanded or unsplit or "update_s" not in data:
+    k = int(contention(cluster.cores, local, threads))  # ranks a core runs in turn; 1 on a GPU
+    uncrowded = sorted({int(n) for n in counts if k > 1 and not gpu} - _counts(crowded, k))
+    if missing or unbanded or unsplit or uncrowded or "update_s" not in data:
         data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
         data["measured"].update(busy=busy, device=device, amp=amp)
         with _measuring(model, shape, threads, busy, device, amp) as (net, beside):
@@ -697,17 +716,46 @@ def profile_compute(
             if "update_s" not in data:
                 beside.run(UPDATE)
                 data.update(_measure_update(net, repeats, device).fields("update_s"))
+            for n, whole in _crowd(net, uncrowded, repeats, beside, k):
+                crowded[f"{k}x{n}"] = whole.fields("s")
         cache_write(path, data)
     return ProfileModel(
         _read(data["per_count"], int),
         bands=_read(shares, _key),
         splits=_read(splits, _key),
         update_s=float(data["update_s"]),
-        # ranks that meet at every collective run at the pace of the most crowded core: 3 ranks
-        # on 2 cores take as long as 4
-        contention=contention(cluster.cores, local, threads),
+        contention=k * _crowding(data, k, counts),
         source=str(path),
     )
+
+
+def _crowd(net, counts: list[int], repeats: int, beside: _Neighbours, k: int):
+    """(n, the settled iteration at n samples) for each of `counts`, with k times as many
+    processes running the model as the profile measured beside (`beside`): the cores time-shared
+    as the ranks of a job with `k` ranks to a core share them. (Ranks that meet at every
+    collective run at the pace of the most crowded core: 3 ranks on 2 cores take as long as 4.)"""
+    if not counts:
+        return
+    model, shape, threads = beside.spec
+    with _Neighbours(model, shape, threads, (k - 1) * beside.busy + 1, beside.amp) as more:
+        for n in counts:
+            beside.run(n)
+            more.run(n)
+            yield n, _measure_count(net, shape, n, repeats, leaves=False)[1]
+
+
+def _crowding(data: dict, k: int, counts) -> float:
+    """How much more than k times its iteration a rank's iteration takes with k ranks to a core
+    (their caches evicted at every switch, beyond the share of the core the factor k prices): the
+    median over `counts` of the crowded iteration over k times the iteration beside the busy
+    ranks, at least 1 (time-sharing never speeds work up); 1 where not measured (a GPU, a core
+    to each rank)."""
+    ratios = [
+        data["crowded"][f"{k}x{n}"]["s"] / (k * data["iteration"][str(n)]["s"])
+        for n in {int(n) for n in counts}
+        if f"{k}x{n}" in data["crowded"] and str(n) in data["iteration"]
+    ]
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
 
 def planning_compute(
@@ -740,9 +788,14 @@ def _read(tables: dict, key) -> dict:
 
 
 def _key(k: str) -> tuple[int, int]:
-    """(Pr, samples) of a band table's key "PRxN"."""
+    """(Pr, samples) of a band table's key "PRxN" (a crowded iteration's: (ranks to a core, N))."""
     pr, n = k.split("x")
     return int(pr), int(n)
+
+
+def _counts(table: dict, first: int) -> set[int]:
+    """The sample counts of `table`'s keys "FIRSTxN"."""
+    return {n for pr, n in map(_key, table) if pr == first}
 
 
 if __name__ == "__main__":  # a neighbour of a profile (`_Neighbours`)
