@@ -180,18 +180,18 @@ def _print_levels(d: dict) -> None:
 
 def print_rechecks(rows, out=sys.stdout) -> None:
     """A table of cached quantities measured again (hybridpar.core.timing.Recheck), by cache file."""
-    source = None
+    source, w = None, max((len(r.quantity) for r in rows), default=26)
     for r in rows:
         if r.source != source:
             source = r.source
             print(f"  {source}", file=out)
             print(
-                f"    {'quantity':26} {'cached':>10} {'now':>10} {'now/cached':>10} "
+                f"    {'quantity':{w}} {'cached':>10} {'now':>10} {'now/cached':>10} "
                 f"{'spread':>7}  holds",
                 file=out,
             )
         print(
-            f"    {r.quantity:26} {r.cached:10.3g} {r.now:10.3g} {r.ratio:10.2f} "
+            f"    {r.quantity:{w}} {r.cached:10.3g} {r.now:10.3g} {r.ratio:10.2f} "
             f"{r.spread:7.1%}  {'yes' if r.holds else 'NO'}",
             file=out,
         )

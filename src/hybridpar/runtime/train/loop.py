@@ -26,6 +26,7 @@ from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.devices import local_gpu
 from hybridpar.runtime.comm.host import host_name
+from hybridpar.runtime.launcher import under_torchrun
 from hybridpar.runtime.parallel.checkpoint import save_weights
 from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS, HybridTrainer
@@ -367,7 +368,7 @@ def train_worker(job: Job) -> dict | None:
     returns the report; the others return None."""
     cfg, P, rank = job.cfg, dist.get_world_size(), dist.get_rank()
     _quiet_rank(P)
-    plan = agreed_plan(job)
+    plan = job.plan if job.plan is not None and not under_torchrun() else agreed_plan(job)
     log = Progress(cfg, plan) if rank == 0 else None
     trainer = make_trainer(job, plan)
     data = load_data(cfg.data, job.input_shape, job.num_classes, seed=cfg.runtime.seed)

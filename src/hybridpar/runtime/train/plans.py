@@ -144,13 +144,13 @@ def _broadcast(value: object) -> object:
 
 
 def agreed_plan(job: Job) -> ParallelPlan:
-    """The plan every rank runs. A searched preset is decided by rank 0 alone (after a collective
-    calibration of `localhost` if there is none yet) and broadcast (DESIGN.md invariant 3); so
-    is a fixed preset's or a plan file's pricing under torchrun."""
+    """The plan every rank runs where the parent did not decide it for all of them (the
+    launcher's one plan, `Job.plan`, is sent to every rank): a searched preset is decided by
+    rank 0 alone (after a collective calibration of `localhost` if there is none yet) and
+    broadcast (DESIGN.md invariant 3); so is a fixed preset's or a plan file's pricing under
+    torchrun."""
     cfg, rank = job.cfg, dist.get_rank()
     if job.plan is not None:
-        if not under_torchrun():  # the launcher's one plan, sent to every rank
-            return job.plan
         # each rank resolved the preset or file itself: the styles agree, the predictions are
         # rank 0's (the others priced bytes only, `pricing_cluster`)
         text = _broadcast(job.plan.to_json() if rank == 0 else None)
