@@ -9,11 +9,10 @@ the iteration measured without them), and times the trainer's optimizer step on 
 parameters, per parameter element, settled and bounded by a copy's speed. It measures beside
 the host's other ranks: as many processes as the ranks that run at once on the host's cores
 (`busy_ranks`) run the same thing meanwhile, since they share its memory bandwidth and caches
-(a memory-bound step beside another takes up to twice as long). Where a job's ranks outnumber
-the cores, it also times the iteration with that many processes to a core (`_crowd`): they run
-in turn, and each switch evicts the other's data from the caches, so a rank's iteration takes
-more than its share of the core alone would make it (`_crowding`; a measured factor, not a
-model constant). The planner then prices every style from what a rank runs under it
+(a memory-bound step beside another takes up to twice as long). Where ranks outnumber the
+cores, it also times the iteration with as many processes to a core (`_crowd`): each switch
+evicts the other's data, so a rank takes more than its share of the core (`_crowding`). The
+planner then prices every style from what a rank runs under it
 (planning.cost.compute.ProfileModel), with that slowdown of ranks sharing cores.
 
 Profiles are cached per model, input shape, thread count and neighbours under the cache folder
@@ -516,9 +515,7 @@ class _Neighbours:
     def __init__(
         self, model: str, shape: tuple[int, ...], threads: int, busy: int, amp: str = "none"
     ) -> None:
-        self.spec = (model, shape, threads)
-        self.args = [model, "x".join(map(str, shape)), str(threads), amp]
-        self.busy, self.amp = busy, amp
+        self.spec, self.busy, self.amp = (model, shape, threads), busy, amp
         self.procs: list = []
         self.phase: int | None = None
 
@@ -526,10 +523,12 @@ class _Neighbours:
         import subprocess
         import sys
 
+        model, shape, threads = self.spec
+        args = [model, "x".join(map(str, shape)), str(threads), self.amp]
         for _ in range(self.busy - 1):
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "hybridpar.planning.profile", *self.args],
+                    [sys.executable, "-m", "hybridpar.planning.profile", *args],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
