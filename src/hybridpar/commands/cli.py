@@ -16,6 +16,7 @@ from hybridpar.commands.plans import cmd_plan, cmd_simulate
 from hybridpar.commands.tools import cmd_calibrate, cmd_codecs, cmd_profile
 from hybridpar.commands.training import cmd_train
 from hybridpar.commands.validate import cmd_validate
+from hybridpar.core.cluster import CALIBRATED
 from hybridpar.core.config import add_arguments, dump_toml, load_toml
 from hybridpar.core.errors import ConfigError, Interrupted
 from hybridpar.planning.config import PlanConfig
@@ -131,9 +132,9 @@ def _measuring_parsers(sub) -> None:
         "--nproc",
         "--procs",
         type=_int_list,
-        default=[2, 4],
+        default=list(CALIBRATED),
         help="ranks to time the collectives on, comma-separated: the first gives alpha and beta, "
-        "each is kept for pricing jobs of that many ranks (default 2,4)",
+        "each is kept for pricing jobs of that many ranks (default 2,3,4)",
     )
     c.add_argument("--repeats", type=_positive_int, default=5, help="timings per size")
     c.add_argument(

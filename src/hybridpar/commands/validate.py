@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridpar.core.cluster import CALIBRATED
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.plan import ParallelPlan
 
@@ -340,7 +341,7 @@ def cmd_validate(args) -> int:
     if cfg.cluster == "localhost" and not localhost_path().exists() and not under_torchrun():
         # as a searched `hybridpar train` does: the planner needs this host's numbers first
         print("localhost is not calibrated yet: calibrating it first", file=sys.stderr)
-        calibrate(nproc=[2, 4])  # `hybridpar calibrate`'s default
+        calibrate(nproc=list(CALIBRATED))  # `hybridpar calibrate`'s default
     cluster = load_cluster(cfg.cluster)
 
     def plan_candidates() -> list[Candidate]:

@@ -40,6 +40,7 @@ else:  # pragma: no cover
 
 __all__ = [
     "BYTES_ONLY",
+    "CALIBRATED",
     "PRESETS",
     "SHM_MAX_BYTES",
     "Cluster",
@@ -48,6 +49,10 @@ __all__ = [
     "load_cluster",
     "rank_threads",
 ]
+
+# the ranks on a host `hybridpar calibrate` times by default: one core each, some waiting for one,
+# two to a core on a 2-core host (each kind meets at a different cost)
+CALIBRATED = (2, 3, 4)
 
 # the largest collective, per rank, that the runtime sends through host shared memory (comm.small);
 # larger ones go on torch.distributed, and the cost model prices them there
@@ -73,7 +78,7 @@ class Cluster:
     # and P ranks on it each get cores / P of the host (rank_flops); None: `flops` is per process
     cores: int | None = None
     # the collectives of a job of P ranks on this host measured at that P (`hybridpar calibrate
-    # --nproc 2,4`): (P, alpha, beta, small_alpha, shm_beta) each; ranks that share cores make
+    # --nproc 2,3,4`): (P, alpha, beta, small_alpha, shm_beta) each; ranks that share cores make
     # them slower than a 2-rank fit says. `at(P)` prices a P-rank job with its own entry
     by_procs: tuple[tuple[int, float, float, float | None, float | None], ...] = ()
     # the second level (all three or none): ranks of a job on each host, numbered host by host
@@ -125,13 +130,13 @@ class Cluster:
     def at(self, P: int) -> Cluster:
         """This cluster as a job of P ranks sees it. The collectives and the sync table of as
         many ranks on a host where `hybridpar calibrate` measured them; for a count it did not
-        measure, those of the nearest count below (none below: this cluster's own alpha and
-        beta, and no table), the table's waits and what a round loses beyond its work scaled
-        by how far the last of P ranks arrives behind their mean against the last of that
-        count (`_scaled`, `expected_max`: independent, equally noisy ranks); for a job that
-        spans the
-        hosts of a two-level cluster, the table measured with the ranks meeting across them. Its
-        shared-memory numbers take the contention factor of its ranks on the host's cores."""
+        measure, those of the nearest count that shares the cores as P does (`_nearest`; none:
+        this cluster's own alpha and beta, and no table), the table's waits and what a round
+        loses beyond its work scaled by how far the last of P ranks arrives behind their mean
+        against the last of that count (`_scaled`, `expected_max`: independent, equally noisy
+        ranks); for a job that spans the hosts of a two-level cluster, the table measured with
+        the ranks meeting across them. Its shared-memory numbers take the contention factor of
+        its ranks on the host's cores."""
         here, local = self, self.local(P)
         spans = self.two_level and bool(self.net_sync) and local < P
         if self.sync_by_procs or spans:
@@ -139,13 +144,13 @@ class Cluster:
                 rows = self.net_sync
             else:
                 tables = dict(self.sync_by_procs)
-                p0 = _below(tables, local)
+                p0 = self._nearest(tables, local)
                 rows = self._scaled(tables[p0], p0, local) if p0 else ()
             if (rows, local) != (self.sync, self.sync_ranks):
                 here = replace(self, sync=rows, sync_ranks=local)
         fits = {p: rest for p, *rest in self.by_procs}
-        if _below(fits, local):
-            alpha, beta, small, shm = fits[_below(fits, local)]
+        if fit := self._nearest(fits, local):
+            alpha, beta, small, shm = fits[fit]
             # a shared-memory collective is the ranks' own copying, summing and polling: timed
             # back to back, the waiting ranks hand each other the cores; in a step the ranks
             # around it compute, and it gets its share of a core as compute and the codecs do
@@ -155,6 +160,18 @@ class Cluster:
             small, shm = (None if x is None else x * c for x in (small, shm))
             return replace(here, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
         return here
+
+    def _nearest(self, counts, p: int) -> int:
+        """Which of `counts` (ranks on a host a calibration measured) prices p of them: the
+        largest up to p, or else the smallest above it, of those that share the host's cores as p
+        does (every rank on a core of its own, or some waiting for one: a collective or a meeting
+        of ranks that wait for cores costs a multiple of one whose ranks do not); none such, the
+        largest up to p; 0 where there is none."""
+        if self.cores is not None:
+            alike = [c for c in counts if (c > self.cores) == (p > self.cores)]
+            if alike:
+                return max((c for c in alike if c <= p), default=min(alike))
+        return max((c for c in counts if c <= p), default=0)
 
     def _scaled(self, rows, p0: int, p: int) -> tuple:
         """The meetings' table of p0 ranks on a host for p of them: the work priced at p's
@@ -447,9 +464,10 @@ def rank_threads(cores: int, P: int) -> int:
 
 def contention(cores: int, P: int, threads: int) -> float:
     """How much slower each of P ranks of `threads` threads runs when they share `cores` cores:
-    ceil(P threads / cores), at least 1 (the compute model's factor; the `sync` term adds what
-    the ranks lose at each synchronisation beyond it)."""
-    return float(max(1, math.ceil(P * threads / cores)))
+    P threads / cores, at least 1: the scheduler gives each its share of the cores over a
+    stretch of work (the compute model's factor; the `sync` term adds what the ranks lose at
+    each meeting beyond it, as when two of them wait on one core and the others on theirs)."""
+    return max(1.0, P * threads / cores)
 
 
 def cache_dir() -> Path:
@@ -481,11 +499,6 @@ def for_device(cluster: Cluster, device: str) -> Cluster:
             f"on {device}: run `hybridpar calibrate{flag}` and price it on localhost"
         )
     return cluster
-
-
-def _below(counts, p: int) -> int:
-    """The largest of `counts` (ranks a calibration measured) up to p; 0 where none is."""
-    return max((c for c in counts if c <= p), default=0)
 
 
 @cache

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import platform
 import statistics
 import time
@@ -695,7 +696,8 @@ def profile_compute(
     shares, splits, crowded = data["bands"], data["splits"], data["crowded"]
     unbanded = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in shares})
     unsplit = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in splits})
-    k = int(contention(cluster.cores, local, threads))  # ranks a core runs in turn; 1 on a GPU
+    slower = contention(cluster.cores, local, threads)  # a rank's time over its time alone
+    k = math.ceil(slower)  # the most ranks one core runs in turn
     uncrowded = sorted({int(n) for n in counts if k > 1 and not gpu} - _counts(crowded, k))
     if missing or unbanded or unsplit or uncrowded or "update_s" not in data:
         data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
@@ -723,7 +725,7 @@ def profile_compute(
         bands=_read(shares, _key),
         splits=_read(splits, _key),
         update_s=float(data["update_s"]),
-        contention=k * _crowding(data, k, counts),
+        contention=slower * _crowding(data, k, counts),
         source=str(path),
     )
 
@@ -731,8 +733,7 @@ def profile_compute(
 def _crowd(net, counts: list[int], repeats: int, beside: _Neighbours, k: int):
     """(n, the settled iteration at n samples) for each of `counts`, with k times as many
     processes running the model as the profile measured beside (`beside`): the cores time-shared
-    as the ranks of a job with `k` ranks to a core share them. (Ranks that meet at every
-    collective run at the pace of the most crowded core: 3 ranks on 2 cores take as long as 4.)"""
+    as the ranks of a job with up to `k` ranks to a core share them."""
     if not counts:
         return
     model, shape, threads = beside.spec

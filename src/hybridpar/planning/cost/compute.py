@@ -63,7 +63,7 @@ class ProfileModel:
     """Seconds measured here for each leaf layer at the sample counts a rank runs, with the thread
     count a rank gets: {samples: {leaf: (forward s, backward s)}}; the optimizer's seconds per
     parameter element; and `contention`, how much slower a rank runs because the job's ranks
-    share the cores (ceil(P x threads / cores), at least 1, times what the profile measured
+    share the cores (P x threads / cores, at least 1, times what the profile measured
     the model's iteration to lose beyond that: planning.profile._crowding)."""
 
     per_count: dict[int, dict[str, tuple[float, float]]]
