@@ -6,7 +6,7 @@ ones wait for the last. Two quantities per synchronisation, both functions of th
 the ranks last met, measured by `hybridpar calibrate` (runtime.train.calibration._time_sync) and
 kept in the cluster's `sync` table (hybridpar.core.cluster.Cluster.sync_cost):
 - the excess: how much longer the ranks take from one meeting to the next than their compute
-  priced with the contention factor (each rank's time alone times ceil(P threads / cores)) and
+  priced with the contention factor (each rank's time alone times P threads / cores) and
   the collective's own cost. It adds to the iteration. The table's points are noisy (a
   difference of two walls), so the excess is one least-squares line through them: a fixed cost
   per meeting (where ranks outnumber the cores, the scheduler has to give the last rank a core
