@@ -22,8 +22,9 @@ kept in the cluster's `sync` table (hybridpar.core.cluster.Cluster.sync_cost):
 blocking collective the plan has (the hand-offs, the activations' all-gathers and dX sums, the
 global batch norms' sums, the halos) and at the wait for the gradient sums after the backward
 pass; the iteration is a loop, so the compute after the last meeting joins the first segment.
-Meetings back to back (a dX sum followed by a hand-off's return) cost nothing extra: both
-functions are 0 at no compute. A plan on one rank, or on a cluster without the table, has none.
+A meeting right after another (a halo after a batch norm's sums, a hand-off after a dX sum)
+waits as one after the table's least work, and that wait is lost (`Cluster.sync_cost`). A plan
+on one rank, or on a cluster without the table, has none.
 """
 
 from __future__ import annotations
