@@ -1,0 +1,117 @@
+"""Each blocking meeting's wait, priced against measured, per term (issue 42: where the waits go).
+
+Runs plan files as `hybridpar train --plan` does (the same Job, trainer and optimizer, random
+batches of the model's shape) and reads every blocking call of the timed steps from each rank's
+ledger: a call's wait is its time on a rank less the shortest any rank saw (as the report
+splits it). Beside it, the cost model's meetings (planning.cost.sync.segments) with the
+compute priced before each and the wait `Cluster.sync_cost` gives it. Prints per term: the
+meetings per iteration, the compute before them, the mean wait per meeting and the totals.
+
+    python benchmarks/meeting_waits.py PLAN.json [PLAN.json ...] [--steps 12] [--cluster localhost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.core.config import build
+from hybridpar.core.handoff import Handoff
+from hybridpar.planning.cost import sync
+from hybridpar.planning.search import evaluate
+from hybridpar.runtime.launcher import launch
+from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS
+from hybridpar.runtime.train.config import TrainConfig
+from hybridpar.runtime.train.loop import make_trainer
+from hybridpar.runtime.train.plans import pricing_cluster, settled_compute
+from hybridpar.runtime.train.run import prepare
+
+WARMUP = 4
+
+
+def _priced(layers) -> list[tuple[str, float]]:
+    """(term, compute priced before it) of each blocking meeting, in the order of `segments`."""
+    out, acc = [], 0.0
+
+    def meet(x, kinds) -> None:
+        nonlocal acc
+        for k in kinds:
+            c = x.terms.get(k)
+            if c is not None and c.bytes > 0:
+                out.append((str(k), acc))
+                acc = 0.0
+
+    for x in layers:
+        meet(x, sync.FORWARD_START)
+        acc += x.forward_s
+        meet(x, sync.FORWARD_END)
+    for x in reversed(layers):
+        acc += x.backward_s
+        meet(x, sync.BACKWARD_END)
+    return out
+
+
+def _body(job, steps: int) -> list:
+    trainer = make_trainer(job, job.plan)
+    for _ in range(WARMUP + steps):
+        x = torch.randn(job.plan.batch, *job.input_shape)
+        trainer.step(x, torch.randint(0, job.num_classes, (job.plan.batch,)))
+    timed = sorted({e.step for e in trainer.ledger.entries})[-steps:]
+    mine, count = {}, defaultdict(int)
+    for e in trainer.ledger.entries:
+        if e.step in timed and e.term in BLOCKING_TERMS:
+            mine[(e.step, count[e.step])] = (str(e.term), e.seconds)
+            count[e.step] += 1
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plans", nargs="+")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--cluster", default="localhost")
+    args = ap.parse_args()
+    for path in args.plans:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = build(TrainConfig, plan=path, cluster=args.cluster, data="synthetic:64",
+                        save=f"{tmp}/w.pt")  # fmt: skip
+            job = prepare(cfg)
+        plan, cluster = job.plan, pricing_cluster(job, True)
+        priced = evaluate(
+            job.layers, plan.procs, plan.batch, cluster,
+            [job.layout.styles[x.name] for x in job.layers], choices=plan.choices,
+            compute=settled_compute(job, cluster), placement=plan.placement,
+            handoffs={r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions},
+        )  # fmt: skip
+        at = cluster.at(plan.procs).placed(plan.placement)
+        predicted = defaultdict(list)
+        for term, before in _priced(priced.layers):
+            predicted[term].append((before, at.sync_cost(before)[1]))
+        every = launch(_body, job.procs, job, args.steps, backend="gloo")[0]
+        measured = defaultdict(list)
+        for key, (term, _) in every[0].items():
+            secs = [table[key][1] for table in every if key in table]
+            measured[term].append(statistics.fmean(s - min(secs) for s in secs))
+        print(f"{path}: {plan.procs} ranks, {args.steps} steps; per iteration, ms")
+        print(f"  {'term':14s} | priced: meetings  before  wait each  total "
+              f"| measured: meetings  wait each  total")  # fmt: skip
+        for term in sorted(set(predicted) | set(measured)):
+            p, m = predicted.get(term, []), measured.get(term, [])
+            before = 1e3 * statistics.fmean(b for b, _ in p) if p else 0.0
+            pw = 1e3 * statistics.fmean(w for _, w in p) if p else 0.0
+            mw = 1e3 * statistics.fmean(m) if m else 0.0
+            n = len(m) / args.steps
+            print(f"  {term:14s} | {len(p):16d} {before:7.2f} {pw:10.3f} {len(p) * pw:6.2f} "
+                  f"| {n:18.1f} {mw:10.3f} {n * mw:6.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
