@@ -2,6 +2,7 @@
 candidates, the summary, a real run end to end and its bad inputs; ProfileModel's pricing by
 style, that the planner's search weighs it, and the profile's cache."""
 
+import dataclasses
 import json
 import math
 import os
@@ -448,7 +449,12 @@ def test_where_ranks_outnumber_the_cores_a_rank_is_priced_at_its_iteration_measu
         return prof.planning_compute(host, "digits-wide", (1, 8, 8), 4, 8)  # counts 2, 4, 8
 
     pm = contention({2: 1.1, 4: 1.15, 8: 1.3})
-    assert pm.contention == pytest.approx(2 * 1.15)  # the median of the three
+    # each count's own: a batch plan's rank runs 2 samples, a model plan's 8 (the working set,
+    # so the caches' loss, grows with them; 0299212 took the median, 1.15, for all)
+    assert pm.contention == 2.0 and pm.crowding == pytest.approx({2: 1.1, 4: 1.15, 8: 1.3})
+    layer = dataclasses.replace(LAYER, name="0", members=("0",))  # 1 ms each way, any count
+    assert pm.times(layer, 2) == pytest.approx((2 * 1.1e-3, 2 * 1.1e-3))
+    assert pm.times(layer, 8)[0] == pytest.approx(2 * 1.3e-3)
     # beside one busy rank (2 processes), then 2 more: 4 processes on the 2 cores
     assert _Alone.opened == [2, 3]
     checks = {r.quantity: r for r in prof.recheck(Path(pm.source))}
@@ -456,7 +462,7 @@ def test_where_ranks_outnumber_the_cores_a_rank_is_priced_at_its_iteration_measu
     cached = checks["iteration at 8 samples, 2 ranks to a core"].cached
     assert cached == pytest.approx(2 * 1.3 * 8e-3)
     # a crowded run measured faster than its share of the core (noise) prices the share alone
-    assert contention({2: 0.9, 4: 0.95, 8: 1.02}).contention == 2.0
+    assert contention({2: 0.9, 4: 0.95, 8: 1.02}).crowding == {2: 1.0, 4: 1.0, 8: 1.02}
     # a core to each rank: nothing measured crowded, no factor
     assert prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8).contention == 1.0
     # 3 ranks on 2 cores get 2/3 of a core each over an iteration (0299212 priced them as 4
@@ -465,7 +471,8 @@ def test_where_ranks_outnumber_the_cores_a_rank_is_priced_at_its_iteration_measu
     _Alone.opened = []
     monkeypatch.setattr(prof, "_measure_count", fake(dict.fromkeys(range(1, 10), 1.3)))
     three = prof.planning_compute(host, "digits-wide", (1, 8, 8), 3, 9)
-    assert three.contention == pytest.approx(1.5 * 1.3) and _Alone.opened == [2, 3]
+    assert three.contention == 1.5 and three.crowding == pytest.approx(dict.fromkeys([3, 9], 1.3))
+    assert _Alone.opened == [2, 3]
 
 
 def test_a_bf16_run_is_profiled_under_its_autocast(cache, monkeypatch):

@@ -725,7 +725,8 @@ def profile_compute(
         bands=_read(shares, _key),
         splits=_read(splits, _key),
         update_s=float(data["update_s"]),
-        contention=slower * _crowding(data, k, counts),
+        contention=slower,
+        crowding=_crowding(data, k, counts),
         source=str(path),
     )
 
@@ -744,18 +745,18 @@ def _crowd(net, counts: list[int], repeats: int, beside: _Neighbours, k: int):
             yield n, _measure_count(net, shape, n, repeats, leaves=False)[1]
 
 
-def _crowding(data: dict, k: int, counts) -> float:
-    """How much more than k times its iteration a rank's iteration takes with k ranks to a core
-    (their caches evicted at every switch, beyond the share of the core the factor k prices): the
-    median over `counts` of the crowded iteration over k times the iteration beside the busy
-    ranks, at least 1 (time-sharing never speeds work up); 1 where not measured (a GPU, a core
-    to each rank)."""
-    ratios = [
-        data["crowded"][f"{k}x{n}"]["s"] / (k * data["iteration"][str(n)]["s"])
-        for n in {int(n) for n in counts}
+def _crowding(data: dict, k: int, counts) -> dict[int, float]:
+    """{n: how much more than k times its iteration a rank's iteration at n samples takes with k
+    ranks to a core} for each of `counts` measured (their caches evicted at every switch, beyond
+    the share of the core the contention prices; the working set, and so the loss, depends on
+    the count): the crowded iteration over k times the iteration beside the busy ranks, at
+    least 1 (time-sharing never speeds work up); {} where not measured (a GPU, a core to each
+    rank)."""
+    return {
+        n: max(1.0, data["crowded"][f"{k}x{n}"]["s"] / (k * data["iteration"][str(n)]["s"]))
+        for n in sorted({int(n) for n in counts})
         if f"{k}x{n}" in data["crowded"] and str(n) in data["iteration"]
-    ]
-    return max(1.0, statistics.median(ratios)) if ratios else 1.0
+    }
 
 
 def planning_compute(

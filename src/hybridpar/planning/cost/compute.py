@@ -62,9 +62,10 @@ class TableModel:
 class ProfileModel:
     """Seconds measured here for each leaf layer at the sample counts a rank runs, with the thread
     count a rank gets: {samples: {leaf: (forward s, backward s)}}; the optimizer's seconds per
-    parameter element; and `contention`, how much slower a rank runs because the job's ranks
-    share the cores (P x threads / cores, at least 1, times what the profile measured
-    the model's iteration to lose beyond that: planning.profile._crowding)."""
+    parameter element; `contention`, how much slower a rank runs because the job's ranks share
+    the cores (P x threads / cores, at least 1); and `crowding`, {samples: what the profile
+    measured the model's iteration at that count to lose beyond it} (planning.profile._crowding),
+    the nearest count's applying."""
 
     per_count: dict[int, dict[str, tuple[float, float]]]
     # {(Pr, samples): {leaf: (forward, backward) share of its time on the busiest band}}: the
@@ -75,7 +76,15 @@ class ProfileModel:
     splits: dict[tuple[int, int], dict[str, tuple[float, float]]] = field(default_factory=dict)
     update_s: float = 0.0  # optimizer step, seconds per parameter element
     contention: float = 1.0
+    crowding: dict[int, float] = field(default_factory=dict)
     source: str = ""
+
+    def _slower(self, samples: float) -> float:
+        """How much slower than alone a rank runs its layers at `samples` samples."""
+        if not self.crowding:
+            return self.contention
+        n = min(self.crowding, key=lambda k: (abs(k - samples), k))
+        return self.contention * self.crowding[n]
 
     def _leaf(self, name: str, samples: float) -> tuple[float, float]:
         """A leaf's (forward, backward) seconds for `samples`: measured at that count, else the
@@ -114,7 +123,7 @@ class ProfileModel:
                 ff, fb = min(ff, lf), min(fb, lb)
                 lf, lb = ff + (lf - ff) * share, fb + (lb - fb) * share
             f, b = f + lf, b + lb
-        return f * self.contention, b * self.contention
+        return f * self._slower(samples), b * self._slower(samples)
 
     def times(self, layer: CostLayer, samples: float) -> tuple[float, float]:
         return self._sum(layer.members, samples)
@@ -149,8 +158,8 @@ class ProfileModel:
             f, b = self._sum([m for m in layer.members if m not in shares], n, 1.0 / s.pr)
             for m in banded:
                 lf, lb = self._leaf(m, n)
-                f += lf * shares[m][0] * self.contention
-                b += lb * shares[m][1] * self.contention
+                f += lf * shares[m][0] * self._slower(n)
+                b += lb * shares[m][1] * self._slower(n)
         else:
             f, b = self._sum(layer.members, n)
         return f, b, params * self.update_s * self.contention
