@@ -133,9 +133,16 @@ def _body(job, steps: int) -> dict:
     return mean
 
 
-def _predicted(job) -> tuple[dict, float]:
-    """{layer: (forward, backward) s alone} of the plan as `hybridpar train` prices it, and the
-    contention factor it was priced with."""
+def plan_job(path: str, cluster: str):
+    """The Job `hybridpar train --plan PATH` runs (random batches of the model's shape)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = build(TrainConfig, plan=path, cluster=cluster, data="synthetic:64",
+                    save=f"{tmp}/w.pt")  # fmt: skip
+        return prepare(cfg)
+
+
+def priced(job):
+    """(the job's plan priced as `hybridpar train` prices it, its cluster, its compute model)."""
     from hybridpar.planning.search import evaluate
 
     plan = job.plan
@@ -143,12 +150,19 @@ def _predicted(job) -> tuple[dict, float]:
     compute = settled_compute(job, cluster)
     styles = [job.layout.styles[x.name] for x in job.layers]
     handoffs = {r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions}
-    priced = evaluate(
+    out = evaluate(
         job.layers, plan.procs, plan.batch, cluster, styles, choices=plan.choices,
         compute=compute, handoffs=handoffs, placement=plan.placement,
     )  # fmt: skip
+    return out, cluster, compute
+
+
+def _predicted(job) -> tuple[dict, float]:
+    """{layer: (forward, backward) s alone} of the plan as `hybridpar train` prices it, and the
+    contention factor it was priced with."""
+    plan, _, compute = priced(job)
     c = compute.contention if compute is not None else 1.0
-    return {x.layer.name: (x.forward_s / c, x.backward_s / c) for x in priced.layers}, c
+    return {x.layer.name: (x.forward_s / c, x.backward_s / c) for x in plan.layers}, c
 
 
 def main() -> int:
@@ -158,15 +172,7 @@ def main() -> int:
     ap.add_argument("--cluster", default="localhost")
     args = ap.parse_args()
     for path in args.plans:
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = build(
-                TrainConfig,
-                plan=path,
-                cluster=args.cluster,
-                data="synthetic:64",
-                save=f"{tmp}/w.pt",
-            )
-            job = prepare(cfg)
+        job = plan_job(path, args.cluster)
         predicted, c = _predicted(job)
         measured = launch(_body, job.procs, job, args.steps, backend="gloo")[0]
         print(f"{path}: {job.procs} ranks, contention factor {c:g}; ms a step, thread CPU")

@@ -14,27 +14,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from layer_times import plan_job, priced
 
-from hybridpar.core.config import build
-from hybridpar.core.handoff import Handoff
 from hybridpar.planning.cost import sync
-from hybridpar.planning.search import evaluate
 from hybridpar.runtime.launcher import launch
 from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS
-from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.loop import make_trainer
-from hybridpar.runtime.train.plans import pricing_cluster, settled_compute
-from hybridpar.runtime.train.run import prepare
 
 WARMUP = 4
 
 
-def _priced(layers) -> list[tuple[str, float]]:
+def _meetings(layers) -> list[tuple[str, float]]:
     """(term, compute priced before it) of each blocking meeting, in the order of `segments`."""
     out, acc = [], 0.0
 
@@ -79,20 +73,11 @@ def main() -> int:
     ap.add_argument("--cluster", default="localhost")
     args = ap.parse_args()
     for path in args.plans:
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = build(TrainConfig, plan=path, cluster=args.cluster, data="synthetic:64",
-                        save=f"{tmp}/w.pt")  # fmt: skip
-            job = prepare(cfg)
-        plan, cluster = job.plan, pricing_cluster(job, True)
-        priced = evaluate(
-            job.layers, plan.procs, plan.batch, cluster,
-            [job.layout.styles[x.name] for x in job.layers], choices=plan.choices,
-            compute=settled_compute(job, cluster), placement=plan.placement,
-            handoffs={r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions},
-        )  # fmt: skip
+        job = plan_job(path, args.cluster)
+        plan, (cost, cluster, _) = job.plan, priced(job)
         at = cluster.at(plan.procs).placed(plan.placement)
         predicted = defaultdict(list)
-        for term, before in _priced(priced.layers):
+        for term, before in _meetings(cost.layers):
             predicted[term].append((before, at.sync_cost(before)[1]))
         every = launch(_body, job.procs, job, args.steps, backend="gloo")[0]
         measured = defaultdict(list)
