@@ -133,6 +133,15 @@ def _body(job, steps: int) -> dict:
     return mean
 
 
+def plan_args(doc: str, steps: int) -> argparse.Namespace:
+    """PLAN.json ... [--steps N] [--cluster NAME], the command line of a script over plan files."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("plans", nargs="+")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--cluster", default="localhost")
+    return ap.parse_args()
+
+
 def plan_job(path: str, cluster: str):
     """The Job `hybridpar train --plan PATH` runs (random batches of the model's shape)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,11 +175,7 @@ def _predicted(job) -> tuple[dict, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("plans", nargs="+")
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--cluster", default="localhost")
-    args = ap.parse_args()
+    args = plan_args(__doc__, steps=24)
     for path in args.plans:
         job = plan_job(path, args.cluster)
         predicted, c = _predicted(job)

@@ -12,13 +12,12 @@ meetings per iteration, the compute before them, the mean wait per meeting and t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from layer_times import plan_job, priced
+from layer_times import plan_args, plan_job, priced
 
 from hybridpar.planning.cost import sync
 from hybridpar.runtime.launcher import launch
@@ -67,11 +66,7 @@ def _body(job, steps: int) -> list:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("plans", nargs="+")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--cluster", default="localhost")
-    args = ap.parse_args()
+    args = plan_args(__doc__, steps=12)
     for path in args.plans:
         job = plan_job(path, args.cluster)
         plan, (cost, cluster, _) = job.plan, priced(job)
