@@ -624,6 +624,30 @@ def test_shared_memory_collectives_take_their_share_of_a_crowded_host(cache):
     assert bn.best.layers[0].terms[Term.BN_STATS].seconds == pytest.approx(1e-4)
 
 
+def test_plan_and_validate_price_without_shared_memory_when_told(tmp_path, capsys):
+    """`hybridpar plan --no-shared-memory` prices a job as `train --no-shared-memory` runs it:
+    its activations' and small collectives on alpha-beta (0299212 had no such flag: a plan for
+    such a run was priced through shared memory); validate takes the flag to its runs too."""
+    from hybridpar.commands.cli import build_parser, main
+    from hybridpar.commands.plans import job_cluster
+    from hybridpar.core.config import from_namespace
+    from hybridpar.planning.config import PlanConfig
+
+    path = tmp_path / "host.json"
+    host = {"name": "host", "alpha": 1e-3, "beta": 1e-9, "flops": 1e11}
+    path.write_text(json.dumps({**host, "small_alpha": 2e-5, "shm_beta": 1e-11}))
+    flags = ["--model", "alexnet-owt", "--input-size", "64", "--batch", "32", "--procs", "4"]
+    flags += ["--cluster", str(path), "--scenario", "fc-grid", "--json"]
+    totals = []
+    for extra in ([], ["--no-shared-memory"]):
+        assert main(["plan", *flags, *extra]) == 0
+        totals.append(json.loads(capsys.readouterr().out)["best"]["total_s"])
+    assert totals[1] > totals[0] + 4e-3  # alpha, 1 ms, for each gather and dX sum: 20 us each
+    args = build_parser().parse_args(["validate", *flags[:-3], "--no-shared-memory"])
+    cfg = from_namespace(PlanConfig, args)
+    assert not cfg.shared_memory and not job_cluster(cfg).shared_memory
+
+
 def test_a_run_without_shared_memory_is_priced_as_it_runs(cache, train_job):
     """`--no-shared-memory` sends a job's activations' and small collectives through gloo, so its
     prediction prices them on alpha-beta, not at the shared-memory numbers the calibration

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from hybridpar.core.cluster import load_cluster
@@ -87,9 +88,11 @@ def _print_plan(result: PlanResult, shown: list) -> None:
         )
 
 
-def job_cluster(spec: str, device: str):
-    """The cluster a job on `device` (auto: the CPU's, unless told) is priced on."""
-    return load_cluster(spec, "cuda" if device == "cuda" else "cpu")
+def job_cluster(cfg: PlanConfig):
+    """The cluster a job of `cfg` is priced on: on its device (auto: the CPU's, unless told),
+    through shared memory unless told not to."""
+    cluster = load_cluster(cfg.cluster, "cuda" if cfg.choices.device == "cuda" else "cpu")
+    return cluster if cfg.shared_memory else replace(cluster, shared_memory=False)
 
 
 def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:
@@ -128,7 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     scenarios = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     if args.scenario != "all" and "batch" not in scenarios:
         scenarios.insert(0, "batch")  # the baseline every speedup refers to
-    cluster = job_cluster(cfg.cluster, cfg.choices.device)
+    cluster = job_cluster(cfg)
     kwargs = plan_kwargs(cfg, cluster, args.procs)
     result = make_plan(cfg.model, args.procs, cfg.batch, cluster, scenarios=scenarios, **kwargs)
     result.best  # noqa: B018  raises the one-line error when nothing fits
@@ -155,7 +158,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hybridpar.commands.papers.simulate import FIGURES, plot_sweep, run_sweep, write_csv
 
     cfg = from_namespace(PlanConfig, args)
-    cluster = job_cluster(cfg.cluster, cfg.choices.device)
+    cluster = job_cluster(cfg)
     kwargs = cfg.plan_kwargs()
     out = Path(args.out)
     writable("--out", out / "simulate.csv")

@@ -310,8 +310,8 @@ def plot(cands: list[Candidate], path: Path, title: str) -> Path | None:
 def cmd_validate(args) -> int:
     """`hybridpar validate`: every input checked before a process starts."""
 
-    from hybridpar.commands.plans import plan_kwargs
-    from hybridpar.core.cluster import load_cluster, localhost_path
+    from hybridpar.commands.plans import job_cluster, plan_kwargs
+    from hybridpar.core.cluster import localhost_path
     from hybridpar.core.config import from_namespace, writable
     from hybridpar.planning.config import PlanConfig
     from hybridpar.planning.presets import parse_preset
@@ -342,7 +342,7 @@ def cmd_validate(args) -> int:
         # as a searched `hybridpar train` does: the planner needs this host's numbers first
         print("localhost is not calibrated yet: calibrating it first", file=sys.stderr)
         calibrate(nproc=list(CALIBRATED))  # `hybridpar calibrate`'s default
-    cluster = load_cluster(cfg.cluster)
+    cluster = job_cluster(cfg)
 
     def plan_candidates() -> list[Candidate]:
         kwargs = plan_kwargs(cfg, cluster, args.procs)
@@ -381,6 +381,7 @@ def _base(args, cfg):
         max_steps=args.steps,
         quiet=True,
         progress=False,
+        shared_memory=cfg.shared_memory,
     )
 
 

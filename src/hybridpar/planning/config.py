@@ -59,6 +59,12 @@ class PlanConfig:
         "rounds of --handoff c (default: one per rank that gathers, the paper's K)",
         positive=True,
     )
+    shared_memory: bool = meta(
+        True,
+        "activations' and small collectives priced through host shared memory, as `hybridpar "
+        "train` sends them (off: on gloo, for a run with `train --no-shared-memory`)",
+        flag="--no-shared-memory",
+    )
     choices: Choices = nested(Choices)
 
     def __post_init__(self) -> None:
