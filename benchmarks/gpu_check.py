@@ -368,7 +368,7 @@ def ddp(dev: str, quick: bool) -> str:
 
 
 def beyond(dev: str, quick: bool) -> list[dict]:
-    """Issue 42, item 4: a calibration at 2 and 4 ranks (`hybridpar calibrate`'s default), then
+    """Issue 42, item 4: a calibration at 2 and 4 ranks (`hybridpar calibrate --nproc 2,4`), then
     `hybridpar validate` at P = 8 and 16 on the host's cores (gloo; what the planner predicts
     for ranks it never calibrated), where the host has the cores; DEV=cpu: P = 4 on small sizes."""
     cores = os.cpu_count() or 1
