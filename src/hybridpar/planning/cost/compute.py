@@ -123,7 +123,8 @@ class ProfileModel:
                 ff, fb = min(ff, lf), min(fb, lb)
                 lf, lb = ff + (lf - ff) * share, fb + (lb - fb) * share
             f, b = f + lf, b + lb
-        return f * self._slower(samples), b * self._slower(samples)
+        k = self._slower(samples)
+        return f * k, b * k
 
     def times(self, layer: CostLayer, samples: float) -> tuple[float, float]:
         return self._sum(layer.members, samples)
@@ -156,10 +157,10 @@ class ProfileModel:
             shares = self.bands.get((s.pr, round(n)), {})
             banded = [m for m in layer.members if m in shares]
             f, b = self._sum([m for m in layer.members if m not in shares], n, 1.0 / s.pr)
+            k = self._slower(n)
             for m in banded:
                 lf, lb = self._leaf(m, n)
-                f += lf * shares[m][0] * self._slower(n)
-                b += lb * shares[m][1] * self._slower(n)
+                f, b = f + lf * shares[m][0] * k, b + lb * shares[m][1] * k
         else:
             f, b = self._sum(layer.members, n)
         return f, b, params * self.update_s * self.contention
