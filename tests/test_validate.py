@@ -13,7 +13,8 @@ from typing import ClassVar
 
 import pytest
 
-from hybridpar.commands.validate import Candidate, candidates, spearman, summarize
+from hybridpar.commands import validate as val
+from hybridpar.commands.validate import Candidate, candidates, contested, spearman, summarize
 from hybridpar.core.cluster import PRESETS, Cluster
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
@@ -71,6 +72,44 @@ def test_summary_errors_rank_agreement_and_the_pick():
     assert summarize([_cand("x", 1.0, [])]) == {}
 
 
+def test_the_contested_plans_are_the_pick_and_those_measured_faster():
+    cands = [
+        _cand("a", 1.0, [1.0]),
+        _cand("pick", 1.0, [2.0, 3.0, 2.5], picked=True),  # median round 2.5
+        _cand("b", 1.0, [2.4]),
+        _cand("c", 1.0, [2.6]),
+        _cand("unrun", 1.0, []),
+    ]
+    assert contested(cands) == [1, 0, 2]
+    assert contested([_cand("p", 1.0, [1.0], picked=True), _cand("x", 1.0, [1.5])]) == []
+    assert contested([_cand("p", 1.0, [], picked=True), _cand("x", 1.0, [1.5])]) == []
+
+
+@pytest.mark.parametrize("b_again, fastest", [(1.3, "pick"), (0.8, "b")])
+def test_validate_runs_the_contested_plans_again_and_judges_the_pick_on_every_round(
+    tmp_path, monkeypatch, b_again, fastest
+):
+    """b measures faster than the pick in the first two rounds; three rounds more of both
+    decide: a fluke (b_again 1.3 s) leaves the pick the fastest, a real lead (0.8 s) keeps b
+    ahead. c, slower than the pick, is not run again."""
+    times = {"pick": [1.0] * 5, "b": [0.9, 0.9, *[b_again] * 3], "c": [2.0, 2.0]}
+    monkeypatch.setattr(
+        val,
+        "_run_one",
+        lambda c, *_: {"time_s": times[c.label].pop(0), "compute_s": 0, "comm_wait_s": 0},
+    )
+    cands = [_cand("pick", 1.0, [], picked=True), _cand("b", 1.0, []), _cand("c", 1.0, [])]
+    agreed = []
+    again = val.validate(cands, None, tmp_path, 2, False, 3, lambda w: agreed.append(w) or w)
+    assert agreed == [[0, 1]] and again["confirmed"] == ["pick", "b"]
+    assert again["pick_before"] == pytest.approx(1 / 0.9) and again["rounds_more"] == 3
+    assert [len(c.runs) for c in cands] == [5, 5, 2] and not any(times.values())
+    assert summarize(cands)["fastest"] == fastest
+    cands = [_cand("pick", 1.0, [], picked=True), _cand("c", 1.0, [])]
+    times = {"pick": [1.0, 1.0], "c": [2.0, 2.0]}
+    assert val.validate(cands, None, tmp_path, 2, False, 3)["confirmed"] == []  # pick fastest
+
+
 def test_candidates_are_distinct_plans_with_the_pick_first_and_the_presets_after():
     result = make_plan("digits-wide", 4, 64, PRESETS["cori-knl"])
     ddp = result.export(result.scenario("batch"), engine="ddp")
@@ -112,6 +151,8 @@ def test_validate_runs_each_plan_and_writes_the_table(tmp_path, cache, localhost
             "3",
             "--repeat",
             "1",
+            "--confirm",
+            "1",
         ]
         + ["--out", str(out)],
         capture_output=True,
@@ -124,8 +165,10 @@ def test_validate_runs_each_plan_and_writes_the_table(tmp_path, cache, localhost
     assert (out / "validate.png").stat().st_size > 0
     labels = [p["label"] for p in d["plans"]]
     assert len(d["plans"]) == 3 and labels[-1] == "ddp" and d["plans"][0]["picked"]
+    again = d["summary"]["confirmed"]  # the pick and those faster, once more: or none
+    assert again == [] or (again[0] == labels[0] and len(again) > 1)
     for p in d["plans"]:
-        assert p["rounds"] == 1 and p["measured"]["total_s"] > 0
+        assert p["rounds"] == 1 + (p["label"] in again) and p["measured"]["total_s"] > 0
         m, e = p["measured"], p["error"]
         assert e == pytest.approx((p["predicted"]["total_s"] - m["total_s"]) / m["total_s"])
     assert d["summary"]["plans"] == 3 and d["summary"]["picked"] == labels[0]

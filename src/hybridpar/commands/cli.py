@@ -32,14 +32,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
-    return v
+def _at_least(low: int):
+    """An argparse type: an integer of at least `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{v} must be at least {low}")
+        return v
+
+    return parse
+
+
+_positive_int = _at_least(1)
 
 
 def _int_list(text: str) -> list[int]:
@@ -245,6 +253,12 @@ def _validate_parser(sub) -> None:
     )
     v.add_argument("--steps", type=_positive_int, default=6, help="iterations per run")
     v.add_argument("--repeat", type=_positive_int, default=2, help="interleaved rounds (noise)")
+    v.add_argument(
+        "--confirm",
+        type=_at_least(0),
+        default=3,
+        help="rounds more of the pick and of every plan measured faster than it (0: none)",
+    )
     v.add_argument("--data", default=None, help="training data (default: synthetic, B x steps)")
     v.add_argument("--out", default="validate-out", help="folder for validate.json/.png, plans/")
     v.add_argument("--quiet", action="store_true", help="no line per run")

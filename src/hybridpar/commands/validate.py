@@ -5,7 +5,9 @@ For a model, a batch, P and a cluster, the planner prices every grid of every sc
 cheapest distinct chains of styles are exported as plan files, the `--presets` are added (torch DDP
 by default), and each plan trains `--steps` iterations on synthetic data (the first is left out of
 the timing). `--repeat` rounds run the plans in turn, so a drift of the machine hits all of them;
-each plan keeps the median of its rounds. The table gives, per plan, predicted and measured time
+each plan keeps the median of its rounds. Where plans measured faster than the pick, `--confirm`
+rounds more run the pick and them in turn (`contested`): the fastest of several noisy medians is
+low for having been chosen as the lowest, and is measured again beside the pick. The table gives, per plan, predicted and measured time
 per iteration split into compute and communication (the time in collectives), and of that the
 time spent waiting for the slowest rank to arrive, the relative error of the total, and then the
 summary: median and worst |predicted - measured| / measured, Spearman's rho between the predicted
@@ -29,7 +31,7 @@ from hybridpar.core.cluster import CALIBRATED
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.plan import ParallelPlan
 
-__all__ = ["Candidate", "candidates", "spearman", "summarize", "validate"]
+__all__ = ["Candidate", "candidates", "contested", "spearman", "summarize", "validate"]
 
 
 @dataclass
@@ -189,39 +191,79 @@ def _run_one(cand: Candidate, path: Path, base, weights: Path) -> dict | None:
     return None if report is None else report["iteration"]
 
 
-def validate(cands: list[Candidate], base, out: Path, repeat: int, progress: bool = True) -> None:
-    """Run every candidate `repeat` times, interleaved; fills each candidate's runs (or its
-    failure: a plan whose run fails is not run again)."""
-    from hybridpar.runtime.launcher import RankFailure
+def contested(cands: list[Candidate]) -> list[int]:
+    """The indices of the pick and of every plan measured faster than it ([] where the pick is
+    the fastest, or did not run): what `validate` runs again. The fastest of several noisy
+    medians is low because it was chosen for being low; rounds run after the choice are not."""
+    pick = next((i for i, c in enumerate(cands) if c.picked and c.runs), None)
+    if pick is None:
+        return []
+    t = cands[pick].measured["total_s"]
+    faster = [i for i, c in enumerate(cands) if c.runs and c.measured["total_s"] < t]
+    return [pick, *faster] if faster else []
 
+
+def validate(
+    cands: list[Candidate],
+    base,
+    out: Path,
+    repeat: int,
+    progress: bool = True,
+    confirm: int = 0,
+    agree=lambda which: which,
+) -> dict:
+    """Run every candidate `repeat` times, interleaved, then the `contested` ones `confirm` times
+    more; fills each candidate's runs (or its failure: a plan whose run fails is not run again).
+    `agree`: every rank's copy of rank 0's contested indices (under torchrun only rank 0 has
+    the runs). Returns {"confirmed": their labels, "pick_before": the pick over the fastest
+    before those rounds (None where they did not run), "rounds_more": `confirm`}."""
     plans_dir = out / "plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
     weights = Path(tempfile.mkdtemp(prefix="hybridpar-validate-"))
-    total = repeat * len(cands)
+    rounds = (plans_dir, base, weights, progress)
     try:
-        for r in range(repeat):
-            for i, c in enumerate(cands):
-                if c.failure:
-                    continue
-                try:
-                    it = _run_one(c, plans_dir / _file_name(i, c), base, weights)
-                except RankFailure as exc:
-                    c.failure = str(exc)
-                    print(f"{c.label}: failed: {exc}", file=sys.stderr, flush=True)
-                    continue
-                if it is None:  # a rank other than 0 under torchrun: rank 0 has the report
-                    continue
-                c.runs.append(it)
-                if progress:
-                    done = r * len(cands) + i + 1
-                    print(
-                        f"[{done}/{total}] {c.label:<22} {it['time_s'] * 1e3:8.1f} ms "
-                        f"(predicted {c.predicted['total_s'] * 1e3:.1f})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+        _rounds(cands, list(range(len(cands))), repeat, *rounds)
+        which = agree(contested(cands) if confirm else [])
+        before = summarize(cands).get("picked_over_fastest") if which else None
+        if which:
+            if progress:
+                names = ", ".join(cands[i].label for i in which)
+                print(f"{confirm} rounds more of {names}", file=sys.stderr, flush=True)
+            _rounds(cands, which, confirm, *rounds)
     finally:
         shutil.rmtree(weights, ignore_errors=True)
+    return {
+        "confirmed": [cands[i].label for i in which],
+        "pick_before": before,
+        "rounds_more": confirm,
+    }
+
+
+def _rounds(cands, which: list[int], n: int, plans_dir, base, weights, progress) -> None:
+    """`n` interleaved rounds of the candidates at `which`."""
+    from hybridpar.runtime.launcher import RankFailure
+
+    for k in range(n * len(which)):
+        i = which[k % len(which)]
+        c = cands[i]
+        if c.failure:
+            continue
+        try:
+            it = _run_one(c, plans_dir / _file_name(i, c), base, weights)
+        except RankFailure as exc:
+            c.failure = str(exc)
+            print(f"{c.label}: failed: {exc}", file=sys.stderr, flush=True)
+            continue
+        if it is None:  # a rank other than 0 under torchrun: rank 0 has the report
+            continue
+        c.runs.append(it)
+        if progress:
+            print(
+                f"[{k + 1}/{n * len(which)}] {c.label:<22} {it['time_s'] * 1e3:8.1f} ms "
+                f"(predicted {c.predicted['total_s'] * 1e3:.1f})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _pct(x: float | None) -> str:
@@ -265,12 +307,20 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
     if summary["picked"] is None:
         return
     if summary["picked_is_fastest"]:
-        print(f"the planner's pick ({summary['picked']}, *) is the measured fastest")
+        print(f"the planner's pick ({summary['picked']}, *) is the measured fastest", end="")
     else:
         print(
             f"the planner's pick ({summary['picked']}, *) is {summary['picked_over_fastest']:.2f}x "
-            f"the measured fastest ({summary['fastest']})"
+            f"the measured fastest ({summary['fastest']})",
+            end="",
         )
+    again = summary.get("confirmed")
+    print(
+        f" ({summary['pick_before']:.2f}x before {summary['rounds_more']} rounds more of it and "
+        f"the {len(again) - 1} plan(s) measured faster)"
+        if again
+        else ""
+    )
 
 
 def plot(cands: list[Candidate], path: Path, title: str) -> Path | None:
@@ -361,8 +411,8 @@ def cmd_validate(args) -> int:
         f"{args.steps - 1} timed iterations each, median of {args.repeat} interleaved rounds"
     )
     print(head, file=sys.stderr, flush=True)
-    validate(cands, base, out, args.repeat, progress=not args.quiet)
-    return _finish(args, cfg, cluster, cands, head, out)
+    again = validate(cands, base, out, args.repeat, not args.quiet, args.confirm)
+    return _finish(args, cfg, cluster, cands, head, out, again)
 
 
 def _base(args, cfg):
@@ -426,7 +476,9 @@ def _in_job(args, cfg, cluster, plan_candidates) -> int:
         local = Path(tempfile.mkdtemp(prefix="hybridpar-validate-"))  # each rank's plan files
         try:
             progress = rank == 0 and not args.quiet
-            validate(cands, _base(args, cfg), local, args.repeat, progress=progress)
+            again = validate(
+                cands, _base(args, cfg), local, args.repeat, progress, args.confirm, _from_rank_0
+            )
         finally:
             shutil.rmtree(local, ignore_errors=True)
         if rank != 0:  # only rank 0's runs return reports
@@ -435,9 +487,18 @@ def _in_job(args, cfg, cluster, plan_candidates) -> int:
         plans.mkdir(parents=True, exist_ok=True)
         for i, c in enumerate(cands):
             c.plan.save(plans / _file_name(i, c))
-        return _finish(args, cfg, cluster, cands, head, out)
+        return _finish(args, cfg, cluster, cands, head, out, again)
     finally:
         shutdown()
+
+
+def _from_rank_0(which: list[int]) -> list[int]:
+    """Rank 0's `which`, on every rank of the job."""
+    import torch.distributed as dist
+
+    sent = [which]
+    dist.broadcast_object_list(sent, src=0)
+    return sent[0]
 
 
 def _hosts_of_job() -> int:
@@ -446,8 +507,9 @@ def _hosts_of_job() -> int:
     return len(set(host_names()))
 
 
-def _finish(args, cfg, cluster, cands, head, out: Path) -> int:
-    """Print the table, write validate.json and the scatter plot; 1 where a plan failed."""
+def _finish(args, cfg, cluster, cands, head, out: Path, again: dict) -> int:
+    """Print the table, write validate.json and the scatter plot; 1 where a plan failed.
+    `again`: what `validate` ran again (the contested plans)."""
     import json
 
     from hybridpar.runtime.train.report import strict
@@ -457,6 +519,7 @@ def _finish(args, cfg, cluster, cands, head, out: Path) -> int:
         for c in cands:
             print(f"{c.label}: failed: {c.failure}", file=sys.stderr)
         return 1
+    summary.update(again)
     print_table(cands, summary, head)
     traced = trace(cands, getattr(args, "profile", None))
     print(traced["line"])
