@@ -101,6 +101,8 @@ def main() -> None:
                 if args.json:
                     Path(args.json).write_text(json.dumps(rows, indent=1))
                 pick = "fastest" if s["picked_is_fastest"] else f"{s['picked_over_fastest']:.2f}x"
+                if s.get("confirmed"):  # validate ran the contested plans again
+                    pick += f" (first {s['pick_before']:.2f}x)"
                 rho = s.get("spearman_rho")
                 print(
                     f"{model:12} {order:25} {s['median_abs_error']:7.1%} {s['worst_abs_error']:7.1%} "

@@ -257,7 +257,8 @@ def _validate_parser(sub) -> None:
         "--confirm",
         type=_at_least(0),
         default=3,
-        help="rounds more of the pick and of every plan measured faster than it (0: none)",
+        help="rounds more of the pick and of the plans measured faster or within 10 %% of it "
+        "(0: none)",
     )
     v.add_argument("--data", default=None, help="training data (default: synthetic, B x steps)")
     v.add_argument("--out", default="validate-out", help="folder for validate.json/.png, plans/")

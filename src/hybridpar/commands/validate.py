@@ -5,9 +5,10 @@ For a model, a batch, P and a cluster, the planner prices every grid of every sc
 cheapest distinct chains of styles are exported as plan files, the `--presets` are added (torch DDP
 by default), and each plan trains `--steps` iterations on synthetic data (the first is left out of
 the timing). `--repeat` rounds run the plans in turn, so a drift of the machine hits all of them;
-each plan keeps the median of its rounds. Where plans measured faster than the pick, `--confirm`
-rounds more run the pick and them in turn (`contested`): the fastest of several noisy medians is
-low for having been chosen as the lowest, and is measured again beside the pick. The table gives, per plan, predicted and measured time
+each plan keeps the median of its rounds. Where plans measured faster than the pick or within
+10 % of it, `--confirm` rounds more run the pick and them in turn (`contested`): the fastest of
+several noisy medians is low for having been chosen the lowest, and a plan just behind the pick
+may be ahead of it. The table gives, per plan, predicted and measured time
 per iteration split into compute and communication (the time in collectives), and of that the
 time spent waiting for the slowest rank to arrive, the relative error of the total, and then the
 summary: median and worst |predicted - measured| / measured, Spearman's rho between the predicted
@@ -51,17 +52,24 @@ class Candidate:
 
     @property
     def measured(self) -> dict:
-        """The round with the median total time, and the range over the rounds."""
+        """The round with the median total time (of an even count, the mean of the two middle
+        rounds: plans run again by `contested` are judged by the same statistic as the others),
+        and the range over the rounds."""
         if not self.runs:
             return {}
         ordered = sorted(self.runs, key=lambda r: r["time_s"])
-        mid = ordered[(len(ordered) - 1) // 2]
+        n = len(ordered)
+        mid = ordered[(n - 1) // 2 : n // 2 + 1]
+
+        def median(key: str) -> float:
+            return statistics.fmean(r.get(key, 0.0) for r in mid)
+
         return {
-            "total_s": mid["time_s"],
-            "compute_s": mid["compute_s"],
-            "comm_s": mid["comm_wait_s"],
+            "total_s": median("time_s"),
+            "compute_s": median("compute_s"),
+            "comm_s": median("comm_wait_s"),
             # of comm_s: waiting in blocking collectives for the slowest rank to arrive
-            "waiting_s": mid.get("waiting_slowest_s", 0.0),
+            "waiting_s": median("waiting_slowest_s"),
             "lo_s": ordered[0]["time_s"],
             "hi_s": ordered[-1]["time_s"],
         }
@@ -191,16 +199,21 @@ def _run_one(cand: Candidate, path: Path, base, weights: Path) -> dict | None:
     return None if report is None else report["iteration"]
 
 
+CLOSE = 1.10
+"""plans measured faster than the pick, or slower by less than this factor, run again beside it"""
+
+
 def contested(cands: list[Candidate]) -> list[int]:
-    """The indices of the pick and of every plan measured faster than it ([] where the pick is
-    the fastest, or did not run): what `validate` runs again. The fastest of several noisy
-    medians is low because it was chosen for being low; rounds run after the choice are not."""
+    """The indices of the pick and of every plan measured faster than it or less than 10 %
+    slower (`CLOSE`); [] where there is none, or the pick did not run. What `validate` runs
+    again: the fastest of several noisy medians is low for having been chosen the lowest, and a
+    plan just behind the pick may be ahead of it; rounds run after the choice judge both."""
     pick = next((i for i, c in enumerate(cands) if c.picked and c.runs), None)
     if pick is None:
         return []
-    t = cands[pick].measured["total_s"]
-    faster = [i for i, c in enumerate(cands) if c.runs and c.measured["total_s"] < t]
-    return [pick, *faster] if faster else []
+    t = CLOSE * cands[pick].measured["total_s"]
+    close = [i for i, c in enumerate(cands) if c.runs and i != pick and c.measured["total_s"] < t]
+    return [pick, *close] if close else []
 
 
 def validate(
@@ -317,7 +330,7 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
     again = summary.get("confirmed")
     print(
         f" ({summary['pick_before']:.2f}x before {summary['rounds_more']} rounds more of it and "
-        f"the {len(again) - 1} plan(s) measured faster)"
+        f"the {len(again) - 1} plan(s) measured faster or within 10 %)"
         if again
         else ""
     )
