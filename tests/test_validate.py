@@ -92,7 +92,7 @@ def test_the_contested_plans_are_the_pick_and_those_measured_faster_or_close_beh
 
 @pytest.mark.parametrize("b_again, fastest", [(1.3, "pick"), (0.8, "b")])
 def test_validate_runs_the_contested_plans_again_and_judges_the_pick_on_every_round(
-    tmp_path, monkeypatch, b_again, fastest
+    tmp_path, monkeypatch, capsys, b_again, fastest
 ):
     """b measures faster than the pick in the first two rounds; three rounds more of both
     decide: a fluke (b_again 1.3 s) leaves the pick the fastest, a real lead (0.8 s) keeps b
@@ -107,9 +107,11 @@ def test_validate_runs_the_contested_plans_again_and_judges_the_pick_on_every_ro
     agreed = []
     again = val.validate(cands, None, tmp_path, 2, False, 3, lambda w: agreed.append(w) or w)
     assert agreed == [[0, 1]] and again["confirmed"] == ["pick", "b"]
-    assert again["pick_before"] == pytest.approx(1 / 0.9) and again["rounds_more"] == 3
+    assert again["pick_before"] == pytest.approx(1 / 0.9)
     assert [len(c.runs) for c in cands] == [5, 5, 2] and not any(times.values())
     assert summarize(cands)["fastest"] == fastest
+    val.print_table(cands, {**summarize(cands), **again}, "head")
+    assert "(1.11x on the first rounds alone)" in capsys.readouterr().out
     cands = [_cand("pick", 1.0, [], picked=True), _cand("c", 1.0, [])]
     times = {"pick": [1.0, 1.0], "c": [2.0, 2.0]}
     assert val.validate(cands, None, tmp_path, 2, False, 3)["confirmed"] == []  # pick fastest

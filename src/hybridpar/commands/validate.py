@@ -229,54 +229,47 @@ def validate(
     more; fills each candidate's runs (or its failure: a plan whose run fails is not run again).
     `agree`: every rank's copy of rank 0's contested indices (under torchrun only rank 0 has
     the runs). Returns {"confirmed": their labels, "pick_before": the pick over the fastest
-    before those rounds (None where they did not run), "rounds_more": `confirm`}."""
+    before those rounds (None where they did not run)}."""
+    from hybridpar.runtime.launcher import RankFailure
+
     plans_dir = out / "plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
     weights = Path(tempfile.mkdtemp(prefix="hybridpar-validate-"))
-    rounds = (plans_dir, base, weights, progress)
+
+    def rounds(which: list[int], n: int) -> None:
+        for k in range(n * len(which)):
+            i = which[k % len(which)]
+            c = cands[i]
+            if c.failure:
+                continue
+            try:
+                it = _run_one(c, plans_dir / _file_name(i, c), base, weights)
+            except RankFailure as exc:
+                c.failure = str(exc)
+                print(f"{c.label}: failed: {exc}", file=sys.stderr, flush=True)
+                continue
+            if it is None:  # a rank other than 0 under torchrun: rank 0 has the report
+                continue
+            c.runs.append(it)
+            if progress:
+                print(
+                    f"[{k + 1}/{n * len(which)}] {c.label:<22} {it['time_s'] * 1e3:8.1f} ms "
+                    f"(predicted {c.predicted['total_s'] * 1e3:.1f})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
     try:
-        _rounds(cands, list(range(len(cands))), repeat, *rounds)
+        rounds(list(range(len(cands))), repeat)
         which = agree(contested(cands) if confirm else [])
         before = summarize(cands).get("picked_over_fastest") if which else None
-        if which:
-            if progress:
-                names = ", ".join(cands[i].label for i in which)
-                print(f"{confirm} rounds more of {names}", file=sys.stderr, flush=True)
-            _rounds(cands, which, confirm, *rounds)
+        if which and progress:
+            names = ", ".join(cands[i].label for i in which)
+            print(f"{confirm} rounds more of {names}", file=sys.stderr, flush=True)
+        rounds(which, confirm)
     finally:
         shutil.rmtree(weights, ignore_errors=True)
-    return {
-        "confirmed": [cands[i].label for i in which],
-        "pick_before": before,
-        "rounds_more": confirm,
-    }
-
-
-def _rounds(cands, which: list[int], n: int, plans_dir, base, weights, progress) -> None:
-    """`n` interleaved rounds of the candidates at `which`."""
-    from hybridpar.runtime.launcher import RankFailure
-
-    for k in range(n * len(which)):
-        i = which[k % len(which)]
-        c = cands[i]
-        if c.failure:
-            continue
-        try:
-            it = _run_one(c, plans_dir / _file_name(i, c), base, weights)
-        except RankFailure as exc:
-            c.failure = str(exc)
-            print(f"{c.label}: failed: {exc}", file=sys.stderr, flush=True)
-            continue
-        if it is None:  # a rank other than 0 under torchrun: rank 0 has the report
-            continue
-        c.runs.append(it)
-        if progress:
-            print(
-                f"[{k + 1}/{n * len(which)}] {c.label:<22} {it['time_s'] * 1e3:8.1f} ms "
-                f"(predicted {c.predicted['total_s'] * 1e3:.1f})",
-                file=sys.stderr,
-                flush=True,
-            )
+    return {"confirmed": [cands[i].label for i in which], "pick_before": before}
 
 
 def _pct(x: float | None) -> str:
@@ -327,13 +320,8 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
             f"the measured fastest ({summary['fastest']})",
             end="",
         )
-    again = summary.get("confirmed")
-    print(
-        f" ({summary['pick_before']:.2f}x before {summary['rounds_more']} rounds more of it and "
-        f"the {len(again) - 1} plan(s) measured faster or within 10 %)"
-        if again
-        else ""
-    )
+    before = summary.get("pick_before")
+    print("" if before is None else f" ({before:.2f}x on the first rounds alone)")
 
 
 def plot(cands: list[Candidate], path: Path, title: str) -> Path | None:
