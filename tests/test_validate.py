@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from dist_helpers import run_ranks
 
 from hybridpar.commands import validate as val
 from hybridpar.commands.validate import Candidate, candidates, contested, spearman, summarize
@@ -115,6 +116,31 @@ def test_validate_runs_the_contested_plans_again_and_judges_the_pick_on_every_ro
     cands = [_cand("pick", 1.0, [], picked=True), _cand("c", 1.0, [])]
     times = {"pick": [1.0, 1.0], "c": [2.0, 2.0]}
     assert val.validate(cands, None, tmp_path, 2, False, 3)["confirmed"] == []  # pick fastest
+
+
+def _contested_on_ranks(tmp: str) -> None:
+    """validate on every rank of a job, as under torchrun: rank 0 alone gets the reports, and
+    every run is a job of all the ranks (a barrier here), so a rank that ran other plans
+    than rank 0 would leave the others waiting."""
+    import torch.distributed as dist
+
+    rank, times, ran = dist.get_rank(), {"pick": [1.0] * 5, "b": [0.9] * 5, "c": [2.0] * 2}, []
+
+    def run_one(c, *_):
+        dist.barrier()
+        ran.append(c.label)
+        t = times[c.label].pop(0)
+        return {"time_s": t, "compute_s": 0, "comm_wait_s": 0} if rank == 0 else None
+
+    val._run_one = run_one  # a spawned process of its own
+    cands = [_cand("pick", 1.0, [], picked=True), _cand("b", 1.0, []), _cand("c", 1.0, [])]
+    again = val.validate(cands, None, Path(tmp) / str(rank), 2, False, 3, val._from_rank_0)
+    assert again["confirmed"] == ["pick", "b"]
+    assert ran == ["pick", "b", "c"] * 2 + ["pick", "b"] * 3
+
+
+def test_every_rank_runs_the_plans_rank_0_found_contested(tmp_path):
+    run_ranks(_contested_on_ranks, 2, str(tmp_path))
 
 
 def test_candidates_are_distinct_plans_with_the_pick_first_and_the_presets_after():
