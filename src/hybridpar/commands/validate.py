@@ -312,16 +312,15 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
     )
     if summary["picked"] is None:
         return
+    before = summary.get("pick_before")
+    tail = "" if before is None else f" ({before:.2f}x on the first rounds alone)"
     if summary["picked_is_fastest"]:
-        print(f"the planner's pick ({summary['picked']}, *) is the measured fastest", end="")
+        print(f"the planner's pick ({summary['picked']}, *) is the measured fastest{tail}")
     else:
         print(
             f"the planner's pick ({summary['picked']}, *) is {summary['picked_over_fastest']:.2f}x "
-            f"the measured fastest ({summary['fastest']})",
-            end="",
+            f"the measured fastest ({summary['fastest']}){tail}"
         )
-    before = summary.get("pick_before")
-    print("" if before is None else f" ({before:.2f}x on the first rounds alone)")
 
 
 def plot(cands: list[Candidate], path: Path, title: str) -> Path | None:
