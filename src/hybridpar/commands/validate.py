@@ -205,9 +205,8 @@ CLOSE = 1.10
 
 def contested(cands: list[Candidate]) -> list[int]:
     """The indices of the pick and of every plan measured faster than it or less than 10 %
-    slower (`CLOSE`); [] where there is none, or the pick did not run. What `validate` runs
-    again: the fastest of several noisy medians is low for having been chosen the lowest, and a
-    plan just behind the pick may be ahead of it; rounds run after the choice judge both."""
+    slower (`CLOSE`): what `validate` runs again (the module's docstring says why); [] where
+    there is none, or the pick did not run."""
     pick = next((i for i, c in enumerate(cands) if c.picked and c.runs), None)
     if pick is None:
         return []
@@ -451,15 +450,14 @@ def _in_job(args, cfg, cluster, plan_candidates) -> int:
     init_distributed(DEFAULT_TIMEOUT_S)
     try:
         rank = dist.get_rank()
-        sent: list = [None]
+        sent = None
         if rank == 0:
             try:
                 cands = plan_candidates()
-                sent[0] = ("ok", [(c.label, c.plan.to_json(), c.picked) for c in cands])
+                sent = ("ok", [(c.label, c.plan.to_json(), c.picked) for c in cands])
             except ConfigError as exc:
-                sent[0] = ("error", str(exc))
-        dist.broadcast_object_list(sent, src=0)
-        kind, body = sent[0]
+                sent = ("error", str(exc))
+        kind, body = _from_rank_0(sent)
         if kind == "error":
             raise ConfigError(body)
         cands = [
@@ -492,11 +490,11 @@ def _in_job(args, cfg, cluster, plan_candidates) -> int:
         shutdown()
 
 
-def _from_rank_0(which: list[int]) -> list[int]:
-    """Rank 0's `which`, on every rank of the job."""
+def _from_rank_0(value):
+    """Rank 0's `value`, on every rank of the job."""
     import torch.distributed as dist
 
-    sent = [which]
+    sent = [value]
     dist.broadcast_object_list(sent, src=0)
     return sent[0]
 
