@@ -3,7 +3,7 @@
 Runs plan files as `hybridpar train --plan` does (the same Job, trainer and optimizer, random
 batches of the model's shape) and reads every blocking call of the timed steps from each rank's
 ledger: a call's wait is its time on a rank less the shortest any rank saw (as the report
-splits it). Beside it, the cost model's meetings (planning.cost.sync.segments) with the
+splits it). Beside it, the cost model's meetings (planning.cost.sync.meetings) with the
 compute priced before each and the wait `Cluster.sync_cost` gives it. Prints per term: the
 meetings per iteration, the compute before them, the mean wait per meeting and the totals.
 
@@ -25,28 +25,6 @@ from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS
 from hybridpar.runtime.train.loop import make_trainer
 
 WARMUP = 4
-
-
-def _meetings(layers) -> list[tuple[str, float]]:
-    """(term, compute priced before it) of each blocking meeting, in the order of `segments`."""
-    out, acc = [], 0.0
-
-    def meet(x, kinds) -> None:
-        nonlocal acc
-        for k in kinds:
-            c = x.terms.get(k)
-            if c is not None and c.bytes > 0:
-                out.append((str(k), acc))
-                acc = 0.0
-
-    for x in layers:
-        meet(x, sync.FORWARD_START)
-        acc += x.forward_s
-        meet(x, sync.FORWARD_END)
-    for x in reversed(layers):
-        acc += x.backward_s
-        meet(x, sync.BACKWARD_END)
-    return out
 
 
 def _body(job, steps: int) -> list:
@@ -72,7 +50,7 @@ def main() -> int:
         plan, (cost, cluster, _) = job.plan, priced(job)
         at = cluster.at(plan.procs).placed(plan.placement)
         predicted = defaultdict(list)
-        for term, before in _meetings(cost.layers):
+        for term, before in sync.meetings(cost.layers)[0]:
             predicted[term].append((before, at.sync_cost(before)[1]))
         every = launch(_body, job.procs, job, args.steps, backend="gloo")[0]
         measured = defaultdict(list)

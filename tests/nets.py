@@ -168,6 +168,25 @@ def assert_same_state(
         )
 
 
+def assert_calls(ledger, plan, steps: int, label: str) -> None:
+    """Every rank's blocking calls per (layer, term) and step, as its ledger booked them, are the
+    plan's predicted calls (planning.cost.sync.calls: the meetings the wait for the slowest rank
+    is priced at). Collective: every rank calls it, and every rank asserts."""
+    import torch.distributed as dist
+
+    from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ledger.calls_by_layer_term())
+    want = plan.predicted_calls()
+    for rank, booked in enumerate(every):
+        got = {(a, str(t)): n / steps for (a, t), n in booked.items() if t in BLOCKING_TERMS}
+        diff = {
+            k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)
+        }
+        assert not diff, f"{label}, rank {rank}: calls per step (booked, predicted) {diff}"
+
+
 def preset(name: str, which: str, P: int, **choices) -> ParallelPlan:  # noqa: F821
     """The plan a preset names for one of MAKERS (priced on a fast test network), with the
     given choices (codec=..., bn=...: hybridpar.core.choices.Choices)."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from nets import CLASSES, DOMAIN_LAYERS, DomainStack, optimizer
+from nets import CLASSES, DOMAIN_LAYERS, DomainStack, assert_calls, optimizer
 
 from hybridpar.core.analysis import analyze
 from hybridpar.core.cluster import Cluster
@@ -139,6 +139,7 @@ def _train(P: int, shm: bool = True) -> list[str]:
         got = hp.full_state_dict()
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
+        assert_calls(ledger, plan, STEPS, label)
         measured, predicted = _measured(ledger), plan.predicted_bytes(by_layer=True)
         assert set(measured) == set(predicted), f"{label}: {set(measured) ^ set(predicted)}"
         for k, v in predicted.items():

@@ -19,6 +19,7 @@ from nets import (
     MAKERS,
     STEPS,
     B,
+    assert_calls,
     assert_same_state,
     batches,
     make,
@@ -112,6 +113,7 @@ def _matrix(
         if rules is not None:
             rules.check()
         measured = _measured(ledger, len(data))
+        assert_calls(ledger, p, len(data), _label(p))
         if rank == 0:
             label = _label(p)
             if codec == "none":

@@ -24,6 +24,7 @@ from nets import (
     CLASSES,
     MAKERS,
     TVAlexNet,
+    assert_calls,
     assert_same_state,
     batches,
     optimizer,
@@ -38,7 +39,7 @@ from hybridpar.core.analysis import analyze
 from hybridpar.core.choices import Choices
 from hybridpar.core.cluster import Cluster
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.handoff import Handoff, fused, round_rows, why_not_handoff
+from hybridpar.core.handoff import Handoff, fused, head, round_rows, why_not_handoff
 from hybridpar.core.layers import CostLayer, cost_layers
 from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.core.terms import Term
@@ -132,6 +133,7 @@ def _train(model, plan, data, shm: bool):
         loss.backward()
         hp.finish_backward()
         opt.step()
+    assert_calls(ledger, plan, len(data), f"{plan.redistributions}")
     return hp.full_state_dict(), _measured(ledger, len(data))
 
 
@@ -302,6 +304,48 @@ def test_round_rows_and_the_rule():
     assert "one of" in why_not_handoff(Handoff("d", 2), batch, model, [x], 12, False, "fc")
     normed = replace(x, norms=((13, True),))
     assert "batch norm" in why_not_handoff(Handoff("c", 2), batch, model, [normed], 12, False, "f")
+
+
+def test_the_head_is_what_the_rounds_run_and_batch_norm_there_is_refused():
+    """A hand-off into a Linear of an nn.Sequential runs the Sequential's later children in its
+    rounds too, up to the first change of layout (runtime/parallel/rounds.py). Batch norm riding
+    on a later Linear there would see one round's examples: the planner and the runtime both
+    refuse scheme (c) into the first Linear (at 5135867 they checked its segment alone, and the
+    runtime trained the norm on rounds), and both accept it where the layout changes before
+    the norm."""
+    torch.manual_seed(0)
+    tail = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.Flatten(),
+        nn.Linear(64, 13), nn.ReLU(), nn.Linear(13, 7), nn.BatchNorm1d(7), nn.ReLU(),
+        nn.Linear(7, CLASSES),
+    )  # fmt: skip
+    with torch.device("meta"):
+        layers = cost_layers(analyze(tail, (1, 4, 4)))
+    assert [x.name for x in layers] == ["0", "2", "4", "7"] and layers[2].norms
+    P, B, c2 = 2, 12, Handoff("c", 2)
+    batch, model = Style.batch(P), Style.model(P, 1)
+    every = [batch, model, model, model]
+    assert head(layers, [s.layout for s in every], 1) == [1, 2, 3]
+    assert head(layers, None, 1) == [1]  # in the search, before the later styles are chosen
+    before = [batch, model, batch, batch]  # the layout changes before the norm's Linear
+    assert head(layers, [s.layout for s in before], 1) == [1]
+    refused = evaluate(layers, P, B, NET, every, handoffs={"2": c2})
+    assert not refused.feasible and "batch norm in 4" in refused.reason, refused.reason
+    plan = _export(layers, P, B, every)
+    from hybridpar.runtime.parallel.layout import resolve
+
+    named = replace(plan, redistributions=[replace(plan.redistributions[0], scheme="c", rounds=2)])
+    with pytest.raises(ConfigError, match="batch norm in 4"):
+        resolve(tail, named)
+    ok = evaluate(layers, P, B, NET, before, handoffs={"2": c2})
+    assert ok.feasible and ok.layers[1].handoff == c2
+    plan = export(ok, procs=P, batch=B, choices=Choices(), input_shape=(1, 4, 4))
+    assert resolve(tail, plan).handoffs
+
+
+def _export(layers, P, B, styles):
+    priced = evaluate(layers, P, B, NET, styles)
+    return export(priced, procs=P, batch=B, choices=Choices(), input_shape=(1, 4, 4))
 
 
 def test_the_planner_picks_a_scheme_and_the_plan_file_carries_it(tmp_path):

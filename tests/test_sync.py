@@ -13,7 +13,7 @@ from hybridpar.core.cluster import Cluster, _from_mapping, expected_max, load_cl
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.terms import Term
 from hybridpar.planning.cost.collectives import Comm
-from hybridpar.planning.cost.sync import segments, sync_of
+from hybridpar.planning.cost.sync import calls, meetings, segments, sync_of
 from hybridpar.planning.search import make_plan
 
 # (alone s, wall s, wait s): the shape `hybridpar calibrate` measured at 4 ranks on 2 cores,
@@ -63,6 +63,39 @@ def test_the_meetings_of_an_iteration_in_the_order_the_runtime_runs_them():
     assert all(blocking for _, blocking in loop) and len(loop) == 4
     # zero bytes (a group of one) is no meeting
     assert segments([_layer(0.01, 0.02, allgather=0)]) == []
+
+
+def test_a_term_meets_as_often_as_the_runtime_calls_it():
+    """A gathering hand-off meets forward only, a halo once per window (the pooling's after the
+    convolution's forward), an encoded dX sum twice backward; `calls` is what the plan file and
+    the ledger tests count."""
+    x = SimpleNamespace(
+        terms={
+            Term.REDISTRIBUTE: Comm("redistribute", 2, 50, 0.0, (1, 0)),
+            Term.HALO_FWD: Comm("halo", 2, 10, 0.0, (2, 0)),
+            Term.HALO_BWD: Comm("halo", 2, 10, 0.0, (0, 2)),
+            Term.DX_ALLREDUCE: Comm("all_reduce", 2, 40, 0.0, (0, 2)),
+            Term.BN_STATS: Comm("all_reduce", 2, 8, 0.0),
+        },
+        forward_s=0.004,
+        backward_s=0.008,
+        update_s=0.0,
+    )
+    trunk = _layer(0.010, 0.020)
+    met, rest = meetings([trunk, x])
+    assert met == [
+        ("redistribute", 0.010),
+        ("halo_fwd", 0.0),
+        ("halo_fwd", 0.004),  # the pooling's window, after the convolution
+        ("bn_stats", 0.0),
+        ("dx_allreduce", 0.008),
+        ("dx_allreduce", 0.0),
+        ("halo_bwd", 0.0),
+        ("halo_bwd", 0.0),
+    ]
+    assert rest == pytest.approx(0.020)
+    assert calls(Term.REDISTRIBUTE, Comm("redistribute", 2, 0.0, 0.0, (1, 1))) == (0, 0)
+    assert calls(Term.ALLGATHER, Comm("all_gather", 2, 8, 0.0)) == (1, 0)
 
 
 def test_sync_cost_interpolates_the_calibrated_table():

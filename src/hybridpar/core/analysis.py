@@ -96,6 +96,8 @@ class LayerSpec:
     segment: int = 0  # the segment (run of layers between clean cuts) this call belongs to
     entry: str | None = None  # set on a segment's first leaf: the module whose pre-hook starts it
     entry_elements: int = 0  # per example, of the activation entering the segment there
+    head_in: str | None = None  # set with entry where the entry's parent is an nn.Sequential: its
+    # name (a hand-off sent in rounds runs its later children too, runtime/parallel/rounds.py)
     input_grad: bool = True  # whether the input depends on parameters (so dX is needed)
 
     @property
@@ -393,7 +395,8 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    return _segments(hooks.specs, hooks.calls, rec)
+    seqs = {n for n, m in model.named_modules() if isinstance(m, nn.Sequential)}
+    return _segments(hooks.specs, hooks.calls, rec, seqs)
 
 
 def _clean(call: list, rec: _Recorder, counts: dict[str, int]) -> bool:
@@ -405,7 +408,9 @@ def _clean(call: list, rec: _Recorder, counts: dict[str, int]) -> bool:
     return live == [key]
 
 
-def _segments(timed: list[tuple[int, LayerSpec]], calls: list[list], rec: _Recorder) -> Trace:
+def _segments(
+    timed: list[tuple[int, LayerSpec]], calls: list[list], rec: _Recorder, seqs: set[str]
+) -> Trace:
     counts: dict[str, int] = {}
     for c in calls:
         counts[c[0]] = counts.get(c[0], 0) + 1
@@ -435,6 +440,7 @@ def _segments(timed: list[tuple[int, LayerSpec]], calls: list[list], rec: _Recor
                 segment=seg,
                 entry=entry,
                 entry_elements=elements,
+                head_in=parent if entry and (parent := entry.rpartition(".")[0]) in seqs else None,
                 calls=counts[s.name],
                 blockers=blockers.get(seg, ()),
             )

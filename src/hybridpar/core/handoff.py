@@ -91,12 +91,29 @@ def fused(layer: CostLayer, prev: Style | None, s: Style, acts_encoded: bool) ->
     )
 
 
-def head(segments: Sequence[object], i: int) -> list[int]:
-    """The hand-off's head as indices: layer i and the layers after it in its segment (`segments`:
-    each layer's segment, None where a layer is a segment of its own)."""
-    if segments[i] is None:
-        return [i]
-    return [j for j in range(i, len(segments)) if segments[j] == segments[i]]
+def head(layers: Sequence[CostLayer], layouts: Sequence[tuple] | None, i: int) -> list[int]:
+    """The hand-off into layer i's head as indices: the layers rounds.install runs round by round.
+    That is the entry module's segment and, where the entry sits in an nn.Sequential
+    (`CostLayer.head_in`), the layers of the Sequential's later children up to the first child
+    that holds a later change of layout (`layouts`: each layer's; None while the later layers'
+    are not chosen: the segment alone)."""
+    x = layers[i]
+    seg = [j for j in range(i, len(layers)) if layers[j].segment == x.segment]
+    if layouts is None or x.head_in is None or x.segment is None:
+        return seg if x.segment is not None else [i]
+    prefix = x.head_in + "." if x.head_in else ""
+    later = [
+        layers[j].entry or "" for j in range(i + 1, len(layers)) if layouts[j] != layouts[j - 1]
+    ]
+    out = [i]
+    for y in layers[i + 1 :]:
+        if not y.name.startswith(prefix):
+            break
+        child = prefix + y.name[len(prefix) :].split(".")[0]
+        if any(e == child or e.startswith(child + ".") for e in later):
+            break
+        out.append(i + len(out))
+    return out
 
 
 def exposed(g: float, r: float, f: float, b: float, rounds: int) -> float:

@@ -43,6 +43,7 @@ class CostLayer:
     segment: int | None = None  # layers of one segment share one layout (None: its own)
     entry: str | None = None  # first layer of a segment: the module where its layout is set
     entry_elements: int = 0  # per example, of the activation redistributed there
+    head_in: str | None = None  # the nn.Sequential holding the entry (core.handoff.head)
     input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
     norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
     op: str = ""  # what the weighted module is: linear, conv2d, conv1d, conv3d, conv_transpose
@@ -97,6 +98,7 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
                 segment=s.segment,
                 entry=first.entry,
                 entry_elements=first.entry_elements,
+                head_in=first.head_in,
                 input_grad=s.input_grad,
                 op=s.op,
                 groups=s.groups,

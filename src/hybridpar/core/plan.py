@@ -162,12 +162,14 @@ class Redistribution:
 
 @dataclass(frozen=True)
 class Prediction:
-    """The cost model's bytes sent per rank per iteration and seconds, for one (layer, term)."""
+    """The cost model's bytes sent per rank per iteration and seconds, for one (layer, term), and
+    its blocking calls per iteration (planning.cost.sync.calls; 0 for a term that does not block)."""
 
     layer: str
     term: str
     bytes: float
     seconds: float
+    calls: int = 0
 
 
 _CHOICES = tuple(f.name for f in fields(Choices))
@@ -237,6 +239,10 @@ class ParallelPlan:
                 out[key] = out.get(key, 0.0) + p.bytes
         return out
 
+    def predicted_calls(self) -> dict[tuple[str, str], int]:
+        """Blocking calls per iteration by (layer, term), as the ledger counts them."""
+        return {(p.layer, p.term): p.calls for p in self.predicted if p.calls}
+
     def with_choices(self, **changes: Any) -> ParallelPlan:
         """The same plan with some choices changed (e.g. device="cuda")."""
         return replace(self, choices=self.choices.with_(**changes))
@@ -260,6 +266,7 @@ class ParallelPlan:
             **({"placement": list(self.placement)} if self.placement else {}),
             "predicted": [
                 {"layer": p.layer, "term": p.term, "bytes": p.bytes, "seconds": p.seconds}
+                | ({"calls": p.calls} if p.calls else {})
                 for p in self.predicted
             ],
         }
@@ -407,7 +414,8 @@ def _rounds(v: Any) -> int:
 
 
 def _prediction(p: dict) -> Prediction:
-    return Prediction(str(p["layer"]), str(p["term"]), float(p["bytes"]), float(p["seconds"]))
+    layer, term, n, s = str(p["layer"]), str(p["term"]), float(p["bytes"]), float(p["seconds"])
+    return Prediction(layer, term, n, s, int(p.get("calls", 0)))
 
 
 def assign_styles(

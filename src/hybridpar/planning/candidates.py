@@ -16,7 +16,7 @@ from hybridpar.core.plan import ParallelPlan, Prediction, Redistribution, Style
 from hybridpar.core.rules import EXECUTED, why_not_choices
 from hybridpar.core.terms import Term
 from hybridpar.planning.cost.collectives import Comm
-from hybridpar.planning.cost.sync import Sync
+from hybridpar.planning.cost.sync import Sync, calls
 
 __all__ = ["OVERLAPPABLE", "LayerPlan", "Plan", "PlanResult", "best_of", "export"]
 
@@ -272,7 +272,7 @@ def export(
         choices=choices,
         redistributions=redistributions,
         predicted=[
-            Prediction(x.layer.name, str(k), c.bytes, c.seconds)
+            Prediction(x.layer.name, str(k), c.bytes, c.seconds, sum(calls(k, c)))
             for x in chosen.layers
             for k, c in x.terms.items()
         ],

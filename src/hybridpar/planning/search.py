@@ -30,6 +30,7 @@ relaxation).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import lru_cache
 
@@ -54,7 +55,7 @@ from hybridpar.planning.candidates import (
 )
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
-from hybridpar.planning.cost.sync import sync_of
+from hybridpar.planning.cost.sync import calls, sync_of
 from hybridpar.planning.cost.terms import (
     Wire,
     codec_s,
@@ -121,7 +122,8 @@ class _Context:
         self.handoff, self.rounds, self.fixed = handoff, rounds, fixed
         self.fuse_handoff = fuse_handoff
         self._moves: dict[tuple, tuple | None] = {}
-        self._heads: dict[str, dict[str, Comm]] = {}  # the current segment's changed terms
+        self._heads: dict[str, dict[str, Comm]] = {}  # the terms the hand-offs' rounds change
+        self._layouts: list[tuple] | None = None  # every layer's, while a plan is evaluated
         self.choices = choices
         # the host reducer's sums are priced as it takes them where the planner runs its engine
         self.reducer = choices.reducer
@@ -149,8 +151,9 @@ class _Context:
         return redistribute(a, b, d, self.B, self.net, self.e)
 
     def head(self, i: int) -> list[int]:
-        """Layer i and the layers after it in its segment (a hand-off's head)."""
-        return head([x.segment for x in self.layers], i)
+        """The layers a hand-off into layer i runs in rounds (core.handoff.head): within a plan
+        evaluated as a whole, as the runtime runs them; in the search, its segment."""
+        return head(self.layers, self._layouts, i)
 
     def schemes(self, i: int, prev: Style, s: Style) -> list[Handoff]:
         """The hand-off schemes the move into layer i may take (`handoff`: a, b, c or auto)."""
@@ -201,7 +204,8 @@ class _Context:
         f = math.fsum(self.time(j, s)[0] for j in heads) / K
         b = math.fsum(self.time(j, s)[1] for j in heads) / K
         waits = exposed(g.seconds, r.seconds, f, b, K)  # what the rounds cannot hide
-        comm = Comm(Term.REDISTRIBUTE, m, K * (g.bytes + r.bytes), waits)
+        rounds = (K if g.bytes > 0 else 0, K if r.bytes > 0 else 0)
+        comm = Comm(Term.REDISTRIBUTE, m, K * (g.bytes + r.bytes), waits, rounds)
         changed: dict[str, dict[str, Comm]] = {}
         for j in heads:
             y = self.layers[j]
@@ -212,7 +216,9 @@ class _Context:
             new = dict(full)
             for t in (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.DX_ALLGATHER):
                 if t in per:
-                    new[t] = Comm(per[t].kind, per[t].group, K * per[t].bytes, K * per[t].seconds)
+                    c = per[t]
+                    f, b = calls(t, c)  # once per round
+                    new[t] = Comm(c.kind, c.group, K * c.bytes, K * c.seconds, (K * f, K * b))
             if j == i and fused:
                 new[Term.DX_ALLREDUCE] = Comm.zero("all_reduce", s.pr)
             changed[y.name] = new
@@ -221,7 +227,7 @@ class _Context:
     def best_move(self, i: int, prev: Style, s: Style):
         """(seconds for the search, the redistribute term, the head's changed terms, the scheme)
         of the cheapest scheme for the move into layer i; None when no move exists."""
-        key = (i, prev, s)
+        key = (i, prev, s, tuple(self.head(i)))
         if key not in self._moves:
             self._moves[key] = self._best_move(i, prev, s)
         return self._moves[key]
@@ -257,7 +263,7 @@ class _Context:
         if best is None:
             return None
         cost, comm, _, _ = best
-        return Comm(comm.kind, comm.group, comm.bytes, cost)
+        return dataclasses.replace(comm, seconds=cost)
 
     def memory(self, i: int, s: Style) -> float:
         x, w = self.layers[i], self.net.word_bytes
@@ -331,10 +337,9 @@ class _Context:
             best = self.best_move(i, prev, s)
             if best is None:
                 return f"no redistribution from {prev} to {s} before {x.name}"
-            _, r, self._heads, h = best
+            _, r, heads, h = best
+            self._heads |= heads  # a layer is in one hand-off's head at most
             h = h if is_gather(prev, s) else None
-        elif not shares:
-            self._heads = {}
         terms = dict(self._heads.get(x.name) or self.terms(i, s))
         if i > 0:
             terms[Term.REDISTRIBUTE] = r
@@ -343,13 +348,16 @@ class _Context:
 
     def evaluate(self, scenario: str, grid: tuple[int, int] | None, styles: list[Style]) -> Plan:
         plan = Plan(scenario, grid, overlap=self.overlap)
-        prev, self._heads = None, {}
-        for i, s in enumerate(styles):
-            lp = self.layer_plan(i, s, prev)
-            if isinstance(lp, str):
-                return Plan(scenario, grid, overlap=self.overlap, reason=lp)
-            plan.layers.append(lp)
-            prev = s
+        prev, self._heads, self._layouts = None, {}, [s.layout for s in styles]
+        try:
+            for i, s in enumerate(styles):
+                lp = self.layer_plan(i, s, prev)
+                if isinstance(lp, str):
+                    return Plan(scenario, grid, overlap=self.overlap, reason=lp)
+                plan.layers.append(lp)
+                prev = s
+        finally:
+            self._layouts = None
         if self.bucket is not None:
             self._by_buckets(plan.layers)
         plan.sync = sync_of(plan.layers, self.net.sync_cost if self.net.sync else None)

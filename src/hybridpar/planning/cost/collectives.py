@@ -39,6 +39,9 @@ class Comm:
     group: int
     bytes: float  # per rank, the volume the beta term multiplies
     seconds: float
+    calls: tuple[int, int] | None = None
+    """(forward, backward) calls an iteration makes where its term does not say (a hand-off,
+    a layer's halo windows, a head's rounds); None: one, in the term's pass (cost.sync)"""
 
     @staticmethod
     def zero(kind: str, group: int = 1) -> Comm:

@@ -19,9 +19,12 @@ kept in the cluster's `sync` table (hybridpar.core.cluster.Cluster.sync_cost):
   the compute to the communication. The predicted split shows it; the total does not count it.
 
 `segments` walks an iteration's layers as the runtime runs them and cuts the compute at every
-blocking collective the plan has (the hand-offs, the activations' all-gathers and dX sums, the
+blocking call the plan makes (the hand-offs, the activations' all-gathers and dX sums, the
 global batch norms' sums, the halos) and at the wait for the gradient sums after the backward
 pass; the iteration is a loop, so the compute after the last meeting joins the first segment.
+A term makes as many calls as the runtime's ledger books (`calls`: a hand-off that gathers meets
+forward only, one that splits backward only; a layer's halo one per window; a head in rounds
+once per round), and the tests hold every rank's ledger to that count per (layer, term).
 A meeting right after another (a halo after a batch norm's sums, a hand-off after a dX sum)
 waits as one after the table's least work, and that wait is lost (`Cluster.sync_cost`). A plan
 on one rank, or on a cluster without the table, has none.
@@ -36,7 +39,7 @@ from typing import Protocol
 
 from hybridpar.core.terms import Term
 
-__all__ = ["Sync", "segments", "sync_of"]
+__all__ = ["Sync", "calls", "meetings", "segments", "sync_of"]
 
 # the blocking collectives at a layer's start (a hand-off into it, the halo of its input), at its
 # forward's end (its output's all-gather, its batch norms' statistics) and at its backward's end
@@ -51,39 +54,63 @@ BACKWARD_END = (
 )
 
 
-class _Bytes(Protocol):
+class _Comm(Protocol):
     bytes: float
+    calls: tuple[int, int] | None
 
 
 class _Layer(Protocol):
-    terms: dict[str, _Bytes]
+    terms: dict[str, _Comm]
     forward_s: float
     backward_s: float
     update_s: float
+
+
+def calls(term: str, c: _Comm) -> tuple[int, int]:
+    """(forward, backward) blocking calls a layer's `term` makes per iteration, as the runtime's
+    ledger books them: the Comm's own count where it has one (a hand-off gathers forward and
+    returns a partial dX backward only where fused; a layer's halo exchanges one per window;
+    a head's collectives once per round), else one in each pass the term meets in."""
+    if c.bytes <= 0:
+        return 0, 0
+    if c.calls is not None:
+        return c.calls
+    return int(term in FORWARD_START or term in FORWARD_END), int(term in BACKWARD_END)
+
+
+def meetings(layers: Sequence[_Layer]) -> tuple[list[tuple[str, float]], float]:
+    """(term, compute seconds since the ranks last met) of every blocking call of one iteration,
+    in the order the runtime runs them, and the compute after the last of them (the backward's,
+    updates left out). A layer's first call of each starting term meets before its forward,
+    the others (a halo's later windows, a head's later rounds) after it."""
+    out: list[tuple[str, float]] = []
+    acc = 0.0
+
+    def meet(x: _Layer, kinds: tuple[str, ...], backward: bool, part=slice(None)) -> None:
+        nonlocal acc
+        for k in kinds:
+            c = x.terms.get(k)
+            for _ in range(0 if c is None else calls(k, c)[backward])[part]:
+                out.append((k, acc))
+                acc = 0.0
+
+    for x in layers:
+        meet(x, FORWARD_START, False, slice(1))
+        acc += x.forward_s
+        meet(x, FORWARD_START, False, slice(1, None))
+        meet(x, FORWARD_END, False)
+    for x in reversed(layers):
+        acc += x.backward_s
+        meet(x, BACKWARD_END, True)
+    return out, acc
 
 
 def segments(layers: Sequence[_Layer]) -> list[tuple[float, bool]]:
     """(compute seconds since the ranks last met, blocking) for every meeting of one iteration, in
     order: blocking for a collective inside the forward or backward pass, not for the wait for
     the gradient sums after it."""
-    out: list[tuple[float, bool]] = []
-    acc = 0.0
-
-    def meet(terms: dict[str, _Bytes], kinds: tuple[str, ...]) -> None:
-        nonlocal acc
-        for k in kinds:
-            c = terms.get(k)
-            if c is not None and c.bytes > 0:
-                out.append((acc, True))
-                acc = 0.0
-
-    for x in layers:
-        meet(x.terms, FORWARD_START)
-        acc += x.forward_s
-        meet(x.terms, FORWARD_END)
-    for x in reversed(layers):
-        acc += x.backward_s
-        meet(x.terms, BACKWARD_END)
+    met, acc = meetings(layers)
+    out = [(before, True) for _, before in met]
     acc += math.fsum(x.update_s for x in layers)
     grads = any((c := x.terms.get(Term.DW_ALLREDUCE)) is not None and c.bytes > 0 for x in layers)
     if grads:

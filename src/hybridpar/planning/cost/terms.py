@@ -26,7 +26,7 @@ Conventions (stated once; docs/cost-model.md repeats them with a worked example)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster
 from hybridpar.core.errors import ConfigError
@@ -140,11 +140,13 @@ def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: flo
 def t_dx_allreduce(
     layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire
 ) -> Comm:
-    """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX."""
+    """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX (encoded:
+    two calls, an all-to-all and an all-gather)."""
     w, net = Wire.of(e), net.group("model", pr, pc)
     n = B / pc * layer.d_in * w.acts
     c = on_host(_reduce(n, pr, net, w.acts_compressed), net, w.acts_compressed, n)
-    return plus(c, codec_s(n, pr, w, grads=False, reduce=True))
+    c = plus(c, codec_s(n, pr, w, grads=False, reduce=True))
+    return replace(c, calls=(0, 2)) if w.acts_compressed and c.bytes > 0 else c
 
 
 def t_dx_allgather(
@@ -261,8 +263,9 @@ def t_halo(
     the rows each rank receives from the others (core.halo.Window.plan), x (B/Pc examples) x
     channels x width x bytes. Bytes: per rank, averaged over the Pr ranks (the first and last
     band have one neighbour; stride and dilation change the rows; a thin band is crossed). Time:
-    the busiest rank's messages and bytes. Backward the same rows carry gradients back, except
-    into the input of a first layer (`first`: nothing is back-propagated there)."""
+    the busiest rank's messages and bytes; one exchange (call) per window with rows to send.
+    Backward the same rows carry gradients back, except into the input of a first layer
+    (`first`: nothing is back-propagated there)."""
     if pr <= 1:
         return Comm.zero("halo", pr)
     net = net.group("model", pr, pc)
@@ -270,6 +273,7 @@ def t_halo(
     names = [w[0] for w in layer.windows]
     no_grad = names.index(layer.name) + 1 if first and layer.name in names else 0
     total = seconds = 0.0
+    calls = 0
     for i, (_, k, stride, pad, dil, h_in, _, c, w) in enumerate(layer.windows):
         if backward and i < no_grad:
             continue
@@ -278,6 +282,7 @@ def t_halo(
         sent, msgs = win.rows_sent(pr), win.messages(pr)
         if not any(sent):
             continue
+        calls += 1
         total += sum(sent) / pr * row
         most = max(sent) * row
         if net.shm_paths and most <= SHM_MAX_BYTES:
@@ -285,7 +290,7 @@ def t_halo(
         else:
             pairs = zip(msgs, sent, strict=True)
             seconds += max(net.alpha * m + net.beta * n * row for m, n in pairs)
-    return Comm("halo", pr, total, seconds)
+    return Comm("halo", pr, total, seconds, (0, calls) if backward else (calls, 0))
 
 
 def _halo_rows(layer: CostLayer, axis: int) -> int:
@@ -371,6 +376,19 @@ def layer_comms(
     return terms
 
 
+def _one(c: Comm, forward: bool) -> tuple[int, int]:
+    """(forward, backward) calls of one collective `c` sent in one pass (none if it sends nothing)."""
+    return (0, 0) if c.bytes <= 0 else (1, 0) if forward else (0, 1)
+
+
+def _both(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _calls(c: Comm) -> tuple[int, int]:
+    return (0, 0) if c.bytes <= 0 or c.calls is None else c.calls
+
+
 def redistribute(
     prev: Style | None,
     nxt: Style,
@@ -405,27 +423,31 @@ def redistribute(
         if hi % lo:
             return None
         g = gather(B / lo * d * e, hi // lo, net.regroup(p, hi, lo))  # forward if c2 < c1
-        return Comm(Term.REDISTRIBUTE, g.group, g.bytes, g.seconds)
+        return Comm(Term.REDISTRIBUTE, g.group, g.bytes, g.seconds, _one(g, c2 < c1))
     if a[0] == "rep" and b[0] == "dom":
         _, pr, pc = b
         if a[1] == p:  # pure batch -> domain: all-to-all each way within the model group
             x = all_to_all(B / p * d * e, pr, net.group("model", pr, pc))
-            return Comm("redistribute", pr, 2 * x.bytes, 2 * x.seconds)
+            calls = (1, 1) if x.bytes > 0 else (0, 0)
+            return Comm("redistribute", pr, 2 * x.bytes, 2 * x.seconds, calls)
         step = redistribute(prev, Style.model(pr, pc), d, B, net, e)
         if step is None:
             return None
         g = gather(B / pc * d * e, pr, net.group("model", pr, pc))  # backward: rows of dX
-        return Comm("redistribute", pr, step.bytes + g.bytes, step.seconds + g.seconds)
+        calls = _both(_calls(step), _one(g, False))
+        return Comm("redistribute", pr, step.bytes + g.bytes, step.seconds + g.seconds, calls)
     if a[0] == "dom" and b[0] == "rep":
         back = redistribute(nxt, Style.domain(a[1], a[2]), d, B, net, e)  # symmetric
-        return back
+        return None if back is None else replace(back, calls=_calls(back)[::-1])
     # domain -> another domain layout: through the replicated layout of the first
     mid = Style.model(a[1], a[2])
     x = redistribute(prev, mid, d, B, net, e)
     y = redistribute(mid, nxt, d, B, net, e)
     if x is None or y is None:
         return None
-    return Comm("redistribute", max(x.group, y.group), x.bytes + y.bytes, x.seconds + y.seconds)
+    calls = _both(_calls(x), _calls(y))
+    group, n, t = max(x.group, y.group), x.bytes + y.bytes, x.seconds + y.seconds
+    return Comm("redistribute", group, n, t, calls)
 
 
 # --- the equations, literally (sums of the terms above) -------------------------------------

@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridpar.core.analysis import Trace, trace
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.handoff import Handoff, is_gather, why_not_handoff
+from hybridpar.core.handoff import Handoff, head, is_gather, why_not_handoff
 from hybridpar.core.layers import CostLayer, cost_layers
 from hybridpar.core.plan import ParallelPlan, Redistribution, Style, assign_styles
 from hybridpar.core.rules import why_not, why_not_choices
@@ -60,8 +60,11 @@ class Layout:
         prev = [x for x in self.layers if x.segment == seg - 1 and x.windows]
         return prev[-1].windows[-1][6] if prev else None
 
-    def segment_layers(self, seg: int) -> list[CostLayer]:
-        return [x for x in self.layers if x.segment == seg]
+    def head_layers(self, seg: int) -> list[CostLayer]:
+        """The layers a hand-off into segment `seg` runs in rounds (core.handoff.head)."""
+        layouts = [self.styles[x.name].layout for x in self.layers]
+        i = self.layers.index(self.entry_layer(seg))
+        return [self.layers[j] for j in head(self.layers, layouts, i)]
 
     def handoff(self, seg: int) -> Handoff:
         """How the move into segment `seg` sends its activation (scheme (a) unless the plan says)."""
@@ -131,7 +134,7 @@ def _handoffs(layout: Layout) -> dict[int, Handoff]:
             continue
         h = Handoff(r.scheme, r.rounds)
         acts = layout.plan.choices.activations_encoded
-        why = why_not_handoff(h, a, b, layout.segment_layers(k), layout.plan.batch, acts, first)
+        why = why_not_handoff(h, a, b, layout.head_layers(k), layout.plan.batch, acts, first)
         if why:
             raise ConfigError(why)
         out[k] = h

@@ -121,7 +121,7 @@ def _check_handoff(scheme: str, rounds: int | None, layout) -> None:
         Handoff(scheme, rounds if rounds and scheme == "c" else a.pc // b.pc),
         a,
         b,
-        layout.segment_layers(k),
+        layout.head_layers(k),
         layout.plan.batch,
         layout.plan.choices.activations_encoded,
         first,
