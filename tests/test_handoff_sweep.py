@@ -33,9 +33,10 @@ def test_paper_links_give_the_papers_ratios_where_rounds_hide():
 def test_sweep_keeps_compute_and_orders_the_schemes(tmp_path):
     """alexnet-owt, 128 examples per worker on K20s over PCIe (Krizhevsky's machine): a worker's
     compute stays the same as K grows; on the paper's links (c) exposes the least and grows the
-    slowest while its rounds hide, (a) grows as K - 1 and (b) faster; in the cost model (c) is the
-    cheapest at every K."""
-    pts = sweep_handoffs("alexnet-owt", [2, 4, 8], 128, PRESETS["k20-pcie"])
+    slowest while its rounds hide (behind the three FC layers the runtime runs in rounds: up to
+    K = 8, not 16), (a) grows as K - 1 and (b) faster; in the cost model (c) is the cheapest at
+    every K."""
+    pts = sweep_handoffs("alexnet-owt", [2, 4, 8, 16], 128, PRESETS["k20-pcie"])
     by = {(p.scheme, p.workers): p for p in pts}
     computes = {p.compute_s for p in pts}
     assert max(computes) == pytest.approx(min(computes), rel=1e-9)
@@ -43,7 +44,7 @@ def test_sweep_keeps_compute_and_orders_the_schemes(tmp_path):
     a, b, c = ([by[s, K].paper_ratio for K in (2, 4, 8)] for s in "abc")
     assert a[2] / a[0] == pytest.approx(7, rel=0.02)  # (K - 1), alpha aside
     assert b[2] / b[0] > a[2] / a[0]
-    assert c[1] / c[0] < 2 and by["c", 4].hides and not by["c", 8].hides
+    assert c[1] / c[0] < 2 and by["c", 8].hides and not by["c", 16].hides
     for K in (2, 4, 8):
         assert by["c", K].exposed_s < by["a", K].exposed_s
         assert by["c", K].paper_s < by["a", K].paper_s

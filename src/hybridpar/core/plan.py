@@ -239,10 +239,6 @@ class ParallelPlan:
                 out[key] = out.get(key, 0.0) + p.bytes
         return out
 
-    def predicted_calls(self) -> dict[tuple[str, str], int]:
-        """Blocking calls per iteration by (layer, term), as the ledger counts them."""
-        return {(p.layer, p.term): p.calls for p in self.predicted if p.calls}
-
     def with_choices(self, **changes: Any) -> ParallelPlan:
         """The same plan with some choices changed (e.g. device="cuda")."""
         return replace(self, choices=self.choices.with_(**changes))

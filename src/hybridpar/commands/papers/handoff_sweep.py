@@ -102,7 +102,8 @@ def _handoff(plan: Plan) -> tuple[int, LayerPlan] | None:
 
 def _head(plan: Plan, i: int) -> list[LayerPlan]:
     """The hand-off's head as the cost model takes it (core.handoff.head)."""
-    return [plan.layers[j] for j in head([x.layer.segment for x in plan.layers], i)]
+    layers = [x.layer for x in plan.layers]
+    return [plan.layers[j] for j in head(layers, [x.style.layout for x in plan.layers], i)]
 
 
 def sweep_handoffs(

@@ -89,15 +89,6 @@ class Ledger:
                     out[(layer, e.term)] += b
         return dict(out)
 
-    def calls_by_layer_term(self, steps: set[int] | None = None) -> dict[tuple[str, str], int]:
-        """Calls per (layer, term): a call counts for every layer it carries."""
-        out: dict[tuple[str, str], int] = defaultdict(int)
-        for e in self.entries:
-            if steps is None or e.step in steps:
-                for layer in e.layers:
-                    out[(layer, e.term)] += 1
-        return dict(out)
-
     def seconds_by_term(self, steps: set[int] | None = None) -> dict[str, float]:
         return self._by_term("seconds", steps)
 
