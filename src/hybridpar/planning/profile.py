@@ -13,7 +13,9 @@ the host's other ranks: as many processes as the ranks that run at once on the h
 cores, it also times the iteration with as many processes to a core (`_crowd`): each switch
 evicts the other's data, so a rank takes more than its share of the core (`_crowding`). The
 planner then prices every style from what a rank runs under it
-(planning.cost.compute.ProfileModel), with that slowdown of ranks sharing cores.
+(planning.cost.compute.ProfileModel), with that slowdown of ranks sharing cores. Every
+iteration (alone and crowded) is measured in a second pass over the counts, and a third time
+where the two passes disagree (`_passes`): the median of passes apart, not one settled batch.
 
 Profiles are cached per model, input shape, thread count and neighbours under the cache folder
 and extended with the sample counts a later plan needs; a new calibration of the host measures
@@ -40,8 +42,10 @@ __all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute", "
 # how an iteration's time is taken; a cached profile taken another way is measured again
 METHOD = (
     "settled medians, per leaf, beside the host's other ranks; the trainer's optimizer on the "
-    "model's own parameters"
+    "model's own parameters; iterations in passes apart"
 )
+# two passes of an iteration further apart than this: a third one, and the median of the three
+AGREE = 0.10
 
 
 def no_inplace(model) -> None:
@@ -630,9 +634,10 @@ def recheck(path: Path, repeats: int = 5) -> list[Recheck]:
             _, now = _measure_count(net, shape, int(n), repeats, how["device"], leaves=False)
             out.append(again(f"iteration at {n} samples", old, now))
         for k in sorted({pr for pr, _ in map(_key, data.get("crowded", {}))}):
-            for n, now in _crowd(net, sorted(_counts(data["crowded"], k)), repeats, b, k):
-                old = data["crowded"][f"{k}x{n}"]
-                out.append(again(f"iteration at {n} samples, {k} ranks to a core", old, now))
+            with _crowd(net, repeats, b, k) as measure:
+                for n in sorted(_counts(data["crowded"], k)):
+                    old, now = data["crowded"][f"{k}x{n}"], measure(n)
+                    out.append(again(f"iteration at {n} samples, {k} ranks to a core", old, now))
         b.run(UPDATE)
         now = _measure_update(net, repeats, how["device"])
         spread = max(data.get("update_s_spread", 0.0), now.spread)
@@ -703,11 +708,10 @@ def profile_compute(
         data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
         data["measured"].update(busy=busy, device=device, amp=amp)
         with _measuring(model, shape, threads, busy, device, amp) as (net, beside):
+            first = {}
             for n in missing:
                 beside.run(n)
-                table, whole = _measure_count(net, shape, n, repeats, device)
-                data["per_count"][str(n)] = table
-                data["iteration"][str(n)] = whole.fields("s")
+                data["per_count"][str(n)], first[n] = _measure_count(net, shape, n, repeats, device)
             for pr, n in unbanded:
                 beside.run(n)
                 shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats, device)
@@ -717,8 +721,20 @@ def profile_compute(
             if "update_s" not in data:
                 beside.run(UPDATE)
                 data.update(_measure_update(net, repeats, device).fields("update_s"))
-            for n, whole in _crowd(net, uncrowded, repeats, beside, k):
-                crowded[f"{k}x{n}"] = whole.fields("s")
+            if uncrowded:
+                with _crowd(net, repeats, beside, k) as measure:
+                    for n, entry in _passes(uncrowded, measure).items():
+                        crowded[f"{k}x{n}"] = entry
+
+            def alone(n: int) -> Settled:
+                beside.run(n)
+                return _measure_count(net, shape, n, repeats, device, leaves=False)[1]
+
+            for n, entry in _passes(missing, alone, first).items():
+                data["iteration"][str(n)] = entry
+                scale = entry["s"] / first[n].value  # the leaves sum to the iteration
+                leaves = data["per_count"][str(n)]
+                leaves.update({x: (f * scale, b * scale) for x, (f, b) in leaves.items()})
         cache_write(path, data)
     return ProfileModel(
         _read(data["per_count"], int),
@@ -731,18 +747,39 @@ def profile_compute(
     )
 
 
-def _crowd(net, counts: list[int], repeats: int, beside: _Neighbours, k: int):
-    """(n, the settled iteration at n samples) for each of `counts`, with k times as many
-    processes running the model as the profile measured beside (`beside`): the cores time-shared
-    as the ranks of a job with up to `k` ranks to a core share them."""
-    if not counts:
-        return
+def _passes(counts: list[int], measure, first: dict | None = None) -> dict[int, dict]:
+    """Each count's iteration (`measure(n)`: Settled) in passes: a first over every count (or
+    `first`, measured already), a second over every count after it, and a third where the two
+    differ by more than AGREE; the cache's entry of each, with the median of its passes. A slow
+    minute of the machine (a settled median of 3.6 % spread once came out 1.7x the same count's
+    in the next profile) then has to last through two of three passes to set a price."""
+    runs = {n: [first[n] if first else measure(n)] for n in counts}
+    for n in counts:
+        runs[n].append(measure(n))
+    for n in counts:
+        if abs(runs[n][1].value / runs[n][0].value - 1) > AGREE:
+            runs[n].append(measure(n))
+    values = {n: [r.value for r in rs] for n, rs in runs.items()}
+    return {
+        n: runs[n][0].fields("s") | {"s": statistics.median(v), "s_passes": v}
+        for n, v in values.items()
+    }
+
+
+@contextlib.contextmanager
+def _crowd(net, repeats: int, beside: _Neighbours, k: int):
+    """measure(n): the settled iteration at n samples with k times as many processes running
+    the model as the profile measured beside (`beside`): the cores time-shared as the ranks of
+    a job with up to `k` ranks to a core share them."""
     model, shape, threads = beside.spec
     with _Neighbours(model, shape, threads, (k - 1) * beside.busy + 1, beside.amp) as more:
-        for n in counts:
+
+        def measure(n: int) -> Settled:
             beside.run(n)
             more.run(n)
-            yield n, _measure_count(net, shape, n, repeats, leaves=False)[1]
+            return _measure_count(net, shape, n, repeats, leaves=False)[1]
+
+        yield measure
 
 
 def _crowding(data: dict, k: int, counts) -> dict[int, float]:
