@@ -487,13 +487,10 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(cache, mo
     assert json.loads(cached.read_text())["crowded"] == {}  # a core to each rank
     pm4 = prof.planning_compute(host, "digits-wide", (1, 8, 8), 4, 8)  # adds 2; 4 ranks share 2
     assert sorted(calls) == [2, 4, 8]
-    # each count again with two ranks to a core, each iteration in two passes or three
+    # each count again with two ranks to a core; each iteration alone in two passes or three
     data = json.loads(cached.read_text())
     assert sorted(data["crowded"]) == ["2x2", "2x4", "2x8"]
-    assert all(
-        len(t["s_passes"]) in (2, 3)
-        for t in [*data["crowded"].values(), *data["iteration"].values()]
-    )
+    assert all(len(t["s_passes"]) in (2, 3) for t in data["iteration"].values())
     assert pm4.contention >= 2.0
     again = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=2e10, cores=2)
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
@@ -593,7 +590,6 @@ def test_an_iteration_measured_in_a_slow_minute_is_outvoted_by_later_passes(cach
     assert sum(pm.per_count[2]["0"]) == pytest.approx(2.04e-3 / 2)
     # the crowding factor from the medians: 2.4 / (2 x 1.02), not floored by the slow pass
     assert pm.crowding[2] == pytest.approx(2.4 / (2 * 1.02))
-    assert len(data["crowded"]["2x2"]["s_passes"]) == 2
 
 
 def test_a_bf16_run_is_profiled_under_its_autocast(cache, monkeypatch):

@@ -14,7 +14,7 @@ cores, it also times the iteration with as many processes to a core (`_crowd`): 
 evicts the other's data, so a rank takes more than its share of the core (`_crowding`). The
 planner then prices every style from what a rank runs under it
 (planning.cost.compute.ProfileModel), with that slowdown of ranks sharing cores. Every
-iteration (alone and crowded) is measured in a second pass over the counts, and a third time
+iteration a rank's compute is scaled to is measured again after the rest, and a third time
 where the two passes disagree (`_passes`): the median of passes apart, not one settled batch.
 
 Profiles are cached per model, input shape, thread count and neighbours under the cache folder
@@ -723,8 +723,8 @@ def profile_compute(
                 data.update(_measure_update(net, repeats, device).fields("update_s"))
             if uncrowded:
                 with _crowd(net, repeats, beside, k) as measure:
-                    for n, entry in _passes(uncrowded, measure).items():
-                        crowded[f"{k}x{n}"] = entry
+                    for n in uncrowded:
+                        crowded[f"{k}x{n}"] = measure(n).fields("s")
 
             def alone(n: int) -> Settled:
                 beside.run(n)
@@ -747,13 +747,15 @@ def profile_compute(
     )
 
 
-def _passes(counts: list[int], measure, first: dict | None = None) -> dict[int, dict]:
-    """Each count's iteration (`measure(n)`: Settled) in passes: a first over every count (or
-    `first`, measured already), a second over every count after it, and a third where the two
-    differ by more than AGREE; the cache's entry of each, with the median of its passes. A slow
-    minute of the machine (a settled median of 3.6 % spread once came out 1.7x the same count's
-    in the next profile) then has to last through two of three passes to set a price."""
-    runs = {n: [first[n] if first else measure(n)] for n in counts}
+def _passes(counts: list[int], measure, first: dict[int, Settled]) -> dict[int, dict]:
+    """Each count's iteration (`measure(n)`: Settled) in passes: `first`, measured already, a
+    second over every count after the rest of the profile, and a third where the two differ by
+    more than AGREE; the cache's entry of each, with the median of its passes. A slow minute of
+    the machine (a settled median of 3.6 % spread once came out 1.7x the same count's in the
+    next profile) then has to last through two of three passes to set a price. (The crowded
+    iterations are measured once: in the two profiles where a slow minute set the price it was
+    the uncrowded iteration's, and a crowded pass costs a few seconds more per count.)"""
+    runs = {n: [first[n]] for n in counts}
     for n in counts:
         runs[n].append(measure(n))
     for n in counts:
