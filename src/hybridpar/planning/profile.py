@@ -634,10 +634,9 @@ def recheck(path: Path, repeats: int = 5) -> list[Recheck]:
             _, now = _measure_count(net, shape, int(n), repeats, how["device"], leaves=False)
             out.append(again(f"iteration at {n} samples", old, now))
         for k in sorted({pr for pr, _ in map(_key, data.get("crowded", {}))}):
-            with _crowd(net, repeats, b, k) as measure:
-                for n in sorted(_counts(data["crowded"], k)):
-                    old, now = data["crowded"][f"{k}x{n}"], measure(n)
-                    out.append(again(f"iteration at {n} samples, {k} ranks to a core", old, now))
+            for n, now in _crowd(net, sorted(_counts(data["crowded"], k)), repeats, b, k):
+                old = data["crowded"][f"{k}x{n}"]
+                out.append(again(f"iteration at {n} samples, {k} ranks to a core", old, now))
         b.run(UPDATE)
         now = _measure_update(net, repeats, how["device"])
         spread = max(data.get("update_s_spread", 0.0), now.spread)
@@ -721,10 +720,8 @@ def profile_compute(
             if "update_s" not in data:
                 beside.run(UPDATE)
                 data.update(_measure_update(net, repeats, device).fields("update_s"))
-            if uncrowded:
-                with _crowd(net, repeats, beside, k) as measure:
-                    for n in uncrowded:
-                        crowded[f"{k}x{n}"] = measure(n).fields("s")
+            for n, whole in _crowd(net, uncrowded, repeats, beside, k):
+                crowded[f"{k}x{n}"] = whole.fields("s")
 
             def alone(n: int) -> Settled:
                 beside.run(n)
@@ -768,20 +765,18 @@ def _passes(counts: list[int], measure, first: dict[int, Settled]) -> dict[int, 
     }
 
 
-@contextlib.contextmanager
-def _crowd(net, repeats: int, beside: _Neighbours, k: int):
-    """measure(n): the settled iteration at n samples with k times as many processes running
-    the model as the profile measured beside (`beside`): the cores time-shared as the ranks of
-    a job with up to `k` ranks to a core share them."""
+def _crowd(net, counts: list[int], repeats: int, beside: _Neighbours, k: int):
+    """(n, the settled iteration at n samples) for each of `counts`, with k times as many
+    processes running the model as the profile measured beside (`beside`): the cores time-shared
+    as the ranks of a job with up to `k` ranks to a core share them."""
+    if not counts:
+        return
     model, shape, threads = beside.spec
     with _Neighbours(model, shape, threads, (k - 1) * beside.busy + 1, beside.amp) as more:
-
-        def measure(n: int) -> Settled:
+        for n in counts:
             beside.run(n)
             more.run(n)
-            return _measure_count(net, shape, n, repeats, leaves=False)[1]
-
-        yield measure
+            yield n, _measure_count(net, shape, n, repeats, leaves=False)[1]
 
 
 def _crowding(data: dict, k: int, counts) -> dict[int, float]:
