@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -631,12 +632,11 @@ def test_the_profile_runs_beside_the_ranks_that_share_its_cores_and_leaves_none_
         beside.run(8)  # both neighbours train the model at 8 samples (each acknowledges it)
         beside.run(prof.UPDATE)
         procs = beside.procs
-    assert all(p.returncode == 0 for p in procs)  # they end with the profile
+        procs[0].stdin.close()  # the profile gone: its neighbour ends at the end of its input
+        assert procs[0].wait(timeout=60) == 0
+    assert procs[1].returncode == -signal.SIGKILL  # the profile done kills the rest
     # a model that prints lines of its own does not confuse the handshake; a neighbour that dies
     # ends the profile with a clear error instead of a hang
-    import subprocess
-    import sys
-
     talk = "print('building the model...'); print('ready')"
     for code, ok in [(talk, True), ("raise SystemExit(3)", False)]:
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -464,7 +464,8 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int, amp: str) -> No
     """A neighbour of the profile (`python -m hybridpar.planning.profile`): runs what the profile
     measures over and over, as the host's other ranks would beside it. Each line on stdin is the
     next phase (the model's training iteration at that many samples, or `UPDATE`: the optimizer's
-    step), acknowledged on stdout once running; end of input (the profile done, or gone) ends it."""
+    step), acknowledged on stdout once running. The profile kills it when done; end of input (the
+    profile gone) ends it too."""
     import sys
     import threading
 
@@ -477,7 +478,7 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int, amp: str) -> No
     torch.manual_seed(0)
     net = build_any(model, shape, None)
     no_inplace(net)
-    opt, _ = _stepper(net)
+    opt = None  # built at the first step it runs: its first build imports torch._dynamo
     phase = [None]
 
     def read() -> None:
@@ -496,6 +497,8 @@ def _neighbour(model: str, shape: tuple[int, ...], threads: int, amp: str) -> No
             time.sleep(0.001)
             continue
         if p != current:
+            if p < 0 and opt is None:
+                opt, _ = _stepper(net)
             if p > 0:
                 x = torch.randn(p, *shape)
                 with torch.no_grad():
@@ -540,6 +543,9 @@ class _Neighbours:
                 )
             )
         try:
+            # what this process's first optimizer imports (1.4 s here), while the neighbours start
+            import torch._dynamo  # noqa: F401
+
             for p in self.procs:
                 self._expect(p, "ready")
         except BaseException:
@@ -575,17 +581,12 @@ class _Neighbours:
             self._expect(p, str(phase))
 
     def __exit__(self, *exc) -> None:
-        import subprocess
-
         for p in self.procs:
+            p.kill()  # it holds nothing but its own memory; an exit would take a second
+        for p in self.procs:
+            p.wait()
             with contextlib.suppress(OSError):
-                p.stdin.close()  # end of input: the neighbour returns
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                p.stdin.close()
             p.stdout.close()
 
 
