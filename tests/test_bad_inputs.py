@@ -29,6 +29,7 @@ def cli(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr("hybridpar.runtime.train.run.launch", tripwire)
     monkeypatch.setattr("hybridpar.runtime.launcher.launch", tripwire)
+    monkeypatch.setattr("hybridpar.runtime.train.calibration.launch", tripwire)
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
 
     def run(*argv):
@@ -74,6 +75,10 @@ def plan_file(tmp_path, **changes):
 
 TRAIN = ["train", "--quiet"]
 PLAN = ["plan", "--model", "alexnet", "--procs", "4", "--batch", "8"]
+
+
+def VALIDATE(t):
+    return ["validate", "--model", "digits-wide", "--batch", "16", "--out", t / "v"]
 
 
 def SIM(t):
@@ -176,6 +181,14 @@ CASES = [
     ("codecs: size beyond memory", lambda t: ["codecs", "--size", str(10**13)], "give smaller sizes"),
     ("codecs: zero block", lambda t: ["codecs", "--block", "0"], "--block must be a positive"),
     ("codecs: speed size not a number", lambda t: ["codecs", "--speed-size", "big"], "is not an integer"),
+    ("validate on one process", lambda t: [*VALIDATE(t), "--procs", "1"], "--procs 2 or more"),
+    ("validate: one step", lambda t: [*VALIDATE(t), "--procs", "2", "--steps", "1"], "--steps must be at least 2"),
+    ("validate: auto as a preset", lambda t: [*VALIDATE(t), "--procs", "2", "--presets", "auto"], "fixed presets"),
+    ("validate: a grid of another P", lambda t: [*VALIDATE(t), "--procs", "2", "--presets", "grid:3x1"], "grid 3x1 has 3 ranks"),
+    ("validate: unknown preset", lambda t: [*VALIDATE(t), "--procs", "2", "--presets", "nope"], "unknown preset"),
+    ("validate: no such cluster file", lambda t: [*VALIDATE(t), "--procs", "2", "--cluster", "nowhere.toml"], "does not exist"),
+    ("validate: unknown model", lambda t: [*VALIDATE(t), "--procs", "2", "--model", "nope"], "unknown model"),
+    ("validate: user model without a shape", lambda t: [*VALIDATE(t), "--procs", "2", "--model", "user_models:small"], "needs --input-shape"),
     ("calibrate on one process", lambda t: ["calibrate", "--nproc", "1"], "--nproc 2 or more"),
     ("calibrate: zero repeats", lambda t: ["calibrate", "--repeats", "0"], "must be at least 1"),
     ("rounds without scheme c", lambda t: [*TRAIN, "--rounds", "2"], "--rounds is for --handoff c"),

@@ -296,30 +296,6 @@ def test_validate_under_torchrun_runs_across_the_jobs_hosts(tmp_path, cache, loc
     assert r.stdout.count("plans: |error| median") == 1  # rank 0 alone prints the table
 
 
-@pytest.mark.parametrize(
-    "args, needle",
-    [
-        ("--procs 1", "--procs 2 or more"),
-        ("--procs 2 --steps 1", "--steps must be at least 2"),
-        ("--procs 2 --presets auto", "fixed presets"),
-        ("--procs 2 --presets grid:3x1", "grid 3x1 has 3 ranks"),
-        ("--procs 2 --presets nope", "unknown preset"),
-        ("--procs 2 --cluster nowhere.toml", "does not exist"),
-        ("--procs 2 --model nope", "unknown model"),
-    ],
-)
-def test_validate_bad_input_is_one_line_and_exit_2(tmp_path, localhost, args, needle):
-    env = localhost()
-    out = tmp_path / "v"
-    base = ["--model", "digits-wide", "--batch", "16", "--out", str(out)]
-    r = subprocess.run(
-        VALIDATE + base + args.split(), capture_output=True, text=True, env=env, timeout=60
-    )
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert not (out / "validate.json").exists() and not (out / "plans").exists()
-
-
 # --- the compute profile ---------------------------------------------------------------------
 
 LAYER = CostLayer(

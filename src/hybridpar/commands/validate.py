@@ -364,7 +364,7 @@ def cmd_validate(args) -> int:
     from hybridpar.core.config import from_namespace, writable
     from hybridpar.planning.config import PlanConfig
     from hybridpar.planning.presets import parse_preset
-    from hybridpar.planning.search import make_plan
+    from hybridpar.planning.search import make_plan, model_layers
     from hybridpar.runtime.launcher import under_torchrun
     from hybridpar.runtime.train.calibration import calibrate
 
@@ -387,6 +387,8 @@ def cmd_validate(args) -> int:
                 f"--presets {n}: give fixed presets (ddp, owt, batch, model, grid:RxC); the "
                 "searched ones are the planner's candidates already"
             )
+    kw = cfg.plan_kwargs()
+    model_layers(cfg.model, kw["input_size"], kw["input_shape"])  # named before a calibration
     if cfg.cluster == "localhost" and not localhost_path().exists() and not under_torchrun():
         # as a searched `hybridpar train` does: the planner needs this host's numbers first
         print("localhost is not calibrated yet: calibrating it first", file=sys.stderr)

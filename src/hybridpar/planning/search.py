@@ -658,8 +658,17 @@ def make_plan(
     input_shape: tuple[int, ...] | None = None,
     **kwargs: object,
 ) -> PlanResult:
-    """`plan_layers` for a zoo model by name (its layers from the analysis cache: no torch), or
-    for the model a user's factory `package.module:function` builds, traced for `input_shape`."""
+    """`plan_layers` for a zoo model by name or a user's factory (`model_layers`)."""
+    layers, shape = model_layers(model, input_size, input_shape)
+    return plan_layers(layers, P, B, cluster, model=model, input_shape=shape, **kwargs)  # type: ignore[arg-type]
+
+
+def model_layers(
+    model: str, input_size: int | None = None, input_shape: tuple[int, ...] | None = None
+) -> tuple[list[CostLayer], tuple[int, ...]]:
+    """(the cost layers, one example's shape) of a zoo model by name (its layers from the
+    analysis cache: no torch), or of the model a user's factory `package.module:function` builds,
+    traced for `input_shape`; a name, factory or shape that does not work is a ConfigError."""
     from hybridpar.core.zoo import input_shape as zoo_shape
     from hybridpar.core.zoo import is_factory, zoo_entry
 
@@ -685,7 +694,7 @@ def make_plan(
             )
         layers = zoo_cost_layers(model, input_size)
         shape = zoo_shape(model, input_size)
-    return plan_layers(layers, P, B, cluster, model=model, input_shape=shape, **kwargs)  # type: ignore[arg-type]
+    return layers, shape
 
 
 def plan_for(
