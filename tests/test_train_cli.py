@@ -353,7 +353,7 @@ def test_a_domain_plan_round_trips_measuring_its_halos(tmp_path, localhost):
 
 @pytest.fixture(scope="module")
 def good_plan(tmp_path_factory):
-    """A plan `hybridpar plan --out` wrote for digits-cnn on 2 ranks (each case edits a copy)."""
+    """A plan `hybridpar plan --out` wrote for digits-cnn on 2 ranks (a test edits a copy)."""
     path = tmp_path_factory.mktemp("plan") / "p.json"
     args = ["plan", "--model", "digits-cnn", "--procs", "2", "--batch", "64"]
     r = subprocess.run(
@@ -366,62 +366,27 @@ def good_plan(tmp_path_factory):
     return json.loads(path.read_text())
 
 
-def _resnet_plan(d):
-    d.clear()
-    d.update(
-        format="hybridpar-plan/1",
-        model="resnet20",
-        procs=32,
-        batch=64,
-        styles={"conv1": "model(32x1)"},
-    )
-
-
-@pytest.mark.parametrize(
-    "edit, extra, needle",
-    [
-        (
-            lambda d: d["styles"].update({"classifier.9": "batch"}),
-            [],
-            "'classifier.9' names no module",
-        ),
-        (_resnet_plan, [], "conv1 has 16 output channels, fewer than Pr=32"),
-        (lambda d: d["styles"].update({"1": "model(2x1)"}), [], "has no Linear or Conv2d"),
-        (lambda d: None, ["--nproc", "4"], "the plan is for --nproc 2, got 4"),
-        (lambda d: d.update(procs=4), [], "has 2 ranks but the plan is for P=4"),
-        (lambda d: d.update(format="nope"), [], "not a hybridpar plan"),
-        (lambda d: d["predicted"][0].update(bytes=1.0), [], "made for another model"),
-    ],
-)
-def test_bad_plan_files_end_before_spawning(tmp_path, good_plan, edit, extra, needle):
-    """A plan naming a module that does not exist, a style a module cannot take, a plan for
-    another P, a malformed or edited file: one line, exit 2, in about the time of an import. The
-    fork server the command started while it read the plan (runtime.launcher.start_server) is
-    gone with it: no rank ran, no process is left."""
+def test_a_bad_plan_file_ends_before_spawning(tmp_path, good_plan):
+    """A plan file edited after the planner wrote it (its predictions no longer the model's):
+    one line, exit 2, in about the time of an import. The fork server the command started while
+    it read the plan (runtime.launcher.start_server) is gone with it: no rank ran, no process is
+    left. (The other bad plan files are in test_bad_inputs' catalogue, in this process.)"""
     d = json.loads(json.dumps(good_plan))
-    edit(d)
+    d["predicted"][0].update(bytes=1.0)
     (tmp_path / "p.json").write_text(json.dumps(d))
     servers = fork_servers()
     t0 = time.monotonic()
     r = subprocess.run(
-        CMD + ["--plan", str(tmp_path / "p.json"), *extra],
+        CMD + ["--plan", str(tmp_path / "p.json")],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert len(lines) == 1 and "made for another model" in lines[0], r.stderr
     assert time.monotonic() - t0 < 20
     assert fork_servers() <= servers
-
-
-def test_a_plan_file_that_is_not_json(tmp_path):
-    (tmp_path / "bad.json").write_text("{")
-    r = subprocess.run(
-        CMD + ["--plan", str(tmp_path / "bad.json")], capture_output=True, text=True, timeout=60
-    )
-    assert r.returncode == 2 and "not valid JSON" in r.stderr
 
 
 def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path, monkeypatch):
