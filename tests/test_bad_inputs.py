@@ -188,6 +188,7 @@ CASES = [
     ("validate: one step", lambda t: [*VALIDATE(t), "--procs", "2", "--steps", "1"], "--steps must be at least 2"),
     ("validate: auto as a preset", lambda t: [*VALIDATE(t), "--procs", "2", "--presets", "auto"], "fixed presets"),
     ("validate: a grid of another P", lambda t: [*VALIDATE(t), "--procs", "2", "--presets", "grid:3x1"], "grid 3x1 has 3 ranks"),
+    ("validate: a preset whose Pc does not divide the batch", lambda t: [*VALIDATE(t), "--procs", "4", "--batch", "30", "--presets", "ddp"], "needs Pc=4 to divide B=30"),
     ("validate: unknown preset", lambda t: [*VALIDATE(t), "--procs", "2", "--presets", "nope"], "unknown preset"),
     ("validate: no such cluster file", lambda t: [*VALIDATE(t), "--procs", "2", "--cluster", "nowhere.toml"], "does not exist"),
     ("validate: unknown model", lambda t: [*VALIDATE(t), "--procs", "2", "--model", "nope"], "unknown model"),

@@ -382,10 +382,16 @@ def cmd_validate(args) -> int:
     writable("--out", out / "validate.json")
     names = [n.strip() for n in args.presets.split(",") if n.strip()] if args.presets else []
     for n in names:
-        if parse_preset(n, args.procs)[1] is None:  # auto and the searched scenarios
+        grid = parse_preset(n, args.procs)[1]
+        if grid is None:  # auto and the searched scenarios
             raise ConfigError(
                 f"--presets {n}: give fixed presets (ddp, owt, batch, model, grid:RxC); the "
                 "searched ones are the planner's candidates already"
+            )
+        if cfg.batch % grid[1]:
+            raise ConfigError(
+                f"--presets {n}: grid {grid[0]}x{grid[1]} needs Pc={grid[1]} to divide "
+                f"B={cfg.batch}; change --batch or the preset"
             )
     kw = cfg.plan_kwargs()
     model_layers(cfg.model, kw["input_size"], kw["input_shape"])  # named before a calibration
