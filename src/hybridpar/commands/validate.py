@@ -362,6 +362,7 @@ def cmd_validate(args) -> int:
     from hybridpar.commands.plans import job_cluster, plan_kwargs
     from hybridpar.core.cluster import localhost_path
     from hybridpar.core.config import from_namespace, writable
+    from hybridpar.core.rules import why_not_grid
     from hybridpar.planning.config import PlanConfig
     from hybridpar.planning.presets import parse_preset
     from hybridpar.planning.search import make_plan, model_layers
@@ -388,11 +389,8 @@ def cmd_validate(args) -> int:
                 f"--presets {n}: give fixed presets (ddp, owt, batch, model, grid:RxC); the "
                 "searched ones are the planner's candidates already"
             )
-        if cfg.batch % grid[1]:
-            raise ConfigError(
-                f"--presets {n}: grid {grid[0]}x{grid[1]} needs Pc={grid[1]} to divide "
-                f"B={cfg.batch}; change --batch or the preset"
-            )
+        if why := why_not_grid(*grid, args.procs, cfg.batch):
+            raise ConfigError(f"--presets {n}: {why}")
     kw = cfg.plan_kwargs()
     model_layers(cfg.model, kw["input_size"], kw["input_shape"])  # named before a calibration
     if cfg.cluster == "localhost" and not localhost_path().exists() and not under_torchrun():

@@ -95,6 +95,16 @@ EXECUTED = frozenset({"batch", "model", "domain"})
 """the kinds the runtime executes (runtime/parallel/kinds.py lists their classes)"""
 
 
+def why_not_grid(pr: int, pc: int, procs: int, batch: int) -> str:
+    """Why a Pr x Pc grid cannot run a job of `procs` ranks on `batch` examples; "" when it can."""
+    if pr * pc != procs or pc > batch or batch % pc:
+        return (
+            f"grid {pr}x{pc} needs Pc={pc} to divide B={batch} (each batch group gets B/Pc "
+            "examples); change --batch or --procs"
+        )
+    return ""
+
+
 def why_not(layer: CostLayer, s: Style, batch: int) -> str:
     """Why `layer` cannot take style `s` in a global batch of `batch` examples; "" when it can."""
     if s.pc > batch:

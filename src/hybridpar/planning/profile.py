@@ -749,20 +749,15 @@ def _passes(counts: list[int], measure, first: dict[int, Settled]) -> dict[int, 
     """Each count's iteration (`measure(n)`: Settled) in passes: `first`, measured already, a
     second over every count after the rest of the profile, and a third where the two differ by
     more than AGREE; the cache's entry of each, with the median of its passes. A slow minute of
-    the machine (a settled median of 3.6 % spread once came out 1.7x the same count's in the
-    next profile) then has to last through two of three passes to set a price. (The crowded
-    iterations are measured once: in the two profiles where a slow minute set the price it was
-    the uncrowded iteration's, and a crowded pass costs a few seconds more per count.)"""
-    runs = {n: [first[n]] for n in counts}
-    for n in counts:
-        runs[n].append(measure(n))
-    for n in counts:
-        if abs(runs[n][1].value / runs[n][0].value - 1) > AGREE:
-            runs[n].append(measure(n))
-    values = {n: [r.value for r in rs] for n, rs in runs.items()}
+    the machine then has to last through two of three passes to set a price (docs/validate.md;
+    the crowded iterations are measured once)."""
+    runs = {n: [first[n].value, measure(n).value] for n in counts}
+    for n, v in runs.items():
+        if abs(v[1] / v[0] - 1) > AGREE:
+            v.append(measure(n).value)
     return {
-        n: runs[n][0].fields("s") | {"s": statistics.median(v), "s_passes": v}
-        for n, v in values.items()
+        n: first[n].fields("s") | {"s": statistics.median(v), "s_passes": v}
+        for n, v in runs.items()
     }
 
 

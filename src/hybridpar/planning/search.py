@@ -42,7 +42,7 @@ from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_ha
 from hybridpar.core.handoff import fused as handoff_fused
 from hybridpar.core.layers import CostLayer, cost_layers
 from hybridpar.core.plan import Style
-from hybridpar.core.rules import why_not, why_not_choices
+from hybridpar.core.rules import why_not, why_not_choices, why_not_grid
 from hybridpar.core.splits import buckets
 from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import (
@@ -139,13 +139,12 @@ class _Context:
         ]
 
     def why_not(self, i: int, s: Style) -> str:
-        if s.pr * s.pc != self.P or s.pc > self.B or self.B % s.pc:
-            return (
-                f"grid {s.pr}x{s.pc} needs Pc={s.pc} to divide B={self.B} (each batch group gets "
-                f"B/Pc examples); change --batch or --procs"
-            )
         x = self.layers[i]
-        return why_not(x, s, self.B) or why_not_choices(self.choices, [s])
+        return (
+            why_not_grid(s.pr, s.pc, self.P, self.B)
+            or why_not(x, s, self.B)
+            or why_not_choices(self.choices, [s])
+        )
 
     def _redistribute(self, a: Style | None, b: Style, d: int) -> Comm | None:
         return redistribute(a, b, d, self.B, self.net, self.e)
