@@ -18,8 +18,8 @@ from hybridpar.runtime.parallel import batchnorm
 from hybridpar.runtime.parallel.batchnorm import (
     AdaptiveGlobalBatchNorm,
     BNSwitch,
-    GlobalBatchNorm,
     GlobalBatchNorm2d,
+    GlobalStatistics,
     LossPlateau,
     convert_global_batchnorm,
 )
@@ -73,7 +73,7 @@ def _exactness(dims, affine, momentum, path="kernels"):
     start, ref, outs = _reference(dims, sizes, affine, momentum)
     ledger = Ledger()
     bn = convert_global_batchnorm(copy.deepcopy(start), ledger=ledger, layer_of={"": "bn"})
-    assert isinstance(bn, GlobalBatchNorm)
+    assert type(bn) is type(start)  # the statistics change, not the class
     worst = 0.0
     for step in range(STEPS):
         x, r = _data(dims, sizes, step)
@@ -305,12 +305,14 @@ def test_convert_is_recursive_and_keeps_state():
     keys = set(model.state_dict())
     switch = BNSwitch(bz_max=4)
     conv = convert_global_batchnorm(model, switch=switch)
-    assert isinstance(conv[1], AdaptiveGlobalBatchNorm) and isinstance(conv[2][0], GlobalBatchNorm)
-    assert conv[1].switch is switch and conv[2][0].switch is switch
+    assert conv is model and type(conv[1]) is nn.BatchNorm2d  # in place, classes kept
+    assert type(conv[2][0]) is nn.BatchNorm1d
+    stats = [conv[1].hybridpar_statistics, conv[2][0].hybridpar_statistics]
+    assert all(isinstance(st, GlobalStatistics) and st.switch is switch for st in stats)
     assert set(conv.state_dict()) == keys
     assert float(conv[1].running_mean[0]) == 0.5
-    assert type(convert_global_batchnorm(nn.BatchNorm2d(2))) is GlobalBatchNorm
     assert GlobalBatchNorm2d(2)._dims == (4,)
+    assert AdaptiveGlobalBatchNorm(2, switch=switch).statistics.switch is switch
 
 
 def _adaptive(window, threshold, bz_max, per_rank):

@@ -104,9 +104,9 @@ def _measured(ledger: Ledger) -> dict:
 
 def _counting_calls(monkeypatch_target: dict) -> None:
     """Count the calls of every windowed module's computation, per module (id)."""
-    from hybridpar.runtime.parallel.domain import DomainConv2d, DomainPool2d
+    from hybridpar.runtime.parallel.domain import DomainConv, DomainPool
 
-    for cls in (DomainConv2d, DomainPool2d):
+    for cls in (DomainConv, DomainPool):
         real = cls.compute
 
         def counted(self, rows, lo, real=real):

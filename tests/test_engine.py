@@ -238,9 +238,8 @@ def test_documented_imports_keep_working():
     )
     from hybridpar.runtime.parallel import (
         GlobalBatchNorm2d,
-        ModelParallelConv2d,
-        ModelParallelLinear,
         convert_global_batchnorm,
+        split_units,
     )
 
     assert all(callable(f) for f in (shutdown, get_codec, plan_for, make_plan, load_cluster))
@@ -251,7 +250,7 @@ def test_documented_imports_keep_working():
         importlib.import_module("hybridpar.comm")  # no second name for the runtime's modules
     assert type(hybridpar.core.plan).__name__ == "module"  # no function shadows the plan module
     del (HostReducer, HostState, ReducerState, allreduce_hook, compressed_hook, dynamic8)
-    del (host_hook, linear8, ModelParallelConv2d, ModelParallelLinear, convert_global_batchnorm)
+    del (host_hook, linear8, split_units, convert_global_batchnorm)
 
 
 def test_planning_a_zoo_model_imports_no_torch():

@@ -1,6 +1,8 @@
 """The parallel layers and redistributions against single-process references on 2, 3 and 4 gloo
 ranks, and dropout masks shared by the replicas of a model group."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet, ProcessGrid
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.parallel import ModelParallelConv2d, ModelParallelLinear, parallelize
+from hybridpar.runtime.parallel import parallelize, split_units
 from hybridpar.runtime.parallel.redistribute import Move, Redistribute, StepRows
 
 
@@ -21,14 +23,13 @@ def _split_layer(pr, pc, kind):
     torch.manual_seed(0)
     if kind == "linear":
         full, x = nn.Linear(6, 7), torch.randn(8, 6)  # 7 outputs: uneven shards
-        cls = ModelParallelLinear
     else:
         full, x = nn.Conv2d(3, 7, 3, padding=1, stride=2), torch.randn(8, 3, 6, 6)
-        cls = ModelParallelConv2d
     rows = grid.rows(even_split(8, pr * pc))  # this rank's batch group owns a block of the 8
     xb = x[rows].clone().requires_grad_(True)
     ledger = Ledger()
-    m = cls(full, grid.model_group, ledger, "layer")
+    m = split_units(copy.deepcopy(full), grid.model_group, ledger, "layer")
+    split = m.hybridpar_split
     y = m(xb)
     (y.square().sum() / 8).backward()
     for p in m.parameters():
@@ -38,9 +39,10 @@ def _split_layer(pr, pc, kind):
     (yr.square().sum() / 8).backward()
     torch.testing.assert_close(y, yr[rows])
     torch.testing.assert_close(xb.grad, xr.grad[rows])
-    torch.testing.assert_close(m.weight.grad, m.shard(full.weight.grad))
-    torch.testing.assert_close(m.bias.grad, m.shard(full.bias.grad))
-    assert torch.equal(m.full()["weight"], full.weight.detach())
+    torch.testing.assert_close(m.weight.grad, split.shard(full.weight.grad))
+    torch.testing.assert_close(m.bias.grad, split.shard(full.bias.grad))
+    assert torch.equal(split.full()["weight"], full.weight.detach())
+    assert type(m) is type(full) and list(m.state_dict()) == list(full.state_dict())
     assert {e.term for e in ledger.entries} == (set() if pr == 1 else {"allgather", "dx_allreduce"})
 
 

@@ -15,6 +15,18 @@ a clean cut and its first convolution is not (the shortcut keeps the input alive
 layout change for the block happens at the block, and the layers inside it share one layout: the
 planner gives a residual block one style. Layers between two clean cuts form a *segment*.
 
+A layer is a leaf module or a module of a class torch knows (hybridpar.core.ops.OPS: a batch norm
+that runs activation and dropout children in its own forward is one); its children are traced as
+leaves inside it, and whether its forward applies its own operation to its input (what a style
+swaps) is recorded. A layer subclass whose forward computes its weight (a standardising
+convolution) is checked for what a model split needs (`ops.why_not_split`).
+
+Where a layout may not change. A forward that reads the batch size (`b = x.shape[0]`) and uses
+it later (`pos.expand(b, -1)`) breaks if a rank holds another number of examples in between. The
+trace runs the forward once more with another batch from each clean cut on (all at once; one cut
+at a time where that fails): a cut where the forward does not follow is *pinned*, and no plan
+changes the batch groups there (hybridpar.core.rules.why_not_move).
+
 FLOPs count one multiply-add as 2 and leave biases out, the convention of Krizhevsky's footnote 4
 (a 4096x512 slice of a fully-connected layer is "4096 x 512 x 2 FLOPs per sample").
 """
@@ -31,6 +43,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from hybridpar.core import ops
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.rows import ELEMENTWISE_ACTIVATIONS, function_blocker, module_blocker
 
@@ -99,6 +112,11 @@ class LayerSpec:
     head_in: str | None = None  # set with entry where the entry's parent is an nn.Sequential: its
     # name (a hand-off sent in rounds runs its later children too, runtime/parallel/rounds.py)
     input_grad: bool = True  # whether the input depends on parameters (so dX is needed)
+    own: str = ""  # why a style cannot swap the layer's own operation ("": it can; core.ops)
+    unsplit: str = ""  # why a model split of a conv or linear layer is not exact ("": it is)
+    pinned: str = ""  # set on a segment's first leaf: why its batch groups may not change there
+    loose: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no layer holds (a
+    # position embedding of the model's own) used in this leaf's segment next after it
 
     @property
     def params(self) -> int:
@@ -142,6 +160,8 @@ def _flops(
 
 def _op(module: nn.Module, kind: str) -> str:
     """What the module is, as far as splitting it goes (a subclass counts as its base)."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "batch_norm"
     for cls, op in (
         (nn.Conv2d, "conv2d"),
         (nn.Conv1d, "conv1d"),
@@ -241,8 +261,10 @@ class _Recorder(TorchFunctionMode):
         self.grad: set[tuple[int, int]] = set()  # values that depend on a parameter
         self.keep: list[torch.Tensor] = []  # holds every tensor so ids are never reused
         self.params: dict[int, str] = {}  # id of a parameter tensor -> its name
+        self.sizes: dict[str, int] = {}  # parameter name -> its elements
         self.param_times: dict[str, list[int]] = {}
         self.blocked: list[tuple[int, str]] = []  # (time, why) of functions that mix rows
+        self.watches: list[ops.Matcher] = []  # the layers running: their operation on their input
 
     def key(self, x: torch.Tensor) -> tuple[int, int]:
         return id(x), self.version.get(id(x), 0)
@@ -274,7 +296,11 @@ class _Recorder(TorchFunctionMode):
             self.keep.append(y)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        for w in self.watches:
+            w.is_op(func, args)
         out = func(*args, **(kwargs or {}))
+        for w in self.watches:
+            w.passed(func, args, out)
         if self.on and not self.in_leaf:
             outs = _tensors(out)
             if outs:  # metadata (size, dim, shape) produces no tensor and is no data use
@@ -299,8 +325,13 @@ class _Calls:
     def __init__(self, model: nn.Module, rec: _Recorder) -> None:
         self.model, self.rec = model, rec
         self.names = {m: n for n, m in model.named_modules()}
-        leaves = {m for m in model.modules() if next(m.children(), None) is None and m is not model}
+        leaves = {
+            m
+            for m in model.modules()
+            if (next(m.children(), None) is None or ops.own_op(m) is not None) and m is not model
+        }
         self.leaves = leaves or {model}
+        self.split: dict[str, tuple[nn.Module, tuple[int, ...]]] = {}  # to check: why_not_split
         self.specs: list[tuple[int, LayerSpec]] = []  # (time, spec)
         self.calls: list[list] = []  # [name, enter time, exit time, first argument's key, elements]
         self.stack: list[int] = []
@@ -314,7 +345,8 @@ class _Calls:
             rec.on = True
             rec.produce(ins, -1, False)
         first = ins[0] if ins else None
-        key = rec.key(first) if first is not None else None
+        # inside a layer no layout changes: its children are no cut
+        key = rec.key(first) if first is not None and not rec.in_leaf else None
         elements = math.prod(first.shape[1:]) if first is not None else 0
         self.calls.append([self.names[module], rec.t, None, key, elements])
         self.stack.append(len(self.calls) - 1)
@@ -323,7 +355,11 @@ class _Calls:
             rec.t += 1
             grad = rec.use(ins, t)
             own = rec.use(list(module.parameters(recurse=False)), t)
-            module._hybridpar_call = (t, grad, own)
+            op = ops.own_op(module)
+            watch = ops.Matcher(first, op) if op is not None and first is not None else None
+            if watch is not None:
+                rec.watches.append(watch)
+            module._hybridpar_call = (t, grad, own, watch)
             rec.in_leaf += 1
 
     def post(self, module: nn.Module, args: tuple, output: object) -> None:
@@ -332,12 +368,18 @@ class _Calls:
         outs = _tensors(output)
         if self._leaf(module):
             rec.in_leaf -= 1
-            t, grad, own = module.__dict__.pop("_hybridpar_call")
+            t, grad, own, watch = module.__dict__.pop("_hybridpar_call")
+            if watch is not None:
+                rec.watches.remove(watch)
             rec.produce(outs, t, grad or own)
             if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
                 shapes = (tuple(args[0].shape[1:]), tuple(output.shape[1:]))
-                spec = _spec(self.names[module], module, *shapes)
-                self.specs.append((t, replace(spec, input_grad=grad)))
+                name = self.names[module]
+                spec = _spec(name, module, *shapes)
+                why = watch.why_not() if watch is not None else ""
+                self.specs.append((t, replace(spec, input_grad=grad, own=why)))
+                if spec.op in ("conv2d", "linear") and not why and not ops.is_plain(module):
+                    self.split[name] = (module, shapes[0])
         if module is self.model:
             rec.use(outs, math.inf)
             rec.on = False
@@ -384,9 +426,10 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
         for k, v in tensors:  # the layouts kept (a channels-last weight stays channels-last)
             state[k] = blank_like(v, device=device).requires_grad_(v.requires_grad)
         rec.params = {id(v): k for k, v in state.items() if v.requires_grad}
+        rec.sizes = {k: v.numel() for k, v in state.items() if v.requires_grad}
         with rec, torch.no_grad():
             try:
-                torch.func.functional_call(model, state, (x,))
+                out = torch.func.functional_call(model, state, (x,))
             except RuntimeError as exc:
                 raise ConfigError(
                     f"cannot run {type(model).__name__} on input shape {input_shape}: "
@@ -396,7 +439,56 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
         for h in handles:
             h.remove()
     seqs = {n for n, m in model.named_modules() if isinstance(m, nn.Sequential)}
-    return _segments(hooks.specs, hooks.calls, rec, seqs)
+    timed = sorted(hooks.specs, key=lambda ts: ts[0])  # a layer before the children inside it
+    unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
+    timed = [(t, replace(s, unsplit=unsplit.get(s.name, ""))) for t, s in timed]
+    traced = _segments(timed, hooks.calls, rec, seqs)
+    cuts = [s.entry for s in traced.specs if s.entry]
+    batched = isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2
+    pinned = _pinned(model, state, x, cuts, batched)
+    traced.specs = [replace(s, pinned=pinned.get(s.entry or "", "")) for s in traced.specs]
+    return traced
+
+
+def _pinned(
+    model: nn.Module, state: dict, x: torch.Tensor, cuts: list[str], batched: bool
+) -> dict[str, str]:
+    """Cut module -> why the batch groups may not change there: the forward, given another number
+    of examples from that cut on, fails or answers for another number (a size read before the cut
+    and used after it). One run with a new batch at every cut (3, 4, ...); where it fails, one
+    run per cut."""
+
+    def run(sizes: dict[str, int]) -> str:
+        def resize(module: nn.Module, args: tuple, n: int) -> tuple:
+            first, *rest = args
+            return (first.new_zeros((n, *first.shape[1:])), *rest)
+
+        handles = [
+            model.get_submodule(c).register_forward_pre_hook(lambda m, a, n=n: resize(m, a, n))
+            for c, n in sizes.items()
+        ]
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(model, state, (x,))
+        except Exception as exc:  # what the forward does with another batch: named below
+            return (str(exc).splitlines() or [type(exc).__name__])[0]
+        finally:
+            for h in handles:
+                h.remove()
+        want = sizes[cuts[-1]] if cuts[-1] in sizes else max(sizes.values())
+        if batched and out.shape[0] != want:
+            return f"it answered for {out.shape[0]} examples, not {want}"
+        return ""
+
+    cuts = [c for c in cuts if c]
+    if not cuts or not run({c: 3 + i for i, c in enumerate(cuts)}):
+        return {}
+    out = {}
+    for c in cuts:
+        why = run({c: 3})
+        if why:
+            out[c] = f"the forward reads the batch size before {c} and uses it after ({why[:100]})"
+    return out
 
 
 def _clean(call: list, rec: _Recorder, counts: dict[str, int]) -> bool:
@@ -448,7 +540,28 @@ def _segments(
     param_segments = {
         name: {bisect.bisect_right(times, t) for t in ts} for name, ts in rec.param_times.items()
     }
-    return Trace(specs, counts, param_segments)
+    return Trace(_loose(specs, [t for t, _ in timed], times, rec), counts, param_segments)
+
+
+def _loose(
+    specs: list[LayerSpec], at: list[int], cuts: list[int], rec: _Recorder
+) -> list[LayerSpec]:
+    """Each parameter that no layer holds (its module runs no operation of its own: the model's
+    position embedding) rides with the leaf before its first use in that segment, or the
+    segment's first leaf, so that the cost model prices its gradient where the runtime sums it."""
+    held = {s.name for s in specs}
+    out = list(specs)
+    for name, ts in sorted(rec.param_times.items()):
+        owner = name.rpartition(".")[0]
+        if owner in held or not specs:
+            continue
+        t = min(ts)
+        seg = bisect.bisect_right(cuts, t)
+        before = [j for j in range(bisect.bisect_right(at, t)) if out[j].segment == seg]
+        i = before[-1] if before else next(j for j, s in enumerate(out) if s.segment >= seg)
+        elements = rec.sizes[name]
+        out[i] = replace(out[i], loose=(*out[i].loose, (name, elements)))
+    return out
 
 
 def _blockers(

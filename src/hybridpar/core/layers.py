@@ -57,6 +57,12 @@ class CostLayer:
     # along), in forward order: (module, kernel, stride, padding, dilation, H in, H out, C in,
     # W in); the domain style's halos (core.halo) follow from them
     windows: tuple[tuple, ...] = ()
+    # why the weighted module cannot be split by output units (core.ops.why_not_split), and the
+    # members whose own operation a style cannot swap: (member, operation, why) (core.ops)
+    unsplit: str = ""
+    own: tuple[tuple[str, str, str], ...] = ()
+    pinned: str = ""  # on a segment's first layer: why its batch groups may not change there
+    loose: tuple[str, ...] = ()  # parameters no module of the layer holds, priced with it
 
     def __post_init__(self) -> None:
         if not self.op:  # a layer described by hand: what its kind and input say
@@ -84,10 +90,13 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
     for s in specs:
         if s.kind in ("conv", "linear") and s.params > 0:
             first = pending[0] if pending else s
+            loose = sum(n for _, n in s.loose)
             layer = CostLayer(
                 name=s.name,
                 kind=s.kind,
-                params=s.params,
+                params=s.params + loose,
+                extra_params=loose,
+                loose=tuple(k for k, _ in s.loose),
                 d_in=s.d_in,
                 d_out=s.d_out,
                 x_shape=s.in_shape,
@@ -105,6 +114,8 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
                 padding_mode=s.padding_mode,
                 calls=s.calls,
                 blockers=s.blockers,
+                unsplit=s.own or s.unsplit,
+                pinned=first.pinned,
             )
             for x in pending:
                 layer = _ride(layer, x)
@@ -133,20 +144,24 @@ def _window(s: LayerSpec) -> tuple[tuple, ...]:
 def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     """`s` folded into `layer` (members in forward order); the weighted layer itself adds its
     name (and its height window)."""
+    own = (*layer.own, (s.name, s.op, s.own)) if s.own else layer.own
     if weighted:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
-        return CostLayer(**{**layer.__dict__, "members": members, "windows": windows})
+        return CostLayer(**{**layer.__dict__, "members": members, "windows": windows, "own": own})
     norms = layer.norms
-    if s.type.startswith("BatchNorm"):
+    if s.op == "batch_norm":
         norms = (*norms, (s.in_shape[0], s.input_grad))
+    loose = sum(n for _, n in s.loose)
     return CostLayer(
         **{
             **layer.__dict__,
             "flops": layer.flops + s.flops,
-            "params": layer.params + s.params,
+            "params": layer.params + s.params + loose,
             "members": (*layer.members, s.name),
-            "extra_params": layer.extra_params + s.params,
+            "extra_params": layer.extra_params + s.params + loose,
+            "loose": (*layer.loose, *(k for k, _ in s.loose)),
             "norms": norms,
             "windows": (*layer.windows, *_window(s)),
+            "own": own,
         }
     )

@@ -9,9 +9,15 @@ Each style kind states what it needs of a layer:
 | -------- | ------------------------------------------------------------------------------ |
 | `batch`  | Pc <= B (every batch group gets an example); any layer                          |
 | `model`  | a Linear or a Conv2d (any padding mode), called once per forward, with at least |
-|          | Pr output units; a grouped Conv2d's split must keep every group whole           |
+|          | Pr output units; a grouped Conv2d's split must keep every group whole; a        |
+|          | subclass's forward row by row in its parameters (core.ops.why_not_split)        |
 | `domain` | a 2-d convolution with zero padding, and a segment of operations that keep rows |
 |          | apart (rows.py), each activation in it at least Pr rows high                    |
+
+Every style swaps a layer's own operation on its input, never the layer (core.ops): a layer
+whose forward does not apply it to its input once takes no style that swaps it (model, domain;
+global batch norm for a batch norm). Where the batch groups change between two segments, the
+forward must not carry a batch size read before that point past it (`why_not_move`).
 
 A new style adds its rule here, its runtime in hybridpar/runtime/parallel/ and its cost terms in
 hybridpar/planning/cost/ (docs/runtime.md, "How to add a style").
@@ -26,7 +32,7 @@ from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.splits import chunk_sizes, group_split, whole_group_prs
 
-__all__ = ["EXECUTED", "RULES", "why_not", "why_not_choices"]
+__all__ = ["EXECUTED", "RULES", "why_not", "why_not_choices", "why_not_grid", "why_not_move"]
 
 
 def _batch(layer: CostLayer, s: Style) -> str:
@@ -55,6 +61,8 @@ def _model(layer: CostLayer, s: Style) -> str:
             f"{layer.name} is called {layer.calls} times per forward; only a layer called once "
             f"can take {s}"
         )
+    if layer.unsplit:
+        return f"{layer.name} cannot take {s}: {layer.unsplit}; give it batch"
     return ""
 
 
@@ -69,6 +77,9 @@ def _domain(layer: CostLayer, s: Style) -> str:
             f"{layer.name} pads with {layer.padding_mode!r}: only zero-padded convolutions are "
             "split by height; give it batch or model"
         )
+    if layer.own:
+        member, _, why = layer.own[0]
+        return f"{layer.name} cannot take {s}: {member}: {why}; give it batch or model"
     if layer.blockers:
         return (
             f"{layer.name} cannot take {s}: its segment needs whole images "
@@ -114,12 +125,34 @@ def why_not(layer: CostLayer, s: Style, batch: int) -> str:
     return RULES[s.kind](layer, s)
 
 
-def why_not_choices(choices: Choices, styles: Iterable[Style]) -> str:
-    """Why a plan with these styles cannot run with these choices; "" when it can."""
+def why_not_choices(
+    choices: Choices, styles: Iterable[Style], layers: Iterable[CostLayer] = ()
+) -> str:
+    """Why a plan with these styles (of these layers) cannot run with these choices; "" when it
+    can."""
     styles = list(styles)
     if choices.activations_encoded and any(s.layout[0] == "dom" for s in styles):
         return (
             "the domain style's halo rows and row moves travel unencoded: compress grads only "
             "(--compress grads) or give the convolutions batch or model"
+        )
+    if choices.bn != "local":
+        norm = next((o for x in layers for o in x.own if o[1] == "batch_norm"), None)
+        if norm is not None:
+            return (
+                f"{norm[0]}: {norm[2]}, so its statistics cannot be taken over ranks "
+                f"(--bn {choices.bn}); use --bn local or make it call F.batch_norm on its input"
+            )
+    return ""
+
+
+def why_not_move(layer: CostLayer, prev: Style, s: Style) -> str:
+    """Why the layout may not change from `prev` to `s` where `layer`'s segment starts; "" when
+    it may. A forward that reads the batch size before this point and uses it after it needs
+    every rank to hold as many examples after it as before: the same batch groups."""
+    if layer.pinned and prev.pc != s.pc:
+        return (
+            f"{layer.name}: {layer.pinned}, so the batch groups may not change there ({prev} -> "
+            f"{s}); give it Pc={prev.pc} or re-plan"
         )
     return ""

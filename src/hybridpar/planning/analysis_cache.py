@@ -1,9 +1,9 @@
 """Cost-model layers of zoo models, cached on disk so that `hybridpar plan` answers without
 importing torch (the import alone takes about a second).
 
-The cache key holds the model name, the input size, the package version and a hash of models.py
-and analysis.py, so editing either invalidates it. Set HYBRIDPAR_CACHE to move the cache, or
-HYBRIDPAR_NO_CACHE=1 to bypass it.
+The cache key holds the model name, the input size, the package version and a hash of the files
+the analysis reads (models.py, analysis.py, ops.py, ...), so editing one invalidates it. Set
+HYBRIDPAR_CACHE to move the cache, or HYBRIDPAR_NO_CACHE=1 to bypass it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def _key(model: str, input_size: int | None) -> str:
         "core/zoo.py",
         "core/models.py",
         "core/analysis.py",
+        "core/ops.py",
+        "core/rows.py",
         "core/layers.py",
         "core/plan.py",
     ):

@@ -249,7 +249,9 @@ def export(
     unrun = sorted({x.style.kind for x in chosen.layers} - EXECUTED)
     if unrun:
         raise ConfigError(f"style {unrun[0]} is not executed by the runtime; re-plan without it")
-    why = why_not_choices(choices, [x.style for x in chosen.layers])
+    why = why_not_choices(
+        choices, [x.style for x in chosen.layers], [x.layer for x in chosen.layers]
+    )
     if why:
         raise ConfigError(why)
     redistributions, prev = [], None

@@ -70,10 +70,12 @@ def plan_preset(
     grad_bucket: float | None = GRAD_BUCKET_BYTES,
     handoff: str = "a",
     rounds: int | None = None,
+    elem_bytes: float | None = None,
 ) -> ParallelPlan:
     """The ParallelPlan a preset names, built by the planner (so presets and plans share one code
     path); only what the runtime executes is considered. `handoff`, `rounds`: the hand-off
-    schemes the planner may use (search.plan_layers)."""
+    schemes the planner may use (search.plan_layers); `elem_bytes`: the bytes of one element on
+    the wire (default: the cluster's word)."""
     scenario, grid = parse_preset(preset, P)
     names = list(SCENARIOS) if scenario == "all" else [scenario]
     r = plan_layers(
@@ -89,6 +91,7 @@ def plan_preset(
         grad_bucket=grad_bucket,
         handoff=handoff,
         rounds=rounds,
+        elem_bytes=elem_bytes,
     )
     if grid is None:
         chosen = r.best

@@ -42,7 +42,7 @@ from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_ha
 from hybridpar.core.handoff import fused as handoff_fused
 from hybridpar.core.layers import CostLayer, cost_layers
 from hybridpar.core.plan import Style
-from hybridpar.core.rules import why_not, why_not_choices, why_not_grid
+from hybridpar.core.rules import why_not, why_not_choices, why_not_grid, why_not_move
 from hybridpar.core.splits import buckets
 from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import (
@@ -143,7 +143,7 @@ class _Context:
         return (
             why_not_grid(s.pr, s.pc, self.P, self.B)
             or why_not(x, s, self.B)
-            or why_not_choices(self.choices, [s])
+            or why_not_choices(self.choices, [s], [x])
         )
 
     def _redistribute(self, a: Style | None, b: Style, d: int) -> Comm | None:
@@ -258,6 +258,8 @@ class _Context:
             return Comm.zero(Term.REDISTRIBUTE)
         if _shares_segment(self.layers, i):
             return Comm.zero(Term.REDISTRIBUTE) if prev == s else None
+        if why_not_move(self.layers[i], prev, s):
+            return None
         best = self.best_move(i, prev, s)
         if best is None:
             return None
@@ -321,6 +323,9 @@ class _Context:
             )
         h, r = None, Comm.zero(Term.REDISTRIBUTE)
         if i > 0 and prev is not None and not shares:
+            why = why_not_move(x, prev, s)
+            if why:
+                return why
             fixed = self.schemes(i, prev, s)[0] if self.fixed is not None else Handoff()
             why = fixed.scheme != "a" and why_not_handoff(
                 fixed,

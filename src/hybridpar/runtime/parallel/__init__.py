@@ -9,6 +9,7 @@ from hybridpar.runtime.parallel.batchnorm import (
     GlobalBatchNorm,
     GlobalBatchNorm1d,
     GlobalBatchNorm2d,
+    GlobalStatistics,
     LossPlateau,
     Plateau,
     convert_global_batchnorm,
@@ -17,7 +18,7 @@ from hybridpar.runtime.parallel.ddp import DDPEngine
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.hybrid import HybridParallel
 from hybridpar.runtime.parallel.layout import Layout, resolve
-from hybridpar.runtime.parallel.model import ModelParallelConv2d, ModelParallelLinear
+from hybridpar.runtime.parallel.model import ModelSplit, split_units
 from hybridpar.runtime.parallel.redistribute import Redistribute
 from hybridpar.runtime.parallel.styles import ParallelStyle
 from hybridpar.runtime.parallel.sync import GradSync
@@ -31,13 +32,13 @@ __all__ = [
     "GlobalBatchNorm",
     "GlobalBatchNorm1d",
     "GlobalBatchNorm2d",
+    "GlobalStatistics",
     "GradSync",
     "HybridParallel",
     "HybridTrainer",
     "Layout",
     "LossPlateau",
-    "ModelParallelConv2d",
-    "ModelParallelLinear",
+    "ModelSplit",
     "ParallelStyle",
     "Plateau",
     "Redistribute",
@@ -45,4 +46,5 @@ __all__ = [
     "convert_global_batchnorm",
     "parallelize",
     "resolve",
+    "split_units",
 ]

@@ -99,7 +99,7 @@ def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list
         x = layout.entry_layer(k)
         m.fused = k > 0 and handoff.fused(x, src, dst, ctx.choices.activations_encoded)
         if m.fused:  # the split layer leaves dX partial; the hand-off reduce-scatters it
-            model.get_submodule(layout.entries[k]).partial_dx = True
+            model.get_submodule(layout.entries[k]).hybridpar_split.partial_dx = True
         if layout.handoff(k).scheme != "a":  # sent in rounds: handoff_rounds installs it
             continue
         hook = move(src, dst, m)
@@ -175,8 +175,8 @@ def global_batchnorm(
     ledger: Ledger | None,
     bn_switch: BNSwitch | None,
 ) -> None:
-    """Every batch norm over its segment style's statistics group, the groups made in segment
-    order on every rank."""
+    """Every batch norm (any subclass: its own forward stays) over its segment style's statistics
+    group, the groups made in segment order on every rank."""
     norms = [
         (name, m, layout.module_segment[name])
         for name, m in model.named_modules()
@@ -188,10 +188,9 @@ def global_batchnorm(
             groups[layout.segments[seg]] = styles[seg].bn_group()
     for name, m, seg in norms:
         group = groups[layout.segments[seg]]
-        new = convert_global_batchnorm(
+        convert_global_batchnorm(
             m, group, ledger=ledger, switch=bn_switch, layer_of=layout.layer_of, prefix=name
         )
-        _set(model, name, new)
 
 
 def grad_sync(
@@ -212,8 +211,7 @@ def grad_sync(
             continue
         seg = layout.param_segment.get(name)
         style = styles[seg] if seg is not None else unused
-        module = name.rpartition(".")[0]
-        named = (layout.layer_of.get(module, module), p)
+        named = (layout.layer_of_param(name), p)
         by_key.setdefault(style.grad_key, (style, []))[1].append(named)
     pairs = []
     for (_, pc), (style, named) in sorted(by_key.items()):

@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from hybridpar.core import ops
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm import kernels
 from hybridpar.runtime.comm.collectives import Via, all_reduce
@@ -40,6 +41,7 @@ __all__ = [
     "GlobalBatchNorm",
     "GlobalBatchNorm1d",
     "GlobalBatchNorm2d",
+    "GlobalStatistics",
     "LossPlateau",
     "Plateau",
     "convert_global_batchnorm",
@@ -198,10 +200,60 @@ def _backward_torch(dy, x, weight, mean, var, invstd, sums, m, eps):
     return dx.addcmul_(dy, scale.view([1, c] + [1] * (x.dim() - 2)))
 
 
+class GlobalStatistics:
+    """What global batch norm swaps in for a batch norm's own F.batch_norm on its input
+    (hybridpar.core.ops): in training, statistics over `group` (default: the world), when the
+    `switch` (adaptive, Liu et al. 4.3) says global; else torch's own batch norm. The module's
+    forward (its momentum, its running statistics, an activation or dropout it applies after)
+    runs as written."""
+
+    def __init__(
+        self,
+        group: Group | dist.ProcessGroup | None = None,
+        ledger: Ledger | None = None,
+        layer: str = "",
+        switch: BNSwitch | None = None,
+    ) -> None:
+        self.group, self.ledger, self.layer, self.switch = group, ledger, layer, switch
+
+    def _group(self) -> Group | dist.ProcessGroup | None:
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        training: bool = False,
+        momentum: float = 0.1,
+        eps: float = 1e-5,
+    ) -> torch.Tensor:
+        group = self._group()
+        use = self.switch is None or self.switch.use_global
+        if not (training and group_size(group) > 1 and use):
+            return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+        running = None if running_mean is None else (running_mean, running_var)
+        # under autocast the statistics and the normalisation run in float32 (the kernels read
+        # bfloat16 as it is; torch's ops take it cast), and y comes back in x's dtype, as torch's
+        # batch norm gives it to the next layer
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type) and not _use_kernels(x, weight, running):
+            x = x.float()
+        with torch.autocast(x.device.type, enabled=False):
+            via = Via(group, self.ledger, layer=self.layer)
+            y = _GlobalBatchNormFn.apply(x, weight, bias, running, float(momentum), eps, via)
+        return y.to(dtype)
+
+
 class GlobalBatchNorm(_BatchNorm):
     """BatchNorm whose training statistics are those of the whole batch over `group` (default:
     the world). Same parameters, buffers and state_dict keys as torch's BatchNorm; eval mode
-    uses the running statistics; a group of one rank (or no torch.distributed) is plain BN."""
+    uses the running statistics; a group of one rank (or no torch.distributed) is plain BN. Any
+    other batch norm gets the same statistics in place with `convert_global_batchnorm`."""
 
     def __init__(
         self,
@@ -218,7 +270,7 @@ class GlobalBatchNorm(_BatchNorm):
         dtype=None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.group, self.ledger, self.layer = group, ledger, layer
+        self.statistics = GlobalStatistics(group, ledger, layer)
 
     _dims: tuple[int, ...] | None = None  # accepted input ranks; None: any with a channel dim
 
@@ -227,60 +279,8 @@ class GlobalBatchNorm(_BatchNorm):
             want = " or ".join(f"{d}D" for d in self._dims or (2,))
             raise ValueError(f"{type(self).__name__} expects {want} input, got {x.dim()}D")
 
-    def _group(self) -> Group | dist.ProcessGroup | None:
-        if not dist.is_available() or not dist.is_initialized():
-            return None
-        return self.group if self.group is not None else dist.group.WORLD
-
-    def _momentum_factor(self) -> float:
-        """torch BatchNorm's update weight: momentum, or a cumulative average when it is None."""
-        if not (self.training and self.track_running_stats):
-            return 0.0
-        if self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        if self.momentum is None:
-            return 1.0 / float(self.num_batches_tracked)
-        return self.momentum
-
-    def use_global(self) -> bool:
-        """Whether this forward normalises over the group (the adaptive variant overrides it)."""
-        return True
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(x)
-        group = self._group()
-        batch_stats = self.training or self.running_mean is None
-        if not (batch_stats and self.training and group_size(group) > 1 and self.use_global()):
-            return self._local(x)
-        factor = self._momentum_factor()
-        running = None
-        if self.track_running_stats and self.running_mean is not None:
-            running = (self.running_mean, self.running_var)
-        # under autocast the statistics and the normalisation run in float32 (the kernels read
-        # bfloat16 as it is; torch's ops take it cast), and y comes back in x's dtype, as torch's
-        # batch norm gives it to the next layer
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type) and not _use_kernels(x, self.weight, running):
-            x = x.float()
-        with torch.autocast(x.device.type, enabled=False):
-            via = Via(group, self.ledger, layer=self.layer)
-            y = _GlobalBatchNormFn.apply(x, self.weight, self.bias, running, factor, self.eps, via)
-        return y.to(dtype)
-
-    def _local(self, x: torch.Tensor) -> torch.Tensor:
-        """torch BatchNorm's forward (what the module would do without the group)."""
-        factor = self._momentum_factor()
-        batch_stats = self.training or self.running_mean is None
-        return F.batch_norm(
-            x,
-            self.running_mean if not self.training or self.track_running_stats else None,
-            self.running_var if not self.training or self.track_running_stats else None,
-            self.weight,
-            self.bias,
-            batch_stats,
-            factor,
-            self.eps,
-        )
+        return ops.call(self, super().forward, self.statistics, x, name=self.statistics.layer)
 
 
 class GlobalBatchNorm1d(GlobalBatchNorm):
@@ -442,9 +442,7 @@ class AdaptiveGlobalBatchNorm(GlobalBatchNorm):
     def __init__(self, num_features: int, *args, switch: BNSwitch | None = None, **kwargs) -> None:
         super().__init__(num_features, *args, **kwargs)
         self.switch = switch if switch is not None else BNSwitch()
-
-    def use_global(self) -> bool:
-        return self.switch.use_global
+        self.statistics.switch = self.switch
 
 
 def convert_global_batchnorm(
@@ -456,51 +454,19 @@ def convert_global_batchnorm(
     layer_of: dict[str, str] | None = None,
     prefix: str = "",
 ) -> nn.Module:
-    """Replace every BatchNorm in `module` (recursively) by a GlobalBatchNorm over `group`, or by an
-    AdaptiveGlobalBatchNorm when a `switch` is given, copying parameters, running statistics and
-    the training flag; like torch's convert_sync_batchnorm, children are replaced in place and the
-    converted module is returned. `layer_of` maps module names (`prefix` is the name of `module`
-    itself) to the layer names the ledger uses. A batch norm over a given group of one rank is
-    torch's own and stays so (group None: the world when it runs, converted)."""
-    out = module
-    alone = group is not None and group_size(group) == 1
-    if isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm) and not alone:
-        kw = {"group": group, "ledger": ledger, "layer": (layer_of or {}).get(prefix, prefix)}
-        cls = GlobalBatchNorm
-        if switch is not None:
-            cls, kw["switch"] = AdaptiveGlobalBatchNorm, switch
-        p = next(iter(module.parameters()), None)
-        ref = p if p is not None else module.running_mean
-        out = cls(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            device=ref.device if ref is not None else None,
-            dtype=ref.dtype if ref is not None else None,
-            **kw,
-        )
-        out._dims = _DIMS.get(type(module))
-        with torch.no_grad():
-            if module.affine:
-                out.weight.copy_(module.weight)
-                out.bias.copy_(module.bias)
-                out.weight.requires_grad_(module.weight.requires_grad)
-                out.bias.requires_grad_(module.bias.requires_grad)
-            if module.track_running_stats:
-                out.running_mean.copy_(module.running_mean)
-                out.running_var.copy_(module.running_var)
-                out.num_batches_tracked.copy_(module.num_batches_tracked)
-        out.train(module.training)
-    for name, child in module.named_children():
-        full = f"{prefix}.{name}" if prefix else name
-        new = convert_global_batchnorm(
-            child, group, ledger=ledger, switch=switch, layer_of=layer_of, prefix=full
-        )
-        if new is not child:
-            out.add_module(name, new)
-    return out
-
-
-_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
+    """Every batch norm in `module` (itself included, any subclass of torch's: one that applies
+    an activation in its own forward keeps it) takes its training statistics over `group`, or
+    adaptively with a `switch`: its F.batch_norm on its input is swapped in place
+    (`GlobalStatistics`; hybridpar.core.ops), its class, parameters, buffers and forward stay.
+    Returns `module`, like torch's convert_sync_batchnorm. `layer_of` maps module names
+    (`prefix` is the name of `module` itself) to the layer names the ledger uses. A batch norm
+    over a given group of one rank is torch's own and stays so (group None: the world when it
+    runs)."""
+    if group is not None and group_size(group) == 1:
+        return module
+    for name, m in module.named_modules(prefix=prefix):
+        if isinstance(m, _BatchNorm) and not isinstance(m, GlobalBatchNorm):
+            layer = (layer_of or {}).get(name, name)
+            m.hybridpar_statistics = GlobalStatistics(group, ledger, layer, switch)
+            ops.install(m, m.hybridpar_statistics, name=name or "bn")
+    return module

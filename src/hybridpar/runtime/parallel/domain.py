@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.core import faults
+from hybridpar.core import faults, ops
 from hybridpar.core.halo import Window, bands
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
@@ -49,7 +49,7 @@ from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import Chain, Move, Pieces, gather, replicated, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
 
-__all__ = ["MOVES", "DomainConv2d", "DomainPool2d", "DomainStyle", "Exchange"]
+__all__ = ["MOVES", "DomainConv", "DomainPool", "DomainStyle", "Exchange"]
 
 
 class Exchange:
@@ -229,9 +229,10 @@ class _Wait(torch.autograd.Function):
         return None, None, None
 
 
-class _Windowed(nn.Module):
-    """A 2-d convolution or pooling on a band of rows: `compute(rows)` turns padded input rows
-    (no padding left to add along the height) into output rows."""
+class _Windowed:
+    """A 2-d convolution's or pooling's operation on a band of rows (what the style swaps in for
+    F.conv2d or the pooling in the module's own forward: core.ops): `compute(rows)` turns padded
+    input rows (no padding left to add along the height) into output rows."""
 
     fill = 0.0  # what the rows outside the image hold (the height padding)
 
@@ -272,7 +273,8 @@ class _Windowed(nn.Module):
         lo, hi = self.exchange.window.reads(a, b)
         return self.compute(self._rows(parts, lo, hi, like), lo)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def band(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output rows of its band `x` and the halo rows it receives."""
         ex, call = self.exchange, {}
         (o0, o1), (i0, i1) = ex.out, self.interior
         if not ex.needed:
@@ -302,30 +304,33 @@ class _Windowed(nn.Module):
         return torch.cat(pieces, dim=2) if len(pieces) > 1 else mid
 
 
-class DomainConv2d(_Windowed):
-    """A Conv2d on this rank's band of rows: the same parameters (whole on every rank), the
-    height padding replaced by the halo and zero rows outside the image."""
-
-    hybridpar_kind = "conv"
+class DomainConv(_Windowed):
+    """F.conv2d on this rank's band of rows, with the weight and bias the module's forward hands
+    it (whole on every rank): the height padding replaced by the halo and zero rows outside the
+    image."""
 
     def __init__(self, conv: nn.Conv2d, window: Window, group, ledger, layer: str) -> None:
-        super().__init__()
-        self.weight, self.bias = conv.weight, conv.bias
         self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
         self.width_padding = (0, conv.padding[1])
         self.setup(window, group, ledger, layer)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None, *args, **kwargs):
+        self.weight, self.bias = weight, bias
+        try:
+            return self.band(x)
+        finally:
+            self.weight = self.bias = None
 
     def compute(self, rows: torch.Tensor, lo: int) -> torch.Tensor:
         w, b = self.weight, self.bias
         return F.conv2d(rows, w, b, self.stride, self.width_padding, self.dilation, self.groups)
 
 
-class DomainPool2d(_Windowed):
-    """A MaxPool2d or AvgPool2d on this rank's band of rows (-inf or zero rows outside the image;
+class DomainPool(_Windowed):
+    """A max or average pooling on this rank's band of rows (-inf or zero rows outside the image;
     an average without padding counts only the image's elements, as AvgPool2d does)."""
 
     def __init__(self, pool: nn.Module, window: Window, group, ledger, layer: str) -> None:
-        super().__init__()
         pair = nn.modules.utils._pair
         self.pool = pool
         self.kernel, self.stride = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size)
@@ -333,6 +338,9 @@ class DomainPool2d(_Windowed):
         self.is_max = isinstance(pool, nn.MaxPool2d)
         self.fill = float("-inf") if self.is_max else 0.0
         self.setup(window, group, ledger, layer)
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.band(x)
 
     def compute(self, rows: torch.Tensor, lo: int) -> torch.Tensor:
         p, k, st, pad = self.pool, self.kernel, self.stride, self.width_padding
@@ -472,12 +480,9 @@ class DomainStyle(ParallelStyle):
         _, k, s, p, d, h_in, _, _, _ = windows[name]
         window = Window(k, s, p, d, h_in)
         group, ledger = self.grid.model_group, self.ctx.ledger
-        if isinstance(module, nn.Conv2d):
-            new: nn.Module = DomainConv2d(module, window, group, ledger, layer.name)
-        else:
-            new = DomainPool2d(module, window, group, ledger, layer.name)
-        new.train(module.training)
-        return new
+        cls = DomainConv if isinstance(module, nn.Conv2d) else DomainPool
+        ops.install(module, cls(module, window, group, ledger, layer.name), name=name)
+        return module
 
     @property
     def grad_group(self) -> Group:

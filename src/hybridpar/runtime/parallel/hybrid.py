@@ -16,6 +16,7 @@ summed over the ranks its style replicates it on. State-dict keys stay the origi
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -28,7 +29,7 @@ from hybridpar.runtime.parallel.batchnorm import BNSwitch
 from hybridpar.runtime.parallel.dropout import SameRandom
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.kinds import runtime_style
-from hybridpar.runtime.parallel.model import ModelParallel
+from hybridpar.runtime.parallel.model import ModelSplit
 from hybridpar.runtime.parallel.reducers import make_reducer
 
 __all__ = ["HybridParallel"]
@@ -135,29 +136,35 @@ class HybridParallel(Engine):
 
     # --- state ---------------------------------------------------------------------------------
 
-    def _split(self) -> dict[str, ModelParallel]:
-        return {n: m for n, m in self.module.named_modules() if isinstance(m, ModelParallel)}
+    @functools.cached_property
+    def _splits(self) -> dict[str, ModelSplit]:
+        """Split parameter name -> its layer's split (fixed once the plan is applied)."""
+        return {
+            f"{n}.{k}": m.hybridpar_split
+            for n, m in self.module.named_modules()
+            if isinstance(getattr(m, "hybridpar_split", None), ModelSplit)
+            for k in m.hybridpar_split.names
+        }
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state_dict, shards gathered (collective: call on every rank)."""
-        full = {f"{n}.{k}": v for n, m in self._split().items() for k, v in m.full().items()}
+        splits = {id(s): (n.rpartition(".")[0], s) for n, s in self._splits.items()}
+        full = {f"{n}.{k}": v for n, s in splits.values() for k, v in s.full().items()}
         return {k: full[k] if k in full else v.clone() for k, v in self.module.state_dict().items()}
 
     def distributed(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A split layer's shard as a DTensor view (Shard(0) over its model group, replicated
         over its batch group); a replicated tensor as itself."""
-        owner, _, _ = name.rpartition(".")
-        m = self.module.get_submodule(owner)
-        return m.as_dtensor(t) if isinstance(m, ModelParallel) else t
+        split = self._splits.get(name)
+        return split.as_dtensor(t) if split is not None else t
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load the original model's state_dict: each rank keeps its shards."""
         local = dict(state)
-        for n, m in self._split().items():
-            for k, _ in m.named_parameters():
-                local[f"{n}.{k}"] = m.shard(state[f"{n}.{k}"])
+        for k, split in self._splits.items():
+            local[k] = split.shard(state[k])
         self.module.load_state_dict(local)
 
     def reducer_states(self) -> dict[int, object]:

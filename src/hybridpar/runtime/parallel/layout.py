@@ -19,7 +19,7 @@ from hybridpar.core.errors import ConfigError
 from hybridpar.core.handoff import Handoff, head, is_gather, why_not_handoff
 from hybridpar.core.layers import CostLayer, cost_layers
 from hybridpar.core.plan import ParallelPlan, Redistribution, Style, assign_styles
-from hybridpar.core.rules import why_not, why_not_choices
+from hybridpar.core.rules import why_not, why_not_choices, why_not_move
 
 __all__ = ["Layout", "resolve", "with_handoff"]
 
@@ -38,6 +38,15 @@ class Layout:
     param_segment: dict[str, int]  # parameter -> segment where its gradient is computed
     layer_of: dict[str, str]  # leaf module -> the cost-model layer it belongs to (ledger names)
     handoffs: dict[int, Handoff] = field(default_factory=dict)  # segment -> scheme, where not (a)
+
+    def layer_of_param(self, name: str) -> str:
+        """The cost-model layer a parameter's gradient is booked under: its module's, or for a
+        parameter no layer holds (core.analysis: loose), the layer it rides with."""
+        for x in self.layers:
+            if name in x.loose:
+                return x.name
+        module = name.rpartition(".")[0]
+        return self.layer_of.get(module, module)
 
     def hooked(self) -> set[str]:
         """The segment entries the runtime hooks: where the layout changes (the move), and with
@@ -176,7 +185,7 @@ def _checked_styles(
         why = why_not(x, styles[x.name], plan.batch)
         if why:
             raise ConfigError(why)
-    why = why_not_choices(plan.choices, styles.values())
+    why = why_not_choices(plan.choices, styles.values(), layers)
     if why:
         raise ConfigError(why)
     return styles
@@ -201,7 +210,11 @@ def _segments(
         if x.entry is not None:
             entries[seg] = x.entry
     order = [segments[k] for k in sorted(segments)]
+    firsts = {x.segment: x for x in reversed(layers)}
     for k in range(1, len(order)):
+        why = why_not_move(firsts[k], order[k - 1], order[k])
+        if why:
+            raise ConfigError(why)
         a, b = order[k - 1].pc, order[k].pc
         if max(a, b) % min(a, b):
             raise ConfigError(

@@ -1,13 +1,20 @@
 """The model style: a weighted layer split over the Pr ranks of a model group, the 1.5D algorithm of
-Gholami et al. (Eq. 8, Fig. 5), for Linear (output features) and Conv2d (output channels).
+Gholami et al. (Eq. 8, Fig. 5), for Linear (output features) and Conv2d (output channels), and any
+subclass of them whose forward computes its weight row by row (hybridpar.core.ops).
 
-The weight's output units are split over the model group as torch.chunk splits them (ceil(units /
-Pr) per rank, fewer or none on the last: DTensor's Shard(0), so checkpoints re-split onto other
-grids); the Pc batch groups hold replicas of the shard and split the examples. Forward: Y_local = f(X, W_shard), then an all-gather of Y over the model group along
-the unit dimension, right after the layer (the cost model's d_i is the output before pooling).
-Backward: dX_partial = f'(dY_local, W_shard), all-reduced over the model group (the pair in front
-of the layer); dW_shard is local and is summed over the batch group by the gradient synchroniser,
-like any replicated weight.
+The layer stays the user's module: its parameters with one row per output unit (weight, bias, a
+gain) become this rank's rows, as torch.chunk splits them (ceil(units / Pr) per rank, fewer or none
+on the last: DTensor's Shard(0), so checkpoints re-split onto other grids), and its own operation on
+its input (F.linear, F.conv2d) is swapped for this rank's part of it (`ModelSplit`, installed by
+core.ops.install); the Pc batch groups hold replicas of the shard and split the examples. A
+forward that computes its weight from its parameters (standardisation, a gain) reads them
+whole-shaped, this rank's rows among filler, and the operation keeps this rank's rows of the
+weight it computed: those depend on this rank's rows alone (core.ops.why_not_split). Forward:
+Y_local = f(X, W_shard), then an all-gather of Y over the model group along the unit dimension,
+right after the layer (the cost model's d_i is the output before pooling). Backward: dX_partial =
+f'(dY_local, W_shard), all-reduced over the model group (the pair in front of the layer); dW_shard
+is local and is summed over the batch group by the gradient synchroniser, like any replicated
+weight.
 
 A grouped convolution (depthwise included) splits in whole groups: each rank reads only the input
 channels of its groups, a slice of the replicated X (no communication), and its dX is nonzero on
@@ -28,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from hybridpar.core import ops
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.splits import group_split, whole_group_prs
@@ -45,13 +53,7 @@ from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import Pieces, gather, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
 
-__all__ = [
-    "ModelParallel",
-    "ModelParallelConv2d",
-    "ModelParallelLinear",
-    "ModelStyle",
-    "copy_to_group",
-]
+__all__ = ["ModelSplit", "ModelStyle", "copy_to_group", "split_units"]
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -77,27 +79,67 @@ def copy_to_group(x: torch.Tensor, via: Via) -> torch.Tensor:
     return x if group_size(via.group) == 1 else _CopyToGroup.apply(x, via)
 
 
-class ModelParallel(nn.Module):
-    """This rank's shard of a layer whose output units (dim 0 of the weight) are split over a model
-    group. Subclasses say how to compute and along which output dimension to gather."""
-
-    codec: Codec | None = None  # activations and their gradients on the wire (None: float32)
+class ModelSplit:
+    """This rank's part of a Linear or Conv2d (any subclass; `module`, changed in place) whose
+    output units are split over a model group: the stand-in for its operation on its input, and
+    its shards' bookkeeping (gather them whole, cut a whole tensor, view one as a DTensor)."""
 
     def __init__(
-        self, units: int, group: Group | dist.ProcessGroup, ledger: Ledger | None, name: str
+        self,
+        module: nn.Module,
+        group: Group | dist.ProcessGroup,
+        ledger: Ledger | None = None,
+        name: str = "",
+        codec: Codec | None = None,
     ) -> None:
-        super().__init__()
-        pr = group_size(group)
+        name = name or type(module).__name__
+        units, pr = ops.units(module), group_size(group)
         if pr > units:
             raise ConfigError(
                 f"layer {name} has {units} output units, fewer than Pr={pr}; use a smaller Pr"
             )
-        self.group, self.ledger, self.name = group, ledger, name
+        self.conv = isinstance(module, nn.Conv2d)
+        groups = module.groups if self.conv else 1
+        if self.conv and not group_split(units, groups, pr):
+            ok = whole_group_prs(units, groups, pr) or [1]
+            raise ConfigError(
+                f"layer {name}: Pr={pr} would cut one of its {groups} groups; use Pr in {ok} or "
+                "give it batch"
+            )
+        self.module, self.group, self.ledger, self.name, self.codec = (
+            module,
+            group,
+            ledger,
+            name,
+            codec,
+        )
         self.sizes = chunk_sizes(units, pr)
         self.r = group_rank(group)
         self.start = sum(self.sizes[: self.r])
+        own = dict(module.named_parameters(recurse=False))
+        self.names = [k for k, p in own.items() if tuple(p.shape[:1]) == (units,)]
+        odd = sorted(set(own) - set(self.names))
+        if odd:
+            raise ConfigError(f"layer {name}: its parameter {odd[0]} has no row per output unit")
+        for k in self.names:
+            p = own[k]
+            setattr(module, k, nn.Parameter(self.shard(p.detach()).clone(), p.requires_grad))
+        self.whole = not ops.is_plain(module)
+        """its forward computes the weight it convolves: it reads whole-shaped parameters"""
+        self.groups, self.my_groups, self.in_sizes = groups, 1, None
+        if groups > 1:
+            per_out, per_in = units // groups, module.in_channels // groups
+            self.my_groups = self.sizes[self.r] // per_out
+            self.in_sizes = [s // per_out * per_in for s in self.sizes]
+        around = (lambda: ops.swapped_parameters(module, self._whole())) if self.whole else None
+        ops.install(module, self, name=name, enter=self.enter, around=around)
+        module.hybridpar_split = self
 
-    mesh = None  # the grid's DeviceMesh ("batch", "model"), set by parallelize: for checkpoints
+    mesh = None  # the grid's DeviceMesh ("batch", "model"), set by the style: for checkpoints
+
+    partial_dx = False
+    """set where the hand-off into this layer reduce-scatters its input's gradient
+    (core/handoff.py: fused): dX is left partial here, and the hand-off sums it"""
 
     def as_dtensor(self, local: torch.Tensor):
         """`local` (this rank's shard of a weight-shaped tensor: the weight, its gradient, an
@@ -112,117 +154,52 @@ class ModelParallel(nn.Module):
         )
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a whole weight or bias."""
+        """This rank's rows of a whole weight-shaped tensor."""
         return full.narrow(0, self.start, self.sizes[self.r])
-
-    def _take(self, layer: nn.Module) -> None:
-        """This rank's shards of `layer`'s weight and bias, as new parameters."""
-        for name in ("weight", "bias"):
-            p = getattr(layer, name)
-            shard = None if p is None else self.shard(p.detach()).clone()
-            setattr(self, name, None if p is None else nn.Parameter(shard, p.requires_grad))
 
     @torch.no_grad()
     def full(self) -> dict[str, torch.Tensor]:
-        """The whole parameters, gathered over the model group (collective; every rank gets them)."""
+        """The whole split parameters by name, gathered over the model group (collective)."""
+        via = Via(self.group, term=Term.STATE)
         return {
-            k: all_gather_uneven(p.detach(), self.sizes, 0, Via(self.group, term=Term.STATE))
-            for k, p in self.named_parameters()
+            k: all_gather_uneven(getattr(self.module, k).detach(), self.sizes, 0, via)
+            for k in self.names
         }
 
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def _whole(self) -> dict[str, torch.Tensor]:
+        """Each split parameter whole-shaped: this rank's rows, zeros elsewhere."""
+        out, units = {}, sum(self.sizes)
+        for k in self.names:
+            p = self.module._parameters[k]
+            below = p.new_zeros((self.start, *p.shape[1:]))
+            above = p.new_zeros((units - self.start - p.shape[0], *p.shape[1:]))
+            out[k] = torch.cat([below, p, above])
+        return out
 
-    unit_dim = -1  # where the output units lie in Y
-
-    partial_dx = False
-    """set where the hand-off into this layer reduce-scatters its input's gradient
-    (core/handoff.py: fused): dX is left partial here, and the hand-off sums it"""
+    def _mine(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or not self.whole:
+            return t
+        return t.narrow(0, self.start, self.sizes[self.r])
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input this rank computes on; its backward completes dX over the model group
-        (unless the hand-off in front of the layer does: `partial_dx`)."""
+        (unless the hand-off in front of the layer does: `partial_dx`); a grouped convolution
+        keeps the input channels of its groups."""
+        if self.in_sizes is not None:
+            return split(x, Pieces(tuple(self.in_sizes), 1), self._via(Term.DX_ALLGATHER))
         if self.partial_dx:
             return x
         return copy_to_group(x, self._via(Term.DX_ALLREDUCE))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.compute(self.enter(x))
-        pieces = Pieces(tuple(self.sizes), self.unit_dim % y.dim())
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None, *args, **kwargs):
+        """F.linear or F.conv2d of the layer's forward, on this rank's rows of the weight, the
+        output gathered whole over the model group."""
+        w, b = self._mine(weight), self._mine(bias)
+        y = self._conv2d(x, w, b, *args, **kwargs) if self.conv else F.linear(x, w, b)
+        pieces = Pieces(tuple(self.sizes), 1 if self.conv else y.dim() - 1)
         return gather(y, pieces, self._via(Term.ALLGATHER))
 
-    def _via(self, term: str) -> Via:
-        return Via(self.group, self.ledger, term, self.name, self.codec)
-
-
-class ModelParallelLinear(ModelParallel):
-    hybridpar_kind = "linear"  # the analysis treats it as a linear layer
-
-    def __init__(
-        self,
-        linear: nn.Linear,
-        group: Group | dist.ProcessGroup,
-        ledger: Ledger | None = None,
-        name: str = "",
-    ) -> None:
-        super().__init__(linear.out_features, group, ledger, name or "linear")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._take(linear)
-
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"shard={self.sizes[self.r]} rows from {self.start}, pr={len(self.sizes)}"
-        )
-
-
-class ModelParallelConv2d(ModelParallel):
-    """Output channels split over the model group; every rank sees all input channels, or, for a
-    grouped convolution, those of its own groups."""
-
-    hybridpar_kind = "conv"
-    unit_dim = 1
-
-    def __init__(
-        self,
-        conv: nn.Conv2d,
-        group: Group | dist.ProcessGroup,
-        ledger: Ledger | None = None,
-        name: str = "",
-    ) -> None:
-        pr = group_size(group)
-        if conv.out_channels >= pr and not group_split(conv.out_channels, conv.groups, pr):
-            ok = whole_group_prs(conv.out_channels, conv.groups, pr) or [1]
-            raise ConfigError(
-                f"layer {name}: Pr={pr} would cut one of its {conv.groups} groups; use Pr in "
-                f"{ok} or give it batch"
-            )
-        super().__init__(conv.out_channels, group, ledger, name or "conv")
-        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
-        self.stride, self.dilation = conv.stride, conv.dilation
-        self.padding_mode = conv.padding_mode
-        if conv.padding_mode == "zeros":
-            self.padding, self.pads = conv.padding, None
-        else:  # as nn.Conv2d: pad the whole input in that mode, then convolve without padding
-            self.padding, self.pads = 0, conv._reversed_padding_repeated_twice
-        self.conv_groups = conv.groups
-        per_out, per_in = conv.out_channels // conv.groups, conv.in_channels // conv.groups
-        self.my_groups = self.sizes[self.r] // per_out if conv.groups > 1 else 1
-        self.in_sizes = [s // per_out * per_in for s in self.sizes] if conv.groups > 1 else None
-        self._take(conv)
-
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        if self.in_sizes is None:
-            return super().enter(x)
-        return split(x, Pieces(tuple(self.in_sizes), 1), self._via(Term.DX_ALLGATHER))
-
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        w, b, groups = self.weight, self.bias, self.my_groups
-        if self.pads is not None:
-            x = F.pad(x, self.pads, mode=self.padding_mode)
+    def _conv2d(self, x, w, b, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
         if not w.shape[0]:
             # an empty shard (torch.chunk gives 5 channels over 4 ranks as 2, 2, 1, 0): conv2d
             # refuses no channels, so compute one zero channel (on zero input channels where a
@@ -233,27 +210,50 @@ class ModelParallelConv2d(ModelParallel):
             if x.shape[1] < w.shape[1]:
                 fill = x.new_zeros(x.shape[0], w.shape[1] - x.shape[1], *x.shape[2:])
                 x = torch.cat([x, fill], 1)
-            return F.conv2d(x, w, b, self.stride, self.padding, self.dilation)[:, :0]
-        return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, groups)
+            return F.conv2d(x, w, b, stride, padding, dilation)[:, :0]
+        return F.conv2d(x, w, b, stride, padding, dilation, self.my_groups)
 
-    def extra_repr(self) -> str:
-        return (
-            f"{self.in_channels}, {self.out_channels}, groups={self.conv_groups}, "
-            f"shard={self.sizes[self.r]} channels from {self.start}, pr={len(self.sizes)}"
-        )
+    def _via(self, term: str) -> Via:
+        return Via(self.group, self.ledger, term, self.name, self.codec)
+
+
+def split_units(
+    module: nn.Module,
+    group: Group | dist.ProcessGroup,
+    ledger: Ledger | None = None,
+    name: str = "",
+) -> nn.Module:
+    """`module` (an nn.Linear or nn.Conv2d, any subclass) split by output units over `group`, in
+    place: it keeps this rank's rows and computes its part of the output, gathered whole
+    (`module.hybridpar_split` is its ModelSplit). Returns the module."""
+    why = ops.why_not_split(module, _input_shape(module))
+    if why:
+        raise ConfigError(f"{name or type(module).__name__}: {why}")
+    ModelSplit(module, group, ledger, name)
+    return module
+
+
+def _input_shape(module: nn.Module) -> tuple[int, ...]:
+    """A small input a forward can be checked on."""
+    if not isinstance(module, nn.Conv2d):
+        return (module.in_features,)
+    side = max(
+        8, *((k - 1) * d + 1 for k, d in zip(module.kernel_size, module.dilation, strict=True))
+    )
+    return (module.in_channels, side, side)
 
 
 class ModelStyle(ParallelStyle):
     """model(Pr x Pc): each weighted layer's output units split over the Pr ranks of a model group
-    (this file's layers); its shard's gradients summed over the Pc ranks of its batch group."""
+    (`ModelSplit`); its shard's gradients summed over the Pc ranks of its batch group."""
 
     kind = "model"
 
     def shard(self, name: str, module: nn.Module, layer: CostLayer) -> nn.Module:
         if name != layer.name:  # a layer riding along acts on the gathered output: whole
             return module
-        cls = ModelParallelLinear if isinstance(module, nn.Linear) else ModelParallelConv2d
-        new = cls(module, self.grid.model_group, self.ctx.ledger, layer.name)
-        new.codec, new.mesh = self.ctx.activation_codec, self.grid.mesh
-        new.train(module.training)
-        return new
+        split = ModelSplit(
+            module, self.grid.model_group, self.ctx.ledger, layer.name, self.ctx.activation_codec
+        )
+        split.mesh = self.grid.mesh
+        return module

@@ -1,0 +1,286 @@
+"""A style changes the operation a layer applies to its input, not the layer.
+
+A layer is a module whose class derives from one torch knows (nn.Conv2d, nn.Linear, a batch norm,
+a pooling), however its own `forward` is written: timm's BatchNormAct2d runs its activation and
+dropout children after the batch norm, ScaledStdConv2d standardises its weight and scales it by a
+`gain` before the convolution. Each such class has one *own operation*, the torch function it
+applies to its input (`OPS`: F.conv2d, F.linear, F.batch_norm, F.max_pool2d, F.avg_pool2d). A
+style stands in for that one call, and only where its first argument is the module's input (or
+what a function in `Op.through` made of it: a convolution pads its input first in padding modes
+other than zeros); the module's forward, its other parameters and its children run as written,
+and its state dict keeps every key. The standardising convolution's own F.batch_norm, on its
+weight, is not its operation and is left alone.
+
+| where                 | uses                                                                |
+| --------------------- | ------------------------------------------------------------------- |
+| the trace (analysis)  | `Matcher`: counts the calls of a layer's operation on its input     |
+| the runtime's styles  | `install`: the module's forward runs with the operation swapped     |
+| the rules (model)     | `why_not_split`: whether the forward's weight is row by row          |
+
+The model style splits the units of a layer's weight over a model group. A forward that computes
+the weight from its parameters (standardisation, a gain) runs on whole-shaped parameters whose
+rows other than this rank's are filler, and the swapped operation keeps this rank's rows of what
+the forward computed: exact where every row of the computed weight and bias depends on the same
+row of the parameters alone, which `why_not_split` checks with vector-Jacobian products before
+the planner offers the split (one pair per bit of the row index: rows that differ in a bit land on
+different sides of one pair).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "OPS",
+    "Matcher",
+    "Op",
+    "call",
+    "install",
+    "is_plain",
+    "own_op",
+    "swapped_parameters",
+    "units",
+    "why_not_split",
+]
+
+
+@dataclass(frozen=True)
+class Op:
+    """A layer's own operation: the torch functions that are it, and those it may apply to its
+    input first (what they return counts as the input)."""
+
+    name: str
+    funcs: tuple[Callable, ...]
+    through: tuple[Callable, ...] = ()
+
+
+_CONV2D = Op("conv2d", (F.conv2d,), (F.pad,))
+OPS: tuple[tuple[type, Op], ...] = (
+    (nn.Conv2d, _CONV2D),
+    (nn.Linear, Op("linear", (F.linear,))),
+    (nn.modules.batchnorm._BatchNorm, Op("batch_norm", (F.batch_norm,))),
+    (nn.MaxPool2d, Op("max_pool2d", (F.max_pool2d,))),
+    (nn.AvgPool2d, Op("avg_pool2d", (F.avg_pool2d,))),
+)
+"""layer class (subclasses included) -> its own operation"""
+
+_BASES = (nn.Conv2d, nn.Linear)
+
+
+def own_op(module: nn.Module) -> Op | None:
+    """The operation a style may swap in `module`'s forward; None for other modules."""
+    return next((op for cls, op in OPS if isinstance(module, cls)), None)
+
+
+def units(module: nn.Module) -> int:
+    """The output units of a convolution or linear layer: what a model split splits."""
+    return module.out_channels if isinstance(module, nn.Conv2d) else module.out_features
+
+
+def is_plain(module: nn.Module) -> bool:
+    """Whether a convolution or linear layer computes as torch's own class does (its forward and
+    the convolution's helper are the base class's): its operation reads its weight as it is."""
+    base = next(b for b in _BASES if isinstance(module, b))
+    return all(
+        getattr(type(module), a) is getattr(base, a)
+        for a in ("forward", "_conv_forward")
+        if hasattr(base, a)
+    )
+
+
+class Matcher:
+    """Which calls inside one forward are the layer's operation on its input `x`; counts them."""
+
+    def __init__(self, x: torch.Tensor, op: Op) -> None:
+        self.op, self.hits = op, 0
+        self.inputs = {id(x)}
+        self._keep = [x]  # ids stay unique while the forward runs
+
+    def _on_input(self, args: tuple) -> bool:
+        return bool(args) and isinstance(args[0], torch.Tensor) and id(args[0]) in self.inputs
+
+    def is_op(self, func: Callable, args: tuple) -> bool:
+        """`func(*args)` is the operation on the input (counted)."""
+        if func in self.op.funcs and self._on_input(args):
+            self.hits += 1
+            return True
+        return False
+
+    def passed(self, func: Callable, args: tuple, out: object) -> None:
+        """After `func(*args)` returned `out`: a function of `through` on the input makes more
+        input."""
+        if func in self.op.through and self._on_input(args) and isinstance(out, torch.Tensor):
+            self.inputs.add(id(out))
+            self._keep.append(out)
+
+    def why_not(self) -> str:
+        """ "" when the forward applied the operation to its input exactly once."""
+        if self.hits == 1:
+            return ""
+        return f"its forward applies {self.op.name} to its input {self.hits} times, not once"
+
+
+class _Swap(TorchFunctionMode):
+    def __init__(self, matcher: Matcher, to: Callable) -> None:
+        super().__init__()
+        self.matcher, self.to = matcher, to
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.matcher.is_op(func, args):
+            return self.to(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.matcher.passed(func, args, out)
+        return out
+
+
+def call(
+    module: nn.Module,
+    own: Callable,
+    to: Callable,
+    x: torch.Tensor,
+    *args,
+    name: str = "",
+    around: Callable[[], contextlib.AbstractContextManager] | None = None,
+    **kwargs,
+):
+    """`own(x, *args, **kwargs)` (the module's forward) with `to` standing in for the module's
+    operation on its input `x`; `around` is entered while it runs. A forward that does not apply
+    the operation to its input once raises (the trace refuses such a layer before:
+    `Matcher.why_not`)."""
+    op = own_op(module)
+    if op is None:
+        raise TypeError(f"{name}: {type(module).__name__} has no operation a style can swap")
+    matcher = Matcher(x, op)
+    with around() if around is not None else contextlib.nullcontext(), _Swap(matcher, to):
+        y = own(x, *args, **kwargs)
+    why = matcher.why_not()
+    if why:
+        raise RuntimeError(f"{name or type(module).__name__} ({type(module).__name__}): {why}")
+    return y
+
+
+def install(
+    module: nn.Module,
+    to: Callable,
+    *,
+    name: str,
+    enter: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    around: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> None:
+    """From now on `module`'s own forward runs as written with `to` standing in for its operation
+    on its input (`call`); `enter` first makes the input (a collective's autograd pair). The
+    module's class, parameters, children and hooks stay. Installed again, the later stands in for
+    the earlier."""
+    own = module.__dict__.get("hybridpar_own_forward", module.forward)
+
+    def forward(x: torch.Tensor, *args, **kwargs):
+        if enter is not None:
+            x = enter(x)
+        return call(module, own, to, x, *args, name=name, around=around, **kwargs)
+
+    module.hybridpar_own_forward = own
+    module.forward = forward
+    module.hybridpar_wrapped = True  # runtime/parallel/compute.py compiles around it
+
+
+# --- whether a model split of a layer's weight units is exact -------------------------------------
+
+
+def why_not_split(module: nn.Module, in_shape: tuple[int, ...]) -> str:
+    """ "" when the model style can split `module` (a Conv2d or Linear, any subclass) by output
+    units: every parameter of its own has one row per unit, its forward applies its operation to
+    its input once, the weight and bias it hands the operation are row-by-row functions of those
+    rows, and nothing else of its forward reads them. Else why not, in a few words. Checked on
+    random float64 copies of the parameters on the CPU, with vector-Jacobian products."""
+    if is_plain(module):
+        return ""
+    n = units(module)
+    own = dict(module.named_parameters(recurse=False))
+    odd = [k for k, p in own.items() if tuple(p.shape[:1]) != (n,)]
+    if odd:
+        shape = tuple(own[odd[0]].shape)
+        return f"its parameter {odd[0]} {shape} does not have one row per output unit ({n})"
+    with torch.device("cpu"), torch.enable_grad():
+        try:
+            return _rows_apart(module, in_shape, n, own)
+        except Exception as exc:  # anything its forward does on a random copy: name it
+            return f"its forward cannot be checked ({type(exc).__name__}: {_first(exc)})"
+
+
+def _first(exc: Exception) -> str:
+    return (str(exc).splitlines() or [""])[0][:120]
+
+
+def _rows_apart(module: nn.Module, in_shape: tuple[int, ...], n: int, own: dict) -> str:
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {}
+    for k, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.is_floating_point():
+            v = torch.randn(t.shape, generator=g, dtype=torch.float64)
+            state[k] = v.requires_grad_(isinstance(t, nn.Parameter))
+        else:
+            state[k] = torch.zeros(t.shape, dtype=t.dtype)
+    x = torch.randn((1, *in_shape), generator=g, dtype=torch.float64)
+    seen: dict[str, torch.Tensor | None] = {}
+    op = own_op(module)
+    assert op is not None
+
+    def to(inp, weight, bias=None, *args, **kwargs):
+        seen["weight"], seen["bias"] = weight, bias
+        return op.funcs[0](inp, weight.detach(), None if bias is None else bias.detach(), *args,
+                           **kwargs)  # fmt: skip
+
+    matcher = Matcher(x, op)
+    with _Swap(matcher, to):
+        y = torch.func.functional_call(module, state, (x,))
+    why = matcher.why_not()
+    if why:
+        return why
+    params = [state[k] for k in own]
+    outs = [t for t in (y if isinstance(y, tuple | list) else [y]) if isinstance(t, torch.Tensor)]
+    outs = [t.sum() for t in outs if t.requires_grad]
+    beyond = torch.autograd.grad(outs, params, allow_unused=True) if outs else [None] * len(own)
+    used = [k for k, d in zip(own, beyond, strict=True) if d is not None and d.abs().sum() > 0]
+    if used:
+        return f"its forward uses its parameter {used[0]} beyond its {op.name}"
+    made = [t for t in (seen["weight"], seen["bias"]) if t is not None]
+    wrong = [t for t in made if tuple(t.shape[:1]) != (n,)]
+    if wrong:
+        return f"the weight its {op.name} gets has {wrong[0].shape[0]} rows, not {n}"
+    rows = torch.arange(n)
+    for bit in range(max(1, math.ceil(math.log2(n)))):
+        side = (rows >> bit) & 1 == 1
+        for mine in (side, ~side):
+            cot = [torch.randn(t.shape, generator=g, dtype=t.dtype) * _rows(mine, t) for t in made]
+            grads = torch.autograd.grad(made, params, cot, retain_graph=True, allow_unused=True)
+            for k, d in zip(own, grads, strict=True):
+                if d is not None and d[~mine].abs().sum() > 0:
+                    return (
+                        f"the weight its {op.name} gets mixes rows of its parameter {k} (row by "
+                        "row is what a split by output units needs)"
+                    )
+    return ""
+
+
+def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return mask.to(like.dtype).view(-1, *[1] * (like.dim() - 1))
+
+
+@contextlib.contextmanager
+def swapped_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While inside, `module`'s own parameters `tensors` names read as those tensors."""
+    saved = {k: module._parameters[k] for k in tensors}
+    module._parameters.update(tensors)
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
