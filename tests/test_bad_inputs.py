@@ -73,6 +73,17 @@ def plan_file(tmp_path, **changes):
     return path
 
 
+def rounds_plan_file(tmp_path):
+    """digits-cnn's fc-grid plan on 2 ranks with its hand-off sent by scheme (c) in 2 rounds,
+    edited to recompute the convolutions."""
+    from hybridpar.core.cluster import load_cluster
+    from hybridpar.planning.search import make_plan
+
+    r = make_plan("digits-cnn", 2, 64, load_cluster("cori-knl"), scenarios=["fc-grid"], handoff="c")
+    plan = r.export(r.best).with_choices(activation_checkpointing=("0..6",))
+    return plan.save(tmp_path / "rounds.json")
+
+
 TRAIN = ["train", "--quiet"]
 PLAN = ["plan", "--model", "alexnet", "--procs", "4", "--batch", "8"]
 
@@ -196,6 +207,9 @@ CASES = [
     ("calibrate on one process", lambda t: ["calibrate", "--nproc", "1"], "--nproc 2 or more"),
     ("calibrate: zero repeats", lambda t: ["calibrate", "--repeats", "0"], "must be at least 1"),
     ("rounds without scheme c", lambda t: [*TRAIN, "--rounds", "2"], "--rounds is for --handoff c"),
+    ("checkpointing a plan file's hand-off in rounds", lambda t: [*TRAIN, "--plan", rounds_plan_file(t)], "cannot recompute a hand-off sent in rounds"),
+    ("checkpointing with --handoff c", lambda t: [*TRAIN, "--handoff", "c", "--activation-checkpointing", "0..6"], "cannot recompute a hand-off sent in rounds (--handoff c)"),
+    ("plan: checkpointing with --handoff b", lambda t: [*PLAN, "--handoff", "b", "--activation-checkpointing", "features"], "cannot recompute a hand-off sent in rounds (--handoff b)"),
     ("hand-off scheme on a plan without one", lambda t: [*TRAIN, "--preset", "ddp", "--handoff", "c"], "has no batch -> model hand-off"),
     ("hand-off scheme b with rounds", lambda t: [*TRAIN, "--handoff", "b", "--rounds", "3"], "--rounds is for --handoff c"),
     ("hand-off (c) with more rounds than examples", lambda t: [*TRAIN, "--nproc", "2", "--preset", "grid:2x1", "--batch", "8", "--handoff", "c", "--rounds", "5"], "at most 4 rounds"),

@@ -165,7 +165,7 @@ def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_re
     ):
         matching(m, ("features",))
     with pytest.raises(ConfigError, match="--handoff a"):
-        matching(m, ("0",), SimpleNamespace(handoffs={1: object()}, hooked=set))
+        matching(m, ("0",), SimpleNamespace(handoffs={1: object()}))
     nested = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 2))
     assert matching(nested, ("0*",)) == [["0"]]
     assert matching(nested, ("0.0..0.1", "1")) == [["0.0", "0.1"], ["1"]]
@@ -175,19 +175,60 @@ def test_checkpointing_patterns_that_match_nothing_or_a_handoff_in_rounds_are_re
     for wrong in ("0.0..1", "1..0", "x.0..x.1"):  # not siblings, backwards, no such parent
         with pytest.raises(ConfigError, match=r"two children of one nn\.Sequential"):
             matching(nested, (wrong,))
-    entry = SimpleNamespace(handoffs={}, hooked=lambda: {"1"})  # a hooked plan segment at "1"
-    with pytest.raises(
-        ConfigError, match="crosses the entry of a plan segment at 1, which the runtime hooks"
-    ):
-        matching(nested, ("0..1",), entry)
-    nested[1].register_forward_pre_hook(lambda mod, args: None)  # a hook of the user's
-    with pytest.raises(ConfigError, match=r"crosses a hook at 1 \(it would run twice\)"):
-        checkpoint_modules(nested, ("0..1",), None, None)
     assert Choices(activation_checkpointing="a, b*").activation_checkpointing == ("a", "b*")
     with pytest.raises(ConfigError, match="--compile-backend must be one of inductor"):
         RuntimeOptions(compile=True, compile_backend="inductr")
     with pytest.raises(ConfigError, match=r"matches none of the model's layers; e\.g\. 0\.0, 1"):
         covered(["0.0", "1"], ("features",))
+
+
+def test_a_hook_inside_a_checkpointed_segment_runs_once_and_again_in_the_recompute():
+    """A segment of a Sequential's children runs from the Sequential's forward under one
+    checkpoint: a forward pre-hook on a module inside it (a layout change of the plan, a user's)
+    runs once in the forward and once in the recompute, and the gradients are the plain run's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    ckpt = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    ckpt.load_state_dict(plain.state_dict())
+    calls = []
+    for m in (plain, ckpt):
+        m[2].register_forward_pre_hook(lambda mod, args: (calls.append(mod), (2 * args[0],))[1])
+    assert checkpoint_modules(ckpt, ("0..2",), None, None) == ["0..2"]
+    x = torch.randn(5, 3)
+    plain(x).square().sum().backward()
+    assert len(calls) == 1
+    ckpt(x).square().sum().backward()
+    assert len(calls) == 3  # the forward and the recompute
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+CROSSING = ("features.0..features.4", "classifier.0..classifier.6")  # whole Sequentials' runs
+
+
+def _crossing(P: int) -> list[str]:
+    """tv-alexnet's feature and classifier runs checkpointed under plans that change the layout
+    inside them (the hand-off into the split classifier at classifier.1, domain convolutions,
+    the random state of model groups at every entry): the same state as the plain run."""
+    data = batches(MAKERS["tv-alexnet"][1], steps=STEPS)
+    done = []
+    for which in ("model", "domain", f"grid:{P}x1"):
+        plan = preset("tv-alexnet", which, P)
+        want = train_parallel(parallelize(make("tv-alexnet"), plan), data)
+        ledger = Ledger()
+        checkpointed = plan.with_choices(activation_checkpointing=CROSSING)
+        hp = parallelize(make("tv-alexnet"), checkpointed, ledger=ledger)
+        assert hp.checkpointed == ["features.0..features.4", "classifier.0..classifier.6"]
+        got = train_parallel(hp, data)
+        assert_same_state(got, want, f"P={P} {which} checkpointed across its segments")
+        assert ledger.bytes_by_term().get("recompute", 0) > 0, which
+        done.append(which)
+    return done
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_checkpointed_segments_across_layout_changes_equal_the_plain_run(P):
+    assert run_ranks(_crossing, P, P)[0] == ["model", "domain", f"grid:{P}x1"]
 
 
 @pytest.mark.parametrize(

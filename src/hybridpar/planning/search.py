@@ -159,8 +159,8 @@ class _Context:
         x = self.layers[i]
         if self.fixed is not None:
             return [self.fixed.get(x.name, Handoff())]
-        if self.handoff == "a" or not is_gather(prev, s):
-            return [Handoff()]
+        if self.handoff == "a" or not is_gather(prev, s) or self.choices.activation_checkpointing:
+            return [Handoff()]  # (the runtime recomputes no hand-off sent in rounds)
         m = prev.pc // s.pc
         ks = {"b": [("b", m)], "c": [("c", self.rounds or m)]}.get(self.handoff)
         if ks is None:  # auto
@@ -604,6 +604,11 @@ def plan_layers(
         raise ConfigError("--rounds is for --handoff c: a positive number of rounds")
     cluster = cluster.at(P)
     choices = choices or Choices()
+    if handoff in ("b", "c") and choices.activation_checkpointing:
+        raise ConfigError(
+            f"--activation-checkpointing cannot recompute a hand-off sent in rounds (--handoff "
+            f"{handoff}); use --handoff a or drop the checkpointing"
+        )
     base = cluster.word_bytes if elem_bytes is None else elem_bytes
     compute = compute or FlopsModel(cluster.rank_flops(P))
     candidates: dict[str, list[Plan]] = {n: [] for n in scenarios}

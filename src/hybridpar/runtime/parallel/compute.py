@@ -12,14 +12,17 @@ part costs its guards and wrappers on every call (measured: docs/runtime.md). Ch
 modules are compiled inside only (what is plain in them).
 
 Checkpointing: each module whose name matches one of the patterns (`fnmatch`, outermost match
-only), and each segment `A..B` of an nn.Sequential's children (run as one), runs its forward under
-torch's non-reentrant `torch.utils.checkpoint`, which keeps its input and recomputes its forward
-in backward. The recompute sees what the forward saw: the random state
-(torch restores it; hybridpar's dropout masks are a function of the step and the example), and
-every batch norm's running statistics are put back after it, so they are updated once per step as
-without checkpointing. Collectives inside a checkpointed module run again in the recompute, on
-every rank in the same backward order; the ledger books them under the term `recompute` (bytes
-the plan does not predict, shown apart).
+only), and each segment `A..B` of an nn.Sequential's children (run as one, by the Sequential's
+forward), runs its forward under torch's non-reentrant `torch.utils.checkpoint`, which keeps its
+input and recomputes its forward in backward. The recompute sees what the forward saw: the random
+state (torch restores it; hybridpar's dropout masks are a function of the step and the example),
+and every batch norm's running statistics are put back after it, so they are updated once per
+step as without checkpointing. Collectives inside a checkpointed module run again in the
+recompute, on every rank in the same backward order, and so do the hooks of the modules inside a
+segment (the plan's layout changes at the entries of its segments, a user's hook): once in the
+forward and once in the recompute, as a module's own code would. The ledger books the recomputed
+collectives under the term `recompute` (bytes the plan does not predict, shown apart). Only a
+hand-off sent in rounds cannot be recomputed (its rounds step the head themselves).
 """
 
 from __future__ import annotations
@@ -43,10 +46,9 @@ def matching(model: nn.Module, patterns: tuple[str, ...], layout=None) -> list[l
     """What `patterns` checkpoint, each a run of sibling modules recomputed as one: the outermost
     modules a glob matches (a run of one each), or a segment `A..B` of a Sequential's children
     from A to B. A one-line error: a pattern matching nothing, a segment that is not one or that
-    overlaps another in part, and with the plan's `layout`, a segment that crosses the entry of
-    a plan segment (its hooks would run twice) or a hand-off sent in rounds."""
-    handoffs, entries = (layout.handoffs, layout.hooked()) if layout else ({}, set())
-    if patterns and handoffs:
+    overlaps another in part, and with the plan's `layout`, a plan with a hand-off sent in
+    rounds. `hybridpar train` asks it before any rank starts."""
+    if patterns and layout is not None and layout.handoffs:
         raise ConfigError(
             "--activation-checkpointing cannot recompute a hand-off sent in rounds "
             "(--handoff b or c); use --handoff a"
@@ -66,14 +68,6 @@ def matching(model: nn.Module, patterns: tuple[str, ...], layout=None) -> list[l
             )
         runs += hits
     runs = [r for i, r in enumerate(runs) if r not in runs[:i]]
-    for r in runs:
-        inside = [n for n in r[1:] if n in entries]
-        if inside:
-            raise ConfigError(
-                f"--activation-checkpointing segment {r[0]}..{r[-1]} crosses the entry of a "
-                f"plan segment at {inside[0]}, which the runtime hooks (a layout change, or the "
-                f"random state of a style split over model groups); end it before {inside[0]}"
-            )
     out = []
     for r in runs:  # what lies inside another run is recomputed with it
         others = [o for q in runs if q is not r for o in q]
@@ -165,30 +159,58 @@ def checkpoint_modules(
     model: nn.Module, patterns: tuple[str, ...], layout, ledger: Ledger | None
 ) -> list[str]:
     """Activation checkpointing of what `patterns` match (`matching`); returns their names. A
-    segment runs as one (`_as_one`) under one checkpoint; no module after its first may carry a
-    hook (the entry of a plan segment, where activations move: end the segment before it)."""
+    module of its own runs its forward under a checkpoint; a segment of an nn.Sequential's
+    children runs under one checkpoint from the Sequential's forward, so that every module in it
+    is called once, its hooks included (and once more in the recompute)."""
     out = []
+    segments: dict[str, list[list[str]]] = {}  # Sequential -> its checkpointed runs
     for run in matching(model, patterns, layout):
         mods = [model.get_submodule(n) for n in run]
-        late = [n for n, m in zip(run[1:], mods[1:], strict=True) if _hooked(m)]
-        if len(run) > 1 and mods[0]._forward_hooks:  # it would see the segment's output
-            late.insert(0, run[0])
-        if late:  # a hook of the user's, or one `matching` could not see (no layout)
-            raise ConfigError(
-                f"--activation-checkpointing segment {run[0]}..{run[-1]} crosses a hook at "
-                f"{late[0]} (it would run twice); end the segment before {late[0]}"
+        for m in mods:
+            m.hybridpar_wrapped = True  # compiled inside only (compile_plain)
+        if len(run) > 1:
+            segments.setdefault(run[0].rpartition(".")[0], []).append(run)
+        else:
+            context = functools.partial(_contexts, mods, ledger)
+            mods[0].forward = functools.partial(
+                checkpoint, mods[0].forward, use_reentrant=False, context_fn=context
             )
-        contexts = functools.partial(
-            lambda mods: (contextlib.nullcontext(), _recomputing(mods, ledger)), mods
-        )
-        _as_one(
-            mods,
-            lambda f, c=contexts: functools.partial(
-                checkpoint, f, use_reentrant=False, context_fn=c
-            ),
-        )
         out.append(run[0] if len(run) == 1 else f"{run[0]}..{run[-1]}")
+    for parent, runs in segments.items():
+        _checkpoint_children(model.get_submodule(parent), runs, ledger)
     return out
+
+
+def _contexts(mods: list[nn.Module], ledger: Ledger | None):
+    return contextlib.nullcontext(), _recomputing(mods, ledger)
+
+
+def _checkpoint_children(seq: nn.Sequential, runs: list[list[str]], ledger: Ledger | None) -> None:
+    """`seq`'s forward with each run of its children (full names) under one checkpoint."""
+    kids = list(seq._modules)
+    spans = {kids.index(r[0].rpartition(".")[2]): kids.index(r[-1].rpartition(".")[2]) + 1
+             for r in runs}  # fmt: skip
+
+    def run_span(x, a: int, b: int):
+        for m in list(seq._modules.values())[a:b]:
+            x = m(x)
+        return x
+
+    def forward(x):
+        mods, i = list(seq._modules.values()), 0
+        while i < len(mods):
+            if i in spans:
+                a, b = i, spans[i]
+                context = functools.partial(_contexts, mods[a:b], ledger)
+                x = checkpoint(run_span, x, a, b, use_reentrant=False, context_fn=context)
+                i = b
+                continue
+            x = mods[i](x)
+            i += 1
+        return x
+
+    seq.forward = forward
+    seq.hybridpar_wrapped = True
 
 
 def _plain(m: nn.Module) -> bool:

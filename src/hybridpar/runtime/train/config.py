@@ -133,6 +133,11 @@ class TrainConfig:
                 "--variable-batch steps the layers after a hand-off once per round: send it in "
                 "rounds with --handoff b or c"
             )
+        if self.handoff in ("b", "c") and self.choices.activation_checkpointing:
+            raise ConfigError(
+                f"--activation-checkpointing cannot recompute a hand-off sent in rounds "
+                f"(--handoff {self.handoff}); use --handoff a or drop the checkpointing"
+            )
         if self.handoff == "auto" and self.plan is not None:
             raise ConfigError(
                 "--handoff auto asks the planner; with --plan name a scheme (a, b or c)"

@@ -251,6 +251,13 @@ def _outputs(cfg: TrainConfig, model: str) -> str:
     return save
 
 
+def _shown(value: object) -> str:
+    """A choice as its flag takes it (a tuple comma-separated, an empty one as none)."""
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
 def _from_plan(cfg: TrainConfig, plan: ParallelPlan) -> dict:
     """What the run takes from a plan file: model, processes, batch, input and choices (the
     file's win, and an explicit conflicting one is an error), but where it runs (the command
@@ -264,8 +271,9 @@ def _from_plan(cfg: TrainConfig, plan: ParallelPlan) -> dict:
     explicit = Choices().differences(cfg.choices)  # what the command line changed
     for name, (wanted, given) in plan.choices.differences(cfg.choices).items():
         if name in explicit and name not in ("device", "backend"):
+            flag, wanted, given = name.replace("_", "-"), _shown(wanted), _shown(given)
             raise ConfigError(
-                f"the plan says {name} {wanted}, got --{name} {given}; drop it or re-plan"
+                f"the plan says {flag} {wanted}, got --{flag} {given}; drop it or re-plan"
             )
     model = cfg.model or plan.model or DEFAULT_MODEL
     size = cfg.input_size or (
