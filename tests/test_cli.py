@@ -277,7 +277,7 @@ def test_the_closing_table_says_where_the_host_reducers_bytes_went(capsys):
     ],
 )
 def test_print_config_is_a_file_that_config_reads_back_unchanged(tmp_path, capsys, command, flags):
-    from hybridpar.commands.cli import _parse, build_parser, main
+    from hybridpar.commands.cli import _in_effect, _parse, build_parser, main
     from hybridpar.core.config import from_namespace
     from hybridpar.planning.config import PlanConfig
     from hybridpar.runtime.train.config import TrainConfig
@@ -288,9 +288,10 @@ def test_print_config_is_a_file_that_config_reads_back_unchanged(tmp_path, capsy
     path.write_text(text)
     assert main([command, "--config", str(path), "--print-config"]) == 0
     assert capsys.readouterr().out == text
-    # the file gives the same configuration as the flags, and a flag overrides the file
+    # the file gives the configuration the flags run with (train's model, nproc and batch
+    # written out), and a flag overrides the file
     cls = TrainConfig if command == "train" else PlanConfig
-    by_flags = build_parser().parse_args([command, *flags])
+    by_flags = _in_effect(build_parser().parse_args([command, *flags]))
     by_file = _parse(build_parser(), [command, "--config", str(path)])
     assert from_namespace(cls, by_file) == from_namespace(cls, by_flags)
     over = _parse(build_parser(), [command, "--config", str(path), "--codec", "fp16"])

@@ -261,10 +261,27 @@ def _validate_parser(sub) -> None:
         "(0: none)",
     )
     v.add_argument("--data", default=None, help="training data (default: synthetic, B x steps)")
-    v.add_argument("--out", default="validate-out", help="folder for validate.json/.png, plans/")
+    v.add_argument(
+        "--out",
+        default="validate-out",
+        help="folder for validate.json, validate.png and the plans it ran, plans/ "
+        "(default: validate-out)",
+    )
     v.add_argument("--quiet", action="store_true", help="no line per run")
     _config_options(v)
     v.set_defaults(func=cmd_validate)
+
+
+def _in_effect(args: argparse.Namespace) -> argparse.Namespace:
+    """The options a command runs with: train's model, nproc and batch as it takes them without
+    a plan file (with one, the file's, which a config must not repeat)."""
+    if args.command == "train" and args.plan is None:
+        from hybridpar.runtime.train.config import DEFAULTS
+
+        for key, value in DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if getattr(args, "print_config", False):
         sub = parser._subparsers._group_actions[0].choices[args.command]
-        print(dump_toml(sub, args), end="")
+        print(dump_toml(sub, _in_effect(args)), end="")
         restore()
         return 0
     try:

@@ -33,23 +33,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_report(report: dict) -> None:
-    """The outcome; the plan and the epoch lines were printed live by rank 0."""
-    it, b = report["iteration"], report["bytes"]
-    if it.get("steps", 1) == 0:  # a resume that found the run complete: no step to measure
-        print(
-            f"{report['model']} on {report['data']}: nothing left to train (the checkpoint is "
-            f"at the end of the run); final test accuracy {report['final']['test_acc']:.4f}"
-        )
-        for w in report.get("written", []):
-            print(f"wrote {w}")
-        return
+def _iteration_line(it: dict) -> str:
     ms = {k: it[k] * 1e3 for k in ("time_s", "compute_s", "comm_wait_s")}
-    print(
-        f"{report['model']} on {report['data']}: P={report['procs']}, "
-        f"{report['preset'] or report['plan_file']}: {report['plan']['scenario']} plan; "
-        f"final test accuracy {report['final']['test_acc']:.4f}; iteration {ms['time_s']:.1f} ms "
-        f"(compute {ms['compute_s']:.1f}, communication wait {ms['comm_wait_s']:.1f}"
+    return (
+        f"iteration {ms['time_s']:.1f} ms (compute {ms['compute_s']:.1f}, communication wait "
+        f"{ms['comm_wait_s']:.1f}"
         + (
             f", of which {it['waiting_slowest_s'] * 1e3:.1f} waiting for the slowest rank)"
             if "waiting_slowest_s" in it
@@ -66,25 +54,54 @@ def _print_report(report: dict) -> None:
             else ""
         )
     )
+
+
+def _print_report(report: dict) -> None:
+    """The outcome; the plan and the epoch lines were printed live by rank 0."""
+    it, b = report["iteration"], report["bytes"]
+    if it.get("trained", it.get("steps", 1)) == 0:  # a resume that found the run complete
+        print(
+            f"{report['model']} on {report['data']}: nothing left to train (the checkpoint is "
+            f"at the end of the run); final test accuracy {report['final']['test_acc']:.4f}"
+        )
+        for w in report.get("written", []):
+            print(f"wrote {w}")
+        return
+    head = (
+        f"{report['model']} on {report['data']}: P={report['procs']}, "
+        f"{report['preset'] or report['plan_file']}: {report['plan']['scenario']} plan; "
+        f"final test accuracy {report['final']['test_acc']:.4f}; "
+    )
+    if it.get("steps") == 0:  # one step: it paid the start's one-off costs, and is not timed
+        print(head + "one step, not timed (a run's first pays one-off costs): run two or more")
+    else:
+        print(head + _iteration_line(it))
     bn = report.get("bn", {})
     if bn.get("requested") == "adaptive":
         when = bn["switched_at_step"]
         how = f"global from step {when}: " if when is not None else "local throughout"
         print(f"batch norm: adaptive, {how}{bn['reason']}")
     c, peak = report.get("compute", {}), report.get("memory", {})
-    if c.get("compiled") or c.get("checkpointed"):
+    said = []
+    if c.get("compiled"):
         first = report["steps"][0]["time_s"] if report["steps"] else 0.0
-        print(
-            f"compiled {len(c['compiled'])} parts (first step {first:.1f} s); recomputed in "
-            f"backward: {', '.join(c['checkpointed']) or 'nothing'}; a rank's peak memory: "
-            + ", ".join(f"{k[5:-3]} {v:.0f} MB" for k, v in peak.items() if k.startswith("peak"))
-        )
+        said.append(f"compiled {len(c['compiled'])} parts (first step {first:.1f} s)")
+    if c.get("checkpointed"):
+        said.append(f"recomputed in backward: {', '.join(c['checkpointed'])}")
+    if said:
+        memory = ", ".join(f"{k[5:-3]} {v:.0f} MB" for k, v in peak.items() if k.startswith("peak"))
+        print("; ".join(said) + f"; a rank's peak memory: {memory}")
     print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):
         if k not in UNSHOWN:
-            print(
-                f"{'':30}{k:<14} {b['measured'].get(k, 0):14.0f} {b['predicted'].get(k, 0):14.0f}"
-            )
+            want = b["predicted"].get(k)
+            shown = f"{want:14.0f}" if want is not None else f"{'not priced':>14}"
+            print(f"{'':30}{k:<14} {b['measured'].get(k, 0):14.0f} {shown}")
+    if "recompute" in b["measured"]:
+        print(
+            f"{'':30}(recompute: the collectives of what --activation-checkpointing recomputes, "
+            "run again in backward)"
+        )
     if report.get("reducer") == "host":  # the plan's table shows the sums' volume
         volume = sum(p["bytes"] for p in report["plan"]["predicted"] if p["term"] == "dw_allreduce")
         print(

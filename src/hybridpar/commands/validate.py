@@ -540,7 +540,9 @@ def _finish(args, cfg, cluster, cands, head, out: Path, again: dict) -> int:
     path = out / "validate.json"
     path.write_text(json.dumps(strict(data), indent=1, allow_nan=False))
     png = plot(cands, out / "validate.png", head.split(":")[0])
-    print(f"wrote {path}" + (f" and {png}" if png else ""))
+    print(
+        f"wrote {path}" + (f" and {png}" if png else "") + f"; the plans it ran in {out / 'plans'}"
+    )
     return 1 if any(c.failure for c in cands) else 0
 
 

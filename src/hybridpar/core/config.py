@@ -115,6 +115,8 @@ def add_arguments(
             kw["required"] = True
         if tp is bool:
             kw["action"] = "store_false" if default else "store_true"
+            if default:  # the flag turns off what the field's help describes
+                kw["help"] = f"turn off (on by default): {kw['help']}"
         elif typing.get_origin(tp) is Literal:
             kw.update(choices=list(typing.get_args(tp)), default=default)
         elif typing.get_origin(tp) is tuple:  # parsed by the dataclass itself (e.g. compress)

@@ -1,7 +1,7 @@
 """Long work says what it is doing, on standard error, as lines: a terminal, a pipe and a log all
 read them as they come (a bar drawn with carriage returns shows nothing in a pipe until the end).
 
-    with Progress("compute profile of resnet20", total=9, estimate_s=45) as p:
+    with Phase("compute profile of resnet20", total=9, estimate_s=45) as p:
         for item in work:
             ...
             p.tick()
@@ -19,10 +19,10 @@ import sys
 import time
 from typing import TextIO
 
-__all__ = ["Progress"]
+__all__ = ["Phase"]
 
 
-class Progress:
+class Phase:
     """One phase of long work, announced when it starts, ticked per part, closed when done."""
 
     def __init__(
@@ -43,7 +43,7 @@ class Progress:
         if self.shown:
             print(f"hybridpar: {text}", file=self.out or sys.stderr, flush=True)
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Phase:
         self.t0 = self.last = time.perf_counter()
         parts = [f"{self.total} parts"] if self.total else []
         if self.estimate_s:

@@ -34,6 +34,7 @@ import warnings
 from pathlib import Path
 
 from hybridpar.core.cluster import Cluster, cache_dir, cache_write, contention, rank_threads
+from hybridpar.core.progress import Phase
 from hybridpar.core.timing import Recheck, Settled, clock, settle, steady_malloc
 from hybridpar.planning.cost.compute import ProfileModel
 
@@ -707,28 +708,39 @@ def profile_compute(
     if missing or unbanded or unsplit or uncrowded or "update_s" not in data:
         data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
         data["measured"].update(busy=busy, device=device, amp=amp)
-        with _measuring(model, shape, threads, busy, device, amp) as (net, beside):
+        parts = 2 * len(missing) + len(unbanded) + len(unsplit) + len(uncrowded) + 1
+        what = f"compute profile of {model} on {device} ({', '.join(map(str, counts))} samples)"
+        with (
+            _measuring(model, shape, threads, busy, device, amp) as (net, beside),
+            Phase(what, total=parts, every_s=2.0) as phase,
+        ):
             first = {}
             for n in missing:
                 beside.run(n)
                 data["per_count"][str(n)], first[n] = _measure_count(net, shape, n, repeats, device)
+                phase.tick()
             for pr, n in unbanded:
                 beside.run(n)
                 shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats, device)
+                phase.tick()
             for pr, n in unsplit:
                 beside.run(n)
                 splits[f"{pr}x{n}"] = _measure_splits(net, shape, pr, n, 2 * repeats, device)
+                phase.tick()
             if "update_s" not in data:
                 beside.run(UPDATE)
                 data.update(_measure_update(net, repeats, device).fields("update_s"))
+            phase.tick()
             for n, whole in _crowd(net, uncrowded, repeats, beside, k):
                 crowded[f"{k}x{n}"] = whole.fields("s")
+                phase.tick()
 
             def alone(n: int) -> Settled:
                 beside.run(n)
                 return _measure_count(net, shape, n, repeats, device, leaves=False)[1]
 
             for n, entry in _passes(missing, alone, first).items():
+                phase.tick()
                 data["iteration"][str(n)] = entry
                 scale = entry["s"] / first[n].value  # the leaves sum to the iteration
                 leaves = data["per_count"][str(n)]

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hybridpar.core.choices import CODECS
 from hybridpar.core.cluster import cache_write, localhost_path, rank_threads
 from hybridpar.core.errors import ConfigError
+from hybridpar.core.progress import Phase
 from hybridpar.core.timing import TOL, TRIES, Recheck, Settled, clock, settle, spread
 from hybridpar.planning.cost.collectives import clog2
 from hybridpar.runtime.comm.codecs import time_codec
@@ -513,18 +514,23 @@ def calibrate(
     if not counts or min(counts) < 2:
         raise ConfigError("calibrate times all-reduces between processes: use --nproc 2 or more")
     fits, measured, levels, single = {}, {}, None, None
-    for p in counts:
-        got = launch(_time_all, p, SIZES, repeats, device, timeout_s=timeout_s, backend=backend)[0]
-        fits[p] = _fitted(
-            got["allreduce"], p, got["small"], got["shm_beta"], got["sync"], device, backend
-        )
-        measured[p] = {str(k): v for k, v in _medians(got["allreduce"]).items()}
-        if got["levels"] is not None:
-            levels = got["levels"]  # the largest count on several hosts
-        else:
-            single = p
-    data = dict(fits[counts[0]])
-    data["codecs"], data["spread"]["codecs"] = _time_codecs(device=device)
+    what = f"calibrating {device} collectives at {', '.join(map(str, counts))} ranks, then codecs"
+    shown = not under_torchrun() or os.environ.get("RANK", "0") == "0"
+    with Phase(what, total=len(counts) + 1, every_s=0.0, shown=shown) as phase:
+        for p in counts:
+            args = (_time_all, p, SIZES, repeats, device)
+            got = launch(*args, timeout_s=timeout_s, backend=backend)[0]
+            fits[p] = _fitted(
+                got["allreduce"], p, got["small"], got["shm_beta"], got["sync"], device, backend
+            )
+            measured[p] = {str(k): v for k, v in _medians(got["allreduce"]).items()}
+            if got["levels"] is not None:
+                levels = got["levels"]  # the largest count on several hosts
+            else:
+                single = p
+            phase.tick()
+        data = dict(fits[counts[0]])
+        data["codecs"], data["spread"]["codecs"] = _time_codecs(device=device)
     data["by_procs"] = {str(p): _level(f) for p, f in fits.items() if levels is None or p == single}
     data = with_levels(data, levels)
     if os.environ.get("RANK", "0") != "0" and under_torchrun():
@@ -584,6 +590,11 @@ def calibrate_in_job(repeats: int = 5, device: str = "cpu", backend: str = "gloo
     all-reduces, rank 0 alone fits and writes the file, and nobody goes on before it is written."""
 
     names, cpu = host_names(), device == "cpu"
+    with Phase(f"calibrating {device} collectives on this job's ranks", shown=dist.get_rank() == 0):
+        _calibrate_in_job(names, cpu, repeats, device, backend)
+
+
+def _calibrate_in_job(names: list[str], cpu: bool, repeats: int, device: str, backend: str):
     shm = [_time_shm() if cpu else (None, None)]
     times = _time_allreduce(SIZES, repeats, device)
     shm.append(_time_shm() if cpu else (None, None))

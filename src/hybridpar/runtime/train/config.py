@@ -16,9 +16,11 @@ from hybridpar.core.zoo import parse_input_shape, shape_option, size_option
 from hybridpar.planning.presets import parse_preset
 from hybridpar.runtime.options import RuntimeOptions
 
-__all__ = ["DEFAULT_MODEL", "TrainConfig"]
+__all__ = ["DEFAULTS", "DEFAULT_MODEL", "TrainConfig"]
 
 DEFAULT_MODEL = "digits-wide"
+DEFAULTS = {"model": DEFAULT_MODEL, "nproc": 4, "batch": 64}
+"""what model, nproc and batch are when neither the command line nor a plan file gives them"""
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class TrainConfig:
     data: str = meta("digits", "digits | synthetic[:N] | file.npz | image folder")
     nproc: int | None = meta(
         None,
-        "local processes (default: the plan's, else 4; torchrun decides when it starts us)",
+        f"local processes (default: the plan's, else {DEFAULTS['nproc']}; torchrun decides when "
+        "it starts us)",
         aliases=["--procs"],
         positive=True,
     )
@@ -106,7 +109,7 @@ class TrainConfig:
         "auto: --checkpoint-dir's latest if there is one (what a torchrun restart wants)",
     )
     quiet: bool = meta(False, "no live lines on stdout (the log next to --report still has them)")
-    progress: bool = meta(True, "no progress bar (for logs)", flag="--no-progress")
+    progress: bool = meta(True, "a progress bar on a terminal", flag="--no-progress")
     max_steps: int | None = meta(None, "cap the steps per epoch (benchmarks)", positive=True)
     tensorboard: str | None = meta(
         None,

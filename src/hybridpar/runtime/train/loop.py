@@ -22,6 +22,7 @@ from hybridpar.core.cluster import rank_threads
 from hybridpar.core.models import build_any
 from hybridpar.core.optim import KrizhevskySGD, lr_factor, scale_hparams
 from hybridpar.core.plan import ParallelPlan
+from hybridpar.core.progress import Phase
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.devices import local_gpu
@@ -181,7 +182,7 @@ def fit(
     bar = _bar(trainer, job, total, pos.epoch * per_epoch + pos.index, log is not None)
     epochs, times = list(pos.history), {"time_s": [], "wait_s": [], "blocking_s": []}
     full_steps: set[int] = set()
-    steps, stride = [], max(1, -(-total // 2000))
+    steps, stride, started = [], max(1, -(-total // 2000)), False
     trace = _Trace(cfg, trainer.device)
     for epoch in range(pos.epoch, cfg.epochs):
         t0 = time.perf_counter()
@@ -196,7 +197,9 @@ def fit(
             if len(idx) == B:
                 full_steps.add(trainer.steps)
             trace.before_step()
-            r = trainer.train_step(data.x_train[idx], data.y_train[idx])
+            with _first(trainer, log) if not started else contextlib.nullcontext():
+                r = trainer.train_step(data.x_train[idx], data.y_train[idx])
+            started = True
             trace.after_step()
             sums = [sums[0] + r.loss_sum, sums[1] + r.correct, sums[2] + r.count]
             if trainer.steps % stride == 0 and r.count:
@@ -219,6 +222,14 @@ def fit(
     bar.close()
     trace.close()
     return epochs, times, full_steps, steps
+
+
+def _first(trainer: HybridTrainer, log: Progress | None) -> Phase:
+    """The run's first step, announced on rank 0: it pays one-off costs (the collectives'
+    first connections, the allocator's first pages, and with --compile every part's compile)."""
+    parts = len(trainer.model.compiled)
+    what = f"first step (torch.compile compiles {parts} parts in it)" if parts else "first step"
+    return Phase(what, estimate_s=10.0 * parts or None, shown=log is not None and not log.quiet)
 
 
 def _epoch_record(trainer, data: Dataset, batch: int, sums: list, epoch: int, t0: float) -> dict:
@@ -255,7 +266,8 @@ class _Trace:
             if self.device.type == "cuda":
                 acts.append(ProfilerActivity.CUDA)
             self.prof = profile(activities=acts)
-            self.prof.start()
+            with _native_stderr_dropped():
+                self.prof.start()
 
     def after_step(self) -> None:
         self.seen += 1
@@ -264,10 +276,27 @@ class _Trace:
 
     def close(self) -> None:
         if self.prof is not None:
-            self.prof.stop()
+            with _native_stderr_dropped():
+                self.prof.stop()
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.prof.export_chrome_trace(str(self.path))
             self.prof, self.path = None, None
+
+
+@contextlib.contextmanager
+def _native_stderr_dropped():
+    """torch.profiler's C++ side writes a line to the process's stderr as it starts and stops
+    ("USDT: ... profiler_start"), which no setting turns off: what it writes meanwhile is
+    dropped."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
 
 
 def _quiet_rank(P: int) -> None:
@@ -382,7 +411,9 @@ def train_worker(job: Job) -> dict | None:
             + (how if trainer.resharded else "bit-exact"),
         )
     base = _reset_peak(trainer.device)
+    begun = trainer.steps
     epochs, times, full_steps, steps = fit(trainer, data, job, pos, log)
+    trained = trainer.steps - begun
     peak = _peak(trainer.device, base)
     weights = trainer.full_state_dict()  # collective: every rank
     if cfg.checkpoint_dir:
@@ -401,9 +432,12 @@ def train_worker(job: Job) -> dict | None:
     hosts = names if plan.choices.reducer == "host" else None
     args = (epochs, times, bytes_measured, hosts, engine.bn_switch, split, engine.order)
     out = report(job, plan, data.name, *args)
+    out["iteration"]["trained"] = trained  # the steps this run took (the first is not timed)
     _describe(out, trainer, plan, steps, names, [p for _, p in every])
     log.close(out)
     out["written"] = [job.save] + ([cfg.tensorboard] if cfg.tensorboard else [])
+    if cfg.profile_trace and (Path(cfg.profile_trace) / "rank0.json").exists():  # 2 steps or more
+        out["written"].append(str(Path(cfg.profile_trace) / f"rank{{0..{plan.procs - 1}}}.json"))
     if cfg.report:
         json_path, png = write_report(out, cfg.report)
         out["written"] += [str(json_path), str(log.log)] + ([str(png)] if png else [])

@@ -36,7 +36,7 @@ from hybridpar.runtime.launcher import launch, under_torchrun
 from hybridpar.runtime.parallel.checkpoint import latest, read_meta
 from hybridpar.runtime.parallel.compute import matching
 from hybridpar.runtime.parallel.layout import Layout, resolve, with_handoff
-from hybridpar.runtime.train.config import DEFAULT_MODEL, TrainConfig
+from hybridpar.runtime.train.config import DEFAULT_MODEL, DEFAULTS, TrainConfig
 from hybridpar.runtime.train.data import signature
 from hybridpar.runtime.train.job import Job
 from hybridpar.runtime.train.loop import train_worker
@@ -52,7 +52,7 @@ def prepare(cfg: TrainConfig) -> Job:
     loaded = ParallelPlan.load(cfg.plan) if cfg.plan else None
     given = _from_plan(cfg, loaded) if loaded else {}
     name = given.get("model") or cfg.model or DEFAULT_MODEL
-    nproc = given.get("nproc") or cfg.nproc or 4
+    nproc = given.get("nproc") or cfg.nproc or DEFAULTS["nproc"]
     P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
     choices = _device(given.get("choices", cfg.choices), nproc)
     save, resume = _outputs(cfg, name), _resume(cfg)
@@ -61,7 +61,7 @@ def prepare(cfg: TrainConfig) -> Job:
     traced = trace(model, shape)  # also the check that the model runs on the data's shape
     if classes is None:  # a user's model on synthetic data: as many classes as it outputs
         classes = traced.specs[-1].out_shape[-1]
-    batch = given.get("batch") or cfg.batch or 64
+    batch = given.get("batch") or cfg.batch or DEFAULTS["batch"]
     layers = cost_layers(traced.specs)
     job = Job(cfg, name, P, batch, choices, save, shape, classes, traced, layers, None, resume)
     layout = _file_layout(job, loaded, model) if loaded else _preset_layout(job, model)
