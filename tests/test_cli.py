@@ -105,22 +105,35 @@ def test_simulate_writes_csv_and_figures(tmp_path):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_profile_then_plan_with_measured_compute(tmp_path):
+def test_profile_then_plan_on_any_cluster_with_measured_compute(tmp_path):
+    """`hybridpar profile` writes the profile `localhost` plans with (every batch a rank of the
+    job runs, its ranks sharing this machine's cores), and `plan --compute` prices a plan on any
+    cluster with it; a per-sample table of an older release is refused in one line."""
     table = tmp_path / "digits.json"
     r = run(
-        "profile", "--model", "digits-cnn", "--batch", "8", "--repeats", "2", "--out", str(table)
+        *("profile", "--model", "digits-cnn", "--procs", "4", "--batch", "64"),
+        *("--repeats", "2", "--out", str(table)),
     )
     assert r.returncode == 0, r.stderr
     data = json.loads(table.read_text())
-    assert all(f > 0 for f, _ in data["per_sample_s"].values())
+    assert sorted(map(int, data["per_count"])) == [16, 32, 64]  # B / Pc for Pc = 4, 2, 1
+    assert data["procs"] == 4 and data["update_s"] > 0
     plan = ["plan", "--model", "digits-cnn", "--procs", "4", "--batch", "64", "--compute"]
-    p = run(*plan, str(table), "--json")
+    p = run(*plan, str(table), "--scenario", "batch", "--cluster", "fdr-infiniband", "--json")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
-    per_sample = sum(f + b for f, b in data["per_sample_s"].values())
-    assert d["best"]["compute_s"] == pytest.approx(per_sample * 64 / 4, rel=1e-9)
+    threads = max(1, data["cores"] // 4)
+    slowdown = max(1.0, 4 * threads / data["cores"])  # 4 ranks sharing the profiled cores
+    leaves = sum(f + b for f, b in data["per_count"]["16"].values())
+    update = sum(x["params"] for x in d["best"]["layers"]) * data["update_s"]
+    assert d["best"]["compute_s"] == pytest.approx(slowdown * (leaves + update), rel=1e-9)
     bad = run(*plan, str(tmp_path / "none.json"))
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"model": "digits-cnn", "per_sample_s": {"0": [1e-5, 2e-5]}}))
+    bad = run(*plan, str(old))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "per_sample_s" in bad.stderr and "hybridpar profile" in bad.stderr, bad.stderr
 
 
 def test_plan_with_a_codec_predicts_a_quarter_of_the_bytes():

@@ -6,11 +6,9 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 from dist_helpers import run_ranks
@@ -361,14 +359,10 @@ def test_a_split_is_timed_with_the_busiest_ranks_units_against_the_whole(monkeyp
     import torch
 
     seen = []
-
-    class Seen(torch.nn.Linear):
-        def forward(self, x):
-            seen.append(self.weight.shape[0])
-            return super().forward(x)
-
-    conv = torch.nn.Sequential(torch.nn.Unflatten(1, (1, 10)), torch.nn.Conv1d(1, 7, 3))
-    net = torch.nn.Sequential(Seen(6, 10), torch.nn.ReLU(), conv)
+    linear = torch.nn.Linear(6, 10)
+    linear.register_forward_pre_hook(lambda m, a: seen.append(m.weight.shape[0]))
+    conv = torch.nn.Sequential(torch.nn.Unflatten(1, (1, 10, 1)), torch.nn.Conv2d(1, 7, (3, 1)))
+    net = torch.nn.Sequential(linear, torch.nn.ReLU(), conv)
     shares = prof._measure_splits(net, (6,), 3, 4, repeats=2)
     assert set(shares) == {"0", "2.1"}  # the linear layer and the convolution
     assert set(seen) == {10, 4} and seen.count(4) == 3  # ceil(10 / 3) units, warm-up + 2
@@ -414,35 +408,12 @@ def test_the_search_weighs_compute_by_style():
     assert by_profile.best.compute_s == pytest.approx(2 * 8 * (1e-6 + 1e-2))
 
 
-class _Alone:
-    """A profile's neighbours (profile._Neighbours) where a test asks only what is cached: none
-    run, each set's size is kept in `opened`; `depth` sets are open (2: the crowded ones too)."""
-
-    opened: ClassVar[list[int]] = []
-    depth: ClassVar[int] = 0
-
-    def __init__(self, model, shape, threads, busy, amp="none"):
-        self.spec, self.busy, self.amp = (model, shape, threads), busy, amp
-        self.opened.append(busy)
-
-    def __enter__(self):
-        _Alone.depth += 1
-        return self
-
-    def __exit__(self, *_):
-        _Alone.depth -= 1
-        return False
-
-    def run(self, _):
-        pass
-
-
 def test_profile_is_cached_extended_and_remeasured_after_a_calibration(cache, monkeypatch):
     calls = []
     real = prof._measure_count
 
     def counting(model, shape, n, repeats, device="cpu", leaves=True):
-        if leaves:  # (without: the iterations' later passes, and the crowded ones)
+        if leaves:
             calls.append(n)
         return real(model, shape, n, 1, device, leaves)
 
@@ -450,7 +421,6 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(cache, mo
     bands, splits = prof._measure_bands, prof._measure_splits
     monkeypatch.setattr(prof, "_measure_bands", lambda m, s, pr, n, _, d: bands(m, s, pr, n, 1, d))
     monkeypatch.setattr(prof, "_measure_splits", lambda m, s, pr, n, _, d: splits(m, s, pr, n, 1))
-    monkeypatch.setattr(prof, "_Neighbours", _Alone)  # what is cached when, not the neighbours
     host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
     pm = prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)  # counts 4 (1x2), 8 (2x1)
     assert sorted(calls) == [4, 8] and sorted(pm.per_count) == [4, 8]
@@ -460,20 +430,14 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(cache, mo
     assert set(pm.per_count[8]) >= {"0", "2", "6", "9", "11"}  # the leaves, by module name
     prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8)
     assert sorted(calls) == [4, 8]  # cached
-    (cached,) = (cache / "profiles").glob("digits-wide-*-t1-b2.json")
-    assert json.loads(cached.read_text())["crowded"] == {}  # a core to each rank
+    (cached,) = (cache / "profiles").glob("digits-wide-*-t1.json")
     pm4 = prof.planning_compute(host, "digits-wide", (1, 8, 8), 4, 8)  # adds 2; 4 ranks share 2
     assert sorted(calls) == [2, 4, 8]
-    # each count again with two ranks to a core; each iteration alone in two passes or three
-    data = json.loads(cached.read_text())
-    assert sorted(data["crowded"]) == ["2x2", "2x4", "2x8"]
-    assert all(len(t["s_passes"]) in (2, 3) for t in data["iteration"].values())
-    assert pm4.contention >= 2.0
+    assert pm4.contention == 2.0  # the one price of oversubscription: 4 ranks x 1 thread / 2
     again = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=2e10, cores=2)
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
     assert sorted(calls) == [2, 4, 4, 8, 8]  # a new calibration measures again
-    # a profile cached by an older release (the fastest iteration, no `method`) is measured again
-    # 2 ranks of one thread fill 2 cores: measured beside one neighbour ("-b2"), also for 4
+    # a profile cached by an older release (no `method`) is measured again
     old = json.loads(cached.read_text())
     cached.write_text(json.dumps({k: v for k, v in old.items() if k != "method"}))
     prof.planning_compute(again, "digits-wide", (1, 8, 8), 2, 8)
@@ -485,97 +449,12 @@ def test_profile_is_cached_extended_and_remeasured_after_a_calibration(cache, mo
     assert prof.planning_compute(PRESETS["cori-knl"], "digits-wide", (1, 8, 8), 2, 8) is None
 
 
-def test_where_ranks_outnumber_the_cores_a_rank_is_priced_at_its_iteration_measured_crowded(
-    cache, monkeypatch
-):
-    """Four ranks on two cores run in turn, and each switch evicts the other's data: resnet20's
-    iteration took 2.2x its time beside one busy rank, not the 2x a share of the core
-    explains, and every resnet20 plan was predicted 5-26 % low. The profile times the
-    iteration with two processes to a core and prices the ranks at what it measured; it is
-    checked again with the rest of the profile."""
-    from hybridpar.core.timing import Settled
-
-    def fake(ratios):  # the iteration at n samples 1 ms a sample; crowded, 2 x its ratio more
-        def measure(model, shape, n, repeats, device="cpu", leaves=True):
-            s = n * 1e-3 * (2 * ratios[n] if _Alone.depth > 1 else 1.0)
-            return ({"0": (1e-3, 1e-3)} if leaves else {}), Settled(s, 0.01, 1, True)
-
-        return measure
-
-    monkeypatch.setattr(prof, "_Neighbours", _Alone)
-    _Alone.opened = []
-    host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
-
-    def contention(ratios):
-        for f in (cache / "profiles").glob("*.json"):
-            f.unlink()
-        monkeypatch.setattr(prof, "_measure_count", fake(ratios))
-        return prof.planning_compute(host, "digits-wide", (1, 8, 8), 4, 8)  # counts 2, 4, 8
-
-    pm = contention({2: 1.1, 4: 1.15, 8: 1.3})
-    # each count's own: a batch plan's rank runs 2 samples, a model plan's 8 (the working set,
-    # so the caches' loss, grows with them; 0299212 took the median, 1.15, for all)
-    assert pm.contention == 2.0 and pm.crowding == pytest.approx({2: 1.1, 4: 1.15, 8: 1.3})
-    layer = dataclasses.replace(LAYER, name="0", members=("0",))  # 1 ms each way, any count
-    assert pm.times(layer, 2) == pytest.approx((2 * 1.1e-3, 2 * 1.1e-3))
-    assert pm.times(layer, 8)[0] == pytest.approx(2 * 1.3e-3)
-    # beside one busy rank (2 processes), then 2 more: 4 processes on the 2 cores
-    assert _Alone.opened == [2, 3]
-    checks = {r.quantity: r for r in prof.recheck(Path(pm.source))}
-    assert {"iteration at 8 samples", "iteration at 8 samples, 2 ranks to a core"} <= set(checks)
-    cached = checks["iteration at 8 samples, 2 ranks to a core"].cached
-    assert cached == pytest.approx(2 * 1.3 * 8e-3)
-    # a crowded run measured faster than its share of the core (noise) prices the share alone
-    assert contention({2: 0.9, 4: 0.95, 8: 1.02}).crowding == {2: 1.0, 4: 1.0, 8: 1.02}
-    # a core to each rank: nothing measured crowded, no factor
-    assert prof.planning_compute(host, "digits-wide", (1, 8, 8), 2, 8).contention == 1.0
-    # 3 ranks on 2 cores get 2/3 of a core each over an iteration (0299212 priced them as 4
-    # and alexnet-owt's compute at P = 3 came out 1.5x its measured 85 ms), the crowding
-    # measured with up to 2 to a core
-    _Alone.opened = []
-    monkeypatch.setattr(prof, "_measure_count", fake(dict.fromkeys(range(1, 10), 1.3)))
-    three = prof.planning_compute(host, "digits-wide", (1, 8, 8), 3, 9)
-    assert three.contention == 1.5 and three.crowding == pytest.approx(dict.fromkeys([3, 9], 1.3))
-    assert _Alone.opened == [2, 3]
-
-
-def test_an_iteration_measured_in_a_slow_minute_is_outvoted_by_later_passes(cache, monkeypatch):
-    """Every iteration the profile prices from is measured in a second pass after the rest, and
-    a third where two passes differ by more than AGREE; the median is kept and the count's leaves
-    scaled to it. In one of three orders of issue 42's benchmark resnet20's iteration at 8
-    samples came out 58.5 ms (spread 3.6 %), against 33.5 and 34.2 ms in the other two, and every
-    plan was priced from it (ddp 29 % high)."""
-    from hybridpar.core.timing import Settled
-
-    slow = {2: [1.7, 1.0, 1.02], 4: [1.0, 1.05], 8: [1.0, 1.0]}  # the passes, over 1 ms a sample
-
-    def measure(model, shape, n, repeats, device="cpu", leaves=True):
-        crowded = _Alone.depth > 1
-        s = n * 1e-3 * (2.4 if crowded else slow[n].pop(0))
-        return ({"0": (s / 4, s / 4)} if leaves else {}), Settled(s, 0.03, 1, True)
-
-    monkeypatch.setattr(prof, "_Neighbours", _Alone)
-    monkeypatch.setattr(prof, "_measure_count", measure)
-    host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
-    pm = prof.planning_compute(host, "digits-wide", (1, 8, 8), 4, 8)  # counts 2, 4, 8
-    assert all(not left for left in slow.values())  # 3 passes at 2 samples, 2 at 4 and 8
-    data = json.loads(Path(pm.source).read_text())
-    assert data["iteration"]["2"]["s_passes"] == pytest.approx([3.4e-3, 2e-3, 2.04e-3])
-    assert data["iteration"]["2"]["s"] == pytest.approx(2.04e-3)  # the median, not the first
-    assert data["iteration"]["4"]["s"] == pytest.approx(4.1e-3)  # two that agree: their mean
-    # the leaves sum to the median (they took half of the first pass's iteration)
-    assert sum(pm.per_count[2]["0"]) == pytest.approx(2.04e-3 / 2)
-    # the crowding factor from the medians: 2.4 / (2 x 1.02), not floored by the slow pass
-    assert pm.crowding[2] == pytest.approx(2.4 / (2 * 1.02))
-
-
 def test_a_bf16_run_is_profiled_under_its_autocast(cache, monkeypatch):
     """`--amp bf16` trains under bf16 autocast, so its compute profile is timed under the same
     autocast and cached apart from the fp32 one; before, a bf16 job was priced with fp32
     times (resnet20 at 16 examples runs 1.2x faster in bf16 on this CPU, a GPU far more)."""
     import torch
 
-    monkeypatch.setattr(prof, "_Neighbours", _Alone)
     seen = []
     real = prof._measure_count
 
@@ -587,42 +466,16 @@ def test_a_bf16_run_is_profiled_under_its_autocast(cache, monkeypatch):
     host = Cluster("localhost", alpha=1e-5, beta=1e-9, flops=1e10, cores=2)
     fp32 = prof.planning_compute(host, "digits-wide", (1, 8, 8), 1, 8)
     bf16 = prof.planning_compute(host, "digits-wide", (1, 8, 8), 1, 8, amp="bf16")
-    # one count each, timed under its own precision, its later passes too
+    # one count each, timed under its own precision
     assert [amp for leaves, amp in seen if leaves] == [False, True]
     first_bf16 = seen.index((True, True))
     assert not any(amp for _, amp in seen[:first_bf16]) and all(amp for _, amp in seen[first_bf16:])
     assert fp32.source != bf16.source and bf16.source.endswith("-bf16.json")
     assert json.loads(Path(bf16.source).read_text())["measured"]["amp"] == "bf16"
-    with prof._measuring("digits-wide", (1, 8, 8), 1, 1, "cpu", "bf16") as (net, _):
+    with prof._measuring("digits-wide", (1, 8, 8), 1, "cpu", "bf16") as net:
         assert net(torch.randn(2, 1, 8, 8)).dtype == torch.bfloat16
-    with prof._measuring("digits-wide", (1, 8, 8), 1, 1, "cpu") as (net, _):
+    with prof._measuring("digits-wide", (1, 8, 8), 1, "cpu") as net:
         assert net(torch.randn(2, 1, 8, 8)).dtype == torch.float32
-
-
-def test_the_profile_runs_beside_the_ranks_that_share_its_cores_and_leaves_none_behind():
-    assert prof.busy_ranks(2, 2, 1) == 2 and prof.busy_ranks(2, 4, 1) == 2
-    assert prof.busy_ranks(2, 3, 1) == 2 and prof.busy_ranks(4, 2, 2) == 2
-    assert prof.busy_ranks(2, 1, 2) == 1 and prof.busy_ranks(16, 4, 4) == 4
-    with prof._Neighbours("digits-wide", (1, 8, 8), 1, 3) as beside:
-        assert len(beside.procs) == 2
-        beside.run(8)  # both neighbours train the model at 8 samples (each acknowledges it)
-        beside.run(prof.UPDATE)
-        procs = beside.procs
-        procs[0].stdin.close()  # the profile gone: its neighbour ends at the end of its input
-        assert procs[0].wait(timeout=60) == 0
-    assert procs[1].returncode == -signal.SIGKILL  # the profile done kills the rest
-    # a model that prints lines of its own does not confuse the handshake; a neighbour that dies
-    # ends the profile with a clear error instead of a hang
-    talk = "print('building the model...'); print('ready')"
-    for code, ok in [(talk, True), ("raise SystemExit(3)", False)]:
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        try:
-            prof._Neighbours._expect(p, "ready", timeout_s=60)
-            assert ok
-        except RuntimeError as e:
-            assert not ok and "did not say 'ready'" in str(e)
-        p.wait()
-        p.stdout.close()
 
 
 def test_one_stalled_call_does_not_make_a_leaf_slow_in_the_profile(monkeypatch):
@@ -696,7 +549,6 @@ def test_shared_memory_collectives_take_their_share_of_a_crowded_host(cache):
     around it compute. So where ranks outnumber the cores it is priced at the contention factor,
     as compute and the codecs are: 4 ranks on 2 cores, twice the measured numbers (before:
     once; resnet20's domain plans then came out 17-28 % low, docs/validate.md)."""
-    import dataclasses
 
     from hybridpar.core.cluster import _from_mapping, load_cluster
     from hybridpar.core.terms import Term
@@ -748,7 +600,6 @@ def test_a_run_without_shared_memory_is_priced_as_it_runs(cache, train_job):
     """`--no-shared-memory` sends a job's activations' and small collectives through gloo, so its
     prediction prices them on alpha-beta, not at the shared-memory numbers the calibration
     measured (before: resnet20's domain 4 x 1 predicted 76.5 ms with it, measured 318.8)."""
-    import dataclasses
 
     from hybridpar.core.analysis import analyze
     from hybridpar.core.cluster import load_cluster
@@ -913,44 +764,3 @@ def test_a_measurement_is_repeated_until_its_spread_is_small_and_its_value_plaus
         "update_s_spread": 0.0,
         "update_s_unsettled": 3,
     }
-
-
-def mapped_by_a_4mb_block() -> int:
-    """Bytes glibc maps for a 4 MB malloc in this process (0: it came from the heap)."""
-    import ctypes
-
-    class Info(ctypes.Structure):  # glibc's struct mallinfo2
-        _fields_ = [(k, ctypes.c_size_t) for k in ("arena", "ordblks", "smblks", "hblks",
-                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype, libc.malloc.restype = Info, ctypes.c_void_p
-    before = libc.mallinfo2().hblkhd
-    block = libc.malloc(4 << 20)
-    mapped = libc.mallinfo2().hblkhd - before
-    libc.free(ctypes.c_void_p(block))
-    return mapped
-
-
-def test_ranks_and_the_profile_allocate_alike():
-    """Issue 42: glibc maps a 4 MB block in a fresh process, and how it allocates then depends on
-    what the process freed before (a profile taken after a codec timing ran 8-15 % faster than
-    one taken in a fresh process). Every rank and the profile fix malloc's thresholds alike
-    (core.timing.steady_malloc): the block comes from the heap in a rank, and in a process once
-    the profile has measured in it."""
-    import ctypes
-
-    from dist_helpers import run_ranks
-
-    try:
-        ctypes.CDLL("libc.so.6").mallinfo2  # noqa: B018
-    except (OSError, AttributeError):
-        pytest.skip("needs glibc 2.33 or later")
-
-    fresh = [sys.executable, "-c", "import test_validate as t; print(t.mapped_by_a_4mb_block())"]
-    here = os.path.dirname(__file__)
-    got = subprocess.run(fresh, cwd=here, capture_output=True, text=True, check=True)
-    assert int(got.stdout) >= 4 << 20  # mapped: glibc's default
-    assert run_ranks(mapped_by_a_4mb_block, 2) == [0, 0]
-    with prof._measuring("digits-wide", (1, 8, 8), 1, 1, "cpu"):
-        assert mapped_by_a_4mb_block() == 0

@@ -118,12 +118,27 @@ def _simulate_parser(sub) -> None:
 
 
 def _measuring_parsers(sub) -> None:
-    f = sub.add_parser("profile", help="measure per-layer compute time here, for the planner")
+    f = sub.add_parser(
+        "profile", help="measure a model's compute here, for plans on any cluster (--compute)"
+    )
     f.add_argument("--model", required=True, help="zoo model or package.module:factory")
-    f.add_argument("--batch", type=_positive_int, default=16, help="samples per timed iteration")
+    f.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=16,
+        help="global batch B: every batch a rank of the job runs (B / Pc) is timed",
+    )
+    f.add_argument(
+        "--procs",
+        "--nproc",
+        type=_positive_int,
+        default=1,
+        help="the job's ranks P, sharing this machine's cores as they would a host's",
+    )
     f.add_argument("--input-size", type=_positive_int, default=None, help="image height and width")
+    f.add_argument("--input-shape", default=None, help="C,H,W of one example, for a factory")
     f.add_argument("--repeats", type=_positive_int, default=5, help="timed iterations per layer")
-    f.add_argument("--out", default=None, help="the table's path (default: the cache folder)")
+    f.add_argument("--out", default=None, help="the profile's path (default: the cache folder)")
     f.set_defaults(func=cmd_profile)
 
     k = sub.add_parser("codecs", help="error (Table 2 of Dettmers) and speed of every codec")

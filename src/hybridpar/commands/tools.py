@@ -15,22 +15,27 @@ __all__ = ["cmd_calibrate", "cmd_codecs", "cmd_profile"]
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from hybridpar.commands.profile import profile_model, save
     from hybridpar.core.cluster import cache_dir
-    from hybridpar.core.zoo import zoo_entry
+    from hybridpar.core.zoo import file_label, input_shape, is_factory, parse_input_shape, zoo_entry
+    from hybridpar.planning.profile import write_profile
 
-    zoo_entry(args.model)  # an unknown name: one line
-    default = cache_dir() / "profiles" / f"{args.model}-{args.input_size or 'default'}.json"
-    path = writable("--out", args.out or default)
-    table = profile_model(
-        args.model, batch=args.batch, input_size=args.input_size, repeats=args.repeats
-    )
-    save(table, path)
-    total_f = sum(v[0] for v in table["per_sample_s"].values())
-    total_b = sum(v[1] for v in table["per_sample_s"].values())
+    if is_factory(args.model):
+        if args.input_shape is None:
+            raise ConfigError(f"--model {args.model} needs --input-shape C,H,W")
+        shape = parse_input_shape(args.input_shape)
+    else:
+        zoo_entry(args.model)  # an unknown name: one line
+        shape = input_shape(args.model, args.input_size)
+    label = f"{file_label(args.model)}-p{args.procs}-b{args.batch}"
+    path = writable("--out", args.out or cache_dir() / "profiles" / f"{label}.json")
+    model = write_profile(args.model, tuple(shape), args.procs, args.batch, path, args.repeats)
+    per = {n: model.per_count[n] for n in sorted(model.per_count)}
     print(
-        f"{args.model}: forward {total_f * 1e3:.3f} ms + backward {total_b * 1e3:.3f} ms per sample "
-        f"({table['threads']} threads); table written to {path}"
+        f"{args.model}: a rank's iteration at "
+        + ", ".join(
+            f"{n} samples {sum(f + b for f, b in t.values()) * 1e3:.2f} ms" for n, t in per.items()
+        )
+        + f" ({args.procs} ranks sharing {os.cpu_count()} cores); written to {path}"
     )
     print(f"use it with: hybridpar plan --model {args.model} --compute {path} ...")
     return 0

@@ -19,7 +19,7 @@ import math
 import os
 import sys
 from dataclasses import asdict, dataclass, fields, replace
-from functools import cache, lru_cache
+from functools import lru_cache
 from pathlib import Path
 
 from hybridpar.core.errors import ConfigError
@@ -93,15 +93,6 @@ class Cluster:
     # shared_memory: set for a run, not by cluster files); False: its activations' and small
     # collectives go through gloo and are priced on alpha-beta (the host reducer keeps its own)
     shared_memory: bool = True
-    # what the ranks of one host lose where they meet, measured by `hybridpar calibrate` for each
-    # number of ranks on a host: (P, ((alone s, wall s, wait s), ...)) (planning.cost.sync);
-    # `sync` is the table of the job `at` prices and `sync_ranks` its ranks on a host
-    sync_by_procs: tuple[tuple[int, tuple[tuple[float, float, float], ...]], ...] = ()
-    sync: tuple[tuple[float, float, float], ...] = ()
-    sync_ranks: int | None = None
-    # the same table measured with all of a two-level job's ranks meeting across the hosts
-    # (`[network]`'s `sync`): `at` takes it for a job that spans them
-    net_sync: tuple[tuple[float, float, float], ...] = ()
     # seconds of a small all-reduce (batch-norm statistics) over all of a two-level job's ranks
     # across the hosts, measured by `hybridpar calibrate` (`[network]`'s `small_alpha`); a group
     # that spans hosts prices its small sums so (`over`); None: alpha-beta
@@ -127,120 +118,60 @@ class Cluster:
         """Ranks of a P-rank job that share one host."""
         return P if self.ranks_per_host is None else min(P, self.ranks_per_host)
 
+    def slowdown(self, P: int) -> float:
+        """How much slower than alone one of a P-rank job's ranks runs on this host: its ranks
+        times their threads over the cores (`contention`); 1 where the cores are not known."""
+        if self.cores is None:
+            return 1.0
+        local = self.local(P)
+        return contention(self.cores, local, rank_threads(self.cores, local))
+
     def at(self, P: int) -> Cluster:
-        """This cluster as a job of P ranks sees it. The collectives and the sync table of as
-        many ranks on a host where `hybridpar calibrate` measured them; for a count it did not
-        measure, those of the nearest count that shares the cores as P does (`_nearest`; none:
-        this cluster's own alpha and beta, and no table), the table's waits and what a round
-        loses beyond its work scaled by how far the last of P ranks arrives behind their mean
-        against the last of that count (`_scaled`, `expected_max`: independent, equally noisy
-        ranks); for a job that spans the hosts of a two-level cluster, the table measured with
-        the ranks meeting across them. Its shared-memory numbers take the contention factor of
-        its ranks on the host's cores."""
-        here, local = self, self.local(P)
-        spans = self.two_level and bool(self.net_sync) and local < P
-        if self.sync_by_procs or spans:
-            if spans:
-                rows = self.net_sync
-            else:
-                tables = dict(self.sync_by_procs)
-                p0 = self._nearest(tables, local)
-                rows = self._scaled(tables[p0], p0, local) if p0 else ()
-            if (rows, local) != (self.sync, self.sync_ranks):
-                here = replace(self, sync=rows, sync_ranks=local)
+        """This cluster as a job of P ranks sees it: the collectives of as many ranks on a host
+        where `hybridpar calibrate` measured them; for a count it did not measure, those of the
+        nearest count that shares the cores as P does (`_nearest`; none: this cluster's own
+        alpha and beta). Its shared-memory numbers take the slowdown of its ranks on the host's
+        cores: timed back to back, the waiting ranks hand each other the cores; in a step the
+        ranks around a collective compute, and it gets its share of a core as compute does."""
         fits = {p: rest for p, *rest in self.by_procs}
-        if fit := self._nearest(fits, local):
-            alpha, beta, small, shm = fits[fit]
-            # a shared-memory collective is the ranks' own copying, summing and polling: timed
-            # back to back, the waiting ranks hand each other the cores; in a step the ranks
-            # around it compute, and it gets its share of a core as compute and the codecs do
-            c = 1.0
-            if self.cores is not None:
-                c = contention(self.cores, local, rank_threads(self.cores, local))
-            small, shm = (None if x is None else x * c for x in (small, shm))
-            return replace(here, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
-        return here
+        fit = self._nearest(fits, self.local(P))
+        if not fit:
+            return self
+        alpha, beta, small, shm = fits[fit]
+        c = self.slowdown(P)
+        small, shm = (None if x is None else x * c for x in (small, shm))
+        return replace(self, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
 
     def _nearest(self, counts, p: int) -> int:
         """Which of `counts` (ranks on a host a calibration measured) prices p of them: the
         largest up to p, or else the smallest above it, of those that share the host's cores as p
-        does (every rank on a core of its own, or some waiting for one: a collective or a meeting
-        of ranks that wait for cores costs a multiple of one whose ranks do not); none such, the
-        largest up to p; 0 where there is none."""
+        does (every rank on a core of its own, or some waiting for one: a collective of ranks
+        that wait for cores costs a multiple of one whose ranks do not); none such, the largest
+        up to p; 0 where there is none."""
         if self.cores is not None:
             alike = [c for c in counts if (c > self.cores) == (p > self.cores)]
             if alike:
                 return max((c for c in alike if c <= p), default=min(alike))
         return max((c for c in counts if c <= p), default=0)
 
-    def _scaled(self, rows, p0: int, p: int) -> tuple:
-        """The meetings' table of p0 ranks on a host for p of them: the work priced at p's
-        contention, what a round lost beyond the work at p0's (wall less alone x its factor)
-        and the wait both grown by expected_max(p) / expected_max(p0)."""
-        if p == p0:
-            return tuple(rows)
-        k = expected_max(p) / expected_max(p0)
-        c0 = c = 1.0
-        if self.cores is not None:
-            c0 = contention(self.cores, p0, rank_threads(self.cores, p0))
-            c = contention(self.cores, p, rank_threads(self.cores, p))
-        return tuple((a, c * a + k * max(0.0, wall - c0 * a), k * wait) for a, wall, wait in rows)
-
     def codec_times(self, codec: str, P: int) -> tuple[float, float]:
         """(encode, decode) seconds per element for a rank of a P-rank job on this cluster: as one
-        thread measured them, times the contention factor of the ranks sharing a host's cores;
-        (0, 0) where the codec was not measured."""
+        thread measured them, times the slowdown of the ranks sharing a host's cores; (0, 0)
+        where the codec was not measured."""
         for name, enc, dec in self.codecs:
             if name == codec:
-                c = 1.0
-                if self.cores is not None:
-                    local = self.local(P)
-                    c = contention(self.cores, local, rank_threads(self.cores, local))
+                c = self.slowdown(P)
                 return enc * c, dec * c
         return 0.0, 0.0
 
-    def sync_cost(self, seconds: float) -> tuple[float, float]:
-        """(excess, wait) seconds of one meeting of the ranks after `seconds` of compute as the
-        compute model prices it (a rank's time alone times the contention factor of this
-        cluster's cores, `contention`), from the `sync` table (planning.cost.sync). Its rows are
-        (alone, wall, wait): a rank's work alone, and the round's wall time and mean wait with
-        all `sync_ranks` ranks at once, each beyond the same without work. The excess, wall less
-        the priced compute, is a least-squares line through the rows (`_per_meeting`: a fixed
-        cost per meeting and a share of the compute; one line is robust to the noise of single
-        rows); the wait is interpolated between the rows from (0, 0), growing as the
-        square root of the work beyond the last (the spread of a sum of time slices). With the
-        cores given by hand (an emulated host), the factor and so the excess follow them.
-
-        A meeting right after another (no compute priced between them: a halo after a batch
-        norm's sums, a hand-off after a dX sum) waits as one after the table's least work, and
-        that wait is lost: the early ranks had nothing to run ahead with. (Priced as free,
-        resnet20's domain plans at P = 4 on 2 cores came out 12-23 % low, their ~35 such
-        meetings waiting 0.5-0.6 ms each.)"""
-        rows = sorted(self.sync)
-        if not rows or seconds < 0:
-            return 0.0, 0.0
-        if seconds == 0:
-            wait = max(0.0, rows[0][2])
-            return wait, wait
-        c = 1.0
-        if self.cores is not None and self.sync_ranks:
-            c = contention(self.cores, self.sync_ranks, rank_threads(self.cores, self.sync_ranks))
-        sxx = math.fsum((c * a) ** 2 for a, _, _ in rows)
-        num = math.fsum((wall - c * a) * c * a for a, wall, _ in rows)
-        share = max(0.0, num / sxx) if sxx > 0 else 0.0
-        excess = _per_meeting(
-            [(c * a, wall - c * a) for a, wall, _ in rows if a > 0], seconds, share
-        )
-        points = [(0.0, 0.0), *((a, max(0.0, w)) for a, _, w in rows if a > 0)]
-        alone = seconds / c
-        last_a, last_w = points[-1]
-        if alone >= last_a:
-            wait = last_w * math.sqrt(alone / last_a) if last_a > 0 else 0.0
-        else:
-            k = next(i for i, (a, _) in enumerate(points) if a > alone)
-            (a0, w0), (a1, w1) = points[k - 1], points[k]
-            wait = w0 + (w1 - w0) * (alone - a0) / (a1 - a0)
-        return excess, wait
+    def meeting_s(self, P: int) -> float:
+        """What a P-rank job's ranks lose each time they meet in a blocking collective (some
+        arrive before others): one small all-reduce as `hybridpar calibrate` timed it, through a
+        host's shared memory, or over all the ranks where the job spans a two-level cluster's
+        hosts; 0 where nothing was timed (a described cluster, shared memory off)."""
+        if self.two_level and self.local(P) < P:
+            return self.net_small or 0.0
+        return self.small_alpha if self.shm_paths and self.small_alpha else 0.0
 
     def placed(self, placement: tuple[int, int] | None) -> Cluster:
         """This cluster for a plan that places its positions by `placement`."""
@@ -351,12 +282,10 @@ class Cluster:
             str(p): {"alpha": a, "beta": b, "small_alpha": sa, "shm_beta": sb}
             for p, a, b, sa, sb in self.by_procs
         }
-        for p, rows in self.sync_by_procs:
-            by_procs.setdefault(str(p), {})["sync"] = [list(r) for r in rows]
         out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
         out["codecs"] = {name: [enc, dec] for name, enc, dec in self.codecs}
-        drop = ("ranks_per_host", "net_alpha", "net_beta", "placement", "shared_memory", "sync")
-        for k in (*drop, "sync_by_procs", "sync_ranks", "net_sync", "net_small"):
+        drop = ("ranks_per_host", "net_alpha", "net_beta", "placement", "shared_memory")
+        for k in (*drop, "net_small"):
             out.pop(k)
         if self.two_level:
             out["network"] = {
@@ -365,8 +294,6 @@ class Cluster:
                 "beta": self.net_beta,
                 "bandwidth_GBps": 1 / self.net_beta / 1e9 if self.net_beta else None,
             }
-            if self.net_sync:
-                out["network"]["sync"] = [list(r) for r in self.net_sync]
             if self.net_small is not None:
                 out["network"]["small_alpha"] = self.net_small
         return out
@@ -440,29 +367,6 @@ BYTES_ONLY = Cluster(
 )
 
 
-def _per_meeting(points: list[tuple[float, float]], seconds: float, share: float) -> float:
-    """The excess of one meeting after `seconds` of priced compute, from the sync table's points
-    (priced compute, excess): a least-squares line, a fixed cost per meeting (ranks that share
-    cores wait for the scheduler to hand a core back to the last one) plus a share of the
-    compute the scheduler interleaves; below the first point in proportion from (0, 0). Where the line's intercept or slope comes out negative
-    (a noisy table), or with one point, `share` of the compute."""
-    if len(points) < 2:
-        return share * seconds
-    mx = math.fsum(x for x, _ in points) / len(points)
-    my = math.fsum(y for _, y in points) / len(points)
-    sxx = math.fsum((x - mx) ** 2 for x, _ in points)
-    if sxx <= 0:
-        return share * seconds
-    slope = math.fsum((x - mx) * (y - my) for x, y in points) / sxx
-    intercept = my - slope * mx
-    if intercept < 0 or slope < 0:
-        return share * seconds
-    first = min(x for x, _ in points)
-    if seconds < first:
-        return (intercept + slope * first) * seconds / first
-    return intercept + slope * seconds
-
-
 def rank_threads(cores: int, P: int) -> int:
     """The threads each of P ranks sharing `cores` cores runs with (the launcher and the trainer
     set them, the compute profile measures with them): more threads than cores make OpenMP
@@ -473,8 +377,8 @@ def rank_threads(cores: int, P: int) -> int:
 def contention(cores: int, P: int, threads: int) -> float:
     """How much slower each of P ranks of `threads` threads runs when they share `cores` cores:
     P threads / cores, at least 1: the scheduler gives each its share of the cores over a
-    stretch of work (the compute model's factor; the `sync` term adds what the ranks lose at
-    each meeting beyond it, as when two of them wait on one core and the others on theirs)."""
+    stretch of work (the compute model's one price of oversubscription; what the ranks lose at
+    each meeting is `Cluster.meeting_s`)."""
     return max(1.0, P * threads / cores)
 
 
@@ -509,24 +413,6 @@ def for_device(cluster: Cluster, device: str) -> Cluster:
     return cluster
 
 
-@cache
-def expected_max(n: int) -> float:
-    """The expected maximum of n standard normal draws (0 for one): how many standard deviations
-    the last of n ranks arrives behind their mean when each arrives with independent normal
-    noise, which is the mean wait at a meeting. 0.56 for 2, 1.03 for 4, 1.42 for 8, 1.77 for
-    16: the wait of 16 ranks is 1.7x that of 4."""
-    if n < 2:
-        return 0.0
-    h = 0.01  # midpoint rule over [-8, 8]: n phi(x) Phi(x)^(n-1) x
-    total = 0.0
-    for i in range(1600):
-        x = -8.0 + (i + 0.5) * h
-        phi = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
-        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
-        total += x * n * phi * cdf ** (n - 1) * h
-    return total
-
-
 def _from_mapping(data: dict, origin: str) -> Cluster:
     if not isinstance(data, dict):
         raise ConfigError(
@@ -537,10 +423,6 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         "net_beta",
         "placement",
         "shared_memory",
-        "sync_by_procs",
-        "sync",
-        "sync_ranks",
-        "net_sync",
         "net_small",
     }
     known |= {"bandwidth", "bandwidth_GBps", "network", "spread"}
@@ -562,11 +444,7 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
     if missing:
         raise ConfigError(f"{origin}: missing key(s) {missing}")
     if "by_procs" in data:
-        data["sync_by_procs"] = _sync_by_procs(data["by_procs"], origin)
-        table = data["by_procs"]
-        if isinstance(table, dict):  # an entry of sync rows alone has no collectives' fit
-            table = {p: v for p, v in table.items() if not _only_sync(v)}
-        data["by_procs"] = _by_procs(table, origin)
+        data["by_procs"] = _by_procs(data["by_procs"], origin)
     if "codecs" in data:
         data["codecs"] = _codecs(data["codecs"], origin)
     if "network" in data:
@@ -585,7 +463,9 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
 def _network(table: object, origin: str) -> dict:
     """The [network] table of a two-level cluster: ranks_per_host, alpha, and beta (s/byte) or
     bandwidth (bytes/s) or bandwidth_GBps, as Cluster's second level."""
-    keys = {"ranks_per_host", "alpha", "beta", "bandwidth", "bandwidth_GBps", "sync", "small_alpha"}
+    keys = {"ranks_per_host", "alpha", "beta", "bandwidth", "bandwidth_GBps", "small_alpha"}
+    if isinstance(table, dict) and "sync" in table:
+        raise ConfigError(_REMOVED.format(origin=origin, key="[network] sync"))
     if not isinstance(table, dict) or not {"ranks_per_host", "alpha"} <= set(table):
         raise ConfigError(
             f"{origin}: [network] needs ranks_per_host, alpha and beta (or bandwidth): the "
@@ -608,15 +488,23 @@ def _network(table: object, origin: str) -> dict:
         "net_alpha": table["alpha"],
         "net_beta": beta,
     }
-    if table.get("sync") is not None:
-        out["net_sync"] = _sync_rows(table["sync"], f"{origin}: [network]")
     if table.get("small_alpha") is not None:
         out["net_small"] = table["small_alpha"]
     return out
 
 
+_REMOVED = (
+    "{origin}: {key} is no longer read (the meetings' table: each meeting is priced at the "
+    "small all-reduce now); run `hybridpar calibrate` again"
+)
+
+
 def _by_procs(table: object, origin: str) -> tuple:
     """{"4": {"alpha": .., "beta": .., "small_alpha": .., "shm_beta": ..}, ...} as Cluster holds it."""
+    if isinstance(table, dict):
+        old = next((p for p, v in table.items() if isinstance(v, dict) and "sync" in v), None)
+        if old is not None:
+            raise ConfigError(_REMOVED.format(origin=origin, key=f"by_procs {old} sync"))
     try:
         out = tuple(
             sorted(
@@ -641,28 +529,6 @@ def _by_procs(table: object, origin: str) -> tuple:
     return out
 
 
-def _only_sync(entry: object) -> bool:
-    return isinstance(entry, dict) and set(entry) == {"sync"}
-
-
-def _sync_by_procs(table: object, origin: str) -> tuple:
-    """The `sync` rows of each by_procs entry that has them: [[alone s, wall s, wait s], ...]
-    as Cluster.sync_by_procs holds them."""
-    if not isinstance(table, dict):
-        return ()  # _by_procs names the problem
-    out = []
-    for p, v in table.items():
-        rows = v.get("sync") if isinstance(v, dict) else None
-        if rows is None:
-            continue
-        try:
-            n = int(p)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{origin}: by_procs {p!r}: not a number of ranks") from None
-        out.append((n, _sync_rows(rows, f"{origin}: by_procs {p}")))
-    return tuple(sorted(out))
-
-
 def _codecs(table: object, origin: str) -> tuple:
     """{"dynamic-tree": [encode s, decode s], ...} per element, as Cluster.codecs holds it."""
     try:
@@ -675,21 +541,6 @@ def _codecs(table: object, origin: str) -> tuple:
     if any(not (math.isfinite(e) and math.isfinite(d) and e >= 0 and d >= 0) for _, e, d in out):
         raise ConfigError(f"{origin}: codecs need finite seconds per element >= 0")
     return out
-
-
-def _sync_rows(rows: object, where: str) -> tuple:
-    """[[alone s, wall s, wait s], ...] as the Cluster holds a sync table; one line where it is
-    malformed."""
-    try:
-        got = tuple(sorted((float(c), float(e), float(w)) for c, e, w in rows))  # type: ignore[union-attr]
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"{where}: sync must be a list of [alone s, wall s, wait s] rows "
-            f"({exc.__class__.__name__}); run `hybridpar calibrate` again"
-        ) from None
-    if any(not all(map(math.isfinite, r)) or r[0] < 0 or r[2] < 0 for r in got):
-        raise ConfigError(f"{where}: sync rows need finite numbers, alone and wait >= 0")
-    return got
 
 
 def load_cluster(spec: str, device: str = "cpu") -> Cluster:

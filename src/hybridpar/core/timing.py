@@ -9,8 +9,6 @@ the value, so that `hybridpar calibrate --check` can tell drift from noise.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -25,7 +23,6 @@ __all__ = [
     "clock",
     "settle",
     "spread",
-    "steady_malloc",
 ]
 
 TOL = 0.10  # a batch whose interquartile range is at most this share of its median counts
@@ -39,23 +36,6 @@ def clock(device) -> float:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def steady_malloc() -> bool:
-    """Fix glibc malloc's thresholds in this process, as every rank, the compute profile and its
-    neighbours do (HYBRIDPAR_MALLOC=0 leaves them): blocks under 32 MiB come from the heap, which
-    is trimmed past 128 MiB free. By default a block over the mmap threshold is mapped and
-    unmapped on every call and the threshold moves with what the process freed before, so a
-    step's time would depend on its history (measured in docs/validate.md). False where it does
-    not apply (no glibc)."""
-    if os.environ.get("HYBRIDPAR_MALLOC", "1") == "0":
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 128 << 20))
 
 
 def spread(samples: list[float]) -> float:

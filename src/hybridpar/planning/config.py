@@ -31,9 +31,9 @@ class PlanConfig:
     input_shape: str | None = shape_option(", e.g. 3,32,32")
     compute: str | None = meta(
         None,
-        "compute times: a table from `hybridpar profile`, or 'flops' (FLOPs / the cluster's "
-        "rate); default: on the calibrated localhost a profile measured here at the batches a "
-        "rank runs (cached), elsewhere flops",
+        "compute times: a profile `hybridpar profile` wrote (for any cluster), or 'flops' "
+        "(FLOPs / the cluster's rate); default: on the calibrated localhost a profile measured "
+        "here at the batches a rank runs (cached), elsewhere flops",
     )
     bytes_per_element: float | None = meta(
         None, "wire bytes per element (default: the cluster's word size)", positive=True
@@ -78,12 +78,12 @@ class PlanConfig:
 
     def plan_kwargs(self) -> dict:
         """Keyword arguments of `hybridpar.planning.search.make_plan`."""
-        from hybridpar.planning.cost.compute import load_table
+        from hybridpar.planning.profile import load_profile
 
         return dict(
             input_size=self.input_size,
             input_shape=parse_input_shape(self.input_shape) if self.input_shape else None,
-            compute=load_table(self.compute) if self.compute not in (None, "flops") else None,
+            compute=load_profile(self.compute) if self.compute not in (None, "flops") else None,
             elem_bytes=self.bytes_per_element,
             memory_limit=self.memory_limit * 2**30 if self.memory_limit else None,
             overlap=self.overlap,

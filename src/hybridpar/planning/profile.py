@@ -1,52 +1,51 @@
-"""The compute profile of a model on this machine, for the planner on a calibrated host.
+"""The compute profile of a model on this machine, for the planner on a calibrated host or, written
+by `hybridpar profile`, for a plan on any cluster (`plan --compute FILE`).
 
 A rank of a P-rank job on a host with C cores runs with max(1, C // P) threads (the launcher sets
 it) and shares the cores with the other ranks. The profile times, in this process with that many
 threads, the median of training iterations of the model (forward, loss, backward) at each batch a
-rank runs (B / Pc for every grid), settled (hybridpar.core.timing), splits it over the leaf layers by
-hooks (each leaf's median iteration; the hooks' own overhead is taken out by scaling the leaves to
-the iteration measured without them), and times the trainer's optimizer step on the model's own
-parameters, per parameter element, settled and bounded by a copy's speed. It measures beside
-the host's other ranks: as many processes as the ranks that run at once on the host's cores
-(`busy_ranks`) run the same thing meanwhile, since they share its memory bandwidth and caches
-(a memory-bound step beside another takes up to twice as long). Where ranks outnumber the
-cores, it also times the iteration with as many processes to a core (`_crowd`): each switch
-evicts the other's data, so a rank takes more than its share of the core (`_crowding`). The
-planner then prices every style from what a rank runs under it
-(planning.cost.compute.ProfileModel), with that slowdown of ranks sharing cores. Every
-iteration a rank's compute is scaled to is measured again after the rest, and a third time
-where the two passes disagree (`_passes`): the median of passes apart, not one settled batch.
+rank runs (B / Pc for every grid), settled (hybridpar.core.timing), splits it over the leaf layers
+by hooks (each leaf's median iteration; the hooks' own overhead is taken out by scaling the leaves
+to the iteration measured without them), and times the trainer's optimizer step on the model's
+own parameters, per parameter element, settled and bounded by a copy's speed. The planner then
+prices every style from what a rank runs under it (planning.cost.compute.ProfileModel), each rank
+slowed by the one price of oversubscription: its share of the cores (ranks x threads / cores).
 
-Profiles are cached per model, input shape, thread count and neighbours under the cache folder
-and extended with the sample counts a later plan needs; a new calibration of the host measures
-them again.
+Profiles are cached per model, input shape, thread count and device under the cache folder and
+extended with the sample counts a later plan needs; one measured another way or on other cores is
+measured again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import platform
 import statistics
-import time
 import warnings
 from pathlib import Path
 
 from hybridpar.core.cluster import Cluster, cache_dir, cache_write, contention, rank_threads
 from hybridpar.core.progress import Phase
-from hybridpar.core.timing import Recheck, Settled, clock, settle, steady_malloc
+from hybridpar.core.timing import Recheck, Settled, clock, settle
 from hybridpar.planning.cost.compute import ProfileModel
 
-__all__ = ["hook_timers", "no_inplace", "planning_compute", "profile_compute", "recheck"]
+__all__ = [
+    "as_model",
+    "hook_timers",
+    "job_counts",
+    "load_profile",
+    "measure_profile",
+    "no_inplace",
+    "planning_compute",
+    "profile_compute",
+    "recheck",
+    "write_profile",
+]
 
 # how an iteration's time is taken; a cached profile taken another way is measured again
-METHOD = (
-    "settled medians, per leaf, beside the host's other ranks; the trainer's optimizer on the "
-    "model's own parameters; iterations in passes apart"
-)
-# two passes of an iteration further apart than this: a third one, and the median of the three
-AGREE = 0.10
+METHOD = "settled medians, per leaf, alone; the trainer's optimizer on the model's own parameters"
+FORMAT = "hybridpar-profile/2"
 
 
 def no_inplace(model) -> None:
@@ -327,11 +326,12 @@ def _measure_splits(
     import torch
     from torch import nn
 
+    from hybridpar.core.ops import is_plain
     from hybridpar.core.splits import chunk_sizes
 
-    def pick(m) -> bool:
-        ungrouped = isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.groups == 1
-        return ungrouped or isinstance(m, nn.Linear)
+    def pick(m) -> bool:  # a subclass's own forward may read its whole weight: not cut here
+        ungrouped = isinstance(m, nn.Conv2d) and m.groups == 1
+        return (ungrouped or isinstance(m, nn.Linear)) and is_plain(m)
 
     inputs: dict[str, tuple] = {}
     for name, m, x in _calls(model, torch.zeros(n, *shape, device=device), pick):
@@ -372,8 +372,7 @@ def _split_ratio(module, x_shape, k: int, dx: bool, repeats: int) -> tuple[float
 
 def _stepper(net):
     """The trainer's optimizer (hybridpar.core.optim.KrizhevskySGD: in place, no temporaries) over
-    `net`'s parameters, each with a gradient: what the profile times and its neighbours run
-    beside it. (torch.optim.SGD with weight decay allocates a gradient-sized temporary per step,
+    `net`'s parameters, each with a gradient: what the profile times. (torch.optim.SGD with weight decay allocates a gradient-sized temporary per step,
     whose page faults depend on the allocator's history; the trainer never pays them.)"""
     import torch
 
@@ -426,21 +425,13 @@ def _measure_update(net, repeats: int = 5, device="cpu") -> Settled:
         net.zero_grad(set_to_none=True)
 
 
-def _path(
-    model: str,
-    shape: tuple[int, ...],
-    threads: int,
-    busy: int = 1,
-    device: str = "cpu",
-    amp: str = "none",
-) -> Path:
+def _path(model: str, shape: tuple[int, ...], threads: int, device: str, amp: str) -> Path:
     from hybridpar.core.zoo import file_label
 
     dims = "x".join(map(str, shape))
-    beside = f"-b{busy}" if busy > 1 else ""
     where = "" if device == "cpu" else f"-{device}"
     where += "" if amp == "none" else f"-{amp}"
-    return cache_dir() / "profiles" / f"{file_label(model)}-{dims}-t{threads}{beside}{where}.json"
+    return cache_dir() / "profiles" / f"{file_label(model)}-{dims}-t{threads}{where}.json"
 
 
 def _autocast(device: str, amp: str):
@@ -452,225 +443,135 @@ def _autocast(device: str, amp: str):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=amp == "bf16", cache_enabled=False)
 
 
-def busy_ranks(cores: int, local: int, threads: int) -> int:
-    """How many of a host's `local` ranks of `threads` threads run at once: all of them, up to
-    the cores they fill (the rest wait for a core: the contention factor prices that)."""
-    return max(1, min(local, cores // threads))
-
-
-UPDATE = -1  # a neighbour's phase: the optimizer's step (a positive phase: the model at that count)
-
-
-def _neighbour(model: str, shape: tuple[int, ...], threads: int, amp: str) -> None:
-    """A neighbour of the profile (`python -m hybridpar.planning.profile`): runs what the profile
-    measures over and over, as the host's other ranks would beside it. Each line on stdin is the
-    next phase (the model's training iteration at that many samples, or `UPDATE`: the optimizer's
-    step), acknowledged on stdout once running. The profile kills it when done; end of input (the
-    profile gone) ends it too."""
-    import sys
-    import threading
-
-    import torch
-
-    from hybridpar.core.models import build_any
-
-    steady_malloc()
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    net = build_any(model, shape, None)
-    no_inplace(net)
-    opt = None  # built at the first step it runs: its first build imports torch._dynamo
-    phase = [None]
-
-    def read() -> None:
-        for line in sys.stdin:
-            phase[0] = int(line)
-        phase[0] = 0
-
-    threading.Thread(target=read, daemon=True).start()
-    print("ready", flush=True)
-    current, x, y = None, None, None
-    while True:
-        p = phase[0]
-        if p == 0:
-            return
-        if p is None:
-            time.sleep(0.001)
-            continue
-        if p != current:
-            if p < 0 and opt is None:
-                opt, _ = _stepper(net)
-            if p > 0:
-                x = torch.randn(p, *shape)
-                with torch.no_grad():
-                    classes = net(x[:1]).shape[-1]
-                y = torch.randint(0, classes, (p,))
-            current = p
-            print(p, flush=True)
-        if p > 0:
-            with _autocast("cpu", amp):
-                _iteration(net, x, y)
-        else:
-            opt.step()
-
-
-class _Neighbours:
-    """`busy - 1` processes that keep the host's other cores doing what the profile measures
-    (`_neighbour`): ranks that share a host share its memory bandwidth and caches, so a step
-    streamed beside another takes longer than alone, as the ranks of a job step their optimizers
-    together. Plain subprocesses: multiprocessing would run the caller's main module again in
-    each."""
-
-    def __init__(
-        self, model: str, shape: tuple[int, ...], threads: int, busy: int, amp: str = "none"
-    ) -> None:
-        self.spec, self.busy, self.amp = (model, shape, threads), busy, amp
-        self.procs: list = []
-        self.phase: int | None = None
-
-    def __enter__(self) -> _Neighbours:
-        import subprocess
-        import sys
-
-        model, shape, threads = self.spec
-        args = [model, "x".join(map(str, shape)), str(threads), self.amp]
-        for _ in range(self.busy - 1):
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "hybridpar.planning.profile", *args],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        try:
-            # what this process's first optimizer imports (1.4 s here), while the neighbours start
-            import torch._dynamo  # noqa: F401
-
-            for p in self.procs:
-                self._expect(p, "ready")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    @staticmethod
-    def _expect(p, what: str, timeout_s: float = 120.0) -> None:
-        """Read the neighbour's lines until it says `what` (a model may print lines of its own)."""
-        import select
-
-        deadline, line = time.monotonic() + timeout_s, ""
-        while line != what:
-            ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = p.stdout.readline() if ready else ""
-            if not line:  # end of output (the neighbour died) or out of time
-                raise RuntimeError(
-                    f"compute profile: a neighbour process did not say {what!r} "
-                    f"(exit {p.poll()}); try again, or plan by FLOPs with a cluster preset"
-                )
-            line = line.strip()
-
-    def run(self, phase: int) -> None:
-        """Every neighbour doing `phase` before this returns (they acknowledge a change)."""
-        if phase == self.phase:
-            return
-        self.phase = phase
-        for p in self.procs:
-            p.stdin.write(f"{phase}\n")
-            p.stdin.flush()
-        for p in self.procs:
-            self._expect(p, str(phase))
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            p.kill()  # it holds nothing but its own memory; an exit would take a second
-        for p in self.procs:
-            p.wait()
-            with contextlib.suppress(OSError):
-                p.stdin.close()
-            p.stdout.close()
-
-
 @contextlib.contextmanager
-def _measuring(
-    model: str, shape: tuple[int, ...], threads: int, busy: int, device: str, amp: str = "none"
-):
-    """(the model on `device`, its neighbours) with this process on `threads` threads, under the
-    trainer's autocast for `amp`: where the profile measures, and where a check measures it
-    again."""
+def _measuring(model: str, shape: tuple[int, ...], threads: int, device: str, amp: str = "none"):
+    """The model on `device` with this process on `threads` threads, under the trainer's
+    autocast for `amp`: where the profile measures, and where a check measures it again."""
     import torch
 
     from hybridpar.core.models import build_any
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    steady_malloc()  # as the ranks allocate (runtime.launcher)
     try:
         torch.manual_seed(0)
         net = build_any(model, shape, None).to(device)
-        with _Neighbours(model, shape, threads, busy, amp) as beside, _autocast(device, amp):
-            yield net, beside
+        with _autocast(device, amp):
+            yield net
     finally:
         torch.set_num_threads(before)
 
 
 def recheck(path: Path, repeats: int = 5) -> list[Recheck]:
     """The optimizer step and every iteration of the cached profile at `path`, measured again
-    as the profile measured them (threads, neighbours, device); [] for a profile that does not
-    say how it was measured (an older release's)."""
+    as the profile measured them (threads, device); [] for a profile that does not say how it
+    was measured (an older release's)."""
     data = json.loads(Path(path).read_text())
     how = data.get("measured")
     if not isinstance(how, dict) or "update_s" not in data:
         return []
     shape = tuple(how["shape"])
     out = []
-    how_else = (how["threads"], how["busy"], how["device"], how.get("amp", "none"))
-
-    def again(quantity: str, old: dict, now: Settled) -> Recheck:
-        spread = max(old.get("s_spread", 0.0), now.spread)
-        return Recheck(quantity, str(path), old["s"], now.value, spread)
-
-    with _measuring(how["model"], shape, *how_else) as (net, b):
+    with _measuring(how["model"], shape, how["threads"], how["device"], how["amp"]) as net:
         for n, old in sorted(data["iteration"].items(), key=lambda kv: int(kv[0])):
-            b.run(int(n))
             _, now = _measure_count(net, shape, int(n), repeats, how["device"], leaves=False)
-            out.append(again(f"iteration at {n} samples", old, now))
-        for k in sorted({pr for pr, _ in map(_key, data.get("crowded", {}))}):
-            for n, now in _crowd(net, sorted(_counts(data["crowded"], k)), repeats, b, k):
-                old = data["crowded"][f"{k}x{n}"]
-                out.append(again(f"iteration at {n} samples, {k} ranks to a core", old, now))
-        b.run(UPDATE)
+            spread = max(old.get("s_spread", 0.0), now.spread)
+            out.append(Recheck(f"iteration at {n} samples", str(path), old["s"], now.value, spread))
         now = _measure_update(net, repeats, how["device"])
         spread = max(data.get("update_s_spread", 0.0), now.spread)
         out.append(Recheck("update_s", str(path), data["update_s"], now.value, spread))
     return out
 
 
-def _load(path: Path, cluster: Cluster) -> dict:
-    """The cached profile, or a fresh one when there is none or the host was calibrated again."""
-    fresh = {
-        "calibration": cluster.flops,
+def _fresh(cores: int, P: int, calibration: float | None = None) -> dict:
+    return {
+        "format": FORMAT,
         "machine": platform.node(),
         "method": METHOD,
+        "calibration": calibration,  # the host's calibrated FLOP/s: a new calibration re-measures
+        "cores": cores,
+        "procs": P,
         "per_count": {},
         "bands": {},
         "splits": {},
         "iteration": {},  # {samples: the settled iteration (hybridpar.core.timing.Settled.fields)}
-        "crowded": {},  # {"KxN": the same with K ranks to a core (`_crowd`)}
     }
+
+
+def _cached(path: Path, cores: int, P: int, calibration: float) -> dict:
+    """The cached profile, or a fresh one where there is none or it was measured otherwise (by
+    another method, on other cores, before the host's latest calibration)."""
+    fresh = _fresh(cores, P, calibration)
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return fresh
-    if data.get("calibration") != cluster.flops or data.get("method") != METHOD:
-        return fresh
-    if not all(isinstance(data.get(k), dict) for k in ("per_count", "iteration", "bands")):
-        return fresh
-    if not isinstance(data.setdefault("splits", {}), dict):  # none before 2026-11-27
-        return fresh
-    if not isinstance(data.setdefault("crowded", {}), dict):  # none in older profiles
+    keys = ("method", "cores", "calibration")
+    if any(data.get(k) != fresh[k] for k in keys) or not all(
+        isinstance(data.get(k), dict) for k in _TABLES
+    ):
         return fresh
     return data
+
+
+_TABLES = ("per_count", "bands", "splits", "iteration")
+
+
+def measure_profile(
+    data: dict,
+    model: str,
+    shape: tuple[int, ...],
+    counts: list[int],
+    bands: list[tuple[int, int]] = (),
+    repeats: int = 5,
+    threads: int = 1,
+    device: str = "cpu",
+    amp: str = "none",
+) -> bool:
+    """Measure into the profile `data` what it lacks: each of `counts`' iteration and leaves
+    (`_measure_count`), each (Pr, samples) of `bands` the band shares of its windows and the
+    split shares of its layers (`_measure_bands`, `_measure_splits`), and the optimizer's step,
+    announced as it goes (core.progress). True where something was measured."""
+    missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
+    shares, splits = data["bands"], data["splits"]
+    unbanded = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in shares})
+    unsplit = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in splits})
+    if not (missing or unbanded or unsplit or "update_s" not in data):
+        return False
+    data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
+    data["measured"].update(device=device, amp=amp)
+    parts = len(missing) + len(unbanded) + len(unsplit) + 1
+    what = f"compute profile of {model} on {device} ({', '.join(map(str, counts))} samples)"
+    with _measuring(model, shape, threads, device, amp) as net, Phase(what, parts, 2.0) as phase:
+        for n in missing:
+            data["per_count"][str(n)], whole = _measure_count(net, shape, n, repeats, device)
+            data["iteration"][str(n)] = whole.fields("s")
+            phase.tick()
+        for pr, n in unbanded:
+            shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats, device)
+            phase.tick()
+        for pr, n in unsplit:
+            splits[f"{pr}x{n}"] = _measure_splits(net, shape, pr, n, 2 * repeats, device)
+            phase.tick()
+        if "update_s" not in data:
+            data.update(_measure_update(net, repeats, device).fields("update_s"))
+        phase.tick()
+    return True
+
+
+def as_model(data: dict, local: int, source: str) -> ProfileModel:
+    """The ProfileModel of a profile's tables for a job with `local` ranks on the profiled host:
+    each slowed down as they share its cores (`contention`: the one price of oversubscription)."""
+    cores = int(data["cores"])
+    threads = int(data.get("measured", {}).get("threads", rank_threads(cores, local)))
+    return ProfileModel(
+        _read(data["per_count"], int),
+        bands=_read(data["bands"], _key),
+        splits=_read(data["splits"], _key),
+        update_s=float(data["update_s"]),
+        contention=contention(cores, local, threads),
+        source=source,
+    )
 
 
 def profile_compute(
@@ -686,119 +587,28 @@ def profile_compute(
 ) -> ProfileModel | None:
     """The ProfileModel of `model` for a P-rank job on `device` of this calibrated host, under
     the trainer's autocast for `amp` (bf16 kernels for --amp bf16), at the sample counts
-    `counts`, and for each (Pr, samples) in `bands` the band shares of its windows
-    (`_measure_bands`) and the split shares of its linear layers and convolutions
-    (`_measure_splits`); None where the cluster is not this host (no `cores`: priced by
-    FLOPs). On a GPU (`cores`: the GPUs) the ranks that share one take turns: no neighbours."""
+    `counts`, and for each (Pr, samples) in `bands` the band shares of its windows and the split
+    shares of its layers, cached; None where the cluster is not this host (no `cores`: priced by
+    FLOPs). On a GPU (`cores`: the GPUs) a rank runs one thread."""
     if cluster.cores is None:
         return None
-    local = cluster.local(P)  # the ranks that share one host's cores (or GPUs)
     gpu = device != "cpu"
-    threads = 1 if gpu else rank_threads(cluster.cores, local)
-    busy = 1 if gpu else busy_ranks(cluster.cores, local, threads)
-    path = _path(model, shape, threads, busy, device, amp)
-    data = _load(path, cluster)
-    missing = sorted({int(n) for n in counts} - {int(k) for k in data["per_count"]})
-    shares, splits, crowded = data["bands"], data["splits"], data["crowded"]
-    unbanded = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in shares})
-    unsplit = sorted({(int(pr), int(n)) for pr, n in bands} - {_key(k) for k in splits})
-    slower = contention(cluster.cores, local, threads)  # a rank's time over its time alone
-    k = math.ceil(slower)  # the most ranks one core runs in turn
-    uncrowded = sorted({int(n) for n in counts if k > 1 and not gpu} - _counts(crowded, k))
-    if missing or unbanded or unsplit or uncrowded or "update_s" not in data:
-        data["measured"] = {"model": model, "shape": list(shape), "threads": threads}
-        data["measured"].update(busy=busy, device=device, amp=amp)
-        parts = 2 * len(missing) + len(unbanded) + len(unsplit) + len(uncrowded) + 1
-        what = f"compute profile of {model} on {device} ({', '.join(map(str, counts))} samples)"
-        with (
-            _measuring(model, shape, threads, busy, device, amp) as (net, beside),
-            Phase(what, total=parts, every_s=2.0) as phase,
-        ):
-            first = {}
-            for n in missing:
-                beside.run(n)
-                data["per_count"][str(n)], first[n] = _measure_count(net, shape, n, repeats, device)
-                phase.tick()
-            for pr, n in unbanded:
-                beside.run(n)
-                shares[f"{pr}x{n}"] = _measure_bands(net, shape, pr, n, 2 * repeats, device)
-                phase.tick()
-            for pr, n in unsplit:
-                beside.run(n)
-                splits[f"{pr}x{n}"] = _measure_splits(net, shape, pr, n, 2 * repeats, device)
-                phase.tick()
-            if "update_s" not in data:
-                beside.run(UPDATE)
-                data.update(_measure_update(net, repeats, device).fields("update_s"))
-            phase.tick()
-            for n, whole in _crowd(net, uncrowded, repeats, beside, k):
-                crowded[f"{k}x{n}"] = whole.fields("s")
-                phase.tick()
-
-            def alone(n: int) -> Settled:
-                beside.run(n)
-                return _measure_count(net, shape, n, repeats, device, leaves=False)[1]
-
-            for n, entry in _passes(missing, alone, first).items():
-                phase.tick()
-                data["iteration"][str(n)] = entry
-                scale = entry["s"] / first[n].value  # the leaves sum to the iteration
-                leaves = data["per_count"][str(n)]
-                leaves.update({x: (f * scale, b * scale) for x, (f, b) in leaves.items()})
+    threads = 1 if gpu else rank_threads(cluster.cores, cluster.local(P))
+    path = _path(model, shape, threads, device, amp)
+    data = _cached(path, cluster.cores, cluster.local(P), cluster.flops)
+    if measure_profile(data, model, shape, counts, bands, repeats, threads, device, amp):
         cache_write(path, data)
-    return ProfileModel(
-        _read(data["per_count"], int),
-        bands=_read(shares, _key),
-        splits=_read(splits, _key),
-        update_s=float(data["update_s"]),
-        contention=slower,
-        crowding=_crowding(data, k, counts),
-        source=str(path),
-    )
+    return as_model(data, cluster.local(P), str(path))
 
 
-def _passes(counts: list[int], measure, first: dict[int, Settled]) -> dict[int, dict]:
-    """Each count's iteration (`measure(n)`: Settled) in passes: `first`, measured already, a
-    second over every count after the rest of the profile, and a third where the two differ by
-    more than AGREE; the cache's entry of each, with the median of its passes. A slow minute of
-    the machine then has to last through two of three passes to set a price (docs/validate.md;
-    the crowded iterations are measured once)."""
-    runs = {n: [first[n].value, measure(n).value] for n in counts}
-    for n, v in runs.items():
-        if abs(v[1] / v[0] - 1) > AGREE:
-            v.append(measure(n).value)
-    return {
-        n: first[n].fields("s") | {"s": statistics.median(v), "s_passes": v}
-        for n, v in runs.items()
-    }
+def job_counts(P: int, B: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """The sample counts a rank of a P-rank job on global batch B runs (B / Pc over the grids)
+    and the (Pr, samples) of its bands."""
+    from hybridpar.planning.search import grids
 
-
-def _crowd(net, counts: list[int], repeats: int, beside: _Neighbours, k: int):
-    """(n, the settled iteration at n samples) for each of `counts`, with k times as many
-    processes running the model as the profile measured beside (`beside`): the cores time-shared
-    as the ranks of a job with up to `k` ranks to a core share them."""
-    if not counts:
-        return
-    model, shape, threads = beside.spec
-    with _Neighbours(model, shape, threads, (k - 1) * beside.busy + 1, beside.amp) as more:
-        for n in counts:
-            beside.run(n)
-            more.run(n)
-            yield n, _measure_count(net, shape, n, repeats, leaves=False)[1]
-
-
-def _crowding(data: dict, k: int, counts) -> dict[int, float]:
-    """{n: how much more than k times its iteration a rank's iteration at n samples takes with k
-    ranks to a core} for each of `counts` measured (their caches evicted at every switch, beyond
-    the share of the core the contention prices; the working set, and so the loss, depends on
-    the count): the crowded iteration over k times the iteration beside the busy ranks, at
-    least 1 (time-sharing never speeds work up); {} where not measured (a GPU, a core to each
-    rank)."""
-    return {
-        n: max(1.0, data["crowded"][f"{k}x{n}"]["s"] / (k * data["iteration"][str(n)]["s"]))
-        for n in sorted({int(n) for n in counts})
-        if f"{k}x{n}" in data["crowded"] and str(n) in data["iteration"]
-    }
+    shapes = grids(P, B)
+    bands = sorted({(pr, B // pc) for pr, pc in shapes if pr > 1})
+    return sorted({B // pc for _, pc in shapes}), bands
 
 
 def planning_compute(
@@ -814,13 +624,50 @@ def planning_compute(
     profile of `model` at every batch a rank can run (B / Pc over the grids), timed on the job's
     device (cuda: a GPU, synchronised) of a calibrated host and in its precision (`amp`); None
     (FLOPs at the cluster's rate) elsewhere."""
-    from hybridpar.planning.search import grids
-
-    shapes = grids(P, B)
-    bands = sorted({(pr, B // pc) for pr, pc in shapes if pr > 1})
-    counts = sorted({B // pc for _, pc in shapes})
+    counts, bands = job_counts(P, B)
     where = "cuda" if device == "cuda" else "cpu"
     return profile_compute(cluster, model, shape, P, counts, bands=bands, device=where, amp=amp)
+
+
+def write_profile(
+    model: str, shape: tuple[int, ...], P: int, B: int, path: Path, repeats: int = 5
+) -> ProfileModel:
+    """`hybridpar profile`: `model`'s profile for a P-rank job on global batch B, its ranks
+    sharing this machine's cores as they would share a host's, written to `path` for
+    `plan --compute` on any cluster."""
+    import os
+
+    cores = os.cpu_count() or 1
+    threads = rank_threads(cores, P)
+    counts, bands = job_counts(P, B)
+    data = _fresh(cores, P)
+    measure_profile(data, model, shape, counts, bands, repeats, threads)
+    cache_write(path, data)
+    return as_model(data, P, str(path))
+
+
+def load_profile(path: str | Path) -> ProfileModel:
+    """`plan --compute FILE`: a profile `hybridpar profile` wrote, for a job on any cluster, its
+    ranks' compute as measured for the job it was made for (`procs` ranks sharing its host's
+    `cores`); a file of an older form (a per-sample table) is refused in one line."""
+    from hybridpar.core.config import read_json
+    from hybridpar.core.errors import ConfigError
+
+    how = "make one with `hybridpar profile --model M --procs P --batch B --out FILE`"
+    data = read_json(path, "compute profile", how)
+    if isinstance(data, dict) and "per_sample_s" in data:
+        raise ConfigError(
+            f"compute profile {str(path)!r} is a per-sample table (per_sample_s), which is no "
+            f"longer read; {how}"
+        )
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ConfigError(f"compute profile {str(path)!r} is not a hybridpar profile; {how}")
+    try:
+        return as_model(data, int(data["procs"]), str(path))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"compute profile {str(path)!r} is malformed ({exc.__class__.__name__}); {how}"
+        ) from None
 
 
 def _read(tables: dict, key) -> dict:
@@ -831,18 +678,6 @@ def _read(tables: dict, key) -> dict:
 
 
 def _key(k: str) -> tuple[int, int]:
-    """(Pr, samples) of a band table's key "PRxN" (a crowded iteration's: (ranks to a core, N))."""
+    """(Pr, samples) of a band table's key "PRxN"."""
     pr, n = k.split("x")
     return int(pr), int(n)
-
-
-def _counts(table: dict, first: int) -> set[int]:
-    """The sample counts of `table`'s keys "FIRSTxN"."""
-    return {n for pr, n in map(_key, table) if pr == first}
-
-
-if __name__ == "__main__":  # a neighbour of a profile (`_Neighbours`)
-    import sys
-
-    shape = tuple(int(d) for d in sys.argv[2].split("x"))
-    _neighbour(sys.argv[1], shape, int(sys.argv[3]), sys.argv[4])

@@ -364,7 +364,7 @@ class _Context:
             self._layouts = None
         if self.bucket is not None:
             self._by_buckets(plan.layers)
-        plan.sync = sync_of(plan.layers, self.net.sync_cost if self.net.sync else None)
+        plan.sync = sync_of(plan.layers, self.net.meeting_s(self.P))
         return plan
 
     def _by_buckets(self, chosen: list[LayerPlan]) -> None:

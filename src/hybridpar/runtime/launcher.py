@@ -44,7 +44,6 @@ from queue import Empty
 from typing import Any
 
 from hybridpar.core.errors import Interrupted
-from hybridpar.core.timing import steady_malloc
 
 __all__ = [
     "Interrupted",
@@ -147,7 +146,6 @@ def _child(
     _die_with_parent()
     if parent is not None and os.getppid() != parent:  # it died before the line above acted
         os._exit(1)
-    steady_malloc()
     _release_server()
     env, cwd, path = world_env  # the launcher's, at this launch (the server started earlier)
     os.environ.clear()
@@ -234,7 +232,6 @@ def launch(
         from hybridpar.runtime.comm import shutdown
 
         owned = not dist.is_initialized()  # a caller that runs several jobs keeps its group
-        steady_malloc()
         if owned:
             _warn_shared_store()
             init_distributed(timeout_s, backend)

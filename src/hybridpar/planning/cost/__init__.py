@@ -10,7 +10,7 @@ from hybridpar.planning.cost.collectives import (
     broadcast,
     halo,
 )
-from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, TableModel, load_table
+from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, ProfileModel
 from hybridpar.planning.cost.terms import layer_comms, redistribute
 
 __all__ = [
@@ -18,8 +18,8 @@ __all__ = [
     "ComputeModel",
     "CostLayer",
     "FlopsModel",
+    "ProfileModel",
     "Style",
-    "TableModel",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -27,6 +27,5 @@ __all__ = [
     "cost_layers",
     "halo",
     "layer_comms",
-    "load_table",
     "redistribute",
 ]

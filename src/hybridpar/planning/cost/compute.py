@@ -1,8 +1,7 @@
-"""Per-layer compute time: FLOPs over a sustained rate, a per-sample table measured by `hybridpar
-profile`, or a profile measured on this machine at the sample counts a rank runs (ProfileModel).
+"""Per-layer compute time: FLOPs over a sustained rate, or a profile measured on a machine at the
+sample counts a rank runs (ProfileModel: planning.profile, here or by `hybridpar profile`).
 
-FLOPs and the per-sample table give each process B/P samples' worth of a layer's work whatever
-the style (batch: B/P samples of the whole layer; model: B/Pc samples of 1/Pr of it; domain: B/Pc
+FLOPs give each process B/P samples' worth of a layer's work whatever the style (batch: B/P samples of the whole layer; model: B/Pc samples of 1/Pr of it; domain: B/Pc
 samples of 1/Pr of the image); the backward pass costs twice the forward (dX and dW). That is
 exact in FLOPs but not in seconds: a matrix multiply with fewer rows runs at a lower rate, and
 the layers riding along with a model-parallel one (ReLU, pooling, batch norm) act on the
@@ -14,15 +13,12 @@ parameters and the slowdown of ranks sharing cores.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
-from hybridpar.core.config import read_json
-from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 
-__all__ = ["ComputeModel", "FlopsModel", "ProfileModel", "TableModel", "load_table", "style_times"]
+__all__ = ["ComputeModel", "FlopsModel", "ProfileModel", "style_times"]
 
 
 class ComputeModel(Protocol):
@@ -40,32 +36,11 @@ class FlopsModel:
 
 
 @dataclass(frozen=True)
-class TableModel:
-    """Measured seconds per sample for each leaf layer: {name: [forward, backward]}."""
-
-    per_sample: dict[str, tuple[float, float]]
-    source: str = ""
-
-    def times(self, layer: CostLayer, samples: float) -> tuple[float, float]:
-        missing = [m for m in layer.members if m not in self.per_sample]
-        if missing:
-            raise ConfigError(
-                f"compute table {self.source!r} has no entry for layer(s) {missing}; "
-                "re-run `hybridpar profile` for this model and input size"
-            )
-        fwd = sum(self.per_sample[m][0] for m in layer.members)
-        bwd = sum(self.per_sample[m][1] for m in layer.members)
-        return fwd * samples, bwd * samples
-
-
-@dataclass(frozen=True)
 class ProfileModel:
     """Seconds measured here for each leaf layer at the sample counts a rank runs, with the thread
     count a rank gets: {samples: {leaf: (forward s, backward s)}}; the optimizer's seconds per
-    parameter element; `contention`, how much slower a rank runs because the job's ranks share
-    the cores (P x threads / cores, at least 1); and `crowding`, {samples: what the profile
-    measured the model's iteration at that count to lose beyond it} (planning.profile._crowding),
-    the nearest count's applying."""
+    parameter element; and `contention`, how much slower a rank runs because the job's ranks share
+    the cores (P x threads / cores, at least 1)."""
 
     per_count: dict[int, dict[str, tuple[float, float]]]
     # {(Pr, samples): {leaf: (forward, backward) share of its time on the busiest band}}: the
@@ -76,15 +51,7 @@ class ProfileModel:
     splits: dict[tuple[int, int], dict[str, tuple[float, float]]] = field(default_factory=dict)
     update_s: float = 0.0  # optimizer step, seconds per parameter element
     contention: float = 1.0
-    crowding: dict[int, float] = field(default_factory=dict)
     source: str = ""
-
-    def _slower(self, samples: float) -> float:
-        """How much slower than alone a rank runs its layers at `samples` samples."""
-        if not self.crowding:
-            return self.contention
-        n = min(self.crowding, key=lambda k: (abs(k - samples), k))
-        return self.contention * self.crowding[n]
 
     def _leaf(self, name: str, samples: float) -> tuple[float, float]:
         """A leaf's (forward, backward) seconds for `samples`: measured at that count, else the
@@ -123,8 +90,7 @@ class ProfileModel:
                 ff, fb = min(ff, lf), min(fb, lb)
                 lf, lb = ff + (lf - ff) * share, fb + (lb - fb) * share
             f, b = f + lf, b + lb
-        k = self._slower(samples)
-        return f * k, b * k
+        return f * self.contention, b * self.contention
 
     def times(self, layer: CostLayer, samples: float) -> tuple[float, float]:
         return self._sum(layer.members, samples)
@@ -157,7 +123,7 @@ class ProfileModel:
             shares = self.bands.get((s.pr, round(n)), {})
             banded = [m for m in layer.members if m in shares]
             f, b = self._sum([m for m in layer.members if m not in shares], n, 1.0 / s.pr)
-            k = self._slower(n)
+            k = self.contention
             for m in banded:
                 lf, lb = self._leaf(m, n)
                 f, b = f + lf * shares[m][0] * k, b + lb * shares[m][1] * k
@@ -176,15 +142,3 @@ def style_times(
         return by_style(layer, s, B, P)
     f, b = compute.times(layer, B / P)
     return f, b, 0.0
-
-
-def load_table(path: str | Path) -> TableModel:
-    data = read_json(path, "compute table", "make one with `hybridpar profile`")
-    try:
-        table = {k: (float(v[0]), float(v[1])) for k, v in data["per_sample_s"].items()}
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-        raise ConfigError(
-            f"compute table {str(path)!r} is malformed ({exc.__class__.__name__}); "
-            "re-run `hybridpar profile`"
-        ) from exc
-    return TableModel(table, str(path))

@@ -1,39 +1,25 @@
-"""What the ranks lose where they meet: the wait for the slowest rank (beyond the papers).
+"""Where the ranks meet: the blocking calls of an iteration, counted as the runtime makes them, and
+what each meeting costs beyond the papers' alpha-beta model.
 
-The alpha-beta model prices a collective as if every rank arrived at once. Ranks that share a
-host's cores do not: the scheduler lets some run ahead, and at every blocking collective the early
-ones wait for the last. Two quantities per synchronisation, both functions of the compute since
-the ranks last met, measured by `hybridpar calibrate` (runtime.train.calibration._time_sync) and
-kept in the cluster's `sync` table (hybridpar.core.cluster.Cluster.sync_cost):
-- the excess: how much longer the ranks take from one meeting to the next than their compute
-  priced with the contention factor (each rank's time alone times P threads / cores) and
-  the collective's own cost. It adds to the iteration. The table's points are noisy (a
-  difference of two walls), so the excess is one least-squares line through them: a fixed cost
-  per meeting (where ranks outnumber the cores, the scheduler has to give the last rank a core
-  back) and a share of the compute. A plan that meets often pays the fixed cost often: resnet20
-  meets about 40 times an iteration (its batch norms' statistics), so a line through 0 (a share
-  of the compute alone) prices its batch plan low;
-- the wait: the mean over ranks of the time each spends in the collective beyond the shortest
-  any rank saw (the report's "waiting for the slowest rank"). It does not add to the iteration:
-  a rank that waits at the collective has run its compute sooner, so the wait moves time from
-  the compute to the communication. The predicted split shows it; the total does not count it.
+The alpha-beta model prices a collective as if every rank arrived at once. They do not (the ranks
+of a host share its cores, the scheduler lets some run ahead), and at every blocking collective
+the early ones wait for the last. That is priced at one small all-reduce per meeting, as
+`hybridpar calibrate` timed it (`Cluster.meeting_s`): it adds to the iteration, and at the
+blocking collectives it is the report's measured "waiting for the slowest rank".
 
 `segments` walks an iteration's layers as the runtime runs them and cuts the compute at every
 blocking call the plan makes (the hand-offs, the activations' all-gathers and dX sums, the
 global batch norms' sums, the halos) and at the wait for the gradient sums after the backward
-pass; the iteration is a loop, so the compute after the last meeting joins the first segment.
-A term makes as many calls as the runtime's ledger books (`calls`: a hand-off that gathers meets
-forward only, one that splits backward only; a layer's halo one per window; a head in rounds
-once per round), and the tests hold every rank's ledger to that count per (layer, term).
-A meeting right after another (a halo after a batch norm's sums, a hand-off after a dX sum)
-waits as one after the table's least work, and that wait is lost (`Cluster.sync_cost`). A plan
-on one rank, or on a cluster without the table, has none.
+pass. A term makes as many calls as the runtime's ledger books (`calls`: a hand-off that gathers
+meets forward only, one that splits backward only; a layer's halo one per window; a head in
+rounds once per round), and the tests hold every rank's ledger to that count per (layer, term).
+A plan on one rank, or on a cluster that timed no small all-reduce, loses nothing.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -134,18 +120,11 @@ class Sync:
     meetings: int = 0
 
 
-def sync_of(layers: Sequence[_Layer], cost: Callable[[float], tuple[float, float]] | None) -> Sync:
-    """The meetings of `layers` priced by `cost` (compute seconds -> (excess, wait): the cluster's
-    `sync_cost`); nothing where the cluster has no table."""
-    if cost is None:
+def sync_of(layers: Sequence[_Layer], meeting_s: float) -> Sync:
+    """The meetings of `layers`, each priced at `meeting_s` (Cluster.meeting_s)."""
+    if meeting_s <= 0:
         return Sync()
-    excess = wait = grad_wait = 0.0
     cuts = segments(layers)
-    for seconds, blocking in cuts:
-        e, w = cost(seconds)
-        excess += e
-        if blocking:
-            wait += w
-        else:
-            grad_wait += w
-    return Sync(excess, wait, grad_wait, len(cuts))
+    blocking = sum(1 for _, b in cuts if b)
+    grads = len(cuts) - blocking
+    return Sync(meeting_s * len(cuts), meeting_s * blocking, meeting_s * grads, len(cuts))

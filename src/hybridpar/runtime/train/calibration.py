@@ -13,11 +13,9 @@ rank per host all-reduces over the network (the network's alpha and beta, one fl
 model multiplies its beta by the groups that share a host's link). The file then has a second
 level, `[network]` with `ranks_per_host` (hybridpar.core.cluster).
 
-Where the ranks of a host meet (`_time_sync`): for each count of ranks, the time of a round of
-work and a small all-reduce with all of them, the wait for the slowest, and the work alone; the
-cost model's sync term prices each blocking collective of a plan from them (planning.cost.sync).
-Across hosts the same table is measured once more with all of the job's ranks meeting over the
-network (`[network]`'s `sync`), for the jobs whose groups span the hosts.
+The small all-reduce through a host's shared memory (`small_alpha`) is also what the cost model
+charges each time a plan's ranks meet in a blocking collective (planning.cost.sync): across
+hosts, the same all-reduce over all of a job's ranks (`[network]`'s `small_alpha`).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.core.choices import CODECS
-from hybridpar.core.cluster import cache_write, localhost_path, rank_threads
+from hybridpar.core.cluster import cache_write, localhost_path
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.progress import Phase
 from hybridpar.core.timing import TOL, TRIES, Recheck, Settled, clock, settle, spread
@@ -45,7 +43,6 @@ from hybridpar.runtime.comm.devices import local_gpu
 from hybridpar.runtime.comm.grid import new_group
 from hybridpar.runtime.comm.host import host_names
 from hybridpar.runtime.launcher import launch, under_torchrun
-from hybridpar.runtime.train.report import split_waits
 
 __all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta", "fit_network", "recheck"]
 
@@ -108,18 +105,11 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     intra = _time_allreduce(sizes, repeats, group=local.pg) if shared else None
     shm.append(_time_shm(local) if shared else (None, None))
     inter = _time_allreduce(sizes, repeats, group=net.pg, timed=me in leaders)
-    # where the ranks share cores: each host's ranks among themselves, all hosts at once
-    sync = _time_sync(local) if shared else None
     shm.append(_time_shm(local) if shared else (None, None))
     small, shm_beta = _mean_shm(shm)
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sync)
-    # and all of the job's ranks at once, meeting across the hosts: what a group that spans
-    # them loses (the skew between hosts adds to the skew between a host's ranks)
     world = new_group(
         list(range(dist.get_world_size())), None, "hybridpar_calibrate_world", "calibrate-world"
     )
-    across = _time_sync(world, ranks_here=len(members[names[me]]))
     # a small all-reduce (what batch-norm statistics take) over all of them, across the hosts:
     # timed, not derived from the leaders' alpha (the ranks share cores with the link's packet
     # processing, and each waits for the slowest; docs/cluster.md)
@@ -128,8 +118,6 @@ def _time_levels(names: list[str], sizes: tuple[int, ...], repeats: int) -> dict
     small_net: list = [None] * dist.get_world_size()
     dist.all_gather_object(small_net, mine)
     return {
-        "sync": every[0],
-        "net_sync": across,
         "net_small": statistics.fmean(small_net),
         "hosts": len(hosts),
         "ranks_per_host": max(sizes_local),
@@ -186,116 +174,6 @@ def _mean_shm(measured: list[tuple[float | None, float | None]]) -> tuple[float 
     )
 
 
-# the compute between two synchronisations that `_time_sync` measures, as a number of 256 x 256
-# matrix products on one rank's threads (0: back to back; the largest is tens of milliseconds)
-SYNC_WORK = (0, 1, 2, 4, 8, 16, 32, 64)
-SYNC_TABLES = 3  # tables measured in turn; each entry is their median (benchmarks/sync_repeat.py)
-
-
-def _time_sync(group=None, repeats: int = 20, ranks_here: int | None = None) -> list[list[float]]:
-    """What the ranks of one host lose at each synchronisation when they share its cores: the
-    table the cost model's sync term prices from (hybridpar.core.cluster.Cluster.sync_cost,
-    planning.cost.sync).
-
-    For each amount of work W (`SYNC_WORK`), every rank computes W and joins a small all-reduce
-    (through the host's shared memory where it has it, as the runtime's blocking collectives
-    do), `repeats` times in a row; each rank also runs W alone, the others waiting. Per W: the
-    work's time alone (a rank's mean), the wall time per round, and the mean over ranks and
-    rounds of each call's time less the shortest any rank saw in it (the wait for the last rank
-    to arrive, as the report measures it); the wall and the wait less their values without work
-    (the collective's own cost, which alpha prices). The excess the table prices is a few per
-    cent of the work, the difference of two numbers twice as large: one table's rows are noisy,
-    so `SYNC_TABLES` tables are measured in turn and each entry is their median. Returns
-    [[alone s, wall s, wait s], ...] for W > 0; the cost model applies its contention factor to
-    the alone time. Collective over `group` (the world where None); each rank runs with the
-    threads a rank of `ranks_here` on its host gets (the group's size where None: a group of
-    one host)."""
-
-    if group is None:
-        everyone = list(range(dist.get_world_size()))
-        group = new_group(everyone, None, "hybridpar_world", "world", shm=True)
-    p = dist.get_world_size(group.pg)
-    cores = os.cpu_count() or 1
-    before = torch.get_num_threads()
-    threads = rank_threads(cores, ranks_here or p)  # as many threads as a rank trains with
-    torch.set_num_threads(threads)
-    flag = torch.zeros(1, dtype=torch.float64)
-
-    def sync():
-        if group.shm is not None:
-            group.shm.small_all_reduce(flag)
-        else:
-            dist.all_reduce(flag, group=group.pg)
-
-    try:
-        a = torch.randn(256, 256)
-        tables = [_sync_table(a, sync, group.pg, repeats) for _ in range(SYNC_TABLES)]
-    finally:
-        torch.set_num_threads(before)
-    return [
-        [statistics.median(x) for x in zip(*rows, strict=True)]
-        for rows in zip(*tables, strict=True)
-    ]
-
-
-def _sync_table(a, sync, pg, repeats: int) -> list[list[float]]:
-    """One sync table (`_time_sync`), collective over `pg`."""
-    solo = _alone(a, pg)
-    mine = {w: (*_together(a, w, sync, pg, repeats), solo[w]) for w in SYNC_WORK}
-    every: list = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(every, mine, group=pg)
-    rows = []
-    for w in SYNC_WORK:
-        wall = statistics.fmean(t[w][0] for t in every)
-        alone = statistics.fmean(t[w][2] for t in every)
-        _, waits = split_waits([dict(enumerate(t[w][1])) for t in every])
-        rows.append([alone, wall, waits / (len(every) * repeats)])
-    _, wall0, wait0 = rows[0]
-    return [[s, wall - wall0, max(0.0, x - wait0)] for s, wall, x in rows[1:]]
-
-
-def _work(a, w: int) -> None:
-    for _ in range(w):
-        a @ a
-
-
-def _alone(a, pg) -> dict[int, float]:
-    """Each amount of work's median time on this rank, the ranks taking turns (the cores to
-    itself)."""
-
-    p, me = dist.get_world_size(pg), dist.get_rank(pg)
-    solo: dict[int, float] = {}
-    for w in SYNC_WORK:
-        for r in range(p):
-            dist.barrier(group=pg)
-            if r == me:
-                ts = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    _work(a, w)
-                    ts.append(time.perf_counter() - t0)
-                solo[w] = statistics.median(ts)
-    return solo
-
-
-def _together(a, w: int, sync, pg, repeats: int) -> tuple[float, list[float]]:
-    """Work w then a meeting, `repeats` times in a row on every rank: (wall time per round,
-    each meeting's time on this rank)."""
-
-    for _ in range(3):  # warm up
-        _work(a, w)
-        sync()
-    calls = []
-    dist.barrier(group=pg)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        _work(a, w)
-        c = time.perf_counter()
-        sync()
-        calls.append(time.perf_counter() - c)
-    return (time.perf_counter() - t0) / repeats, calls
-
-
 def _rank_device(device: str):
     """This rank's device for `device` (cuda: its GPU, shared with others under gloo)."""
 
@@ -307,9 +185,8 @@ def _rank_device(device: str):
 
 
 def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict:
-    """Everything a calibration measures between ranks. The shared-memory paths and the
-    meetings' table are the CPU's (a GPU's collectives go through its backend, and its ranks
-    do not share cores): measured for a CPU calibration only."""
+    """Everything a calibration measures between ranks. The shared-memory paths are the CPU's
+    (a GPU's collectives go through its backend): measured for a CPU calibration only."""
 
     names = host_names()
     cpu = device == "cpu"
@@ -317,14 +194,11 @@ def _time_all(sizes: tuple[int, ...], repeats: int, device: str = "cpu") -> dict
     shm = [_time_shm() if cpu else (None, None)]
     allreduce = _time_allreduce(sizes, repeats, device)
     shm.append(_time_shm() if cpu else (None, None))
-    sync = _time_sync() if one_host and cpu else None
-    shm.append(_time_shm() if cpu else (None, None))
     small, shm_beta = _mean_shm(shm)
     return {
         "allreduce": allreduce,
         "small": small,
         "shm_beta": shm_beta,
-        "sync": sync,
         "levels": None if one_host else _time_levels(names, sizes, repeats),
     }
 
@@ -445,7 +319,6 @@ def _fitted(
     nproc: int,
     small: float | None = None,
     shm_beta: float | None = None,
-    sync: list | None = None,
     device: str = "cpu",
     backend: str = "gloo",
 ) -> dict:
@@ -479,14 +352,12 @@ def _fitted(
         f"ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
         "small_alpha": small,
         "shm_beta": shm_beta,
-        **({"sync": sync} if sync else {}),
     }
 
 
 def _save(data: dict) -> Path:
     """Write the cluster `localhost` of the device it measured atomically: a reader never sees
     half a file."""
-    data = {k: v for k, v in data.items() if k != "sync"}  # it lives in by_procs, per count
     path = localhost_path(data.get("device", "cpu"))
     cache_write(path, data)
     return path
@@ -520,9 +391,7 @@ def calibrate(
         for p in counts:
             args = (_time_all, p, SIZES, repeats, device)
             got = launch(*args, timeout_s=timeout_s, backend=backend)[0]
-            fits[p] = _fitted(
-                got["allreduce"], p, got["small"], got["shm_beta"], got["sync"], device, backend
-            )
+            fits[p] = _fitted(got["allreduce"], p, got["small"], got["shm_beta"], device, backend)
             measured[p] = {str(k): v for k, v in _medians(got["allreduce"]).items()}
             if got["levels"] is not None:
                 levels = got["levels"]  # the largest count on several hosts
@@ -551,7 +420,7 @@ def calibrate(
 
 
 def _level(fit: dict) -> dict:
-    return {k: fit[k] for k in ("alpha", "beta", "small_alpha", "shm_beta", "sync") if k in fit}
+    return {k: fit[k] for k in ("alpha", "beta", "small_alpha", "shm_beta") if k in fit}
 
 
 def with_levels(data: dict, levels: dict | None) -> dict:
@@ -569,13 +438,11 @@ def with_levels(data: dict, levels: dict | None) -> dict:
         )
     out = dict(data)
     if levels["intra"] is not None:
-        intra = _fitted(levels["intra"], L, levels["small"], levels["shm_beta"], levels["sync"])
+        intra = _fitted(levels["intra"], L, levels["small"], levels["shm_beta"])
         out.update(_level(intra))
         out["by_procs"] = {**data.get("by_procs", {}), str(L): _level(intra)}
     alpha, beta = fit_network(_medians(levels["inter"]), H)
     out["network"] = {"ranks_per_host": L, "alpha": alpha, "beta": beta}
-    if levels.get("net_sync"):
-        out["network"]["sync"] = levels["net_sync"]
     if levels.get("net_small"):
         out["network"]["small_alpha"] = levels["net_small"]
     out["source"] = (
@@ -599,12 +466,11 @@ def _calibrate_in_job(names: list[str], cpu: bool, repeats: int, device: str, ba
     times = _time_allreduce(SIZES, repeats, device)
     shm.append(_time_shm() if cpu else (None, None))
     levels = _time_levels(names, SIZES, repeats) if len(set(names)) > 1 else None
-    sync = _time_sync() if levels is None and cpu else None
     shm.append(_time_shm() if cpu else (None, None))
     small, shm_beta = _mean_shm(shm)
     error = None
     if dist.get_rank() == 0:
-        fit = _fitted(times, dist.get_world_size(), small, shm_beta, sync, device, backend)
+        fit = _fitted(times, dist.get_world_size(), small, shm_beta, device, backend)
         try:
             data = with_levels(
                 {**fit, "by_procs": {str(dist.get_world_size()): _level(fit)}}, levels
