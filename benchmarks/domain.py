@@ -32,6 +32,7 @@ from hybridpar.core.layers import cost_layers
 from hybridpar.core.models import build_model
 from hybridpar.core.plan import ParallelPlan, Style, assign_styles
 from hybridpar.core.rules import why_not
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export, make_plan
 from hybridpar.runtime.launcher import launch
 from hybridpar.runtime.parallel import parallelize
@@ -56,7 +57,7 @@ def domain_plan(P: int, B: int, cluster) -> ParallelPlan:
         ok = not why_not(x, dom, B)
         by_segment[x.segment] = by_segment.get(x.segment, True) and ok
     styles = {x.name: dom if by_segment[x.segment] else model for x in layers}
-    priced = evaluate(layers, P, B, cluster, [styles[x.name] for x in layers])
+    priced = evaluate(layers, [styles[x.name] for x in layers], PlanRequest(P, B, cluster))
     assert priced.feasible, priced.reason
     names = [n for n, _ in _model().named_modules()]
     assert assign_styles(styles, names, [x.name for x in layers], P)

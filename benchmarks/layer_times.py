@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from hybridpar.core.config import build
 from hybridpar.core.handoff import Handoff
+from hybridpar.planning.request import PlanRequest
 from hybridpar.runtime.comm import collectives, small
 from hybridpar.runtime.launcher import launch
 from hybridpar.runtime.parallel import domain
@@ -159,10 +160,7 @@ def priced(job):
     compute = settled_compute(job, cluster)
     styles = [job.layout.styles[x.name] for x in job.layers]
     handoffs = {r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions}
-    out = evaluate(
-        job.layers, plan.procs, plan.batch, cluster, styles, choices=plan.choices,
-        compute=compute, handoffs=handoffs, placement=plan.placement,
-    )  # fmt: skip
+    out = evaluate(job.layers, styles, PlanRequest(plan.procs, plan.batch, cluster, choices=plan.choices, compute=compute), handoffs=handoffs, placement=plan.placement)  # fmt: skip
     return out, cluster, compute
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from hybridpar.core.analysis import analyze
 from hybridpar.core.cluster import PRESETS
 from hybridpar.core.layers import cost_layers
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import make_plan, plan_layers
 
 
@@ -106,7 +107,7 @@ def main() -> None:
     layers = cost_layers(analyze(model, shape))
     assert len(layers) == 100, len(layers)
     t = time.perf_counter()
-    r = plan_layers(layers, 4096, 8192, knl, scenarios=["per-layer"])
+    r = plan_layers(layers, PlanRequest(4096, 8192, knl, scenarios=["per-layer"]))
     dp = time.perf_counter() - t
     rows.append((f"per-layer search, {len(layers)} layers, P=4096 (DP)", dp, 5.0))
 

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.core.config import build
 from hybridpar.core.handoff import Handoff
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate
 from hybridpar.runtime.launcher import launch
 from hybridpar.runtime.train.config import TrainConfig
@@ -124,11 +125,7 @@ def _priced(job) -> tuple[float, float, float]:
     plan = job.plan
     cluster = pricing_cluster(job, True)
     compute = settled_compute(job, cluster)
-    priced = evaluate(
-        job.layers, plan.procs, plan.batch, cluster, [job.layout.styles[x.name] for x in job.layers],
-        choices=plan.choices, compute=compute, placement=plan.placement,
-        handoffs={r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions},
-    )  # fmt: skip
+    priced = evaluate(job.layers, [job.layout.styles[x.name] for x in job.layers], PlanRequest(plan.procs, plan.batch, cluster, choices=plan.choices, compute=compute), placement=plan.placement, handoffs={r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions})  # fmt: skip
     c = compute.contention if compute is not None else 1.0
     return priced.total_s, priced.compute_s / c, priced.exposed_comm_s
 

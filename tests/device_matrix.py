@@ -43,6 +43,7 @@ from hybridpar.core.handoff import Handoff
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.optim import KrizhevskySGD
 from hybridpar.core.plan import Style
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.dropout import counter_dropout
@@ -184,12 +185,8 @@ def plan_of(cell: Cell, P: int, dtype: torch.dtype):
     e = torch.finfo(dtype).bits // 8
     priced = evaluate(
         layers,
-        P,
-        B,
-        NET,
         [style(x.name) for x in layers],
-        choices=choices,
-        elem_bytes=e,
+        PlanRequest(P, B, NET, choices=choices, elem_bytes=e),
         handoffs=handoffs,
     )
     if not priced.feasible:

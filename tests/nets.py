@@ -9,6 +9,7 @@ from torch.nn import functional as F
 
 from hybridpar.core.models import build_model
 from hybridpar.core.optim import KrizhevskySGD
+from hybridpar.planning.request import PlanRequest
 
 STEPS, B, CLASSES = 4, 12, 5
 
@@ -205,7 +206,9 @@ def preset(name: str, which: str, P: int, **choices) -> ParallelPlan:  # noqa: F
         layers = cost_layers(analyze(builder(), shape))
     net = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
     return plan_preset(
-        which, layers, P, B, net, choices=Choices(**choices), model=name, input_shape=shape
+        which,
+        layers,
+        PlanRequest(P, B, net, choices=Choices(**choices), model=name, input_shape=shape),
     )
 
 

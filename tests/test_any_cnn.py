@@ -17,6 +17,7 @@ from hybridpar.core.analysis import analyze, trace
 from hybridpar.core.choices import Choices
 from hybridpar.core.cluster import Cluster
 from hybridpar.core.layers import cost_layers
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import SCENARIOS, plan_layers
 from hybridpar.runtime.parallel.layout import resolve
 
@@ -117,7 +118,9 @@ specs = st.lists(
 
 def _plans(traced, P: int, net: Cluster, choices: Choices):
     layers = cost_layers(traced.specs)
-    r = plan_layers(layers, P, B, net, choices=choices, scenarios=SCENARIOS, input_shape=SHAPE)
+    r = plan_layers(
+        layers, PlanRequest(P, B, net, choices=choices, scenarios=SCENARIOS, input_shape=SHAPE)
+    )
     for scenario in SCENARIOS:
         for candidate in r.candidates[scenario]:
             if candidate.feasible:

@@ -21,6 +21,7 @@ from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
 from hybridpar.planning.cost.collectives import all_gather, all_reduce
 from hybridpar.planning.cost.terms import layer_comms, redistribute
+from hybridpar.planning.request import PlanRequest
 
 HOST = {"alpha": 3e-5, "beta": 2e-10, "flops": 2e10}
 NET_ALPHA, NET_BETA = 1e-4, 8e-9
@@ -165,7 +166,7 @@ def test_host_reducer_is_priced_in_two_steps():
 
 def test_one_level_cluster_prices_as_before():
     """A cluster without a second level prices every group alike (no span is computed)."""
-    c = one_level()
+    c = one_level().priced(4)
     assert c.group("batch", 2, 2) is c and c.regroup(4, 4, 2) is c and c.over([[0, 1]]) is c
 
 
@@ -181,18 +182,18 @@ def test_the_planner_uses_what_it_knows_of_the_hosts():
 
     layers, P, B = zoo_cost_layers("digits-wide", 8), 8, 256
     two = two_level()
-    knowing = plan_layers(layers, P, B, two)
-    blind = plan_layers(layers, P, B, one_level())
+    knowing = plan_layers(layers, PlanRequest(P, B, two))
+    blind = plan_layers(layers, PlanRequest(P, B, one_level()))
     best = knowing.best
     styles = [x.style for x in best.layers]
-    again = evaluate(layers, P, B, two, styles, placement=best.placement)
+    again = evaluate(layers, styles, PlanRequest(P, B, two), placement=best.placement)
     assert again.total_s == pytest.approx(best.total_s)
     assert best.placement == (4, 2) and blind.best.placement is None
     for plan in blind.scenarios:
         if plan.feasible:
-            again = evaluate(layers, P, B, two, [x.style for x in plan.layers])
+            again = evaluate(layers, [x.style for x in plan.layers], PlanRequest(P, B, two))
             assert best.total_s <= again.total_s * (1 + 1e-12)
-    blind_there = evaluate(layers, P, B, two, [x.style for x in blind.best.layers])
+    blind_there = evaluate(layers, [x.style for x in blind.best.layers], PlanRequest(P, B, two))
     assert best.total_s < 0.9 * blind_there.total_s
     assert {x.style.label for x in blind.best.layers} == {x.style.label for x in best.layers}
 

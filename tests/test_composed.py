@@ -32,6 +32,7 @@ from hybridpar.core.handoff import Handoff
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.plan import Style
 from hybridpar.core.rules import why_not
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.trainer import HybridTrainer
@@ -73,7 +74,9 @@ def _plan(P: int, B: int, grid: tuple[int, int], K: int, choices: Choices, domai
 
     styles = [style(x) for x in layers]
     fc = next(x.name for x in layers if x.kind == "linear")
-    priced = evaluate(layers, P, B, NET, styles, choices=choices, handoffs={fc: Handoff("c", K)})
+    priced = evaluate(
+        layers, styles, PlanRequest(P, B, NET, choices=choices), handoffs={fc: Handoff("c", K)}
+    )
     assert priced.feasible, priced.reason
     return export(priced, procs=P, batch=B, choices=choices, input_shape=SHAPE)
 

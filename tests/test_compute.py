@@ -19,6 +19,7 @@ from hybridpar.core.choices import Choices, covered
 from hybridpar.core.cluster import Cluster
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import cost_layers
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
@@ -260,7 +261,10 @@ def test_the_planner_prices_the_modules_the_runtime_recomputes(name, patterns):
     net = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
     plain, ckpt = (
         plan_layers(
-            layers, 2, B, net, choices=Choices(activation_checkpointing=p), scenarios=["batch"]
+            layers,
+            PlanRequest(
+                2, B, net, choices=Choices(activation_checkpointing=p), scenarios=["batch"]
+            ),
         ).candidates["batch"][0]
         for p in ((), patterns)
     )
@@ -280,7 +284,9 @@ def test_a_memory_limit_that_only_recompute_meets_is_met_with_it():
 
     def batch(limit, patterns=()):
         choices = Choices(activation_checkpointing=patterns)
-        r = plan_layers(layers, 2, B, net, choices=choices, scenarios=["batch"], memory_limit=limit)
+        r = plan_layers(
+            layers, PlanRequest(2, B, net, choices=choices, scenarios=["batch"], memory_limit=limit)
+        )
         return r.candidates["batch"][0]
 
     plain, ckpt = batch(None), batch(None, ("layer?.?",))

@@ -270,8 +270,8 @@ def test_ranks_share_the_cores_of_a_calibrated_host():
 
     per_process = Cluster("t", alpha=1e-3, beta=1e-9, flops=1e11)
     host = dataclasses.replace(per_process, cores=2)
-    assert host.rank_flops(4) == 0.5e11 and host.rank_flops(1) == 2e11
-    assert per_process.rank_flops(4) == per_process.rank_flops(1) == 1e11
+    assert host.priced(4).rank_flops() == 0.5e11 and host.priced(1).rank_flops() == 2e11
+    assert per_process.priced(4).rank_flops() == per_process.priced(1).rank_flops() == 1e11
     a = make_plan("digits-cnn", 4, 32, per_process, scenarios=["batch"]).scenario("batch")
     b = make_plan("digits-cnn", 4, 32, host, scenarios=["batch"]).scenario("batch")
     assert b.compute_s == pytest.approx(2 * a.compute_s) and b.comm_s == a.comm_s
@@ -378,9 +378,9 @@ def test_encoded_collectives_pay_the_codec_measured_on_the_cluster(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({**base, "codecs": {"dynamic-tree": [enc, dec]}}))
     c = load_cluster(str(path))
-    assert c.codec_times("dynamic-tree", 2) == (enc, dec)
-    assert c.codec_times("dynamic-tree", 4) == (2 * enc, 2 * dec)  # 4 ranks on 2 cores
-    assert c.codec_times("linear", 4) == (0.0, 0.0)
+    assert c.priced(2).codec_times("dynamic-tree") == (enc, dec)
+    assert c.priced(4).codec_times("dynamic-tree") == (2 * enc, 2 * dec)  # 4 ranks on 2 cores
+    assert c.priced(4).codec_times("linear") == (0.0, 0.0)
     plain = Cluster(**{**c.__dict__, "codecs": ()})
     eight = Choices(codec="dynamic-tree", compress=("activations", "grads"))
     kw = {"input_size": 64, "choices": eight, "grad_bucket": None}

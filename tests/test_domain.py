@@ -21,6 +21,7 @@ from hybridpar.core.cluster import Cluster
 from hybridpar.core.halo import Window, bands
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.plan import ParallelPlan, Style
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
@@ -52,7 +53,9 @@ def priced(styles: dict[str, Style], P: int) -> ParallelPlan:
     names = [x.name for x in layers]
     modules = [n for n, _ in DomainStack().named_modules()]
     chosen = assign_styles(styles, modules, names, P)
-    plan = evaluate(layers, P, B, NET, [chosen[n] for n in names], elem_bytes=8)  # float64
+    plan = evaluate(
+        layers, [chosen[n] for n in names], PlanRequest(P, B, NET, elem_bytes=8)
+    )  # float64
     assert plan.feasible, plan.reason
     from hybridpar.core.choices import Choices
 

@@ -16,6 +16,7 @@ from hybridpar.core.analysis import analyze
 from hybridpar.core.cluster import Cluster
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.plan import ParallelPlan, Style
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import SCENARIOS, plan_layers
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import HybridTrainer
@@ -98,7 +99,9 @@ def _oracle(P: int) -> list[str]:
     want = ref.state_dict()
     with torch.device("meta"):
         layers = cost_layers(analyze(DropNet().double(), SHAPE))
-    r = plan_layers(layers, P, B, NET, scenarios=SCENARIOS, input_shape=SHAPE, elem_bytes=8)
+    r = plan_layers(
+        layers, PlanRequest(P, B, NET, scenarios=SCENARIOS, input_shape=SHAPE, elem_bytes=8)
+    )
     plans = [r.export(c) for sc in SCENARIOS for c in r.candidates[sc] if c.feasible]
     # the planner prefers model to domain for conv1 here: the masks on bands by hand, and DDP
     dom = [(P, 1)] + ([(2, 2)] if P == 4 else [])

@@ -31,6 +31,7 @@ from hybridpar.core.analysis import analyze
 from hybridpar.core.choices import Choices
 from hybridpar.core.cluster import Cluster
 from hybridpar.core.layers import cost_layers
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
@@ -49,14 +50,16 @@ def planner_plans(name: str, P: int, codec: str = "none", elem_bytes: float | No
     layers = cost_layers(analyze(model, shape))
     r = plan_layers(
         layers,
-        P,
-        B,
-        NET,
-        choices=Choices(codec=codec, bn="global"),
-        model=name,
-        scenarios=SCENARIOS,
-        input_shape=shape,
-        elem_bytes=elem_bytes,
+        PlanRequest(
+            P,
+            B,
+            NET,
+            choices=Choices(codec=codec, bn="global"),
+            model=name,
+            scenarios=SCENARIOS,
+            input_shape=shape,
+            elem_bytes=elem_bytes,
+        ),
     )
     out, seen = [], set()
     for scenario in SCENARIOS:

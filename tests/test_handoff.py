@@ -43,6 +43,7 @@ from hybridpar.core.handoff import Handoff, fused, head, round_rows, why_not_han
 from hybridpar.core.layers import CostLayer, cost_layers
 from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.core.terms import Term
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export, plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
@@ -114,7 +115,7 @@ def _plan(name: str, P: int, B: int, h: Handoff, dtype=torch.float32) -> Paralle
             m = styles[i - 1].pc // styles[i].pc
             fixed[x.name] = Handoff("b", m) if h.scheme == "b" else h
     e = 8 if dtype == torch.float64 else None
-    priced = evaluate(layers, P, B, NET, styles, elem_bytes=e, handoffs=fixed)
+    priced = evaluate(layers, styles, PlanRequest(P, B, NET, elem_bytes=e), handoffs=fixed)
     assert priced.feasible, priced.reason
     return export(priced, procs=P, batch=B, choices=Choices(), input_shape=shape)
 
@@ -236,7 +237,9 @@ def _encoded(P: int) -> list[str]:
             layers = cost_layers(analyze(build(), shape))
         styles = _styles("tv-alexnet", layers, P)
         first = next(x.name for x in layers if x.kind == "linear")
-        priced = evaluate(layers, P, 12, NET, styles, choices=choices, handoffs={first: h})
+        priced = evaluate(
+            layers, styles, PlanRequest(P, 12, NET, choices=choices), handoffs={first: h}
+        )
         plan = export(priced, procs=P, batch=12, choices=choices, input_shape=shape)
         assert plan.redistributions[0].rounds == h.rounds
         _, measured = _train(build(), plan, data, shm=True)
@@ -272,8 +275,8 @@ def test_a_hand_off_backward_is_half_the_bytes_of_the_dx_all_reduce_it_replaces(
     assert fused(x, styles[first - 1], styles[first], acts_encoded=False)
     assert not fused(x, styles[first - 1], styles[first], acts_encoded=True)
     assert not fused(x, Style.model(2, 2), styles[first], acts_encoded=False)  # not pure batch
-    r = plan_layers(layers, P, B, NET, scenarios=["fc-grid"])
-    paper = plan_layers(layers, P, B, NET, scenarios=["fc-grid"], fuse_handoff=False)
+    r = plan_layers(layers, PlanRequest(P, B, NET, scenarios=["fc-grid"]))
+    paper = plan_layers(layers, PlanRequest(P, B, NET, scenarios=["fc-grid"], fuse_handoff=False))
 
     def bytes_of(result):
         c = next(c for c in result.candidates["fc-grid"] if c.grid == (4, 1))
@@ -329,7 +332,7 @@ def test_the_head_is_what_the_rounds_run_and_batch_norm_there_is_refused():
     assert head(layers, None, 1) == [1]  # in the search, before the later styles are chosen
     before = [batch, model, batch, batch]  # the layout changes before the norm's Linear
     assert head(layers, [s.layout for s in before], 1) == [1]
-    refused = evaluate(layers, P, B, NET, every, handoffs={"2": c2})
+    refused = evaluate(layers, every, PlanRequest(P, B, NET), handoffs={"2": c2})
     assert not refused.feasible and "batch norm in 4" in refused.reason, refused.reason
     plan = _export(layers, P, B, every)
     from hybridpar.runtime.parallel.layout import resolve
@@ -337,14 +340,14 @@ def test_the_head_is_what_the_rounds_run_and_batch_norm_there_is_refused():
     named = replace(plan, redistributions=[replace(plan.redistributions[0], scheme="c", rounds=2)])
     with pytest.raises(ConfigError, match="batch norm in 4"):
         resolve(tail, named)
-    ok = evaluate(layers, P, B, NET, before, handoffs={"2": c2})
+    ok = evaluate(layers, before, PlanRequest(P, B, NET), handoffs={"2": c2})
     assert ok.feasible and ok.layers[1].handoff == c2
     plan = export(ok, procs=P, batch=B, choices=Choices(), input_shape=(1, 4, 4))
     assert resolve(tail, plan).handoffs
 
 
 def _export(layers, P, B, styles):
-    priced = evaluate(layers, P, B, NET, styles)
+    priced = evaluate(layers, styles, PlanRequest(P, B, NET))
     return export(priced, procs=P, batch=B, choices=Choices(), input_shape=(1, 4, 4))
 
 
@@ -355,7 +358,8 @@ def test_the_planner_picks_a_scheme_and_the_plan_file_carries_it(tmp_path):
     layers = _layers()
     slow = Cluster("slow", alpha=1e-6, beta=1e-6, flops=1e6)
     r = plan_layers(
-        layers, 4, 12, slow, scenarios=["fc-grid"], handoff="auto", input_shape=(1, 8, 8)
+        layers,
+        PlanRequest(4, 12, slow, scenarios=["fc-grid"], handoff="auto", input_shape=(1, 8, 8)),
     )
     best = min(r.candidates["fc-grid"], key=lambda c: c.total_s)
     assert any(lp.handoff is not None and lp.handoff.scheme != "a" for lp in best.layers)
@@ -371,7 +375,9 @@ def test_the_planner_picks_a_scheme_and_the_plan_file_carries_it(tmp_path):
     layout = resolve(_tv(), again)
     assert [h.scheme for h in layout.handoffs.values()] == [red.scheme]
     # rounds priced: the same bytes as (a), less exposed time here
-    a = plan_layers(layers, 4, 12, slow, scenarios=["fc-grid"], handoff="a").candidates["fc-grid"]
+    a = plan_layers(
+        layers, PlanRequest(4, 12, slow, scenarios=["fc-grid"], handoff="a")
+    ).candidates["fc-grid"]
     a = [c for c in a if c.grid == best.grid]
     moved = r.export(best).predicted_bytes()
     assert sum(moved.values()) == pytest.approx(sum(r.export(a[0]).predicted_bytes().values()))
@@ -388,7 +394,7 @@ def test_a_scheme_the_runtime_cannot_run_is_refused_in_one_line():
     layers = _layers()
     styles = _styles("tv-alexnet", layers, 4)
     first = next(x.name for x in layers if x.kind == "linear")
-    priced = evaluate(layers, 4, 12, NET, styles, handoffs={first: Handoff("b", 3)})
+    priced = evaluate(layers, styles, PlanRequest(4, 12, NET), handoffs={first: Handoff("b", 3)})
     assert not priced.feasible and "rounds must be 4" in priced.reason
 
 
@@ -401,7 +407,7 @@ def test_rounds_hide_all_but_the_first_gather_and_the_last_return():
     first = next(x.name for x in layers if x.kind == "linear")
 
     def redistribute(net, h):
-        p = evaluate(layers, 4, 12, net, styles, handoffs={first: h}, grad_bucket=None)
+        p = evaluate(layers, styles, PlanRequest(4, 12, net, grad_bucket=None), handoffs={first: h})
         lp = next(lp for lp in p.layers if lp.layer.name == first)
         return lp.terms[Term.REDISTRIBUTE]
 

@@ -31,6 +31,7 @@ from hybridpar.core.groups import (
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.core.rules import why_not
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export, plan_layers
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
@@ -93,7 +94,7 @@ def _follows_hosts(P: int) -> list[str]:
     done = []
     for grid, placement in [((2, 2), None), ((2, 2), (2, 2)), ((4, 1), None)]:
         styles = [Style.model(*grid) if x.kind == "linear" else Style.batch(P) for x in layers]
-        plan = evaluate(layers, P, B, TWO, styles, placement=placement)
+        plan = evaluate(layers, styles, PlanRequest(P, B, TWO), placement=placement)
         assert plan.feasible, plan.reason
         plan = export(plan, procs=P, batch=B, choices=Choices(), input_shape=MAKERS[name][1])
         ledger = Ledger()
@@ -130,7 +131,8 @@ def _plan(name: str, P: int, cluster=TWO) -> ParallelPlan:
         model = builder()
     layers = cost_layers(analyze(model, shape))
     r = plan_layers(
-        layers, P, B, cluster, choices=Choices(bn="global"), model=name, input_shape=shape
+        layers,
+        PlanRequest(P, B, cluster, choices=Choices(bn="global"), model=name, input_shape=shape),
     )
     return r, layers
 
@@ -156,7 +158,9 @@ def test_plans_carry_their_placement_and_refuse_a_bad_one(tmp_path):
     with pytest.raises(ConfigError, match="engine ddp"):
         replace(plan, styles={k: Style.batch(4) for k in plan.styles}, engine="ddp")
     # the planner's pricing of the placed plan is evaluate's, placement included
-    again = evaluate(layers, 4, B, TWO, [x.style for x in placed_plans[0].layers], placement=(2, 2))
+    again = evaluate(
+        layers, [x.style for x in placed_plans[0].layers], PlanRequest(4, B, TWO), placement=(2, 2)
+    )
     assert again.total_s == pytest.approx(placed_plans[0].total_s)
 
 
@@ -167,7 +171,7 @@ def test_the_planner_places_when_it_pays():
     unplaced candidate."""
     from hybridpar.planning.analysis_cache import zoo_cost_layers
 
-    r = plan_layers(zoo_cost_layers("alexnet-owt", 64), 4, 32, TWO)
+    r = plan_layers(zoo_cost_layers("alexnet-owt", 64), PlanRequest(4, 32, TWO))
     same = {p.placement: p for p in r.candidates["same-grid"] if p.grid == (2, 2)}
     assert same[(2, 2)].total_s < same[None].total_s
     unplaced = [p for ps in r.candidates.values() for p in ps if p.feasible and not p.placement]
@@ -194,7 +198,7 @@ def _trains_as_one_process(names: list[str], P: int) -> list[str]:
             _, layers = _plan(name, P)
             d = Style.domain(2, 2)
             styles = [d if not why_not(x, d, B) else Style.model(2, 2) for x in layers]
-            chosen = evaluate(layers, P, B, TWO, styles, placement=(2, 2))
+            chosen = evaluate(layers, styles, PlanRequest(P, B, TWO), placement=(2, 2))
             plans = [r.export(chosen)]
         for plan in plans:
             ledger = Ledger()

@@ -11,6 +11,7 @@ from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.planning.analysis_cache import zoo_cost_layers
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import SCENARIOS, grids, make_plan, plan_layers
 
 KNL = PRESETS["cori-knl"]
@@ -54,7 +55,7 @@ def _layers():
 
 def test_dp_equals_brute_force():
     layers, P, B = _layers(), 4, 8
-    r = plan_layers(layers, P, B, KNL, scenarios=["per-layer"])
+    r = plan_layers(layers, PlanRequest(P, B, KNL, scenarios=["per-layer"]))
     gs = grids(P, B)
     options = [
         [Style.model(*g) for g in gs]
@@ -64,7 +65,9 @@ def test_dp_equals_brute_force():
     from hybridpar.planning.cost.compute import FlopsModel
     from hybridpar.planning.search import _Context
 
-    ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, Choices())
+    ctx = _Context(
+        layers, PlanRequest(P, B, KNL, compute=FlopsModel(KNL.flops), elem_bytes=4), KNL.priced(P)
+    )
     best = min(
         (
             p.comm_s
@@ -210,12 +213,14 @@ def test_dp_respects_segments_and_equals_brute_force():
     from hybridpar.planning.search import _Context
 
     layers, P, B = _segmented(), 4, 8
-    r = plan_layers(layers, P, B, KNL, scenarios=["per-layer"])
+    r = plan_layers(layers, PlanRequest(P, B, KNL, scenarios=["per-layer"]))
     got = r.scenario("per-layer")
     assert got.layers[1].style == got.layers[2].style
     gs = grids(P, B)
     options = [[Style.model(*g) for g in gs] for _ in layers]
-    ctx = _Context(layers, P, B, KNL, FlopsModel(KNL.flops), 4, Choices())
+    ctx = _Context(
+        layers, PlanRequest(P, B, KNL, compute=FlopsModel(KNL.flops), elem_bytes=4), KNL.priced(P)
+    )
     chains = [c for c in itertools.product(*options) if c[1] == c[2]]
     best = min(p.comm_s for c in chains if (p := ctx.evaluate("x", None, list(c))).feasible)
     assert got.comm_s == pytest.approx(best, rel=1e-12)
@@ -274,7 +279,7 @@ def test_presets_are_plans_of_the_planner():
     from hybridpar.planning.presets import plan_preset
 
     layers = zoo_cost_layers("digits-cnn")
-    owt = plan_preset("owt", layers, 4, 64, KNL)
+    owt = plan_preset("owt", layers, PlanRequest(4, 64, KNL))
     assert {k: s.label for k, s in owt.styles.items()} == {
         "0": "batch",
         "2": "batch",
@@ -282,15 +287,15 @@ def test_presets_are_plans_of_the_planner():
         "8": "model(4x1)",
         "10": "model(4x1)",
     }
-    assert plan_preset("ddp", layers, 4, 64, KNL).engine == "ddp"
-    grid = plan_preset("grid:2x2", layers, 4, 64, KNL)
+    assert plan_preset("ddp", layers, PlanRequest(4, 64, KNL)).engine == "ddp"
+    grid = plan_preset("grid:2x2", layers, PlanRequest(4, 64, KNL))
     assert {s.label for s in grid.styles.values()} == {"batch", "model(2x2)"}
-    auto = plan_preset("auto", layers, 4, 64, KNL)
-    best = plan_layers(layers, 4, 64, KNL, scenarios=list(SCENARIOS))
+    auto = plan_preset("auto", layers, PlanRequest(4, 64, KNL))
+    best = plan_layers(layers, PlanRequest(4, 64, KNL, scenarios=list(SCENARIOS)))
     assert auto.totals["total_s"] == pytest.approx(best.best.total_s)
     for bad, needle in (("grid:3x2", "has 6 ranks"), ("pipeline", "unknown preset")):
         with pytest.raises(ConfigError, match=needle):
-            plan_preset(bad, layers, 4, 64, KNL)
+            plan_preset(bad, layers, PlanRequest(4, 64, KNL))
 
 
 def _random_layers(draw, st):
@@ -341,7 +346,7 @@ def test_per_layer_is_optimal_under_every_cost_option():
         )
         overlap = data.draw(st.booleans())
         bn = data.draw(st.sampled_from(["local", "global"]))
-        r = plan_layers(layers, P, B, net, overlap=overlap, choices=Choices(bn=bn))
+        r = plan_layers(layers, PlanRequest(P, B, net, overlap=overlap, choices=Choices(bn=bn)))
         best = r.scenario("per-layer")
         for name, cands in r.candidates.items():
             for p in cands:

@@ -31,6 +31,7 @@ from hybridpar.core.plan import ParallelPlan, Style, assign_styles
 from hybridpar.core.rules import why_not
 from hybridpar.core.terms import Term
 from hybridpar.planning.presets import plan_preset
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import SCENARIOS, plan_for
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel import HybridTrainer
@@ -70,7 +71,7 @@ def _plans(name: str, P: int, bn: str) -> dict:
                 out[f"{scenario}@{net.name}"] = plan
     layers = cost_layers(trace(model, SHAPE).specs)
     kw = dict(choices=choices, input_shape=SHAPE, elem_bytes=8)
-    out["ddp"] = plan_preset("ddp", layers, P, B, NET, **kw)
+    out["ddp"] = plan_preset("ddp", layers, PlanRequest(P, B, NET, **kw))
     return out
 
 

@@ -101,7 +101,7 @@ def test_each_meeting_costs_the_calibrated_small_all_reduce_and_the_split_adds_u
     a cluster that timed nothing (a preset) the meetings are free."""
     plain = make_plan("digits-wide", 4, 64, BASE, scenarios=["batch", "model"])
     timed = make_plan("digits-wide", 4, 64, TIMED, scenarios=["batch", "model"])
-    each = TIMED.at(4).meeting_s(4)
+    each = TIMED.priced(4).meeting_s()
     assert each == pytest.approx(50e-6 * 2)  # 4 ranks of one thread on 2 cores
     for name in ("batch", "model"):
         p, t = plain.scenario(name), timed.scenario(name)
@@ -120,8 +120,7 @@ def test_each_meeting_costs_the_calibrated_small_all_reduce_and_the_split_adds_u
     exported = timed.export(model).totals
     assert exported["waiting_s"] == model.sync.wait_s
     assert exported["total_s"] == pytest.approx(model.total_s)
-    off = dataclasses.replace(TIMED, shared_memory=False)  # `--no-shared-memory`: not timed
-    assert off.at(4).meeting_s(4) == 0
+    assert TIMED.priced(4, shared_memory=False).meeting_s() == 0  # `--no-shared-memory`
 
 
 def test_a_job_across_hosts_meets_at_the_small_all_reduce_timed_across_them():
@@ -129,7 +128,7 @@ def test_a_job_across_hosts_meets_at_the_small_all_reduce_timed_across_them():
         "two", 1e-5, 1e-9, 1e11, small_alpha=20e-6, shm_beta=1e-10, ranks_per_host=2,
         net_alpha=1e-4, net_beta=1e-8, net_small=300e-6,
     )  # fmt: skip
-    assert two.meeting_s(4) == 300e-6 and two.meeting_s(2) == 20e-6
+    assert two.priced(4).meeting_s() == 300e-6 and two.priced(2).meeting_s() == 20e-6
 
 
 @pytest.mark.parametrize(
@@ -165,10 +164,10 @@ def test_a_calibration_at_2_and_4_ranks_prices_8_and_16():
     data = {"alpha": 2e-5, "beta": 1e-9, "flops": 1e11, "cores": 16}
     c = _from_mapping({**data, "by_procs": {"2": two, "4": four}}, "test")
     for P in (8, 16):
-        assert (c.at(P).alpha, c.at(P).beta) == (4e-5, 2e-9)
+        assert (c.priced(P).alpha, c.priced(P).beta) == (4e-5, 2e-9)
     both = _from_mapping({**data, "cores": 2, "by_procs": {"2": two, "4": four}}, "test")
-    assert (both.at(3).alpha, both.at(3).beta) == (4e-5, 2e-9)
-    assert c.at(2).alpha == 2e-5  # as measured
+    assert (both.priced(3).alpha, both.priced(3).beta) == (4e-5, 2e-9)
+    assert c.priced(2).alpha == 2e-5  # as measured
 
 
 def test_waits_split_at_the_fastest_rank_of_each_call():

@@ -429,7 +429,7 @@ def test_auto_under_torchrun_is_decided_once_by_rank_0(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path))
     c = load_cluster("localhost")
     assert c.two_level and c.ranks_per_host == 1 and c.net_beta == saved["network"]["beta"]
-    assert c.at(2).meeting_s(2) == c.net_small == saved["network"]["small_alpha"]
+    assert c.priced(2).meeting_s() == c.net_small == saved["network"]["small_alpha"]
     d = json.loads(report.read_text())
     assert d["procs"] == 2 and d["preset"] == "auto"
     assert d["hosts"] == {

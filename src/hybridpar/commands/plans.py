@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from hybridpar.core.cluster import load_cluster
@@ -36,10 +35,10 @@ def _ms(x: float) -> str:
 
 
 def _print_header(result: PlanResult) -> None:
-    c, ch = result.cluster, result.choices
+    c, ch = result.cluster.priced(result.procs), result.choices
     print(
-        f"{result.model} on {c.name} (alpha {c.alpha * 1e6:g} us, {c.bandwidth / 1e9:g} GB/s, "
-        f"{c.rank_flops(result.procs) / 1e12:g} TFLOP/s per rank), P={result.procs}, "
+        f"{result.model} on {c.name} (alpha {c.alpha * 1e6:g} us, {1 / c.beta / 1e9:g} GB/s, "
+        f"{c.rank_flops() / 1e12:g} TFLOP/s per rank), P={result.procs}, "
         f"B={result.batch}, {result.elem_bytes:g} bytes/element"
         + (f", codec {ch.codec} on {'+'.join(ch.compress)}" if ch.codec != "none" else "")
     )
@@ -89,10 +88,8 @@ def _print_plan(result: PlanResult, shown: list) -> None:
 
 
 def job_cluster(cfg: PlanConfig):
-    """The cluster a job of `cfg` is priced on: on its device (auto: the CPU's, unless told),
-    through shared memory unless told not to."""
-    cluster = load_cluster(cfg.cluster, "cuda" if cfg.choices.device == "cuda" else "cpu")
-    return cluster if cfg.shared_memory else replace(cluster, shared_memory=False)
+    """The cluster a job of `cfg` is priced on: on its device (auto: the CPU's, unless told)."""
+    return load_cluster(cfg.cluster, "cuda" if cfg.choices.device == "cuda" else "cpu")
 
 
 def plan_kwargs(cfg: PlanConfig, cluster, P: int) -> dict:

@@ -8,12 +8,18 @@ the timing). `--repeat` rounds run the plans in turn, so a drift of the machine 
 each plan keeps the median of its rounds. Where plans measured faster than the pick or within
 10 % of it, `--confirm` rounds more run the pick and them in turn (`contested`): the fastest of
 several noisy medians is low for having been chosen the lowest, and a plan just behind the pick
-may be ahead of it. The table gives, per plan, predicted and measured time
-per iteration split into compute and communication (the time in collectives), and of that the
-time spent waiting for the slowest rank to arrive, the relative error of the total, and then the
-summary: median and worst |predicted - measured| / measured, Spearman's rho between the predicted
-and the measured order, and whether the planner's pick is the measured fastest (and by how much
-it is slower when it is not). The table is written as JSON with a PNG scatter beside it.
+may be ahead of it.
+
+A planner is judged by what it decides: which plan to run, and how much faster it will be. So
+each plan's speed-up over the reference (the `ddp` preset, where it runs) is predicted and
+measured, the measured one from the rounds in which both ran (the ratio of two times taken
+minutes apart measures the machine's drift; of two taken side by side, the plans). The table
+gives, per plan, predicted and measured time per iteration and speed-up, the time split into
+compute and communication (the time in collectives) and of that the time spent waiting for the
+slowest rank to arrive; then the summary: median and worst |error| of the times and of the
+speed-ups, Spearman's rho between the predicted and the measured order, and whether the
+planner's pick is the measured fastest (and by how much it is slower when it is not). The table
+is written as JSON with a PNG scatter beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +85,21 @@ class Candidate:
         p, m = self.predicted["total_s"], self.measured.get("total_s")
         return None if p is None or not m else (p - m) / m
 
-    def to_dict(self) -> dict:
+    def speedup(self, ref: Candidate) -> tuple[float | None, float | None]:
+        """(predicted, measured) speed-up over `ref`: the ratio of the predictions, and the
+        median over the rounds in which both ran of ref's time over this plan's."""
+        p, q = self.predicted["total_s"], ref.predicted["total_s"]
+        times = {r["round"]: r["time_s"] for r in ref.runs}
+        ratios = [times[r["round"]] / r["time_s"] for r in self.runs if r["round"] in times]
+        return (q / p if p and q else None), (statistics.median(ratios) if ratios else None)
+
+    def speedup_error(self, ref: Candidate) -> float | None:
+        """(predicted - measured) / measured of the speed-up over `ref`."""
+        p, m = self.speedup(ref)
+        return None if p is None or not m else (p - m) / m
+
+    def to_dict(self, ref: Candidate | None = None) -> dict:
+        up = self.speedup(ref) if ref is not None else (None, None)
         return {
             "label": self.label,
             "scenario": self.plan.scenario,
@@ -90,6 +109,11 @@ class Candidate:
             "predicted": self.predicted,
             "measured": self.measured,
             "error": self.error,
+            "speedup": {
+                "reference": ref.label if ref else None,
+                "predicted": up[0],
+                "measured": up[1],
+            },
             "rounds": len(self.runs),
             "failure": self.failure or None,
         }
@@ -159,8 +183,17 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return None if va == 0 or vb == 0 else cov / math.sqrt(va * vb)
 
 
+REFERENCE = "ddp"
+"""the plan every other's speed-up is taken over, where validate runs it"""
+
+
+def reference(cands: list[Candidate]) -> Candidate | None:
+    return next((c for c in cands if c.label == REFERENCE and c.runs), None)
+
+
 def summarize(cands: list[Candidate]) -> dict:
-    """Median and worst |error| of the total, Spearman's rho, and the pick against the fastest."""
+    """Median and worst |error| of the total and of the speed-up over the reference, Spearman's
+    rho, and the pick against the fastest."""
     done = [c for c in cands if c.error is not None]
     if not done:
         return {}
@@ -169,7 +202,14 @@ def summarize(cands: list[Candidate]) -> dict:
     picked = next((c for c in done if c.picked), None)
     pred = [c.predicted["total_s"] for c in done]
     meas = [c.measured["total_s"] for c in done]
+    ref = reference(cands)
+    ups = {c.label: c.speedup_error(ref) for c in done if ref is not None and c is not ref}
+    ups = {k: abs(v) for k, v in ups.items() if v is not None}
     return {
+        "reference": ref.label if ref is not None and ups else None,
+        "speedup_median_abs_error": statistics.median(ups.values()) if ups else None,
+        "speedup_worst_abs_error": max(ups.values()) if ups else None,
+        "speedup_worst": max(ups, key=ups.__getitem__) if ups else None,
         "plans": len(done),
         "median_abs_error": statistics.median(errs),
         "worst_abs_error": max(errs),
@@ -235,9 +275,12 @@ def validate(
     plans_dir.mkdir(parents=True, exist_ok=True)
     weights = Path(tempfile.mkdtemp(prefix="hybridpar-validate-"))
 
+    done = [0]  # rounds so far: each run is tagged with its round, for the speed-ups
+
     def rounds(which: list[int], n: int) -> None:
         for k in range(n * len(which)):
             i = which[k % len(which)]
+            r = done[0] + k // len(which)
             c = cands[i]
             if c.failure:
                 continue
@@ -249,7 +292,7 @@ def validate(
                 continue
             if it is None:  # a rank other than 0 under torchrun: rank 0 has the report
                 continue
-            c.runs.append(it)
+            c.runs.append({**it, "round": r})
             if progress:
                 print(
                     f"[{k + 1}/{n * len(which)}] {c.label:<22} {it['time_s'] * 1e3:8.1f} ms "
@@ -257,6 +300,7 @@ def validate(
                     file=sys.stderr,
                     flush=True,
                 )
+        done[0] += n
 
     try:
         rounds(list(range(len(cands))), repeat)
@@ -277,9 +321,10 @@ def _pct(x: float | None) -> str:
 
 def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
     print(head)
+    ref = reference(cands)
     cols = (
-        f"{'plan':<24} {'pred ms':>8} {'meas ms':>8} {'error':>7}   "
-        f"{'compute p/m':>13} {'comm p/m':>13} {'wait p/m':>11} {'range ms':>13}"
+        f"{'plan':<24} {'pred ms':>8} {'meas ms':>8} {'error':>7}  {'speed-up p/m':>12} "
+        f"{'error':>7}   {'compute p/m':>13} {'comm p/m':>13} {'wait p/m':>11} {'range ms':>13}"
     )
     print(cols)
     for c in cands:
@@ -291,17 +336,22 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
             continue
         ms = {k: (v or 0.0) * 1e3 for k, v in {**p}.items()}
         mm = {k: v * 1e3 for k, v in m.items()}
+        up, um = c.speedup(ref) if ref is not None else (None, None)
+        ups = f"{up:5.2f}/{um:<5.2f}" if up is not None and um is not None else "-"
+        err = _pct(c.speedup_error(ref)) if ref is not None and c is not ref else "-"
         mark = "*" if c.picked else " "
         print(
-            f"{mark}{c.label:<23} {ms['total_s']:8.1f} {mm['total_s']:8.1f} {_pct(c.error):>7}   "
+            f"{mark}{c.label:<23} {ms['total_s']:8.1f} {mm['total_s']:8.1f} {_pct(c.error):>7}  "
+            f"{ups:>12} {err:>7}   "
             f"{ms['compute_s']:6.1f}/{mm['compute_s']:<6.1f} {ms['comm_s']:6.1f}/{mm['comm_s']:<6.1f} "
             f"{ms['waiting_s']:5.1f}/{mm['waiting_s']:<5.1f} {mm['lo_s']:6.1f}-{mm['hi_s']:<6.1f}"
         )
     if not summary:
         return
     print(
-        "(p/m: predicted/measured; comm: exposed communication, measured as the time in "
-        "collectives; wait: the part of it spent waiting for the slowest rank)"
+        "(p/m: predicted/measured; speed-up: over the ddp plan, measured in the rounds both ran; "
+        "comm: exposed communication, measured as the time in collectives; wait: the part of it "
+        "spent waiting for the slowest rank)"
     )
     rho = summary["spearman_rho"]
     print(
@@ -309,6 +359,12 @@ def print_table(cands: list[Candidate], summary: dict, head: str) -> None:
         f"worst {summary['worst_abs_error'] * 100:.1f} % ({summary['worst']}); Spearman's rho "
         f"{'-' if rho is None else f'{rho:.2f}'}"
     )
+    if summary.get("reference"):
+        print(
+            f"speed-up over {summary['reference']}: |error| median "
+            f"{summary['speedup_median_abs_error'] * 100:.1f} %, worst "
+            f"{summary['speedup_worst_abs_error'] * 100:.1f} % ({summary['speedup_worst']})"
+        )
     if summary["picked"] is None:
         return
     before = summary.get("pick_before")
@@ -358,18 +414,47 @@ def plot(cands: list[Candidate], path: Path, title: str) -> Path | None:
 
 def cmd_validate(args) -> int:
     """`hybridpar validate`: every input checked before a process starts."""
-
     from hybridpar.commands.plans import job_cluster, plan_kwargs
-    from hybridpar.core.cluster import localhost_path
-    from hybridpar.core.config import from_namespace, writable
-    from hybridpar.core.rules import why_not_grid
+    from hybridpar.core.config import from_namespace
     from hybridpar.planning.config import PlanConfig
+    from hybridpar.planning.search import make_plan
+    from hybridpar.runtime.launcher import under_torchrun
+
+    cfg = from_namespace(PlanConfig, args)
+    names = _checked(args, cfg)
+    cluster = job_cluster(cfg)
+
+    def plan_candidates() -> list[Candidate]:
+        kwargs = plan_kwargs(cfg, cluster, args.procs)
+        result = make_plan(cfg.model, args.procs, cfg.batch, cluster, **kwargs)
+        result.best  # noqa: B018  one line when nothing fits
+        presets = {n: _preset(result, n) for n in names}
+        return candidates(result, args.top, presets)
+
+    if under_torchrun():
+        return _in_job(args, cfg, cluster, plan_candidates)
+    cands = plan_candidates()
+    head = (
+        f"{cfg.model}, P={args.procs}, B={cfg.batch} on {cluster.name}: {len(cands)} plans, "
+        f"{args.steps - 1} timed iterations each, median of {args.repeat} interleaved rounds"
+    )
+    print(head, file=sys.stderr, flush=True)
+    out = Path(args.out)
+    again = validate(cands, _base(args, cfg), out, args.repeat, not args.quiet, args.confirm)
+    return _finish(args, cfg, cluster, cands, head, out, again)
+
+
+def _checked(args, cfg) -> list[str]:
+    """The arguments checked (one line each) and the presets named; `localhost` calibrated
+    first where it is not yet, as a searched `hybridpar train` does."""
+    from hybridpar.core.cluster import localhost_path
+    from hybridpar.core.config import writable
+    from hybridpar.core.rules import why_not_grid
     from hybridpar.planning.presets import parse_preset
-    from hybridpar.planning.search import make_plan, model_layers
+    from hybridpar.planning.search import model_layers
     from hybridpar.runtime.launcher import under_torchrun
     from hybridpar.runtime.train.calibration import calibrate
 
-    cfg = from_namespace(PlanConfig, args)
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != args.procs:
         raise ConfigError(
             f"--procs {args.procs} but torchrun started {os.environ['WORLD_SIZE']} ranks; "
@@ -379,8 +464,7 @@ def cmd_validate(args) -> int:
         raise ConfigError("validate compares parallel plans: use --procs 2 or more")
     if args.steps < 2:
         raise ConfigError("--steps must be at least 2 (the first step is left out of the timing)")
-    out = Path(args.out)
-    writable("--out", out / "validate.json")
+    writable("--out", Path(args.out) / "validate.json")
     names = [n.strip() for n in args.presets.split(",") if n.strip()] if args.presets else []
     for n in names:
         grid = parse_preset(n, args.procs)[1]
@@ -394,30 +478,9 @@ def cmd_validate(args) -> int:
     kw = cfg.plan_kwargs()
     model_layers(cfg.model, kw["input_size"], kw["input_shape"])  # named before a calibration
     if cfg.cluster == "localhost" and not localhost_path().exists() and not under_torchrun():
-        # as a searched `hybridpar train` does: the planner needs this host's numbers first
         print("localhost is not calibrated yet: calibrating it first", file=sys.stderr)
         calibrate(nproc=list(CALIBRATED))  # `hybridpar calibrate`'s default
-    cluster = job_cluster(cfg)
-
-    def plan_candidates() -> list[Candidate]:
-        kwargs = plan_kwargs(cfg, cluster, args.procs)
-        args.profile = getattr(kwargs.get("compute"), "source", None)  # a measured profile's file
-        result = make_plan(cfg.model, args.procs, cfg.batch, cluster, **kwargs)
-        result.best  # noqa: B018  one line when nothing fits
-        presets = {n: _preset(result, n) for n in names}
-        return candidates(result, args.top, presets)
-
-    if under_torchrun():
-        return _in_job(args, cfg, cluster, plan_candidates)
-    cands = plan_candidates()
-    base = _base(args, cfg)
-    head = (
-        f"{cfg.model}, P={args.procs}, B={cfg.batch} on {cluster.name}: {len(cands)} plans, "
-        f"{args.steps - 1} timed iterations each, median of {args.repeat} interleaved rounds"
-    )
-    print(head, file=sys.stderr, flush=True)
-    again = validate(cands, base, out, args.repeat, not args.quiet, args.confirm)
-    return _finish(args, cfg, cluster, cands, head, out, again)
+    return names
 
 
 def _base(args, cfg):
@@ -525,8 +588,7 @@ def _finish(args, cfg, cluster, cands, head, out: Path, again: dict) -> int:
         return 1
     summary.update(again)
     print_table(cands, summary, head)
-    traced = trace(cands, getattr(args, "profile", None))
-    print(traced["line"])
+    ref = reference(cands)
     data = {
         "model": cfg.model,
         "procs": args.procs,
@@ -534,8 +596,8 @@ def _finish(args, cfg, cluster, cands, head, out: Path, again: dict) -> int:
         "cluster": cluster.to_dict(),
         "steps": args.steps,
         "repeat": args.repeat,
-        "plans": [c.to_dict() for c in cands],
-        "summary": {**summary, "traced": traced},
+        "plans": [c.to_dict(ref) for c in cands],
+        "summary": summary,
     }
     path = out / "validate.json"
     path.write_text(json.dumps(strict(data), indent=1, allow_nan=False))
@@ -544,76 +606,6 @@ def _finish(args, cfg, cluster, cands, head, out: Path, again: dict) -> int:
         f"wrote {path}" + (f" and {png}" if png else "") + f"; the plans it ran in {out / 'plans'}"
     )
     return 1 if any(c.failure for c in cands) else 0
-
-
-def trace(cands: list[Candidate], profile: str | None) -> dict:
-    """Which cached quantity the largest error traces to. The quantities the compute profile at
-    `profile` cached (each iteration, the optimizer step) are measured again
-    (planning.profile.recheck); each explains the part of the worst plan's error that its new
-    value takes out of the prediction (the step: the plan's update seconds; an iteration: the
-    rest of its compute at the samples a rank of it runs, scaled by the same ratio). The one
-    that explains most, where that is at least a quarter of the error, is named; otherwise the
-    side of the prediction that is off (compute, or communication: the calibration's all-reduce
-    fit and meetings, which `hybridpar calibrate --check` measures again). {"line": what to
-    print, "quantity", "source", "explained_s", "error_s"}."""
-    from hybridpar.planning.profile import recheck
-
-    done = [c for c in cands if c.error is not None]
-    worst = max(done, key=lambda c: abs(c.error))  # type: ignore[arg-type]
-    p, m = worst.predicted, worst.measured
-    gap = p["total_s"] - m["total_s"]
-    head = (
-        f"largest error: {worst.label} {_pct(worst.error)} (predicted {p['total_s'] * 1e3:.1f} "
-        f"ms, measured {m['total_s'] * 1e3:.1f} ms)"
-    )
-    rows = recheck(profile) if profile and Path(profile).is_file() else []
-    best, explained = _explains(rows, worst, gap)
-    out = {"quantity": None, "source": None, "side": None, "explained_s": explained}
-    out["error_s"] = gap
-    if best is not None and abs(explained) >= abs(gap) / 4:
-        line = (
-            f"{head}: traces to {best.quantity} in {best.source}: cached {best.cached:.3g}, "
-            f"measured again {best.now:.3g} (x{best.ratio:.2f}), {abs(explained) * 1e3:.1f} ms "
-            f"of the {abs(gap) * 1e3:.1f} ms; run `hybridpar calibrate` to measure it again"
-        )
-        return {
-            **out,
-            "line": line,
-            "quantity": best.quantity,
-            "source": best.source,
-            "side": "compute",
-        }
-    compute_off = abs(p["compute_s"] - m["compute_s"]) >= abs(p["comm_s"] - m["comm_s"])
-    side = "compute" if compute_off else "communication"
-    held = sum(r.holds for r in rows)
-    held_text = f"; {held} of the profile's {len(rows)} cached numbers hold measured again"
-    where = (
-        "the compute model"
-        if side == "compute"
-        else "the calibration's all-reduce fit or meetings (`hybridpar calibrate --check`)"
-    )
-    line = f"{head}: mostly its {side}, from {where}{held_text if rows else ''}"
-    return {**out, "line": line, "side": side}
-
-
-def _explains(rows: list, worst: Candidate, gap: float) -> tuple:
-    """(the re-measured quantity that takes most of `gap` out of the worst plan's prediction,
-    the seconds it takes out), or (None, 0.0)."""
-    p, update = worst.predicted, worst.plan.totals.get("update_s", 0.0)
-    # the samples most of its layers run on a rank (B / Pc of their styles)
-    pcs = Counter(s.pc for s in worst.plan.styles.values())
-    samples = worst.plan.batch // pcs.most_common(1)[0][0]
-    best, explained = None, 0.0
-    for r in rows:
-        if r.quantity == "update_s":
-            part = update * (1 - r.ratio)
-        elif r.quantity.startswith(f"iteration at {samples} samples"):  # alone or crowded
-            part = (p["compute_s"] - update) * (1 - r.ratio)
-        else:
-            continue
-        if part * gap > 0 and abs(part) > abs(explained):
-            best, explained = r, part
-    return best, explained
 
 
 def _preset(result, name: str) -> ParallelPlan:

@@ -44,6 +44,8 @@ __all__ = [
     "PRESETS",
     "SHM_MAX_BYTES",
     "Cluster",
+    "Priced",
+    "as_priced",
     "contention",
     "for_device",
     "load_cluster",
@@ -75,40 +77,27 @@ class Cluster:
     # calibrate`; with small_alpha it prices them; None: the alpha-beta model prices them
     shm_beta: float | None = None
     # cores of the one host of a calibrated cluster (`localhost`): `flops` is then one core's rate,
-    # and P ranks on it each get cores / P of the host (rank_flops); None: `flops` is per process
+    # and P ranks on it each get cores / P of the host (Priced.rank_flops); None: per process
     cores: int | None = None
     # the collectives of a job of P ranks on this host measured at that P (`hybridpar calibrate
     # --nproc 2,3,4`): (P, alpha, beta, small_alpha, shm_beta) each; ranks that share cores make
-    # them slower than a 2-rank fit says. `at(P)` prices a P-rank job with its own entry
+    # them slower than a 2-rank fit says. `priced(P)` prices a P-rank job with its own entry
     by_procs: tuple[tuple[int, float, float, float | None, float | None], ...] = ()
     # the second level (all three or none): ranks of a job on each host, numbered host by host
     # (torchrun's order), and the latency and seconds per byte of the network between hosts
     ranks_per_host: int | None = None
     net_alpha: float | None = None
     net_beta: float | None = None
-    # how a plan places its positions on the ranks (hybridpar.core.groups): set by the
-    # planner (`placed`), not by cluster files
-    placement: tuple[int, int] | None = None
-    # whether the job's groups take the host's shared-memory paths (RuntimeOptions'
-    # shared_memory: set for a run, not by cluster files); False: its activations' and small
-    # collectives go through gloo and are priced on alpha-beta (the host reducer keeps its own)
-    shared_memory: bool = True
     # seconds of a small all-reduce (batch-norm statistics) over all of a two-level job's ranks
     # across the hosts, measured by `hybridpar calibrate` (`[network]`'s `small_alpha`); a group
-    # that spans hosts prices its small sums so (`over`); None: alpha-beta
+    # that spans hosts prices its small sums so (`Priced.over`); None: alpha-beta
     net_small: float | None = None
     # seconds per element one thread takes to encode and decode with each codec, measured by
-    # `hybridpar calibrate`: (codec, encode s, decode s); `codec_times` prices a rank's share
+    # `hybridpar calibrate`: (codec, encode s, decode s); `Priced.codec_times` prices a rank's
     codecs: tuple[tuple[str, float, float], ...] = ()
     # the device a calibration measured its compute and collectives on (cpu, cuda): a job on
     # another device is not priced with it; empty for a described cluster (a preset, a file)
     device: str = ""
-
-    @property
-    def shm_paths(self) -> bool:
-        """Whether a job's activation collectives and halos on one host are priced through shared
-        memory: calibrated (small_alpha, shm_beta) and not turned off for the run."""
-        return self.shared_memory and self.small_alpha is not None and self.shm_beta is not None
 
     @property
     def two_level(self) -> bool:
@@ -126,21 +115,22 @@ class Cluster:
         local = self.local(P)
         return contention(self.cores, local, rank_threads(self.cores, local))
 
-    def at(self, P: int) -> Cluster:
-        """This cluster as a job of P ranks sees it: the collectives of as many ranks on a host
-        where `hybridpar calibrate` measured them; for a count it did not measure, those of the
-        nearest count that shares the cores as P does (`_nearest`; none: this cluster's own
-        alpha and beta). Its shared-memory numbers take the slowdown of its ranks on the host's
-        cores: timed back to back, the waiting ranks hand each other the cores; in a step the
-        ranks around a collective compute, and it gets its share of a core as compute does."""
+    def priced(
+        self, P: int, placement: tuple[int, int] | None = None, shared_memory: bool = True
+    ) -> Priced:
+        """This cluster as a job of P ranks sees it (`Priced`): the collectives of as many ranks
+        on a host where `hybridpar calibrate` measured them; for a count it did not measure,
+        those of the nearest count that shares the cores as P does (`_nearest`; none: this
+        cluster's own alpha and beta). Its shared-memory numbers take the slowdown of its ranks
+        on the host's cores: timed back to back, the waiting ranks hand each other the cores; in
+        a step the ranks around a collective compute, and it gets its share of a core."""
+        alpha, beta, small, shm = self.alpha, self.beta, self.small_alpha, self.shm_beta
         fits = {p: rest for p, *rest in self.by_procs}
-        fit = self._nearest(fits, self.local(P))
-        if not fit:
-            return self
-        alpha, beta, small, shm = fits[fit]
-        c = self.slowdown(P)
-        small, shm = (None if x is None else x * c for x in (small, shm))
-        return replace(self, alpha=alpha, beta=beta, small_alpha=small, shm_beta=shm)
+        if fit := self._nearest(fits, self.local(P)):
+            alpha, beta, small, shm = fits[fit]
+            c = self.slowdown(P)
+            small, shm = (None if x is None else x * c for x in (small, shm))
+        return Priced(self, P, alpha, beta, small, shm, placement, shared_memory)
 
     def _nearest(self, counts, p: int) -> int:
         """Which of `counts` (ranks on a host a calibration measured) prices p of them: the
@@ -153,76 +143,6 @@ class Cluster:
             if alike:
                 return max((c for c in alike if c <= p), default=min(alike))
         return max((c for c in counts if c <= p), default=0)
-
-    def codec_times(self, codec: str, P: int) -> tuple[float, float]:
-        """(encode, decode) seconds per element for a rank of a P-rank job on this cluster: as one
-        thread measured them, times the slowdown of the ranks sharing a host's cores; (0, 0)
-        where the codec was not measured."""
-        for name, enc, dec in self.codecs:
-            if name == codec:
-                c = self.slowdown(P)
-                return enc * c, dec * c
-        return 0.0, 0.0
-
-    def meeting_s(self, P: int) -> float:
-        """What a P-rank job's ranks lose each time they meet in a blocking collective (some
-        arrive before others): one small all-reduce as `hybridpar calibrate` timed it, through a
-        host's shared memory, or over all the ranks where the job spans a two-level cluster's
-        hosts; 0 where nothing was timed (a described cluster, shared memory off)."""
-        if self.two_level and self.local(P) < P:
-            return self.net_small or 0.0
-        return self.small_alpha if self.shm_paths and self.small_alpha else 0.0
-
-    def placed(self, placement: tuple[int, int] | None) -> Cluster:
-        """This cluster for a plan that places its positions by `placement`."""
-        return self if placement == self.placement else replace(self, placement=placement)
-
-    def over(self, groups: list[list[int]]) -> Cluster:
-        """This cluster as the collectives of `groups` see them (lists of positions, every group
-        running its collective at once, hybridpar.core.groups; on ranks by `placement`):
-        itself where each group sits on one host; where one spans hosts, the network's alpha,
-        its beta times the groups that cross from one host at once, and no shared memory."""
-        if self.ranks_per_host is None or self.net_alpha is None or self.net_beta is None:
-            return self
-        groups = placed(groups, self.placement)
-        P = 1 + max((k for g in groups for k in g), default=0)
-        s = span(groups, hosts_by_rank(P, self.ranks_per_host))
-        if s.hosts <= 1:
-            return self
-        return replace(
-            self,
-            alpha=self.net_alpha,
-            beta=self.net_beta * s.flows,
-            small_alpha=self.net_small,  # small sums across the hosts, as measured there
-            shm_beta=None,
-            by_procs=(),
-        )
-
-    def group(self, kind: str, pr: int, pc: int) -> Cluster:
-        """`over` the "model" or the "batch" groups of grid pr x pc."""
-        if self.ranks_per_host is None:
-            return self
-        return _over(self, kind, pr, pc, 0)
-
-    def span(self, kind: str, pr: int, pc: int) -> Span:
-        """How the "model" or "batch" groups of grid pr x pc meet the hosts (one host each on a
-        one-level cluster)."""
-        if self.ranks_per_host is None:
-            return Span(1, 0, pc if kind == "batch" else pr)
-        return _span(kind, pr, pc, self.ranks_per_host, self.placement)
-
-    def regroup(self, P: int, fine: int, coarse: int) -> Cluster:
-        """`over` the groups that move an activation between layouts of `fine` and `coarse`
-        batch groups (hybridpar.core.groups.regroup_groups)."""
-        if self.ranks_per_host is None:
-            return self
-        return _over(self, "regroup", P, fine, coarse)
-
-    def rank_flops(self, P: int) -> float:
-        """FLOP/s one of P ranks sustains: `flops`, or on a calibrated host its share of the cores
-        (the trainer gives each of a host's ranks cores // ranks threads; more ranks than cores
-        share them)."""
-        return self.flops if self.cores is None else self.flops * self.cores / max(1, self.local(P))
 
     def __post_init__(self) -> None:
         for f in ("alpha", "beta", "flops"):
@@ -284,8 +204,7 @@ class Cluster:
         }
         out = {**asdict(self), "by_procs": by_procs, "bandwidth_GBps": self.bandwidth / 1e9}
         out["codecs"] = {name: [enc, dec] for name, enc, dec in self.codecs}
-        drop = ("ranks_per_host", "net_alpha", "net_beta", "placement", "shared_memory")
-        for k in (*drop, "net_small"):
+        for k in ("ranks_per_host", "net_alpha", "net_beta", "net_small"):
             out.pop(k)
         if self.two_level:
             out["network"] = {
@@ -297,6 +216,109 @@ class Cluster:
             if self.net_small is not None:
                 out["network"]["small_alpha"] = self.net_small
         return out
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A cluster as one job prices it (`Cluster.priced`): made once from the job's P ranks, the
+    placement of its grid positions on them (hybridpar.core.groups) and whether its groups take
+    the host's shared-memory paths (`--no-shared-memory`: no); `alpha` to `shm_beta` are this
+    job's. What the cluster's file says stays in `cluster`."""
+
+    cluster: Cluster
+    P: int
+    alpha: float
+    beta: float
+    small_alpha: float | None = None
+    shm_beta: float | None = None
+    placement: tuple[int, int] | None = None
+    shared_memory: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.cluster.name
+
+    @property
+    def word_bytes(self) -> int:
+        return self.cluster.word_bytes
+
+    @property
+    def two_level(self) -> bool:
+        return self.cluster.two_level
+
+    @property
+    def shm_paths(self) -> bool:
+        """Whether the job's activation collectives and halos on one host are priced through
+        shared memory: calibrated (small_alpha, shm_beta) and not turned off for the run."""
+        return self.shared_memory and self.small_alpha is not None and self.shm_beta is not None
+
+    def placed(self, placement: tuple[int, int] | None) -> Priced:
+        """The same job with its positions placed by `placement`."""
+        return self if placement == self.placement else replace(self, placement=placement)
+
+    def rank_flops(self) -> float:
+        """FLOP/s one rank sustains: the cluster's `flops`, or on a calibrated host its share of
+        the cores (the trainer gives each of a host's ranks cores // ranks threads)."""
+        c = self.cluster
+        return c.flops if c.cores is None else c.flops * c.cores / max(1, c.local(self.P))
+
+    def codec_times(self, codec: str) -> tuple[float, float]:
+        """(encode, decode) seconds per element for a rank: as one thread measured them, times
+        the slowdown of the ranks sharing a host's cores; (0, 0) where it was not measured."""
+        for name, enc, dec in self.cluster.codecs:
+            if name == codec:
+                s = self.cluster.slowdown(self.P)
+                return enc * s, dec * s
+        return 0.0, 0.0
+
+    def meeting_s(self) -> float:
+        """What the job's ranks lose each time they meet in a blocking collective (some arrive
+        before others): one small all-reduce as `hybridpar calibrate` timed it, through a host's
+        shared memory, or over all the ranks where the job spans a two-level cluster's hosts;
+        0 where nothing was timed (a described cluster, shared memory off)."""
+        c = self.cluster
+        if c.two_level and c.local(self.P) < self.P:
+            return c.net_small or 0.0
+        return self.small_alpha if self.shm_paths and self.small_alpha else 0.0
+
+    def over(self, groups: list[list[int]]) -> Priced:
+        """The job as the collectives of `groups` see them (lists of positions, every group
+        running its collective at once, on ranks by `placement`): itself where each group sits
+        on one host; where one spans hosts, the network's alpha, its beta times the groups that
+        cross from one host at once, and no shared memory."""
+        c = self.cluster
+        if c.ranks_per_host is None or c.net_alpha is None or c.net_beta is None:
+            return self
+        groups = placed(groups, self.placement)
+        P = 1 + max((k for g in groups for k in g), default=0)
+        s = span(groups, hosts_by_rank(P, c.ranks_per_host))
+        if s.hosts <= 1:
+            return self
+        # small sums across the hosts, as measured there
+        return replace(
+            self, alpha=c.net_alpha, beta=c.net_beta * s.flows, small_alpha=c.net_small,
+            shm_beta=None,
+        )  # fmt: skip
+
+    def group(self, kind: str, pr: int, pc: int) -> Priced:
+        """`over` the "model" or the "batch" groups of grid pr x pc."""
+        if self.cluster.ranks_per_host is None:
+            return self
+        return _over(self, kind, pr, pc, 0)
+
+    def span(self, kind: str, pr: int, pc: int) -> Span:
+        """How the "model" or "batch" groups of grid pr x pc meet the hosts (one host each on a
+        one-level cluster)."""
+        if self.cluster.ranks_per_host is None:
+            return Span(1, 0, pc if kind == "batch" else pr)
+        return _span(kind, pr, pc, self.cluster.ranks_per_host, self.placement)
+
+    def regroup(self, P: int, fine: int, coarse: int) -> Priced:
+        """`over` the groups that move an activation between layouts of `fine` and `coarse`
+        batch groups (hybridpar.core.groups.regroup_groups)."""
+        if self.cluster.ranks_per_host is None:
+            return self
+        return _over(self, "regroup", P, fine, coarse)
 
 
 PRESETS: dict[str, Cluster] = {
@@ -338,6 +360,11 @@ PRESETS: dict[str, Cluster] = {
 }
 
 
+def as_priced(net: Cluster | Priced, P: int) -> Priced:
+    """`net` as a job of P ranks prices it: itself if it is already a job's view."""
+    return net if isinstance(net, Priced) else net.priced(P)
+
+
 @lru_cache(maxsize=4096)
 def _span(
     kind: str, pr: int, pc: int, ranks_per_host: int, placement: tuple[int, int] | None
@@ -347,7 +374,7 @@ def _span(
 
 
 @lru_cache(maxsize=4096)
-def _over(net: Cluster, kind: str, a: int, b: int, c: int) -> Cluster:
+def _over(net: Priced, kind: str, a: int, b: int, c: int) -> Priced:
     if kind == "model":
         groups = model_groups(a, b)
     elif kind == "batch":
@@ -418,13 +445,7 @@ def _from_mapping(data: dict, origin: str) -> Cluster:
         raise ConfigError(
             f"{origin}: expected a table/object with alpha, beta (or bandwidth) and flops"
         )
-    known = {f.name for f in fields(Cluster)} - {
-        "net_alpha",
-        "net_beta",
-        "placement",
-        "shared_memory",
-        "net_small",
-    }
+    known = {f.name for f in fields(Cluster)} - {"net_alpha", "net_beta", "net_small"}
     known |= {"bandwidth", "bandwidth_GBps", "network", "spread"}
     unknown = set(data) - known
     if unknown:

@@ -91,4 +91,5 @@ class PlanConfig:
             grad_bucket=self.grad_bucket_mb * 2**20 if self.grad_bucket_mb else None,
             handoff=self.handoff,
             rounds=self.rounds,
+            shared_memory=self.shared_memory,
         )

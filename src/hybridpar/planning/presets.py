@@ -4,14 +4,13 @@ and plan files share one code path."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
-from hybridpar.core.choices import Choices
-from hybridpar.core.cluster import Cluster
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import ParallelPlan
-from hybridpar.planning.cost.compute import ComputeModel
-from hybridpar.planning.search import GRAD_BUCKET_BYTES, SCENARIOS, plan_layers
+from hybridpar.planning.request import SCENARIOS, PlanRequest
+from hybridpar.planning.search import plan_layers
 
 __all__ = ["PRESETS", "SEARCHED", "parse_preset", "plan_preset"]
 
@@ -56,43 +55,14 @@ def parse_preset(
     return "fc-grid", (pr, pc)
 
 
-def plan_preset(
-    preset: str,
-    layers: list[CostLayer],
-    P: int,
-    B: int,
-    cluster: Cluster,
-    *,
-    choices: Choices | None = None,
-    model: str = "",
-    input_shape: tuple[int, ...] | None = None,
-    compute: ComputeModel | None = None,
-    grad_bucket: float | None = GRAD_BUCKET_BYTES,
-    handoff: str = "a",
-    rounds: int | None = None,
-    elem_bytes: float | None = None,
-) -> ParallelPlan:
-    """The ParallelPlan a preset names, built by the planner (so presets and plans share one code
-    path); only what the runtime executes is considered. `handoff`, `rounds`: the hand-off
-    schemes the planner may use (search.plan_layers); `elem_bytes`: the bytes of one element on
-    the wire (default: the cluster's word)."""
+def plan_preset(preset: str, layers: list[CostLayer], request: PlanRequest) -> ParallelPlan:
+    """The ParallelPlan a preset names for `layers`, built by the planner on `request` (its
+    scenarios are the preset's), so presets and plans share one code path; only what the runtime
+    executes is considered."""
+    P, B = request.procs, request.batch
     scenario, grid = parse_preset(preset, P)
-    names = list(SCENARIOS) if scenario == "all" else [scenario]
-    r = plan_layers(
-        layers,
-        P,
-        B,
-        cluster,
-        choices=choices,
-        model=model,
-        scenarios=names,
-        input_shape=input_shape,
-        compute=compute,
-        grad_bucket=grad_bucket,
-        handoff=handoff,
-        rounds=rounds,
-        elem_bytes=elem_bytes,
-    )
+    names = tuple(SCENARIOS) if scenario == "all" else (scenario,)
+    r = plan_layers(layers, replace(request, scenarios=names))
     if grid is None:
         chosen = r.best
     else:

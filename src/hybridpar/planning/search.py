@@ -35,7 +35,7 @@ import math
 from functools import lru_cache
 
 from hybridpar.core.choices import Choices, covered, payload_bytes
-from hybridpar.core.cluster import Cluster
+from hybridpar.core.cluster import Cluster, Priced
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.groups import why_not_placement
 from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_handoff
@@ -54,7 +54,7 @@ from hybridpar.planning.candidates import (
     export,
 )
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
-from hybridpar.planning.cost.compute import ComputeModel, FlopsModel, style_times
+from hybridpar.planning.cost.compute import FlopsModel, style_times
 from hybridpar.planning.cost.sync import calls, sync_of
 from hybridpar.planning.cost.terms import (
     Wire,
@@ -65,11 +65,14 @@ from hybridpar.planning.cost.terms import (
     redistribute,
     t_dw_allreduce,
 )
+from hybridpar.planning.request import GRAD_BUCKET_BYTES, SCENARIOS, PlanRequest
 
 __all__ = [
+    "GRAD_BUCKET_BYTES",
     "SCENARIOS",
     "LayerPlan",
     "Plan",
+    "PlanRequest",
     "PlanResult",
     "evaluate",
     "export",
@@ -78,12 +81,6 @@ __all__ = [
     "plan_for",
     "plan_layers",
 ]
-
-SCENARIOS = ("batch", "model", "same-grid", "fc-grid", "domain", "per-layer")
-
-# the runtime's gradient bucket (RuntimeOptions.bucket_mb's default, 4 MiB): weight-gradient
-# all-reduces are priced fused into buckets of this size (cost.terms.fused)
-GRAD_BUCKET_BYTES = 4 * 2**20
 
 
 def grids(P: int, B: int) -> list[tuple[int, int]]:
@@ -99,34 +96,29 @@ def _shares_segment(layers: list[CostLayer], i: int) -> bool:
 
 
 class _Context:
-    """Caches layer terms and redistributions for one (layers, P, B, cluster, choices)."""
+    """Caches layer terms and redistributions for one (layers, request, placement)."""
 
     def __init__(
         self,
         layers: list[CostLayer],
-        P: int,
-        B: int,
-        net: Cluster,
-        compute: ComputeModel,
-        e: float | Wire,
-        choices: Choices,
-        overlap: bool = False,
-        bucket: float | None = GRAD_BUCKET_BYTES,
-        handoff: str = "a",
-        rounds: int | None = None,
+        request: PlanRequest,
+        net: Priced,
         fixed: dict[str, Handoff] | None = None,
-        fuse_handoff: bool = True,
     ) -> None:
-        self.layers, self.P, self.B, self.net, self.e, self.overlap = layers, P, B, net, e, overlap
-        self.bucket = bucket
-        self.handoff, self.rounds, self.fixed = handoff, rounds, fixed
-        self.fuse_handoff = fuse_handoff
+        r = request
+        P, B, choices = r.procs, r.batch, r.choices
+        self.layers, self.P, self.B, self.net = layers, P, B, net
+        self.e = wire(r.elem_bytes or net.word_bytes, choices, net)
+        self.overlap, self.bucket = r.overlap, r.grad_bucket
+        self.handoff, self.rounds, self.fixed = r.handoff, r.rounds, fixed
+        self.fuse_handoff = r.fuse_handoff
         self._moves: dict[tuple, tuple | None] = {}
         self._heads: dict[str, dict[str, Comm]] = {}  # the terms the hand-offs' rounds change
         self._layouts: list[tuple] | None = None  # every layer's, while a plan is evaluated
         self.choices = choices
         # the host reducer's sums are priced as it takes them where the planner runs its engine
         self.reducer = choices.reducer
+        compute = r.compute or FlopsModel(net.rank_flops())
         self.compute_model = compute
         self.compute = [compute.times(x, B / P) for x in layers]  # B/P samples' worth, any style
         self._time: dict[tuple[int, Style], tuple[float, float, float]] = {}
@@ -364,7 +356,7 @@ class _Context:
             self._layouts = None
         if self.bucket is not None:
             self._by_buckets(plan.layers)
-        plan.sync = sync_of(plan.layers, self.net.meeting_s(self.P))
+        plan.sync = sync_of(plan.layers, self.net.meeting_s())
         return plan
 
     def _by_buckets(self, chosen: list[LayerPlan]) -> None:
@@ -489,22 +481,10 @@ def _best(plans: list[Plan], scenario: str, empty_reason: str) -> Plan:
     return Plan(scenario, None, reason=reason)
 
 
-MAX_PROCS = 1 << 24
 """beyond any machine (16 M ranks): a larger P is a typo, refused at once"""
 
 
-def _check(P: object, B: object, scenarios: tuple[str, ...] | list[str]) -> list[tuple[int, int]]:
-    if not isinstance(P, int) or isinstance(P, bool) or P < 1:
-        raise ConfigError(f"the number of processes must be a positive integer, got {P!r}")
-    if P > MAX_PROCS:
-        raise ConfigError(f"--procs {P} is more than {MAX_PROCS} processes; give a real count")
-    if not isinstance(B, int) or isinstance(B, bool) or B < 1:
-        raise ConfigError(f"the global batch must be a positive integer, got {B!r}")
-    unknown = [s for s in scenarios if s not in SCENARIOS]
-    if unknown:
-        raise ConfigError(
-            f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)} or all"
-        )
+def _check(P: int, B: int) -> list[tuple[int, int]]:
     all_grids = grids(P, B)
     if not all_grids:
         raise ConfigError(f"no Pr x Pc grid fits P={P} with B={B}: Pc must divide B; change P or B")
@@ -570,68 +550,22 @@ def _candidates(
     return [ctx.search(name, None, options, memory_limit), *(fixed(None, c) for c in same)]
 
 
-def plan_layers(
-    layers: list[CostLayer],
-    P: int,
-    B: int,
-    cluster: Cluster,
-    *,
-    choices: Choices | None = None,
-    model: str = "model",
-    compute: ComputeModel | None = None,
-    scenarios: tuple[str, ...] | list[str] = SCENARIOS,
-    elem_bytes: float | None = None,
-    memory_limit: float | None = None,
-    overlap: bool = False,
-    input_shape: tuple[int, ...] | None = None,
-    grad_bucket: float | None = GRAD_BUCKET_BYTES,
-    handoff: str = "a",
-    rounds: int | None = None,
-    fuse_handoff: bool = True,
-) -> PlanResult:
-    """Evaluate `scenarios` for `layers` on P processes with global batch B and the plan-wide
-    `choices` (codec, bn, ...: hybridpar.core.choices; with bn global or adaptive the batch norms'
-    all-reduces are priced too). Whether a layer can take a style is core.rules.why_not, the
-    runtime's own rule: every candidate is a plan `parallelize` runs. `handoff`: the schemes a
-    batch -> model hand-off may take (a; b; c, in `rounds` rounds or one per gathering rank; auto:
-    the cheapest of a, b and c in 2, 4 or m rounds: core/handoff.py). `fuse_handoff=False`
-    prices a hand-off's backward as Gholami et al.'s Eqs. 6 and 8 do (the split layer's dX
-    all-reduced, each rank keeping its rows) instead of the runtime's reduce-scatter."""
-    all_grids = _check(P, B, scenarios)
-    if handoff not in ("a", "b", "c", "auto"):
-        raise ConfigError(f"unknown hand-off {handoff!r}; choose a, b, c or auto")
-    if rounds is not None and (handoff != "c" or rounds < 1):
-        raise ConfigError("--rounds is for --handoff c: a positive number of rounds")
-    cluster = cluster.at(P)
-    choices = choices or Choices()
-    if handoff in ("b", "c") and choices.activation_checkpointing:
-        raise ConfigError(
-            f"--activation-checkpointing cannot recompute a hand-off sent in rounds (--handoff "
-            f"{handoff}); use --handoff a or drop the checkpointing"
-        )
-    base = cluster.word_bytes if elem_bytes is None else elem_bytes
-    compute = compute or FlopsModel(cluster.rank_flops(P))
-    candidates: dict[str, list[Plan]] = {n: [] for n in scenarios}
-    for placement in placements(cluster, all_grids):
+def plan_layers(layers: list[CostLayer], request: PlanRequest) -> PlanResult:
+    """Evaluate the request's scenarios for `layers` (hybridpar.planning.request.PlanRequest: P,
+    B, the cluster, the plan-wide choices, ...). Whether a layer can take a style is
+    core.rules.why_not, the runtime's own rule: every candidate is a plan `parallelize` runs."""
+    r = request
+    P, B = r.procs, r.batch
+    all_grids = _check(P, B)
+    candidates: dict[str, list[Plan]] = {n: [] for n in r.scenarios}
+    for placement in placements(r.cluster, all_grids):
         grids_here = [g for g in all_grids if not why_not_placement(placement, [g])]
-        ctx = _Context(
-            layers,
-            P,
-            B,
-            cluster.placed(placement),
-            compute,
-            wire(base, choices, cluster, P),
-            choices,
-            overlap,
-            grad_bucket,
-            handoff,
-            rounds,
-            fuse_handoff=fuse_handoff,
-        )
-        for n in scenarios:
-            candidates[n] += _placed(_candidates(ctx, n, grids_here, memory_limit), placement)
-    best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in scenarios]
-    return PlanResult(model, P, B, cluster, best, candidates, base, choices, input_shape)
+        ctx = _Context(layers, r, r.priced(placement))
+        for n in r.scenarios:
+            candidates[n] += _placed(_candidates(ctx, n, grids_here, r.memory_limit), placement)
+    best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in r.scenarios]
+    base = r.elem_bytes or r.cluster.word_bytes
+    return PlanResult(r.model, P, B, r.cluster, best, candidates, base, r.choices, r.input_shape)
 
 
 def _placed(plans: list[Plan], placement: tuple[int, int] | None) -> list[Plan]:
@@ -665,11 +599,13 @@ def make_plan(
     *,
     input_size: int | None = None,
     input_shape: tuple[int, ...] | None = None,
-    **kwargs: object,
+    **options: object,
 ) -> PlanResult:
-    """`plan_layers` for a zoo model by name or a user's factory (`model_layers`)."""
+    """`plan_layers` for a zoo model by name or a user's factory (`model_layers`); `options`:
+    the rest of a PlanRequest's fields (choices, scenarios, compute, ...)."""
     layers, shape = model_layers(model, input_size, input_shape)
-    return plan_layers(layers, P, B, cluster, model=model, input_shape=shape, **kwargs)  # type: ignore[arg-type]
+    request = PlanRequest(P, B, cluster, model=model, input_shape=shape, **options)  # type: ignore[arg-type]
+    return plan_layers(layers, request)
 
 
 def model_layers(
@@ -707,58 +643,47 @@ def model_layers(
 
 
 def plan_for(
-    module, input_shape: tuple[int, ...], P: int, B: int, cluster: Cluster, **kwargs: object
+    module, input_shape: tuple[int, ...], P: int, B: int, cluster: Cluster, **options: object
 ) -> PlanResult:
-    """`plan_layers` for any nn.Module (traced on the meta device; the module is not changed).
-    Its `export()` is a plan `parallelize` runs: the same rules decided both."""
+    """`plan_layers` for any nn.Module (traced on the meta device; the module is not changed);
+    `options`: the rest of a PlanRequest's fields. Its `export()` is a plan `parallelize` runs:
+    the same rules decided both."""
     from hybridpar.core.analysis import analyze
 
     layers = cost_layers(analyze(module, input_shape))
-    name = str(kwargs.pop("model", type(module).__name__))
-    return plan_layers(layers, P, B, cluster, model=name, input_shape=tuple(input_shape), **kwargs)  # type: ignore[arg-type]
+    name = str(options.pop("model", type(module).__name__))
+    request = PlanRequest(P, B, cluster, model=name, input_shape=tuple(input_shape), **options)  # type: ignore[arg-type]
+    return plan_layers(layers, request)
 
 
-def wire(
-    elem_bytes: float, choices: Choices, cluster: Cluster | None = None, P: int = 1
-) -> float | Wire:
+def wire(elem_bytes: float, choices: Choices, net: Priced | None = None) -> float | Wire:
     """Bytes per element by kind of traffic: `elem_bytes` everywhere; the codec's payload size for
     the traffic it encodes (grads and/or activations), and its seconds per element to encode and
-    decode a P-rank job's rank where `cluster` was calibrated with it (`Cluster.codec_times`);
-    bf16 activations (2 bytes) under amp bf16 autocast, where no codec encodes them."""
+    decode on a rank of the job `net` prices, where its cluster was calibrated with it
+    (`Priced.codec_times`); bf16 activations (2 bytes) under amp bf16 autocast, where no codec
+    encodes them."""
     acts_amp = 2 if choices.amp == "bf16" else elem_bytes
     if choices.codec == "none":
         return elem_bytes if acts_amp == elem_bytes else Wire(elem_bytes, acts_amp)
     b = payload_bytes(choices.codec)
     g, a = choices.grads_encoded, choices.activations_encoded
-    enc, dec = cluster.codec_times(choices.codec, P) if cluster is not None else (0.0, 0.0)
+    enc, dec = net.codec_times(choices.codec) if net is not None else (0.0, 0.0)
     return Wire(b if g else elem_bytes, b if a else acts_amp, g, a, acts_amp, enc, dec)
 
 
 def evaluate(
     layers: list[CostLayer],
-    P: int,
-    B: int,
-    cluster: Cluster,
     styles: list[Style],
+    request: PlanRequest,
     *,
-    choices: Choices | None = None,
-    elem_bytes: float | None = None,
     name: str = "custom",
-    compute: ComputeModel | None = None,
-    grad_bucket: float | None = GRAD_BUCKET_BYTES,
     handoffs: dict[str, Handoff] | None = None,
     placement: tuple[int, int] | None = None,
 ) -> Plan:
     """The predicted cost of one given chain of styles (what the runtime is about to execute),
     with the hand-off schemes it names by the layer they enter (scheme (a) elsewhere), its
     positions placed on the ranks by `placement`."""
-    choices = choices or Choices()
-    cluster = cluster.at(P).placed(placement)
-    e = wire(cluster.word_bytes if elem_bytes is None else elem_bytes, choices, cluster, P)
-    compute = compute or FlopsModel(cluster.rank_flops(P))
-    ctx = _Context(
-        layers, P, B, cluster, compute, e, choices, bucket=grad_bucket, fixed=handoffs or {}
-    )
+    ctx = _Context(layers, request, request.priced(placement), fixed=handoffs or {})
     plan = ctx.evaluate(name, None, styles)
     plan.placement = placement
     return plan

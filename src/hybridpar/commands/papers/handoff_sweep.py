@@ -134,8 +134,8 @@ def sweep_handoffs(
                 **kwargs,
             )
             plan, i, lp = _swept(result, f"--handoffs: {model} at K = {K}", K, scheme, rounds)
-            net = result.cluster.at(K)
-            alpha, beta = (net.net_alpha, net.net_beta) if net.two_level else (net.alpha, net.beta)
+            net, c = result.cluster.priced(K), result.cluster
+            alpha, beta = (c.net_alpha, c.net_beta) if c.two_level else (net.alpha, net.beta)
             head = _head(plan, i)
             f = math.fsum(x.forward_s for x in head) / rounds
             b = math.fsum(x.backward_s for x in head) / rounds

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridpar.core.cluster import Cluster
+from hybridpar.core.cluster import Cluster, Priced
 
 __all__ = [
     "Comm",
@@ -48,7 +48,7 @@ class Comm:
         return Comm(kind, group, 0.0, 0.0)
 
 
-def all_gather(n: float, p: int, net: Cluster) -> Comm:
+def all_gather(n: float, p: int, net: Cluster | Priced) -> Comm:
     """Bruck / recursive doubling: alpha*ceil(log p) + beta*(p-1)/p*n."""
     if p <= 1:
         return Comm.zero("all_gather", p)
@@ -56,7 +56,7 @@ def all_gather(n: float, p: int, net: Cluster) -> Comm:
     return Comm("all_gather", p, v, net.alpha * clog2(p) + net.beta * v)
 
 
-def reduce_scatter(n: float, p: int, net: Cluster) -> Comm:
+def reduce_scatter(n: float, p: int, net: Cluster | Priced) -> Comm:
     """Recursive halving: alpha*ceil(log p) + beta*(p-1)/p*n (reduction arithmetic not counted)."""
     if p <= 1:
         return Comm.zero("reduce_scatter", p)
@@ -64,7 +64,7 @@ def reduce_scatter(n: float, p: int, net: Cluster) -> Comm:
     return Comm("reduce_scatter", p, v, net.alpha * clog2(p) + net.beta * v)
 
 
-def all_reduce(n: float, p: int, net: Cluster) -> Comm:
+def all_reduce(n: float, p: int, net: Cluster | Priced) -> Comm:
     """Reduce-scatter + all-gather: 2*(alpha*ceil(log p) + beta*(p-1)/p*n).
 
     This is the form of Gholami et al. Eq. 4 ("the factor of 2 is merely due to the all-reduce
@@ -76,7 +76,7 @@ def all_reduce(n: float, p: int, net: Cluster) -> Comm:
     return Comm("all_reduce", p, v, 2 * net.alpha * clog2(p) + net.beta * v)
 
 
-def compressed_all_reduce(n: float, p: int, net: Cluster, pipelined: bool = False) -> Comm:
+def compressed_all_reduce(n: float, p: int, net: Cluster | Priced, pipelined: bool = False) -> Comm:
     """Krizhevsky's section 4.1 reduction, used with a codec: chunks to their owners by all-to-all,
     encoded sums back by all-gather: (p-1)*alpha + alpha*ceil(log p) + 2*beta*(p-1)/p*n, where n
     is the encoded size. Same bytes as `all_reduce` of n bytes; more latency.
@@ -94,7 +94,7 @@ def compressed_all_reduce(n: float, p: int, net: Cluster, pipelined: bool = Fals
     return Comm("all_reduce", p, a.bytes + g.bytes, a.seconds + g.seconds)
 
 
-def ring_all_reduce(n: float, p: int, net: Cluster) -> Comm:
+def ring_all_reduce(n: float, p: int, net: Cluster | Priced) -> Comm:
     """Ring: 2*(p-1)*alpha + 2*beta*(p-1)/p*n. Same bytes as `all_reduce`, more latency."""
     if p <= 1:
         return Comm.zero("all_reduce", p)
@@ -102,7 +102,7 @@ def ring_all_reduce(n: float, p: int, net: Cluster) -> Comm:
     return Comm("all_reduce", p, v, 2 * (p - 1) * net.alpha + net.beta * v)
 
 
-def broadcast(n: float, p: int, net: Cluster) -> Comm:
+def broadcast(n: float, p: int, net: Cluster | Priced) -> Comm:
     """The cheaper of a binomial tree (alpha + beta*n per round) and scatter + all-gather
     (van de Geijn): alpha*(ceil(log p) + p - 1) + 2*beta*(p-1)/p*n."""
     if p <= 1:
@@ -113,7 +113,7 @@ def broadcast(n: float, p: int, net: Cluster) -> Comm:
     return min(tree, vdg, key=lambda c: c.seconds)
 
 
-def all_to_all(n: float, p: int, net: Cluster) -> Comm:
+def all_to_all(n: float, p: int, net: Cluster | Priced) -> Comm:
     """Pairwise exchange of a buffer of n bytes per rank: (p-1)*alpha + beta*(p-1)/p*n."""
     if p <= 1:
         return Comm.zero("all_to_all", p)
@@ -121,7 +121,7 @@ def all_to_all(n: float, p: int, net: Cluster) -> Comm:
     return Comm("all_to_all", p, v, (p - 1) * net.alpha + net.beta * v)
 
 
-def halo(n: float, net: Cluster) -> Comm:
+def halo(n: float, net: Cluster | Priced) -> Comm:
     """One halo message of n bytes: alpha + beta*n, the form of Gholami et al. Eqs. 7 and 9.
     An empty halo (a 1x1 kernel) sends nothing and costs nothing."""
     if n <= 0:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster
+from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster, Priced, as_priced
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import Window
 from hybridpar.core.layers import CostLayer
@@ -112,11 +112,13 @@ def plus(c: Comm, seconds: float) -> Comm:
     return c if not seconds else Comm(c.kind, c.group, c.bytes, c.seconds + seconds)
 
 
-def _reduce(n: float, p: int, net: Cluster, compressed: bool, pipelined: bool = False) -> Comm:
+def _reduce(
+    n: float, p: int, net: Cluster | Priced, compressed: bool, pipelined: bool = False
+) -> Comm:
     return compressed_all_reduce(n, p, net, pipelined) if compressed else all_reduce(n, p, net)
 
 
-def on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm:
+def on_host(c: Comm, net: Cluster | Priced, compressed: bool, rank_bytes: float) -> Comm:
     """An activation collective as the runtime runs it on one host: through shared memory
     (comm.small), small_alpha + shm_beta * bytes, where `hybridpar calibrate` measured both.
     Encoded activations (a codec), clusters without those numbers, and collectives of more than
@@ -129,8 +131,11 @@ def on_host(c: Comm, net: Cluster, compressed: bool, rank_bytes: float) -> Comm:
     return Comm(c.kind, c.group, c.bytes, net.small_alpha + net.shm_beta * c.bytes)
 
 
-def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
+def t_allgather(
+    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster | Priced, e: float | Wire
+) -> Comm:
     """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_i: forward all-gather of Y over the model group."""
+    net = as_priced(net, pr * pc)
     w, net = Wire.of(e), net.group("model", pr, pc)
     n = B / pc * layer.d_out * w.acts
     c = on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
@@ -138,10 +143,11 @@ def t_allgather(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: flo
 
 
 def t_dx_allreduce(
-    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire
+    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster | Priced, e: float | Wire
 ) -> Comm:
     """2*(alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}): backward all-reduce of dX (encoded:
     two calls, an all-to-all and an all-gather)."""
+    net = as_priced(net, pr * pc)
     w, net = Wire.of(e), net.group("model", pr, pc)
     n = B / pc * layer.d_in * w.acts
     c = on_host(_reduce(n, pr, net, w.acts_compressed), net, w.acts_compressed, n)
@@ -150,11 +156,12 @@ def t_dx_allreduce(
 
 
 def t_dx_allgather(
-    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire
+    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster | Priced, e: float | Wire
 ) -> Comm:
     """alpha*ceil(log Pr) + beta*(B/Pc)*(Pr-1)/Pr*d_{i-1}: a grouped convolution's backward. Each
     rank of the model group reads only the input channels of its own groups, so its dX is nonzero
     there alone: the slices are all-gathered, half the bytes of the all-reduce a dense layer needs."""
+    net = as_priced(net, pr * pc)
     w, net = Wire.of(e), net.group("model", pr, pc)
     n = B / pc * layer.d_in * w.acts
     c = on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
@@ -165,7 +172,7 @@ def t_dw_allreduce(
     layer: CostLayer,
     p: int,
     shard: int,
-    net: Cluster,
+    net: Cluster | Priced,
     e: float | Wire,
     reducer: str = "process-group",
     bucket: float | None = None,
@@ -174,6 +181,7 @@ def t_dw_allreduce(
     the p ranks that hold the same 1/shard of W (riding-along batch-norm parameters are whole on
     every rank, not split): the batch groups of grid shard x p. With a `bucket` size its latency
     fused (`fused`); with the host reducer, see `t_host_reduce`."""
+    net = as_priced(net, p * shard)
     w = Wire.of(e)
     sharded = layer.params - layer.extra_params
     elems = sharded / shard + layer.extra_params
@@ -186,7 +194,7 @@ def t_dw_allreduce(
 
 
 def t_host_reduce(
-    elems: float, p: int, shard: int, net: Cluster, w: Wire, bucket: float | None = None
+    elems: float, p: int, shard: int, net: Cluster | Priced, w: Wire, bucket: float | None = None
 ) -> Comm:
     """The host reducer's all-reduce of `elems` gradient elements over the batch groups of grid
     shard x p (Sekiyama et al.; runtime.comm.host): the L members of a group on one host sum in
@@ -195,6 +203,7 @@ def t_host_reduce(
     host sums over the network (encoded where the codec takes gradients). Bytes: the flat
     all-reduce's, as the plan books them; the report scales them by the hosts the run found
     (runtime.train.report.predicted)."""
+    net = as_priced(net, p * shard)
     flat = _reduce(elems * w.grads, p, net, w.grads_compressed, True)
     if p <= 1:
         return flat
@@ -213,11 +222,15 @@ def t_host_reduce(
     return Comm("all_reduce", p, flat.bytes, intra_s + inter.seconds)
 
 
-def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> dict[str, Comm]:
+def t_global_bn(
+    channels: int, p: int, net: Cluster | Priced, backward: bool = True
+) -> dict[str, Comm]:
     """Global batch norm over p ranks (Liu et al.): forward all-reduce of [sum x, sum x^2, m] and
     backward all-reduce of [sum dy, sum dy*(x - mean)], both in float64 (8 bytes an element).
     With a calibrated `small_alpha` (shared memory on one host, comm.small) each takes that long;
     the bytes are the same."""
+
+    net = as_priced(net, p)
 
     def small(n: float) -> Comm:
         c = all_reduce(n, p, net)
@@ -231,9 +244,10 @@ def t_global_bn(channels: int, p: int, net: Cluster, backward: bool = True) -> d
     }
 
 
-def t_norms(layer: CostLayer, s: Style, net: Cluster) -> dict[str, Comm]:
+def t_norms(layer: CostLayer, s: Style, net: Cluster | Priced) -> dict[str, Comm]:
     """The global batch norms riding along with `layer`, over the ranks that split the examples
     of its layout (the batch group: Pc ranks; a domain layout splits the image too: all P)."""
+    net = as_priced(net, s.pr * s.pc)
     p = s.pr * s.pc if s.kind == "domain" else s.pc
     net = net.group("batch", 1, p) if s.kind == "domain" else net.group("batch", s.pr, s.pc)
     out: dict[str, Comm] = {}
@@ -253,7 +267,7 @@ def t_halo(
     pr: int,
     pc: int,
     B: int,
-    net: Cluster,
+    net: Cluster | Priced,
     e: float | Wire,
     backward: bool = False,
     first: bool = False,
@@ -266,6 +280,7 @@ def t_halo(
     the busiest rank's messages and bytes; one exchange (call) per window with rows to send.
     Backward the same rows carry gradients back, except into the input of a first layer
     (`first`: nothing is back-propagated there)."""
+    net = as_priced(net, pr * pc)
     if pr <= 1:
         return Comm.zero("halo", pr)
     net = net.group("model", pr, pc)
@@ -301,20 +316,26 @@ def _halo_rows(layer: CostLayer, axis: int) -> int:
     return layer.kernel[axis] // 2
 
 
-def t_halo_fwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
+def t_halo_fwd(
+    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster | Priced, e: float | Wire
+) -> Comm:
     """Eq. 9 as printed: alpha + beta*(B/Pc)*X_W*X_C*floor(k_h/2), the input rows a neighbour
     needs (for the paper's figures; `t_halo` is what the runtime sends)."""
+    net = as_priced(net, pr * pc)
     return _eq9_halo(layer, layer.x_shape, 0, pr, pc, B, net, e)
 
 
-def t_halo_bwd(layer: CostLayer, pr: int, pc: int, B: int, net: Cluster, e: float | Wire) -> Comm:
+def t_halo_bwd(
+    layer: CostLayer, pr: int, pc: int, B: int, net: Cluster | Priced, e: float | Wire
+) -> Comm:
     """Eq. 9 as printed: alpha + beta*(B/Pc)*Y_W*Y_C*floor(k_w/2), the output-gradient rows,
     backward (for the paper's figures; `t_halo` is what the runtime sends)."""
+    net = as_priced(net, pr * pc)
     return _eq9_halo(layer, layer.y_shape, 1, pr, pc, B, net, e)
 
 
 def _eq9_halo(
-    layer: CostLayer, shape: tuple, axis: int, pr: int, pc: int, B: int, net: Cluster, e
+    layer: CostLayer, shape: tuple, axis: int, pr: int, pc: int, B: int, net: Cluster | Priced, e
 ) -> Comm:
     """alpha + beta * (B/Pc) * W * C * floor(k_axis / 2) of the activation `shape` (C, H, W)."""
     if pr <= 1:
@@ -323,7 +344,7 @@ def _eq9_halo(
     return halo(B / pc * w * c * _halo_rows(layer, axis) * Wire.of(e).acts, net)
 
 
-def fused(c: Comm, net: Cluster, bucket: float | None) -> Comm:
+def fused(c: Comm, net: Cluster | Priced, bucket: float | None) -> Comm:
     """A weight-gradient all-reduce as the runtime sends it: fused with the other layers'
     gradients into buckets of `bucket` bytes (RuntimeOptions.bucket_mb; DDP's bucket_cap_mb
     alike), so a layer pays the latency in proportion to the share of a bucket it fills (at
@@ -341,7 +362,7 @@ def layer_comms(
     first: bool,
     s: Style,
     B: int,
-    net: Cluster,
+    net: Cluster | Priced,
     e: float | Wire | None = None,
     bn: str = "local",
     bucket: float | None = None,
@@ -351,6 +372,7 @@ def layer_comms(
     into its input, so no dX); with bn global or adaptive, its batch norms' all-reduces too;
     with a `bucket` size the weight-gradient all-reduce's latency fused (`fused`); `reducer`
     host: the gradient sums as the host reducer takes them (`t_host_reduce`)."""
+    net = as_priced(net, s.pr * s.pc)
     e = net.word_bytes if e is None else e
     p = s.pr * s.pc
     first = first or not layer.input_grad
@@ -394,7 +416,7 @@ def redistribute(
     nxt: Style,
     d: int,
     B: int,
-    net: Cluster,
+    net: Cluster | Priced,
     e: float | Wire | None = None,
 ) -> Comm | None:
     """Cost of moving the activation feeding `nxt` (d = d_{i-1} per sample) from the layout `prev`
@@ -406,10 +428,11 @@ def redistribute(
     a height slice (free) and a gather of the rows; from pure batch with Pr*Pc = P it is one
     all-to-all within the model group each way. The first layer reads its input in any layout.
     """
+    net = as_priced(net, nxt.pr * nxt.pc)
     wire = Wire.of(net.word_bytes if e is None else e)
     e = wire.acts
 
-    def gather(n: float, p: int, grp: Cluster) -> Comm:
+    def gather(n: float, p: int, grp: Priced) -> Comm:
         c = on_host(all_gather(n, p, grp), grp, wire.acts_compressed, n / p)
         return plus(c, codec_s(n, p, wire, grads=False, reduce=False))
 
@@ -458,9 +481,10 @@ def _total(comms: list[Comm]) -> float:
 
 
 def eq3_model(
-    layers: list[CostLayer], P: int, B: int, net: Cluster, e: float | None = None
+    layers: list[CostLayer], P: int, B: int, net: Cluster | Priced, e: float | None = None
 ) -> float:
     """Eq. 3, pure model parallelism on P processes."""
+    net = as_priced(net, P)
     e = net.word_bytes if e is None else e
     return _total(
         [t_allgather(x, P, 1, B, net, e) for x in layers]
@@ -468,8 +492,11 @@ def eq3_model(
     )
 
 
-def eq4_batch(layers: list[CostLayer], P: int, net: Cluster, e: float | None = None) -> float:
+def eq4_batch(
+    layers: list[CostLayer], P: int, net: Cluster | Priced, e: float | None = None
+) -> float:
     """Eq. 4, pure batch parallelism: 2 * sum (alpha*ceil(log P) + beta*(P-1)/P*|W_i|)."""
+    net = as_priced(net, P)
     e = net.word_bytes if e is None else e
     return _total([t_dw_allreduce(x, P, 1, net, e) for x in layers])
 
@@ -487,16 +514,20 @@ def eq5_volume_ratio(layer: CostLayer, B: int) -> float:
     return 2 * kh * kw * xc / (3 * B * yh * yw)
 
 
-def eq6_redistribute(d: int, P: int, B: int, net: Cluster, e: float | None = None) -> float:
+def eq6_redistribute(
+    d: int, P: int, B: int, net: Cluster | Priced, e: float | None = None
+) -> float:
     """Eq. 6: alpha*ceil(log P) + beta*B*(P-1)/P*d_i, redistribution from batch to model."""
+    net = as_priced(net, P)
     e = net.word_bytes if e is None else e
     return all_gather(B * d * e, P, net).seconds
 
 
 def eq7_domain(
-    layers: list[CostLayer], P: int, B: int, net: Cluster, e: float | None = None
+    layers: list[CostLayer], P: int, B: int, net: Cluster | Priced, e: float | None = None
 ) -> float:
     """Eq. 7, pure domain parallelism: halo exchanges (whole batch B) + the weight all-reduce."""
+    net = as_priced(net, P)
     e = net.word_bytes if e is None else e
     return _total(
         [t_halo_fwd(x, P, 1, B, net, e) for x in layers]
@@ -506,9 +537,10 @@ def eq7_domain(
 
 
 def eq8_integrated(
-    layers: list[CostLayer], pr: int, pc: int, B: int, net: Cluster, e: float | None = None
+    layers: list[CostLayer], pr: int, pc: int, B: int, net: Cluster | Priced, e: float | None = None
 ) -> float:
     """Eq. 8, the 1.5D algorithm on a Pr x Pc grid for every layer."""
+    net = as_priced(net, pr * pc)
     e = net.word_bytes if e is None else e
     return _total(
         [t_allgather(x, pr, pc, B, net, e) for x in layers]
@@ -522,12 +554,13 @@ def eq9_integrated_domain(
     pr: int,
     pc: int,
     B: int,
-    net: Cluster,
+    net: Cluster | Priced,
     domain: set[int],
     e: float | None = None,
 ) -> float:
     """Eq. 9: layers whose index is in `domain` (L_D) split the image over Pr, the others (L_M)
     split the model; both split the batch over Pc."""
+    net = as_priced(net, pr * pc)
     e = net.word_bytes if e is None else e
     lm = [(i, x) for i, x in enumerate(layers) if i not in domain]
     ld = [x for i, x in enumerate(layers) if i in domain]

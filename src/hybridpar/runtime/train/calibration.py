@@ -338,7 +338,7 @@ def _fitted(
         "name": "localhost",
         "alpha": alpha,
         "beta": beta,
-        # one core's, or one GPU's: a job's ranks share `cores` of them (Cluster.rank_flops)
+        # one core's, or one GPU's: a job's ranks share `cores` of them (Priced.rank_flops)
         # (on a GPU: the current one, a rank's or the first)
         "flops": flops.value,
         # each quantity's spread (hybridpar.core.timing.spread): alpha's and beta's of the sizes

@@ -18,6 +18,7 @@ from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.planning.cost.compute import ProfileModel
 from hybridpar.planning.presets import SEARCHED, plan_preset
 from hybridpar.planning.profile import planning_compute
+from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export
 from hybridpar.runtime.launcher import settle_server, under_torchrun
 from hybridpar.runtime.train.calibration import calibrate_in_job
@@ -39,8 +40,7 @@ def settled_compute(job: Job, cluster: Cluster) -> ProfileModel | None:
 
 
 def pricing_cluster(job: Job, required: bool) -> Cluster:
-    """The cluster presets are planned and priced on, for `job` (its device, and whether its
-    groups take the shared-memory paths, `--no-shared-memory`). An uncalibrated `localhost`
+    """The cluster presets are planned and priced on, for `job` (on its device). An uncalibrated `localhost`
     prices bytes only (no seconds: the report says so) for a fixed preset, and is calibrated in
     the job for a searched one; a calibration of another device is refused. Under torchrun,
     ranks other than 0 price bytes only: rank 0 prices the plan in the job and sends it
@@ -52,7 +52,7 @@ def pricing_cluster(job: Job, required: bool) -> Cluster:
     cluster = load_cluster(spec, device)
     if not required and under_torchrun() and os.environ.get("RANK", "0") != "0":
         return BYTES_ONLY
-    return cluster if job.cfg.runtime.shared_memory else replace(cluster, shared_memory=False)
+    return cluster
 
 
 def parent_plan(job: Job) -> ParallelPlan | None:
@@ -65,23 +65,28 @@ def parent_plan(job: Job) -> ParallelPlan | None:
     return None if search else preset_plan(job, cluster)
 
 
-def preset_plan(job: Job, cluster: Cluster) -> ParallelPlan:
-    """The job's preset, planned on `cluster`."""
+def request(job: Job, cluster: Cluster, procs: int, batch: int, choices=None) -> PlanRequest:
+    """What the job asks of the planner on `cluster` (its runtime's bucket, shared memory and
+    hand-off options, its compute profile)."""
     cfg = job.cfg
-    return plan_preset(
-        cfg.preset,
-        job.layers,
-        job.procs,
-        job.batch,
+    return PlanRequest(
+        procs,
+        batch,
         cluster,
-        choices=job.choices,
+        choices=choices or job.choices,
         model=job.model,
-        input_shape=job.input_shape,
+        input_shape=tuple(job.input_shape),
         compute=settled_compute(job, cluster),
         grad_bucket=cfg.runtime.bucket_bytes,
         handoff=cfg.handoff or "a",
         rounds=cfg.rounds,
+        shared_memory=cfg.runtime.shared_memory,
     )
+
+
+def preset_plan(job: Job, cluster: Cluster) -> ParallelPlan:
+    """The job's preset, planned on `cluster`."""
+    return plan_preset(job.cfg.preset, job.layers, request(job, cluster, job.procs, job.batch))
 
 
 def checked_file_plan(plan: ParallelPlan, job: Job, styles: dict[str, Style]) -> ParallelPlan:
@@ -97,18 +102,10 @@ def checked_file_plan(plan: ParallelPlan, job: Job, styles: dict[str, Style]) ->
         )
     cluster = pricing_cluster(job, False)
     chosen = [styles[x.name] for x in layers]
-    priced = evaluate(
-        layers,
-        plan.procs,
-        plan.batch,
-        cluster,
-        chosen,
-        choices=plan.choices,
-        compute=settled_compute(job, cluster),
-        grad_bucket=job.cfg.runtime.bucket_bytes,
-        handoffs={r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions},
-        placement=plan.placement,
-    )
+    asked = request(job, cluster, plan.procs, plan.batch, plan.choices)
+    asked = replace(asked, handoff="a", rounds=None)  # the plan's own schemes, below
+    handoffs = {r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions}
+    priced = evaluate(layers, chosen, asked, handoffs=handoffs, placement=plan.placement)
     if not priced.feasible:
         raise ConfigError(f"the plan cannot run on {job.model}: {priced.reason}")
     fresh = export(
