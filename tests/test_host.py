@@ -158,7 +158,7 @@ def _train(kind, hosts, stage_mb, codec="none"):
 def test_training_with_the_host_reducer_equals_single_process(P, kind, hosts, stage_mb):
     """Same parameters after 5 steps as single-process SGD (and so as the process-group
     all-reduce, which the runtime's equivalence tests hold to the same oracle)."""
-    assert all(run_ranks(_train, P, kind, hosts, stage_mb))
+    run_ranks(_train, P, kind, hosts, stage_mb)  # each rank asserts its own state
     assert not _ours()
 
 
@@ -167,7 +167,7 @@ def test_the_host_reducer_sends_8_bit_gradients_across_hosts(P, kind):
     """Sums in float32 through shared memory within a host, and the leaders' sum across hosts
     encoded (dynamic tree): it trains, and the bytes that cross hosts are the predicted
     payload per layer (the codec's scales booked apart)."""
-    assert all(run_ranks(_train, P, kind, 2, "0", "dynamic-tree"))
+    run_ranks(_train, P, kind, 2, "0", "dynamic-tree")  # each rank asserts its own state
     assert not _ours()
 
 

@@ -386,9 +386,8 @@ class _Calls:
 
 
 # a model with at most this many elements of state and of input per sample is traced on zeros
-# on the CPU instead of on meta tensors: there it takes milliseconds, while the first call of a
-# meta kernel written in Python imports torch._dynamo (1.5-2 s on a 2-core machine, in every
-# command that plans)
+# on the CPU instead of on meta tensors: there it is quick, while the first call of a meta
+# kernel written in Python imports torch._dynamo, in every command that plans
 SMALL_STATE, SMALL_INPUT = 4_000_000, 3 * 64 * 64
 
 

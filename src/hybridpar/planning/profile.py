@@ -127,9 +127,8 @@ def _measure_count(
     # a module called several times per iteration (shared weights) counts every call
     per = {k: (_median_iteration(fwd[k], repeats), _median_iteration(bwd[k], repeats)) for k in fwd}
     total = sum(f + b for f, b in per.values())
-    # the median iteration, as `hybridpar validate` and the report measure a run: the fastest
-    # of five was 2-10 % below the median of alexnet-owt, resnet20 and digits-wide on this
-    # 2-core machine, and every plan was predicted low
+    # the median iteration, as `hybridpar validate` and the report measure a run (the fastest
+    # of several is low for having been chosen)
     scale = whole.value / total if total > 0 else 1.0
     return {k: (f * scale, b * scale) for k, (f, b) in per.items()}, whole
 

@@ -10,8 +10,7 @@ there (the function to run is passed by name, so unpickling the job imports noth
 SIGINT or SIGTERM to the launcher stops every rank and raises Interrupted.
 
 Ranks are forked from multiprocessing's fork server, which imports torch once, the first time this
-process launches, instead of each rank importing it anew: four ranks on two cores started in
-3.0 s spawned, and in 0.9 s (first launch) and 0.04 s (later ones) from the server. The server
+process launches, instead of each rank importing it anew (docs/runtime.md measures it). The server
 is a fresh interpreter that has imported torch and run nothing (no threads, no CUDA), so a fork
 of it is as clean as a spawn. A rank takes the launcher's environment, working directory and
 import path as they are at the launch, not as they were when the server started. The server
@@ -275,8 +274,8 @@ def launch(
 # what the fork server imports once for every rank it forks: torch and the runtime (their import
 # reads no environment variable and starts no thread; each rank still reads its settings when it
 # runs, after taking the launcher's environment), and torch._dynamo, which torch imports lazily
-# on a rank's first optimizer (torch.optim.Optimizer.__init__): 3.2 s in each of 4 ranks on 2
-# cores, at every launch, before it was preloaded
+# on a rank's first optimizer (torch.optim.Optimizer.__init__), in every rank at every launch
+# unless it is preloaded
 PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "hybridpar.runtime.train.run"]
 
 
@@ -313,8 +312,8 @@ _importing: int | None = None
 
 def start_server() -> None:
     """Start the fork server now, so that it imports torch while this process still reads its
-    inputs and plans (a command that will launch calls it first): on two cores the two imports
-    run side by side instead of one after the other, 2.9 s sooner to the first rank. The server
+    inputs and plans (a command that will launch calls it first): the two imports run side by
+    side instead of one after the other. The server
     is no rank: it has imported torch and runs nothing until `launch` asks it to fork. If this
     process ends before then (a bad input, exit 2), the server is killed at exit rather than
     left to finish its import alone. Nothing to do under torchrun."""
