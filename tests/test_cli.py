@@ -1,5 +1,6 @@
 """The command line as a user meets it: output, JSON, files, and one-line errors with exit code 2."""
 
+import argparse
 import csv
 import json
 import os
@@ -227,6 +228,9 @@ def test_every_option_has_help_and_no_internal_name():
         for action in parser._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, f"{name} {action.option_strings[0]} has no help"
+            if isinstance(action, argparse._StoreFalseAction):
+                # a switch that turns off a default says so, not what the default does
+                assert action.help.startswith("turn off"), (name, action.help)
 
 
 def test_train_help_is_grouped_by_concern():
@@ -297,6 +301,8 @@ def test_print_config_is_a_file_that_config_reads_back_unchanged(tmp_path, capsy
 
     assert main([command, *flags, "--print-config"]) == 0
     text = capsys.readouterr().out
+    if command == "train":  # every option in effect: what the run takes when none is given too
+        assert {'model = "digits-wide"', "nproc = 4", "batch = 64"} <= set(text.splitlines())
     path = tmp_path / "run.toml"
     path.write_text(text)
     assert main([command, "--config", str(path), "--print-config"]) == 0

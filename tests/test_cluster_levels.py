@@ -200,8 +200,8 @@ def test_the_planner_uses_what_it_knows_of_the_hosts():
 
 def test_the_network_fit_takes_its_bandwidth_from_the_large_sizes():
     """A link that lets a burst through at once and the rest at its rate (a token bucket): the
-    network's fit finds the rate; the relative-error fit of one level would find a faster one."""
-    from hybridpar.runtime.train.calibration import SIZES, fit_alpha_beta, fit_network
+    network's fit finds the rate, from the slope of the largest sizes."""
+    from hybridpar.runtime.train.calibration import SIZES, fit_network
 
     rate, burst = 1.25e8, 256 * 1024
     times = {n: 1e-4 + max(0, n - burst) / rate for n in SIZES}  # 2 ranks: each sends n bytes
@@ -209,8 +209,6 @@ def test_the_network_fit_takes_its_bandwidth_from_the_large_sizes():
     assert 1 / beta == pytest.approx(rate)
     # the smallest size less its bytes at the rate, over the two latencies of a 2-rank sum
     assert alpha == pytest.approx((1e-4 - SIZES[0] / rate) / 2)
-    _, flat = fit_alpha_beta(times, 2)
-    assert 1 / flat > 1.2 * rate
 
 
 def test_the_cluster_files_the_docs_show_load(tmp_path):

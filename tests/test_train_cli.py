@@ -35,6 +35,7 @@ def test_train_digits_reports_prediction_and_measurement(tmp_path):
         timeout=240,
     )
     assert r.returncode == 0, r.stderr
+    assert "compiled" not in r.stdout and "recomputed" not in r.stdout  # neither was asked for
     d = json.loads(report.read_text())
     assert d["procs"] == 2 and d["preset"] == "owt" and len(d["epochs"]) == 3
     # batch 64 = 4 x the base batch 16: lr x sqrt(4), weight decay keeping 4 steps' decay
@@ -61,11 +62,12 @@ def test_train_digits_reports_prediction_and_measurement(tmp_path):
     assert statistics.mean(s["loss"] for s in steps[-10:]) < steps[0]["loss"]
 
 
-def _owt(tmp_path, *flags: str) -> None:
+def _owt(tmp_path, *flags: str) -> subprocess.CompletedProcess:
     """A short run of the owt preset on 2 ranks (FC layers model parallel), quiet."""
     args = ["--nproc", "2", "--preset", "owt", "--quiet", "--save", str(tmp_path / "w.pt")]
     r = subprocess.run(CMD + args + list(flags), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr
+    return r
 
 
 def test_tensorboard_gets_the_steps_the_epochs_and_measured_next_to_predicted(tmp_path):
@@ -94,7 +96,9 @@ def test_a_profiler_trace_of_every_rank_names_the_collectives_by_term_and_layer(
     import collections
 
     trace = tmp_path / "trace"
-    _owt(tmp_path, "--epochs", "1", "--max-steps", "6", "--profile-trace", str(trace))
+    r = _owt(tmp_path, "--epochs", "1", "--max-steps", "6", "--profile-trace", str(trace))
+    # the profiler's own start and stop lines (USDT: ...) are not let through; where it wrote is
+    assert "USDT" not in r.stderr and f"wrote {trace}/rank{{0..1}}.json" in r.stdout, r.stdout
     for rank in (0, 1):
         events = json.loads((trace / f"rank{rank}.json").read_text())["traceEvents"]
         named = collections.Counter(

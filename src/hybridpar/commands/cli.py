@@ -117,7 +117,7 @@ def _simulate_parser(sub) -> None:
     s.set_defaults(func=cmd_simulate)
 
 
-def _measuring_parsers(sub) -> None:
+def _profile_parser(sub) -> None:
     f = sub.add_parser(
         "profile", help="measure a model's compute here, for plans on any cluster (--compute)"
     )
@@ -141,6 +141,9 @@ def _measuring_parsers(sub) -> None:
     f.add_argument("--out", default=None, help="the profile's path (default: the cache folder)")
     f.set_defaults(func=cmd_profile)
 
+
+def _measuring_parsers(sub) -> None:
+    _profile_parser(sub)
     k = sub.add_parser("codecs", help="error (Table 2 of Dettmers) and speed of every codec")
     k.add_argument("--block", type=int, default=4096, help="elements per scale, per-block rows")
     k.add_argument("--mlp-steps", type=int, default=60, help="MNIST MLP training steps; 0: none")

@@ -118,19 +118,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _print_calibration(d: dict, device: str, backend: str) -> None:
-    """What `hybridpar calibrate` measured: the network, the devices' copies and shared
-    memory, each rank count's fit and points, the sync table, the codecs."""
+    """What `hybridpar calibrate` measured: the network, shared memory, each rank count's fit
+    and points, the codecs."""
     unit = "core" if device == "cpu" else "GPU"
     print(
         f"localhost ({device}, {backend}): alpha {d['alpha'] * 1e6:.2f} us, bandwidth "
         f"{1 / d['beta'] / 1e9:.3f} GB/s, {d['flops'] / 1e9:.1f} GFLOP/s per {unit} "
         f"({d['cores']} {unit}s); saved to {d['path']}"
     )
-    if d.get("h2d_beta"):
-        print(
-            f"  pinned host -> GPU {1 / d['h2d_beta'] / 1e9:.1f} GB/s, GPU -> pinned host "
-            f"{1 / d['d2h_beta'] / 1e9:.1f} GB/s"
-        )
     if d.get("small_alpha") is not None:
         print(f"  small all-reduce through shared memory: {d['small_alpha'] * 1e6:8.1f} us")
     if d.get("shm_beta"):

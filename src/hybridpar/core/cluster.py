@@ -273,13 +273,15 @@ class Priced:
 
     def meeting_s(self) -> float:
         """What the job's ranks lose each time they meet in a blocking collective (some arrive
-        before others): one small all-reduce as `hybridpar calibrate` timed it, through a host's
-        shared memory, or over all the ranks where the job spans a two-level cluster's hosts;
-        0 where nothing was timed (a described cluster, shared memory off)."""
+        before others, the last waits for a core): the small-message latency `hybridpar
+        calibrate` fitted for the job's count of ranks on the host (its `alpha`: what the ranks
+        of a round of small all-reduces lose to one another, cores shared alike), or the small
+        all-reduce it timed over all the ranks where the job spans a two-level cluster's hosts;
+        0 on a cluster nothing was measured on (a preset, a file without `by_procs`)."""
         c = self.cluster
         if c.two_level and c.local(self.P) < self.P:
             return c.net_small or 0.0
-        return self.small_alpha if self.shm_paths and self.small_alpha else 0.0
+        return self.alpha if c.by_procs else 0.0
 
     def over(self, groups: list[list[int]]) -> Priced:
         """The job as the collectives of `groups` see them (lists of positions, every group
@@ -405,7 +407,7 @@ def contention(cores: int, P: int, threads: int) -> float:
     """How much slower each of P ranks of `threads` threads runs when they share `cores` cores:
     P threads / cores, at least 1: the scheduler gives each its share of the cores over a
     stretch of work (the compute model's one price of oversubscription; what the ranks lose at
-    each meeting is `Cluster.meeting_s`)."""
+    each meeting is `Priced.meeting_s`)."""
     return max(1.0, P * threads / cores)
 
 

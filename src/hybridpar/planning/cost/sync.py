@@ -3,9 +3,10 @@ what each meeting costs beyond the papers' alpha-beta model.
 
 The alpha-beta model prices a collective as if every rank arrived at once. They do not (the ranks
 of a host share its cores, the scheduler lets some run ahead), and at every blocking collective
-the early ones wait for the last. That is priced at one small all-reduce per meeting, as
-`hybridpar calibrate` timed it (`Cluster.meeting_s`): it adds to the iteration, and at the
-blocking collectives it is the report's measured "waiting for the slowest rank".
+the early ones wait for the last. That is priced at the small-message latency `hybridpar
+calibrate` fitted for the job's count of ranks (`Priced.meeting_s`) per meeting: it adds to the
+iteration, and at the blocking collectives it is the report's measured "waiting for the slowest
+rank".
 
 `segments` walks an iteration's layers as the runtime runs them and cuts the compute at every
 blocking call the plan makes (the hand-offs, the activations' all-gathers and dX sums, the
@@ -121,7 +122,7 @@ class Sync:
 
 
 def sync_of(layers: Sequence[_Layer], meeting_s: float) -> Sync:
-    """The meetings of `layers`, each priced at `meeting_s` (Cluster.meeting_s)."""
+    """The meetings of `layers`, each priced at `meeting_s` (Priced.meeting_s)."""
     if meeting_s <= 0:
         return Sync()
     cuts = segments(layers)

@@ -205,16 +205,20 @@ class GlobalStatistics:
     (hybridpar.core.ops): in training, statistics over `group` (default: the world), when the
     `switch` (adaptive, Liu et al. 4.3) says global; else torch's own batch norm. The module's
     forward (its momentum, its running statistics, an activation or dropout it applies after)
-    runs as written."""
+    runs as written. In evaluation (`module` not training) always torch's own: a batch norm
+    without running statistics normalises each rank's batch by itself, and no rank waits for
+    another's evaluation."""
 
     def __init__(
         self,
+        module: nn.Module,
         group: Group | dist.ProcessGroup | None = None,
         ledger: Ledger | None = None,
         layer: str = "",
         switch: BNSwitch | None = None,
     ) -> None:
-        self.group, self.ledger, self.layer, self.switch = group, ledger, layer, switch
+        self.module, self.group, self.ledger, self.layer = module, group, ledger, layer
+        self.switch = switch
 
     def _group(self) -> Group | dist.ProcessGroup | None:
         if not dist.is_available() or not dist.is_initialized():
@@ -234,7 +238,7 @@ class GlobalStatistics:
     ) -> torch.Tensor:
         group = self._group()
         use = self.switch is None or self.switch.use_global
-        if not (training and group_size(group) > 1 and use):
+        if not (training and self.module.training and group_size(group) > 1 and use):
             return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
         running = None if running_mean is None else (running_mean, running_var)
         # under autocast the statistics and the normalisation run in float32 (the kernels read
@@ -270,7 +274,7 @@ class GlobalBatchNorm(_BatchNorm):
         dtype=None,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.statistics = GlobalStatistics(group, ledger, layer)
+        self.statistics = GlobalStatistics(self, group, ledger, layer)
 
     _dims: tuple[int, ...] | None = None  # accepted input ranks; None: any with a channel dim
 
@@ -467,6 +471,6 @@ def convert_global_batchnorm(
     for name, m in module.named_modules(prefix=prefix):
         if isinstance(m, _BatchNorm) and not isinstance(m, GlobalBatchNorm):
             layer = (layer_of or {}).get(name, name)
-            m.hybridpar_statistics = GlobalStatistics(group, ledger, layer, switch)
+            m.hybridpar_statistics = GlobalStatistics(m, group, ledger, layer, switch)
             ops.install(m, m.hybridpar_statistics, name=name or "bn")
     return module

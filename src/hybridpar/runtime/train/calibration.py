@@ -28,7 +28,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,7 +43,7 @@ from hybridpar.runtime.comm.grid import new_group
 from hybridpar.runtime.comm.host import host_names
 from hybridpar.runtime.launcher import launch, under_torchrun
 
-__all__ = ["calibrate", "calibrate_in_job", "fit_alpha_beta", "fit_network", "recheck"]
+__all__ = ["calibrate", "calibrate_in_job", "fit_network", "recheck"]
 
 SIZES = (2**10, 2**14, 2**17, 2**20, 2**22, 2**24)  # bytes
 
@@ -253,40 +252,6 @@ def _flops(threads: int, device: str = "cpu") -> Settled:
         torch.set_num_threads(before)
 
 
-def _time_copies(device: str, nbytes: int = 1 << 26, repeats: int = 5) -> dict[str, float]:
-    """Seconds per byte of a copy from pinned host memory to `device` and back: what the host
-    reducer and gloo's staging pay for a GPU's tensors (recorded; not yet priced)."""
-
-    where = torch.device(device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=where)
-    out = {}
-    for name, dst, src in (("h2d_beta", dev, host), ("d2h_beta", host, dev)):
-        dst.copy_(src)
-        ts = []
-        for _ in range(repeats):
-            t0 = clock(where)
-            dst.copy_(src, non_blocking=True)
-            ts.append(clock(where) - t0)
-        out[name] = statistics.median(ts) / nbytes
-    return out
-
-
-def fit_alpha_beta(times: dict[int, float], p: int) -> tuple[float, float]:
-    """Least squares of the relative error for t = 2 ceil(log2 p) alpha + 2 (p-1)/p n beta,
-    both kept non-negative: each size weighs by 1 / t, so the microseconds of the small sizes
-    decide alpha instead of vanishing beside the milliseconds of the large ones."""
-
-    n = np.array(sorted(times), dtype=float)
-    t = np.array([times[int(k)] for k in n])
-    a = np.stack([np.full_like(n, 2 * clog2(p)), 2 * (p - 1) / p * n], axis=1)
-    w = 1.0 / np.maximum(t, 1e-12)
-    (alpha, beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
-    if beta <= 0:
-        beta = float(t[-1] / a[-1, 1])
-    return max(float(alpha), 0.0), float(beta)
-
-
 def fit_network(times: dict[int, float], p: int) -> tuple[float, float]:
     """alpha and beta of the network between hosts: beta from the slope between the two largest
     sizes, alpha from the smallest size less its bytes. A network link delivers small messages
@@ -347,7 +312,6 @@ def _fitted(
         "cores": units if gpu else os.cpu_count() or 1,
         "word_bytes": 4,
         "device": device,
-        **(_time_copies(device) if gpu else {}),
         "source": f"hybridpar calibrate: {backend} all-reduce of {device} tensors on {nproc} "
         f"ranks, sizes {SIZES[0]}..{SIZES[-1]} B",
         "small_alpha": small,
