@@ -537,3 +537,48 @@ FAMILIES = {
 }
 for _name, _cls in FAMILIES.items():
     MAKERS[_name] = (_cls, (3, 8, 8))
+
+
+class FeaturePyramid(nn.Module):
+    """A feature pyramid (Lin et al. 2017), small: a bottom-up path of strided 3x3 convolutions,
+    1x1 laterals, a top-down path that upsamples each level to the size of the one below it
+    (nearest) and adds the lateral, a 3x3 smoothing and a 1x1 head on the finest level."""
+
+    def __init__(self, size: tuple[int, int], classes: int = 3, c: int = 4) -> None:
+        super().__init__()
+        h, w = size
+        sizes = [(h, w), ((h + 1) // 2, (w + 1) // 2)]
+        self.c1 = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU())
+        self.c2 = nn.Sequential(nn.Conv2d(c, 2 * c, 3, 2, 1), nn.ReLU())
+        self.c3 = nn.Sequential(nn.Conv2d(2 * c, 4 * c, 3, 2, 1), nn.ReLU())
+        self.lat = nn.ModuleList(nn.Conv2d(k * c, c, 1) for k in (1, 2, 4))
+        self.up = nn.ModuleList(nn.Upsample(s, mode="nearest") for s in sizes)
+        self.smooth = nn.Conv2d(c, c, 3, padding=1)
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f1 = self.c1(x)
+        f2 = self.c2(f1)
+        f3 = self.c3(f2)
+        p3 = self.lat[2](f3)
+        p2 = self.lat[1](f2) + self.up[1](p3)
+        p1 = self.lat[0](f1) + self.up[0](p2)
+        return self.head(F.relu(self.smooth(p1)))
+
+
+class DilatedFCN(nn.Module):
+    """A fully convolutional net of dilated 3x3 convolutions (dilation 1, 2, 4, 2), batch norm
+    and a 1x1 head: the context grows without pooling, the output has the input's size."""
+
+    def __init__(self, classes: int = 3, c: int = 6) -> None:
+        super().__init__()
+        layers, cin = [], 3
+        for d in (1, 2, 4, 2):
+            layers += [nn.Conv2d(cin, c, 3, padding=d, dilation=d, bias=False), nn.BatchNorm2d(c)]
+            layers.append(nn.ReLU())
+            cin = c
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))

@@ -49,7 +49,7 @@ from hybridpar.core.rows import ELEMENTWISE_ACTIVATIONS, function_blocker, modul
 
 __all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.modules.conv._ConvTransposeNd)
 _POOL = tuple(  # MaxPool1d ... AdaptiveMaxPool3d
     getattr(nn, f"{kind}Pool{d}d")
     for kind in ("Max", "Avg", "AdaptiveAvg", "AdaptiveMax")
@@ -117,6 +117,8 @@ class LayerSpec:
     pinned: str = ""  # set on a segment's first leaf: why its batch groups may not change there
     loose: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no layer holds (a
     # position embedding of the model's own) used in this leaf's segment next after it
+    rows: tuple = ()  # how its output rows read its input rows, where not a sliding window:
+    # ("ceil",), ("transposed", output padding), ("resample", (mode, align_corners, scale))
 
     @property
     def params(self) -> int:
@@ -141,8 +143,10 @@ def _flops(
 ) -> int:
     d_out = math.prod(out_shape)
     if kind == "conv":
-        per_output = (module.in_channels // module.groups) * math.prod(module.kernel_size)
-        return 2 * d_out * per_output
+        transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
+        channels = module.out_channels if transposed else module.in_channels
+        per = (channels // module.groups) * math.prod(module.kernel_size)
+        return 2 * (math.prod(in_shape) if transposed else d_out) * per
     if kind == "linear":
         rows = d_out // out_shape[-1]  # 1 for (features,) inputs; tokens for (T, features)
         return 2 * in_shape[-1] * out_shape[-1] * rows
@@ -172,6 +176,17 @@ def _op(module: nn.Module, kind: str) -> str:
         if isinstance(module, cls):
             return op
     return "linear" if kind == "linear" else kind
+
+
+def _resampling(module: nn.Upsample) -> tuple:
+    """(mode, align_corners, height scale) of an upsampling: the scale torch maps rows by
+    (None where it maps by the sizes: a size given, or the scale recomputed)."""
+    scale = module.scale_factor
+    if isinstance(scale, tuple | list):
+        scale = scale[0]
+    scale = None if scale is None or module.recompute_scale_factor else float(scale)
+    linear = module.mode in ("bilinear", "bicubic")
+    return (module.mode, bool(module.align_corners) if linear else None, scale)
 
 
 def _conv_padding(module: nn.Module) -> tuple[int, ...] | None:
@@ -211,7 +226,15 @@ def _spec(
             stride=_pair(module.stride or module.kernel_size),
             padding=_pair(getattr(module, "padding", 0)),
             dilation=_pair(getattr(module, "dilation", 1)),
+            rows=("ceil",) if getattr(module, "ceil_mode", False) else (),
         )
+    elif isinstance(module, nn.Upsample) and len(in_shape) == 3:
+        extra = dict(kernel=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1))
+        extra["rows"] = ("resample", _resampling(module))
+    if isinstance(module, nn.modules.conv._ConvTransposeNd) and len(in_shape) == 3:
+        k, st, p, d = (extra[a][0] for a in ("kernel", "stride", "padding", "dilation"))
+        reached = (in_shape[1] - 1) * st - 2 * p + d * (k - 1) + 1  # output_padding aside
+        extra["rows"] = ("transposed", out_shape[1] - reached)
     return LayerSpec(
         name=name,
         kind=kind,
@@ -235,6 +258,7 @@ class Trace:
     specs: list[LayerSpec]
     calls: dict[str, int] = field(default_factory=dict)
     param_segments: dict[str, set[int]] = field(default_factory=dict)
+    out_shape: tuple[int, ...] = ()  # the model's output per sample (one tensor; else ())
 
     def segment_modules(self) -> dict[str, set[int]]:
         """Leaf module name -> the segments it ran in."""
@@ -441,7 +465,9 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     timed = sorted(hooks.specs, key=lambda ts: ts[0])  # a layer before the children inside it
     unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
     timed = [(t, replace(s, unsplit=unsplit.get(s.name, ""))) for t, s in timed]
-    traced = _segments(timed, hooks.calls, rec, seqs)
+    dense = isinstance(out, torch.Tensor) and out.dim() == 4  # (N, C, H, W): rows stay split
+    traced = _segments(timed, hooks.calls, rec, seqs, dense)
+    traced.out_shape = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else ()
     cuts = [s.entry for s in traced.specs if s.entry]
     batched = isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2
     pinned = _pinned(model, state, x, cuts, batched)
@@ -500,7 +526,11 @@ def _clean(call: list, rec: _Recorder, counts: dict[str, int]) -> bool:
 
 
 def _segments(
-    timed: list[tuple[int, LayerSpec]], calls: list[list], rec: _Recorder, seqs: set[str]
+    timed: list[tuple[int, LayerSpec]],
+    calls: list[list],
+    rec: _Recorder,
+    seqs: set[str],
+    dense: bool = False,
 ) -> Trace:
     counts: dict[str, int] = {}
     for c in calls:
@@ -516,7 +546,7 @@ def _segments(
     specs: list[LayerSpec] = []
     opened: set[int] = set()
     first_input = calls[0][4] if calls else 0
-    blockers = _blockers(timed, rec, times)
+    blockers = _blockers(timed, rec, times, dense)
     for t, s in timed:
         seg = bisect.bisect_right(times, t)
         entry, elements = None, 0
@@ -564,10 +594,11 @@ def _loose(
 
 
 def _blockers(
-    timed: list[tuple[int, LayerSpec]], rec: _Recorder, times: list[int]
+    timed: list[tuple[int, LayerSpec]], rec: _Recorder, times: list[int], dense: bool
 ) -> dict[int, tuple[str, ...]]:
     """Per segment, what in it does not run on a band of rows (leaf modules and functions, in
-    forward order); the last segment also hands the model's output out whole."""
+    forward order); the last segment also hands the model's output out whole, unless it is an
+    image (`dense`: the loss runs on its bands)."""
     found: dict[int, list[tuple[int, str]]] = {}
     for t, s in timed:
         if s.blocker:
@@ -575,7 +606,8 @@ def _blockers(
     for t, why in rec.blocked:
         found.setdefault(bisect.bisect_right(times, t), []).append((t, why))
     last = bisect.bisect_right(times, timed[-1][0]) if timed else 0
-    found.setdefault(last, []).append((1 << 62, "the model's output"))
+    if not dense:
+        found.setdefault(last, []).append((1 << 62, "the model's output"))
     return {seg: tuple(dict.fromkeys(w for _, w in sorted(v))) for seg, v in found.items()}
 
 

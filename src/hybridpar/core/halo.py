@@ -13,13 +13,27 @@ thinner than the halo: multi-hop), and padding outside the image. With stride an
 halo is not floor(k/2) rows, and the first and last bands have one neighbour: Gholami et al.'s
 Eq. 9 prints floor(k/2) rows to each side for every rank, which `printed_halo_rows` keeps for the
 paper's figures.
+
+Other row maps. Every operation a domain segment runs states which input rows an output band
+reads (`RowMap.reads`); the halo and its bytes follow from that alone:
+
+| map          | operation                                | output rows [o0, o1) read                   |
+| ------------ | ---------------------------------------- | ------------------------------------------- |
+| `Window`     | Conv2d, MaxPool2d, AvgPool2d (ceil_mode) | s*o0 - p .. s*(o1-1) - p + d*(k-1), padded   |
+| `Transposed` | ConvTranspose2d                          | the inputs whose taps land in the band      |
+| `Resample`   | Upsample / F.interpolate                 | the source rows of torch's own weights      |
+
+A resampling's source rows are read off torch itself (the identity interpolated along the height,
+cached per geometry), so the rows a band reads are the rows torch reads, whatever the mode
+(nearest, nearest-exact, bilinear, bicubic), align_corners or scale.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-__all__ = ["Window", "bands", "printed_halo_rows"]
+__all__ = ["Resample", "RowMap", "Transposed", "Window", "bands", "printed_halo_rows", "row_map"]
 
 
 def bands(h: int, parts: int) -> list[tuple[int, int]]:
@@ -32,37 +46,26 @@ def bands(h: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-@dataclass(frozen=True)
-class Window:
-    """A sliding window along the height: kernel, stride, padding (both sides), dilation, and
-    the height it reads."""
+class RowMap:
+    """Which input rows an operation's output rows read, along the height (`h_in` -> `h_out`)."""
 
-    kernel: int
-    stride: int
-    padding: int
-    dilation: int
     h_in: int
 
     @property
-    def span(self) -> int:
-        """Rows one output row reads: dilation * (kernel - 1) + 1."""
-        return self.dilation * (self.kernel - 1) + 1
-
-    @property
     def h_out(self) -> int:
-        return (self.h_in + 2 * self.padding - self.span) // self.stride + 1
+        raise NotImplementedError
 
     def reads(self, o0: int, o1: int) -> tuple[int, int]:
-        """[lo, hi) of the padded input rows (image rows; < 0 and >= h_in are padding) that the
-        output rows [o0, o1) read."""
-        return self.stride * o0 - self.padding, self.stride * (o1 - 1) - self.padding + self.span
+        """[lo, hi) of the input rows the output rows [o0, o1) read (rows outside [0, h_in)
+        are padding; lo >= hi: none)."""
+        raise NotImplementedError
 
     def plan(self, parts: int) -> list[dict[int, tuple[int, int]]]:
         """For each rank: {other rank: [lo, hi) of that rank's input rows it receives}."""
         ins, outs = bands(self.h_in, parts), bands(self.h_out, parts)
         got: list[dict[int, tuple[int, int]]] = []
         for r, (o0, o1) in enumerate(outs):
-            lo, hi = self.reads(o0, o1)
+            lo, hi = self.reads(o0, o1) if o0 < o1 else (0, 0)
             lo, hi = max(lo, 0), min(hi, self.h_in)
             mine: dict[int, tuple[int, int]] = {}
             for q, (a, b) in enumerate(ins):
@@ -87,6 +90,125 @@ class Window:
             for q in receives:
                 count[q] += 1
         return count
+
+
+@dataclass(frozen=True)
+class Window(RowMap):
+    """A sliding window along the height: kernel, stride, padding (both sides), dilation, the
+    height it reads, and ceil_mode (a pooling's last window may start in the bottom padding's
+    place, torch's rule: never past the image and the top padding)."""
+
+    kernel: int
+    stride: int
+    padding: int
+    dilation: int
+    h_in: int
+    ceil: bool = False
+
+    @property
+    def span(self) -> int:
+        """Rows one output row reads: dilation * (kernel - 1) + 1."""
+        return self.dilation * (self.kernel - 1) + 1
+
+    @property
+    def h_out(self) -> int:
+        room = self.h_in + 2 * self.padding - self.span
+        if not self.ceil:
+            return room // self.stride + 1
+        out = -(-room // self.stride) + 1
+        return out - 1 if (out - 1) * self.stride >= self.h_in + self.padding else out
+
+    def reads(self, o0: int, o1: int) -> tuple[int, int]:
+        return self.stride * o0 - self.padding, self.stride * (o1 - 1) - self.padding + self.span
+
+
+@dataclass(frozen=True)
+class Transposed(RowMap):
+    """A transposed convolution along the height: input row i adds to the output rows
+    s*i - p + d*j for the kernel's taps j (output_padding: rows at the bottom no tap reaches
+    or that only the last rows' taps reach)."""
+
+    kernel: int
+    stride: int
+    padding: int
+    dilation: int
+    h_in: int
+    output_padding: int = 0
+
+    @property
+    def h_out(self) -> int:
+        s, p, d, k = self.stride, self.padding, self.dilation, self.kernel
+        return (self.h_in - 1) * s - 2 * p + d * (k - 1) + self.output_padding + 1
+
+    def reads(self, o0: int, o1: int) -> tuple[int, int]:
+        reach = self.dilation * (self.kernel - 1)
+        lo = -(-(o0 + self.padding - reach) // self.stride)
+        return max(lo, 0), min((o1 - 1 + self.padding) // self.stride + 1, self.h_in)
+
+
+@dataclass(frozen=True)
+class Resample(RowMap):
+    """An interpolation along the height (F.interpolate's mode, align_corners and height scale
+    factor, None where a size was given), from h_in rows to h_out."""
+
+    mode: str
+    align_corners: bool | None
+    scale: float | None
+    h_in: int
+    rows_out: int
+
+    @property
+    def h_out(self) -> int:
+        return self.rows_out
+
+    def weights(self):
+        """The (h_out, h_in) float64 matrix of torch's own weights of each input row in each
+        output row (cached per geometry)."""
+        return _resample_weights(self.mode, self.align_corners, self.scale, self.h_in, self.h_out)
+
+    def reads(self, o0: int, o1: int) -> tuple[int, int]:
+        first, last = _resample_span(self.mode, self.align_corners, self.scale, self.h_in,
+                                     self.h_out)  # fmt: skip
+        return min(first[o0:o1]), max(last[o0:o1]) + 1
+
+
+@functools.lru_cache(maxsize=256)
+def _resample_weights(mode: str, align: bool | None, scale: float | None, h_in: int, h_out: int):
+    import torch
+    from torch.nn import functional as F
+
+    eye = torch.eye(h_in, dtype=torch.float64).view(1, h_in, h_in, 1)  # channel i: row i's one
+    kwargs: dict = {"mode": mode}
+    if mode in ("bilinear", "bicubic"):
+        kwargs["align_corners"] = align
+    if scale is None:
+        out = F.interpolate(eye, size=(h_out, 1), **kwargs)
+    else:
+        out = F.interpolate(eye, scale_factor=(scale, 1.0), **kwargs)
+    return out.view(h_in, h_out).t().contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def _resample_span(mode, align, scale, h_in, h_out) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per output row, the first and last input row with a weight in it."""
+    w = _resample_weights(mode, align, scale, h_in, h_out) != 0
+    first = w.int().argmax(1)  # the first of the maxima
+    last = h_in - 1 - w.flip(1).int().argmax(1)
+    return tuple(first.tolist()), tuple(last.tolist())
+
+
+def row_map(w: tuple) -> RowMap:
+    """The row map of one entry of CostLayer.windows: (module, kernel, stride, padding,
+    dilation, H in, H out, C in, W in, how, extra) with how "" (a sliding window), "ceil" (a
+    pooling with ceil_mode), "transposed" (extra: the output padding) or "resample" (extra:
+    (mode, align_corners, height scale or None))."""
+    _, k, s, p, d, h_in, h_out, _, _, how, extra = w
+    if how == "transposed":
+        return Transposed(k, s, p, d, h_in, extra)
+    if how == "resample":
+        mode, align, scale = extra
+        return Resample(mode, align, scale, h_in, h_out)
+    return Window(k, s, p, d, h_in, how == "ceil")
 
 
 def printed_halo_rows(kernel: int) -> int:

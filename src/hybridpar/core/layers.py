@@ -53,9 +53,9 @@ class CostLayer:
     # what in this layer's segment does not run on a band of rows (core.rows): the domain
     # style needs it empty
     blockers: tuple[str, ...] = ()
-    # the sliding windows along the height in this layer (the convolution and pooling riding
-    # along), in forward order: (module, kernel, stride, padding, dilation, H in, H out, C in,
-    # W in); the domain style's halos (core.halo) follow from them
+    # the row maps along the height in this layer (the convolution, poolings and resamplings
+    # riding along), in forward order: (module, kernel, stride, padding, dilation, H in, H out,
+    # C in, W in, how, extra); the domain style's halos follow from them (core.halo.row_map)
     windows: tuple[tuple, ...] = ()
     # why the weighted module cannot be split by output units (core.ops.why_not_split), and the
     # members whose own operation a style cannot swap: (member, operation, why) (core.ops)
@@ -133,12 +133,15 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
 
 
 def _window(s: LayerSpec) -> tuple[tuple, ...]:
-    """The height window of a 2-d convolution or pooling leaf, as CostLayer.windows holds it."""
+    """The row map of a 2-d convolution, pooling or resampling leaf, as CostLayer.windows holds
+    it (core.halo.row_map reads it)."""
     if s.kernel is None or len(s.kernel) != 2 or len(s.in_shape) != 3 or s.padding is None:
         return ()
     c, h, w = s.in_shape
     d = s.dilation[0] if s.dilation else 1
-    return ((s.name, s.kernel[0], s.stride[0], s.padding[0], d, h, s.out_shape[1], c, w),)
+    how, extra = (s.rows[0], s.rows[1] if len(s.rows) > 1 else None) if s.rows else ("", None)
+    k, st, p = s.kernel[0], s.stride[0], s.padding[0]
+    return ((s.name, k, st, p, d, h, s.out_shape[1], c, w, how, extra),)
 
 
 def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:

@@ -32,6 +32,7 @@ __all__ = [
     "MODELS",
     "BasicBlock",
     "ResNet20",
+    "UNet",
     "build_any",
     "build_model",
     "build_user_model",
@@ -182,6 +183,66 @@ class ResNet20(nn.Module):
         x = self.relu(self.bn1(self.conv1(x)))
         x = self.layer3(self.layer2(self.layer1(x)))
         return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class UNet(nn.Module):
+    """A U-Net (Ronneberger et al. 2015) for dense prediction: `levels` encoder levels of two
+    3x3 conv-BN-ReLU each, 2x2 max-pooling down (ceil_mode, so odd heights keep every row),
+    a 2x2 transposed convolution up (`up="transposed"`, its output padding fitted to the skip
+    tensor's size) or a bilinear upsampling to the skip tensor's size and a 3x3 convolution
+    (`up="bilinear"`), skip connections joined by `torch.cat`, a 1x1 convolution to the classes.
+    Built for one input size (the upsamplings' sizes follow it), any height and width."""
+
+    def __init__(
+        self,
+        input_size: int | tuple[int, int] = 64,
+        num_classes: int = 3,
+        in_channels: int = 3,
+        width: int = 8,
+        levels: int = 3,
+        up: str = "transposed",
+        align_corners: bool = False,
+    ) -> None:
+        super().__init__()
+        h, w = (input_size, input_size) if isinstance(input_size, int) else input_size
+        sizes = [(h, w)]
+        for _ in range(levels - 1):
+            sizes.append((-(-sizes[-1][0] // 2), -(-sizes[-1][1] // 2)))
+        widths = [width * 2**i for i in range(levels)]
+        self.down = nn.ModuleList()
+        c = in_channels
+        for i, cw in enumerate(widths):
+            pool = [nn.MaxPool2d(2, ceil_mode=True)] if i else []
+            self.down.append(nn.Sequential(*pool, *_double_conv(c, cw)))
+            c = cw
+        self.up = nn.ModuleList()
+        self.merge = nn.ModuleList()
+        for i in reversed(range(levels - 1)):
+            (hs, ws), (hl, wl), cl = sizes[i], sizes[i + 1], widths[i + 1]
+            if up == "transposed":
+                pad = (hs - (2 * hl - 1), ws - (2 * wl - 1))  # 3x3, stride 2: 2h - 1 (+ 1)
+                self.up.append(nn.ConvTranspose2d(cl, widths[i], 3, 2, 1, output_padding=pad))
+            else:
+                resize = nn.Upsample((hs, ws), mode="bilinear", align_corners=align_corners)
+                self.up.append(nn.Sequential(resize, nn.Conv2d(cl, widths[i], 3, padding=1)))
+            self.merge.append(nn.Sequential(*_double_conv(2 * widths[i], widths[i])))
+        self.head = nn.Conv2d(widths[0], num_classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for level in self.down:
+            x = level(x)
+            skips.append(x)
+        for up, merge, skip in zip(self.up, self.merge, reversed(skips[:-1]), strict=True):
+            x = merge(torch.cat([skip, up(x)], dim=1))
+        return self.head(x)
+
+
+def _double_conv(c_in: int, c_out: int) -> list[nn.Module]:
+    return [
+        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
+        nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
+    ]  # fmt: skip
 
 
 def resnet20(input_size: int = 32, num_classes: int = 10, in_channels: int = 3) -> ResNet20:

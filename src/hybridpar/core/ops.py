@@ -4,7 +4,8 @@ A layer is a module whose class derives from one torch knows (nn.Conv2d, nn.Line
 a pooling), however its own `forward` is written: timm's BatchNormAct2d runs its activation and
 dropout children after the batch norm, ScaledStdConv2d standardises its weight and scales it by a
 `gain` before the convolution. Each such class has one *own operation*, the torch function it
-applies to its input (`OPS`: F.conv2d, F.linear, F.batch_norm, F.max_pool2d, F.avg_pool2d). A
+applies to its input (`OPS`: F.conv2d, F.linear, F.batch_norm, the poolings, F.conv_transpose2d,
+F.interpolate). A
 style stands in for that one call, and only where its first argument is the module's input (or
 what a function in `Op.through` made of it: a convolution pads its input first in padding modes
 other than zeros); the module's forward, its other parameters and its children run as written,
@@ -69,6 +70,8 @@ OPS: tuple[tuple[type, Op], ...] = (
     (nn.modules.batchnorm._BatchNorm, Op("batch_norm", (F.batch_norm,))),
     (nn.MaxPool2d, Op("max_pool2d", (F.max_pool2d,))),
     (nn.AvgPool2d, Op("avg_pool2d", (F.avg_pool2d,))),
+    (nn.ConvTranspose2d, Op("conv_transpose2d", (F.conv_transpose2d,))),
+    (nn.Upsample, Op("interpolate", (F.interpolate,))),
 )
 """layer class (subclasses included) -> its own operation"""
 

@@ -7,15 +7,17 @@ names the operation.
 
 | row-local                                    | how the domain style runs it                        |
 | -------------------------------------------- | --------------------------------------------------- |
-| Conv2d (zero padding), MaxPool2d, AvgPool2d  | on the band and the halo rows its window needs       |
+| Conv2d, ConvTranspose2d (zero padding),      | on the band and the halo rows its window needs       |
+| MaxPool2d, AvgPool2d (ceil_mode too),        | (core.halo: the rows each output row reads)          |
+| Upsample (nearest, bilinear, bicubic)        |                                                      |
 | BatchNorm2d                                  | statistics over every rank (rows and examples)       |
 | LocalResponseNorm, element-wise activations, | unchanged                                            |
 | Dropout, Identity; element-wise functions,   |                                                      |
 | cat / chunk / split along batch or channels  |                                                      |
 
 Everything else mixes rows or sees the whole image (flatten, view, adaptive pooling, mean over
-the image, interpolation, Softmax over space, GroupNorm, Dropout2d's per-channel masks, a
-pooling with ceil_mode) and ends a domain segment's claim.
+the image, Softmax over space, GroupNorm, Dropout2d's per-channel masks, a pooling that returns
+indices) and ends a domain segment's claim.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import nn
 
 __all__ = ["ELEMENTWISE_ACTIVATIONS", "function_blocker", "module_blocker"]
 
-_HALO_MODULES = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d)
+_RESAMPLED = ("nearest", "nearest-exact", "bilinear", "bicubic")
 ELEMENTWISE_ACTIVATIONS = (
     nn.ReLU,
     nn.ReLU6,
@@ -121,16 +123,16 @@ def module_blocker(module: nn.Module) -> str:
     """ "" when `module` runs on a band of rows (with halo rows where its window needs them), else
     why not, in a few words naming it."""
     name = type(module).__name__
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, nn.Conv2d | nn.ConvTranspose2d):
         if isinstance(module.padding, str) and module.padding != "valid":
             return f"{name} with padding='{module.padding}'"
         if module.padding_mode != "zeros":
             return f"{name} with padding_mode='{module.padding_mode}'"
         return ""
     if isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
-        if module.ceil_mode or getattr(module, "return_indices", False):
-            return f"{name} with ceil_mode or return_indices"
-        return ""
+        return f"{name} with return_indices" if getattr(module, "return_indices", False) else ""
+    if isinstance(module, nn.Upsample):
+        return "" if module.mode in _RESAMPLED else f"{name} in mode {module.mode!r}"
     if isinstance(module, nn.Softmax | nn.LogSoftmax):
         return "" if module.dim in (1, -3) else f"{name} over dim {module.dim}"
     if isinstance(module, _UNCHANGED):

@@ -11,8 +11,8 @@ Each style kind states what it needs of a layer:
 | `model`  | a Linear or a Conv2d (any padding mode), called once per forward, with at least |
 |          | Pr output units; a grouped Conv2d's split must keep every group whole; a        |
 |          | subclass's forward row by row in its parameters (core.ops.why_not_split)        |
-| `domain` | a 2-d convolution with zero padding, and a segment of operations that keep rows |
-|          | apart (rows.py), each activation in it at least Pr rows high                    |
+| `domain` | a 2-d (transposed) convolution with zero padding, and a segment of operations  |
+|          | that keep rows apart (rows.py), each activation in it at least Pr rows high    |
 
 Every style swaps a layer's own operation on its input, never the layer (core.ops): a layer
 whose forward does not apply it to its input once takes no style that swaps it (model, domain;
@@ -67,10 +67,10 @@ def _model(layer: CostLayer, s: Style) -> str:
 
 
 def _domain(layer: CostLayer, s: Style) -> str:
-    if layer.op != "conv2d" or not layer.spatial:
+    if layer.op not in ("conv2d", "conv_transpose") or not layer.spatial:
         return (
             f"{layer.name} ({layer.op or layer.kind}) cannot be split by height: only 2-d "
-            "convolutions take domain; give it batch or model"
+            "convolutions and transposed convolutions take domain; give it batch or model"
         )
     if layer.padding_mode != "zeros":
         return (

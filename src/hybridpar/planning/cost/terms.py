@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster, Priced, as_priced
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import Window
+from hybridpar.core.halo import row_map
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
@@ -274,7 +274,7 @@ def t_halo(
 ) -> Comm:
     """The halo rows the domain style exchanges for `layer`, as the runtime sends them: for every
     height window of the layer (its convolution and the poolings riding along: CostLayer.windows),
-    the rows each rank receives from the others (core.halo.Window.plan), x (B/Pc examples) x
+    the rows each rank receives from the others (core.halo.RowMap.plan), x (B/Pc examples) x
     channels x width x bytes. Bytes: per rank, averaged over the Pr ranks (the first and last
     band have one neighbour; stride and dilation change the rows; a thin band is crossed). Time:
     the busiest rank's messages and bytes; one exchange (call) per window with rows to send.
@@ -289,10 +289,10 @@ def t_halo(
     no_grad = names.index(layer.name) + 1 if first and layer.name in names else 0
     total = seconds = 0.0
     calls = 0
-    for i, (_, k, stride, pad, dil, h_in, _, c, w) in enumerate(layer.windows):
+    for i, entry in enumerate(layer.windows):
         if backward and i < no_grad:
             continue
-        win = Window(k, stride, pad, dil, h_in)
+        win, c, w = row_map(entry), entry[7], entry[8]
         row = B / pc * c * w * elem
         sent, msgs = win.rows_sent(pr), win.messages(pr)
         if not any(sent):

@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridpar.core import faults, ops
-from hybridpar.core.halo import Window, bands
+from hybridpar.core.halo import RowMap, bands, row_map
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
@@ -49,7 +49,15 @@ from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.redistribute import Chain, Move, Pieces, gather, replicated, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
 
-__all__ = ["MOVES", "DomainConv", "DomainPool", "DomainStyle", "Exchange"]
+__all__ = [
+    "MOVES",
+    "DomainConv",
+    "DomainPool",
+    "DomainResample",
+    "DomainStyle",
+    "DomainTransposed",
+    "Exchange",
+]
 
 
 class Exchange:
@@ -65,7 +73,7 @@ class Exchange:
     gloo carries them, a GPU's rows included). Either way the
         ledger books the bytes each rank sends to the others, what the cost model prices."""
 
-    def __init__(self, window: Window, group: Group, ledger: Ledger | None, layer: str) -> None:
+    def __init__(self, window: RowMap, group: Group, ledger: Ledger | None, layer: str) -> None:
         self.window, self.group, self.ledger, self.layer = window, group, ledger, layer
         pr, me = group.size, group.rank
         self.me, self.pr = me, pr
@@ -230,13 +238,14 @@ class _Wait(torch.autograd.Function):
 
 
 class _Windowed:
-    """A 2-d convolution's or pooling's operation on a band of rows (what the style swaps in for
-    F.conv2d or the pooling in the module's own forward: core.ops): `compute(rows)` turns padded
-    input rows (no padding left to add along the height) into output rows."""
+    """An operation on a band of rows (what the style swaps in for F.conv2d, a pooling, a
+    transposed convolution or an interpolation in the module's own forward: core.ops):
+    `compute(rows, lo, a, b)` turns the input rows it reads (padded: no padding left to add along
+    the height) into output rows [a, b)."""
 
     fill = 0.0  # what the rows outside the image hold (the height padding)
 
-    def setup(self, window: Window, group: Group, ledger: Ledger | None, layer: str) -> None:
+    def setup(self, window: RowMap, group: Group, ledger: Ledger | None, layer: str) -> None:
         self.exchange = Exchange(window, group, ledger, layer)
         w, (a, b) = window, self.exchange.band
         # the output rows whose window reads only this band (and padding): computed while the
@@ -248,9 +257,9 @@ class _Windowed:
         ]
         self.interior = (inside[0], inside[-1] + 1) if inside else (0, 0)
 
-    def compute(self, rows: torch.Tensor, lo: int) -> torch.Tensor:
-        """The output rows of the padded input rows `rows`, the first of which is image row
-        `lo` (negative: padding above the image)."""
+    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
+        """The output rows [a, b) from the padded input rows `rows` they read, the first of
+        which is image row `lo` (negative: padding above the image)."""
         raise NotImplementedError
 
     def _rows(self, parts: list[tuple[int, torch.Tensor]], lo: int, hi: int, like) -> torch.Tensor:
@@ -266,12 +275,15 @@ class _Windowed:
                 out.append(t[:, :, a - first : b - first])
         if hi > h:
             out.append(like.new_full((n, c, hi - h, w), self.fill))
+        if not out:  # output rows no input row reaches (a transposed convolution's gaps)
+            return like.new_zeros((n, c, 0, w))
         return torch.cat(out, dim=2) if len(out) > 1 else out[0]
 
     def _out(self, parts: list, a: int, b: int, like: torch.Tensor) -> torch.Tensor:
         """Output rows [a, b) from the input pieces."""
         lo, hi = self.exchange.window.reads(a, b)
-        return self.compute(self._rows(parts, lo, hi, like), lo)
+        hi = max(lo, hi)
+        return self.compute(self._rows(parts, lo, hi, like), lo, a, b)
 
     def band(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output rows of its band `x` and the halo rows it receives."""
@@ -309,7 +321,7 @@ class DomainConv(_Windowed):
     it (whole on every rank): the height padding replaced by the halo and zero rows outside the
     image."""
 
-    def __init__(self, conv: nn.Conv2d, window: Window, group, ledger, layer: str) -> None:
+    def __init__(self, conv: nn.Conv2d, window: RowMap, group, ledger, layer: str) -> None:
         self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
         self.width_padding = (0, conv.padding[1])
         self.setup(window, group, ledger, layer)
@@ -321,16 +333,86 @@ class DomainConv(_Windowed):
         finally:
             self.weight = self.bias = None
 
-    def compute(self, rows: torch.Tensor, lo: int) -> torch.Tensor:
-        w, b = self.weight, self.bias
-        return F.conv2d(rows, w, b, self.stride, self.width_padding, self.dilation, self.groups)
+    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
+        w, bias = self.weight, self.bias
+        return F.conv2d(rows, w, bias, self.stride, self.width_padding, self.dilation, self.groups)
+
+
+class DomainTransposed(_Windowed):
+    """F.conv_transpose2d on this rank's band of rows: the input rows whose taps land in its
+    output band (core.halo.Transposed), transposed without height padding, the band's rows cut
+    out of the result (rows no tap reaches hold the bias alone, as in the whole image)."""
+
+    def __init__(self, conv: nn.ConvTranspose2d, window: RowMap, group, ledger, layer: str):
+        self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
+        self.padding = conv.padding
+        self.setup(window, group, ledger, layer)
+
+    def __call__(self, x, weight, bias=None, stride=1, padding=0, output_padding=0, *args, **kw):
+        width = nn.modules.utils._pair(kw.get("output_padding", output_padding))[1]
+        self.weight, self.bias, self.width_out = weight, bias, width
+        try:
+            return self.band(x)
+        finally:
+            self.weight = self.bias = None
+
+    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
+        (s, _), (p, pw) = self.stride, self.padding
+        if rows.shape[2] == 0:  # no input row reaches these output rows: the bias alone
+            rows = rows.new_zeros((*rows.shape[:2], 1, rows.shape[3]))
+        y = F.conv_transpose2d(rows, self.weight, None, self.stride, (0, pw), (0, self.width_out),
+                               self.groups, self.dilation)  # fmt: skip
+        start = lo * s - p  # the output row of y's first row
+        y = y[:, :, max(a - start, 0) :]
+        top = max(start - a, 0)
+        y = F.pad(y, (0, 0, top, max(b - a - top - y.shape[2], 0)))[:, :, : b - a]
+        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+
+
+class DomainResample(_Windowed):
+    """F.interpolate on this rank's band of rows: along the height the band's output rows are
+    weighed from the rows they read with torch's own weights (core.halo.Resample), along the
+    width torch interpolates as it would the whole image (the height kept: an identity)."""
+
+    def __init__(self, module: nn.Module, window: RowMap, group, ledger, layer: str) -> None:
+        self.setup(window, group, ledger, layer)
+        self.taps: dict = {}
+
+    def __call__(self, x, size=None, scale_factor=None, *args, **kwargs):
+        self.size, self.scale = size, scale_factor
+        self.args, self.kwargs = args, kwargs
+        return self.band(x)
+
+    def _taps(self, like: torch.Tensor, a: int, b: int, lo: int):
+        """(index, weight) of each output row of [a, b): (rows, taps) each, from row `lo` on."""
+        key = (a, b, lo, like.dtype, like.device)
+        if key not in self.taps:
+            w = self.exchange.window.weights()[a:b]
+            taps = max(int((w != 0).sum(1).max()), 1)
+            index = w.abs().topk(taps, dim=1).indices
+            weight = w.gather(1, index)
+            index = torch.where(weight != 0, index - lo, 0)  # a row with fewer taps: weight 0
+            self.taps[key] = (index.to(like.device), weight.to(like))
+        return self.taps[key]
+
+    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
+        index, weight = self._taps(rows, a, b, lo)
+        high = sum(
+            rows.index_select(2, index[:, j]) * weight[:, j].view(1, 1, -1, 1)
+            for j in range(index.shape[1])
+        )
+        if self.size is not None:
+            width = self.size[-1] if isinstance(self.size, tuple | list) else self.size
+            return F.interpolate(high, (b - a, width), None, *self.args, **self.kwargs)
+        scale = self.scale[-1] if isinstance(self.scale, tuple | list) else self.scale
+        return F.interpolate(high, None, (1.0, scale), *self.args, **self.kwargs)
 
 
 class DomainPool(_Windowed):
     """A max or average pooling on this rank's band of rows (-inf or zero rows outside the image;
     an average without padding counts only the image's elements, as AvgPool2d does)."""
 
-    def __init__(self, pool: nn.Module, window: Window, group, ledger, layer: str) -> None:
+    def __init__(self, pool: nn.Module, window: RowMap, group, ledger, layer: str) -> None:
         pair = nn.modules.utils._pair
         self.pool = pool
         self.kernel, self.stride = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size)
@@ -342,22 +424,28 @@ class DomainPool(_Windowed):
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self.band(x)
 
-    def compute(self, rows: torch.Tensor, lo: int) -> torch.Tensor:
+    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
         p, k, st, pad = self.pool, self.kernel, self.stride, self.width_padding
+        ceil = p.ceil_mode  # the band's rows are exact either way; the width follows it
         if self.is_max:
-            return F.max_pool2d(rows, k, st, pad, p.dilation)
-        mean = F.avg_pool2d(rows, k, st, pad, False, True)  # over the whole window, padding in
+            return F.max_pool2d(rows, k, st, pad, p.dilation, ceil)
         if p.divisor_override:
-            return mean * (k[0] * k[1]) / p.divisor_override
+            return F.avg_pool2d(rows, k, st, pad, ceil, True, p.divisor_override)
+        mean = F.avg_pool2d(rows, k, st, pad, ceil, True)  # the whole window's rows counted
+        window = self.exchange.window
+        index = torch.arange(lo, lo + rows.shape[2], device=rows.device)
         if p.count_include_pad:
-            return mean
+            if not ceil:
+                return mean
+            # a window past the bottom padding (ceil_mode) counts the rows up to it only
+            inside = (index >= -window.padding) & (index < window.h_in + window.padding)
+            share = F.avg_pool2d(inside.to(rows.dtype).view(1, 1, -1, 1), (k[0], 1), (st[0], 1))
+            return mean / share
         # AvgPool2d divides by the image's elements only: the window's share of them, from a mask
         # of ones on the image's rows (and zeros on the padding rows and columns)
-        h = self.exchange.window.h_in
-        index = torch.arange(lo, lo + rows.shape[2], device=rows.device)
-        mask = ((index >= 0) & (index < h)).to(rows.dtype).view(1, 1, -1, 1)
+        mask = ((index >= 0) & (index < window.h_in)).to(rows.dtype).view(1, 1, -1, 1)
         mask = mask.expand(1, 1, rows.shape[2], rows.shape[3])
-        return mean / F.avg_pool2d(mask, k, st, pad, False, True)
+        return mean / F.avg_pool2d(mask, k, st, pad, ceil, True)
 
 
 class _Transposed(torch.autograd.Function):
@@ -467,6 +555,14 @@ def out_of_domain(src: Style, dst: Style, m: Move):
 MOVES = {("rep", "dom"): into_domain, ("dom", "rep"): out_of_domain, ("dom", "dom"): into_domain}
 
 
+_STAND_INS = (
+    (nn.Conv2d, DomainConv),
+    (nn.ConvTranspose2d, DomainTransposed),
+    (nn.Upsample, DomainResample),
+    (nn.Module, DomainPool),
+)
+
+
 class DomainStyle(ParallelStyle):
     """domain(Pr x Pc): a segment's convolutions and poolings on bands of rows with halos, its
     other layers on the bands as they are; parameters whole on every rank."""
@@ -477,11 +573,10 @@ class DomainStyle(ParallelStyle):
         windows = {w[0]: w for w in layer.windows}
         if name not in windows:
             return module
-        _, k, s, p, d, h_in, _, _, _ = windows[name]
-        window = Window(k, s, p, d, h_in)
         group, ledger = self.grid.model_group, self.ctx.ledger
-        cls = DomainConv if isinstance(module, nn.Conv2d) else DomainPool
-        ops.install(module, cls(module, window, group, ledger, layer.name), name=name)
+        cls = next(c for t, c in _STAND_INS if isinstance(module, t))
+        stand_in = cls(module, row_map(windows[name]), group, ledger, layer.name)
+        ops.install(module, stand_in, name=name)
         return module
 
     @property

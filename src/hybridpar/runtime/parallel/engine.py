@@ -99,6 +99,12 @@ class Engine(nn.Module):
         """The examples its outputs belong to."""
         raise NotImplementedError
 
+    def output_band(self) -> tuple[int, int] | None:
+        """The rows [lo, hi) of the output images this rank's outputs hold, where the plan's
+        last segment leaves them split by height (a dense prediction's loss runs on its band);
+        None where they are whole."""
+        return None
+
     @property
     def counts_outputs(self) -> bool:
         """Whether this rank's outputs count in the metrics (replicas hold the same outputs: one

@@ -22,6 +22,7 @@ import weakref
 import torch
 from torch import nn
 
+from hybridpar.core.halo import bands
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import ProcessGrid
 from hybridpar.runtime.parallel import apply
@@ -100,10 +101,17 @@ class HybridParallel(Engine):
     def output_rows(self, n: int) -> slice:
         return self.output_grid.rows(even_split(n, self.plan.procs))
 
+    def output_band(self) -> tuple[int, int] | None:
+        last, shape = self.layout.segments[-1], self.layout.trace.out_shape
+        if last.kind != "domain" or len(shape) != 3:
+            return None
+        return bands(shape[1], last.pr)[self.output_grid.r]
+
     @property
     def counts_outputs(self) -> bool:
-        """Model-group replicas hold the same outputs: only r = 0 counts them in the metrics."""
-        return self.output_grid.r == 0
+        """Model-group replicas hold the same outputs: only r = 0 counts them in the metrics
+        (the bands of a split image are each one rank's)."""
+        return self.output_grid.r == 0 or self.output_band() is not None
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         if self.training and self.sync.pending():

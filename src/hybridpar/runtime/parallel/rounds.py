@@ -44,6 +44,7 @@ from hybridpar.runtime.comm.collectives import (
 )
 from hybridpar.runtime.comm.grid import rows_of_group
 from hybridpar.runtime.comm.group import group_rank
+from hybridpar.runtime.parallel import losses
 from hybridpar.runtime.parallel.redistribute import Move, regroup_place
 
 __all__ = ["Rounds", "VariableBatch", "install", "optimizer_for"]
@@ -340,7 +341,7 @@ class VariableBatch:
         with t.autocast():
             loss = t.loss(y, target, reduction="sum")
         self.head.zero_grad(set_to_none=True)
-        (loss / len(target)).backward()
+        (loss / losses.divisor(t.loss, target).to(loss)).backward()
         self.head.step()
 
     def _check(self, module, inputs, out) -> None:

@@ -28,7 +28,7 @@ from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
-from hybridpar.runtime.parallel import checkpoint, rounds
+from hybridpar.runtime.parallel import checkpoint, losses, rounds
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.layout import Layout
@@ -69,7 +69,9 @@ class HybridTrainer:
 
     optimizer: a function of the parameters, e.g. `lambda ps: torch.optim.SGD(ps, lr=0.01)`
     (the model's parameters are this rank's shards, known only after parallelize).
-    loss: a torch.nn.functional-style loss that takes `reduction="sum"`.
+    loss: a torch.nn.functional-style loss that takes `reduction="sum"`; its sum is divided as
+    torch's `reduction="mean"` divides it on the whole batch (runtime/parallel/losses.py: per
+    pixel for a dense prediction, whose targets y are (B, H, W) or (B, C, H, W)).
     options: how the runtime runs (hybridpar.runtime.options.RuntimeOptions).
     layout: the plan already resolved against this model (`hybridpar train` resolves it once).
     head_optimizer: with `options.variable_batch`, the optimizer of the layers after the hand-off
@@ -102,6 +104,8 @@ class HybridTrainer:
         self.target: torch.Tensor | None = None
         """this step's targets of this rank's output rows"""
         self.loss = loss
+        self.divisor = torch.ones((), dtype=torch.float64)
+        """what the last step's loss sum was divided by (losses.divisor)"""
         self.resharded = False
         self.last: StepResult | None = None
 
@@ -139,14 +143,15 @@ class HybridTrainer:
             m.train()
         m.set_batch(n)
         faults.at("forward")
-        self.target = target = y[m.output_rows(n)]
+        self.target = target = _mine(y, m)
         with self.autocast():
             out = m(x[m.input_rows(n)])
             loss_sum = self.loss(out, target, reduction="sum")
         if out.requires_grad:
             out.register_hook(lambda g: faults.at("backward"))
         self.optimizer.zero_grad(set_to_none=True)
-        (loss_sum / n).backward()
+        self.divisor = losses.divisor(self.loss, y)
+        (loss_sum / self.divisor.to(loss_sum)).backward()
         wait = m.finish_backward()
         # the step's one read of the device, once its backward is queued (on a GPU a read waits
         # for the work before it: read after the forward, it kept the backward from being
@@ -161,7 +166,8 @@ class HybridTrainer:
         self.optimizer.step()
         entries = self.ledger.entries[first_entry:]
         blocking = sum(e.seconds for e in entries if e.term in BLOCKING_TERMS)
-        counted = (value, int(correct), len(target)) if m.counts_outputs else (0.0, 0, 0)
+        count = losses.counted(self.loss, target)
+        counted = (value, int(correct), count) if m.counts_outputs else (0.0, 0, 0)
         self.last = StepResult(*counted, time.perf_counter() - t0, wait, blocking)
         if m.bn_switch is not None:
             m.bn_switch.observe(counted[0], counted[2], counted[1])
@@ -173,7 +179,7 @@ class HybridTrainer:
         r = self.train_step(x, y)
         total = torch.tensor([r.loss_sum], dtype=torch.float64, device=self.device)
         all_reduce(total, Via(self.model.world, self.ledger, Term.METRICS))
-        return float(total) / len(x)
+        return float(total) / float(self.divisor)
 
     @torch.no_grad()
     def evaluate(self, x: torch.Tensor, y: torch.Tensor, batch: int) -> tuple[int, int]:
@@ -190,9 +196,9 @@ class HybridTrainer:
             with self.autocast():
                 out = m(xb[m.input_rows(n)])
             if m.counts_outputs:
-                target = yb[m.output_rows(n)]
+                target = _mine(yb, m)
                 correct += int(_correct(out, target))
-                total += len(target)
+                total += losses.counted(self.loss, target)
         return correct, total
 
     @torch.no_grad()
@@ -231,9 +237,24 @@ class HybridTrainer:
         return meta
 
 
+def _mine(y: torch.Tensor, m: Engine) -> torch.Tensor:
+    """This rank's targets of a global batch's `y`: its examples, and of a dense prediction split
+    by height its band of rows (the height: y's second-last dimension)."""
+    out = m.layout.trace.out_shape
+    if len(out) == 3 and y.dim() >= 3 and tuple(y.shape[-2:]) != out[1:]:
+        raise ValueError(
+            f"targets of shape {tuple(y.shape)} do not match the outputs' {out[1]} x {out[2]} "
+            f"pixels: give y as (B, {out[1]}, {out[2]}) or (B, C, {out[1]}, {out[2]})"
+        )
+    target = y[m.output_rows(len(y))]
+    band = m.output_band()
+    return target if band is None else target[..., band[0] : band[1], :]
+
+
 def _correct(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """How many rows' argmax is their class label (0 where the targets are not class labels), as
-    a float64 tensor on the outputs' device (read with the loss, in one go)."""
-    if out.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+    """How many rows' (or pixels') argmax over the classes is their class label (0 where the
+    targets are not class labels), as a float64 tensor on the outputs' device (read with the
+    loss, in one go)."""
+    if out.dim() != target.dim() + 1 or out.dim() < 2 or target.is_floating_point():
         return torch.zeros((), dtype=torch.float64, device=out.device)
     return (out.argmax(1) == target).sum().double()

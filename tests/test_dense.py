@@ -1,0 +1,208 @@
+"""Dense prediction split by height (issue 61): segmentation nets run under the domain style end
+to end, transposed convolutions, resamplings and ceil_mode poolings on bands with the halo rows
+they read, the output left on its bands and the loss taken there, divided as torch's
+reduction="mean" divides it on the whole batch.
+
+The oracle: float64, 3 steps of SGD with momentum and weight decay, parameters at rtol 1e-7 and
+the returned mean losses against one process; every convolution domain; bytes = prediction per
+(layer, term). One spawn per P runs every cell."""
+
+import functools
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_ranks
+from nets import DilatedFCN, FeaturePyramid, optimizer
+from torch.nn import functional as F
+
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster, load_cluster
+from hybridpar.core.halo import Resample, Transposed, Window, bands
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.models import UNet
+from hybridpar.core.plan import Style
+from hybridpar.planning.request import PlanRequest
+from hybridpar.planning.search import evaluate, export, plan_for
+from hybridpar.runtime.parallel.trainer import HybridTrainer
+
+STEPS, W = 3, 12
+NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
+CLASSES = 3
+
+# name -> (builder of (height, width), loss)
+NETS = {
+    "unet-transposed": lambda s: UNet(s, CLASSES, width=4),
+    "unet-bilinear": lambda s: UNet(s, CLASSES, width=4, up="bilinear"),
+    "unet-bilinear-aligned": lambda s: UNet(s, CLASSES, width=4, up="bilinear", align_corners=True),
+    "pyramid": lambda s: FeaturePyramid(s, CLASSES),
+    "dilated": lambda s: DilatedFCN(CLASSES),
+}
+WEIGHT = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+LOSSES = {
+    "ce": F.cross_entropy,
+    "ce-weight-ignore": functools.partial(F.cross_entropy, weight=WEIGHT, ignore_index=1),
+    "mse": F.mse_loss,
+    "l1": F.l1_loss,
+}
+
+
+def _cells(P: int) -> list[tuple[str, int, int, str]]:
+    """(net, height, B, loss): every net at an odd height (61 or 97 rows), B = 1 and 2; the
+    losses on the transposed U-Net."""
+    cells = []
+    for (name, h), b in itertools.product(zip(NETS, (61, 97, 61, 61, 97), strict=True), (1, 2)):
+        if (b == 2) == (h == 61) or name.startswith("unet"):
+            cells.append((name, h, b, "ce"))
+    cells += [("unet-transposed", 40, 2, loss) for loss in LOSSES if loss != "ce"]
+    return cells
+
+
+def _data(name: str, h: int, b: int, loss: str):
+    g = torch.Generator().manual_seed(h + b)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randn(b, 3, h, W, generator=g, dtype=torch.float64)
+        if loss in ("mse", "l1"):
+            y = torch.randn(b, CLASSES, h, W, generator=g, dtype=torch.float64)
+        else:
+            y = torch.randint(0, CLASSES, (b, h, W), generator=g)
+        out.append((x, y))
+    return out
+
+
+def _model(name: str, h: int):
+    torch.manual_seed(0)
+    return NETS[name]((h, W)).double()
+
+
+def _reference(name: str, h: int, b: int, loss: str):
+    m = _model(name, h)
+    opt = optimizer(m.parameters())
+    losses = []
+    for x, y in _data(name, h, b, loss):
+        opt.zero_grad()
+        value = LOSSES[loss](m(x), y)  # reduction="mean": torch's own division
+        value.backward()
+        opt.step()
+        losses.append(float(value.detach()))
+    return m.state_dict(), losses
+
+
+def _plan(name: str, h: int, b: int, P: int):
+    """Every convolution domain(P x 1), priced (float64) and exported."""
+    shape = (3, h, W)
+    layers = cost_layers(analyze(_model(name, h), shape))
+    styles = [Style.domain(P, 1)] * len(layers)
+    plan = evaluate(layers, styles, PlanRequest(P, b, NET, elem_bytes=8))
+    assert plan.feasible, plan.reason
+    return export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape, model=name)
+
+
+def _train(P: int) -> int:
+    for name, h, b, loss in _cells(P):
+        label = f"{name} H={h} B={b} {loss} P={P}"
+        want, want_losses = _reference(name, h, b, loss)
+        plan = _plan(name, h, b, P)
+        t = HybridTrainer(_model(name, h), plan, optimizer, LOSSES[loss], input_shape=(3, h, W))
+        got = [t.step(x, y) for x, y in _data(name, h, b, loss)]
+        state = t.full_state_dict()
+        for k, v in want.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
+        torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
+        lo, hi = bands(h, P)[dist.get_rank()]
+        assert t.target.shape[-2] == hi - lo, f"{label}: the loss ran on {t.target.shape}"
+        _bytes_are_predicted(t.ledger, plan, label)
+    return len(_cells(P))
+
+
+def _bytes_are_predicted(ledger, plan, label: str) -> None:
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ledger.bytes_by_layer_term())
+    measured: dict = {}
+    for d in every:
+        for k, v in d.items():
+            if k[1] != "metrics":
+                measured[k] = measured.get(k, 0.0) + v / STEPS / len(every)
+    predicted = plan.predicted_bytes(by_layer=True)
+    assert set(measured) == set(predicted), f"{label}: {set(measured) ^ set(predicted)}"
+    for k, v in predicted.items():
+        assert measured[k] == pytest.approx(v, rel=1e-12), f"{label}: {k}"
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_segmentation_nets_split_by_height_train_as_one_process(P):
+    """U-Nets (transposed convolutions; bilinear upsampling, align_corners False and True), a
+    feature pyramid (nearest upsampling to the next level's size) and a dilated net, all
+    convolutions domain(P x 1), odd heights, B = 1 and 2, on the losses' own means."""
+    assert run_ranks(_train, P, P, timeout_s=300)[0] == len(_cells(P))
+
+
+def _reads_exactly(fn, rowmap, h: int) -> None:
+    """The rows torch's own gradient says each band of outputs reads lie in rowmap.reads."""
+    x = torch.randn(1, 1, h, 3, dtype=torch.float64, requires_grad=True)
+    y = fn(x)
+    assert y.shape[2] == rowmap.h_out, rowmap
+    for parts in (2, 3):
+        for o0, o1 in bands(rowmap.h_out, parts):
+            (g,) = torch.autograd.grad(y[:, :, o0:o1].sum(), x, retain_graph=True)
+            rows = (g.abs().sum((0, 1, 3)) != 0).nonzero().flatten().tolist()
+            lo, hi = rowmap.reads(o0, o1)
+            assert not rows or (max(lo, 0) <= rows[0] and rows[-1] < min(hi, h)), (rowmap, o0)
+
+
+def test_row_maps_name_the_rows_torch_reads():
+    """Transposed convolutions (kernel, stride, padding, dilation, output padding), every
+    interpolation mode with both align_corners and a scale or a size, poolings with ceil_mode:
+    each band's outputs read only the rows its row map names."""
+    for k, s, p, d, op, h in itertools.product(
+        (1, 2, 3), (1, 2, 3), (0, 1), (1, 2), (0, 1), (5, 8)
+    ):
+        if p <= d * (k - 1) and op < max(s, d):
+            w = torch.randn(1, 1, k, 1, dtype=torch.float64)
+            fn = functools.partial(F.conv_transpose2d, weight=w, stride=(s, 1), padding=(p, 0),
+                                   output_padding=(op, 0), dilation=(d, 1))  # fmt: skip
+            _reads_exactly(fn, Transposed(k, s, p, d, h, op), h)
+    modes = ("nearest", "nearest-exact", "bilinear", "bicubic")
+    for mode, align, h, (size, scale) in itertools.product(
+        modes, (False, True), (7, 12), ((None, 2.0), (None, 0.5), (None, 1.7), (9, None))
+    ):
+        if align and mode.startswith("nearest"):
+            continue
+        kw = {} if mode.startswith("nearest") else {"align_corners": align}
+        fn = functools.partial(F.interpolate, size=(size, 3) if size else None,
+                               scale_factor=(scale, 1.0) if scale else None, mode=mode, **kw)  # fmt: skip
+        rows = fn(torch.zeros(1, 1, h, 3)).shape[2]
+        _reads_exactly(fn, Resample(mode, kw.get("align_corners"), scale, h, rows), h)
+    for k, s, p, h in itertools.product((2, 3), (2, 3), (0, 1), (7, 8, 13)):
+        if p <= k // 2:
+            fn = functools.partial(F.max_pool2d, kernel_size=(k, 1), stride=(s, 1), padding=(p, 0),
+                                   ceil_mode=True)  # fmt: skip
+            _reads_exactly(fn, Window(k, s, p, 1, h, ceil=True), h)
+
+
+def test_the_planner_splits_a_large_unet_by_height_end_to_end():
+    """One 1024 x 1024 image on 4 ranks: no batch group can take it and the transposed
+    convolutions split by no channels, so every layer is domain(4x1), on the cluster files'
+    prices; the bilinear U-Net's model plans are priced and lose."""
+    for up in ("transposed", "bilinear"):
+        with torch.device("meta"):
+            m = UNet(1024, 3, up=up)
+        result = plan_for(m, (3, 1024, 1024), 4, 1, load_cluster("cori-knl"))
+        styles = set(result.export().styles.values())
+        assert styles == {Style.domain(4, 1)}, (up, styles)
+
+
+def test_a_target_that_is_not_the_outputs_shape_is_refused():
+    """One line naming both shapes, before the loss runs."""
+    run_ranks(_wrong_target, 2, timeout_s=120)
+
+
+def _wrong_target():
+    m = _model("dilated", 16)
+    t = HybridTrainer(m, _plan("dilated", 16, 1, 2), optimizer, input_shape=(3, 16, W))
+    x = torch.randn(1, 3, 16, W, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"targets .* \(1, 15, 12\) .* outputs"):
+        t.step(x, torch.zeros(1, 15, W, dtype=torch.long))
