@@ -582,3 +582,26 @@ class DilatedFCN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
+
+
+class FreeResamplings(nn.Module):
+    """An encoder-decoder written as torchvision's segmentation heads are: `F.interpolate` in the
+    modules' own forward, to the skip tensor's size (`size=skip.shape[-2:]`, bilinear) and at
+    the end back to the input's size (`size=x.shape[-2:]`), by a scale in between (nearest)."""
+
+    def __init__(self, classes: int = 3, c: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU())
+        self.down = nn.Sequential(nn.Conv2d(c, 2 * c, 3, 2, 1), nn.ReLU())
+        self.deep = nn.Sequential(nn.Conv2d(2 * c, 2 * c, 3, 2, 1), nn.ReLU())
+        self.merge = nn.Conv2d(3 * c, c, 3, padding=1)
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.stem(x)
+        low = self.deep(self.down(skip))
+        low = F.interpolate(low, scale_factor=2.0, mode="nearest")
+        low = F.interpolate(low, size=skip.shape[-2:], mode="bilinear", align_corners=False)
+        y = self.head(F.relu(self.merge(torch.cat([skip, low], 1))))
+        y = F.interpolate(y, scale_factor=0.5, mode="bilinear", align_corners=True)
+        return F.interpolate(y, size=x.shape[-2:], mode="bicubic", align_corners=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from nets import DilatedFCN, FeaturePyramid, optimizer
+from nets import DilatedFCN, FeaturePyramid, FreeResamplings, optimizer
 from torch.nn import functional as F
 
 from hybridpar.core.analysis import analyze
@@ -39,6 +39,7 @@ NETS = {
     "unet-bilinear-aligned": lambda s: UNet(s, CLASSES, width=4, up="bilinear", align_corners=True),
     "pyramid": lambda s: FeaturePyramid(s, CLASSES),
     "dilated": lambda s: DilatedFCN(CLASSES),
+    "free-resamplings": lambda s: FreeResamplings(CLASSES),
 }
 WEIGHT = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
 LOSSES = {
@@ -53,7 +54,7 @@ def _cells(P: int) -> list[tuple[str, int, int, str]]:
     """(net, height, B, loss): every net at an odd height (61 or 97 rows), B = 1 and 2; the
     losses on the transposed U-Net."""
     cells = []
-    for (name, h), b in itertools.product(zip(NETS, (61, 97, 61, 61, 97), strict=True), (1, 2)):
+    for (name, h), b in itertools.product(zip(NETS, (61, 97, 61, 61, 97, 61), strict=True), (1, 2)):
         if (b == 2) == (h == 61) or name.startswith("unet"):
             cells.append((name, h, b, "ce"))
     cells += [("unet-transposed", 40, 2, loss) for loss in LOSSES if loss != "ce"]

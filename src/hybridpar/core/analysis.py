@@ -34,18 +34,26 @@ FLOPs count one multiply-add as 2 and leave biases out, the convention of Krizhe
 from __future__ import annotations
 
 import bisect
+import inspect
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.core import ops
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.rows import ELEMENTWISE_ACTIVATIONS, function_blocker, module_blocker
+from hybridpar.core.rows import (
+    ELEMENTWISE_ACTIVATIONS,
+    RESAMPLED,
+    function_blocker,
+    module_blocker,
+)
 
 __all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
 
@@ -178,15 +186,32 @@ def _op(module: nn.Module, kind: str) -> str:
     return "linear" if kind == "linear" else kind
 
 
-def _resampling(module: nn.Upsample) -> tuple:
-    """(mode, align_corners, height scale) of an upsampling: the scale torch maps rows by
+_ONE = dict(kernel=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1))  # a resampling's
+
+
+def _resampling(size, scale, mode: str, align, recompute) -> tuple:
+    """(mode, align_corners, height scale) of an interpolation: the scale torch maps rows by
     (None where it maps by the sizes: a size given, or the scale recomputed)."""
-    scale = module.scale_factor
     if isinstance(scale, tuple | list):
         scale = scale[0]
-    scale = None if scale is None or module.recompute_scale_factor else float(scale)
-    linear = module.mode in ("bilinear", "bicubic")
-    return (module.mode, bool(module.align_corners) if linear else None, scale)
+    scale = None if size is not None or scale is None or recompute else float(scale)
+    linear = mode in ("bilinear", "bicubic")
+    return (mode, bool(align) if linear else None, scale)
+
+
+def _resample_call(args: tuple, kwargs: dict) -> tuple[tuple, str]:
+    """An F.interpolate call's (mode, align_corners, height scale), and why it cannot run on a
+    band of rows ("": it can)."""
+    a = inspect.signature(F.interpolate).bind(*args, **kwargs).arguments
+    mode = a.get("mode", "nearest")
+    if a["input"].dim() != 4:
+        return (), f"interpolate of a {a['input'].dim()}-d tensor"
+    if mode not in RESAMPLED or a.get("antialias"):
+        return (), f"interpolate in mode {mode!r}{' with antialias' if a.get('antialias') else ''}"
+    size, scale = a.get("size"), a.get("scale_factor")
+    return _resampling(
+        size, scale, mode, a.get("align_corners"), a.get("recompute_scale_factor")
+    ), ""
 
 
 def _conv_padding(module: nn.Module) -> tuple[int, ...] | None:
@@ -229,8 +254,9 @@ def _spec(
             rows=("ceil",) if getattr(module, "ceil_mode", False) else (),
         )
     elif isinstance(module, nn.Upsample) and len(in_shape) == 3:
-        extra = dict(kernel=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1))
-        extra["rows"] = ("resample", _resampling(module))
+        m = module
+        how = _resampling(m.size, m.scale_factor, m.mode, m.align_corners, m.recompute_scale_factor)
+        extra = dict(**_ONE, rows=("resample", how))
     if isinstance(module, nn.modules.conv._ConvTransposeNd) and len(in_shape) == 3:
         k, st, p, d = (extra[a][0] for a in ("kernel", "stride", "padding", "dilation"))
         reached = (in_shape[1] - 1) * st - 2 * p + d * (k - 1) + 1  # output_padding aside
@@ -288,6 +314,9 @@ class _Recorder(TorchFunctionMode):
         self.sizes: dict[str, int] = {}  # parameter name -> its elements
         self.param_times: dict[str, list[int]] = {}
         self.blocked: list[tuple[int, str]] = []  # (time, why) of functions that mix rows
+        self.sites: list[tuple[int, LayerSpec]] = []  # resamplings in a module's own forward
+        self.owner: Callable[[], str] = lambda: ""  # the module whose own forward runs now
+        self.site_counts: dict[str, int] = {}
         self.watches: list[ops.Matcher] = []  # the layers running: their operation on their input
 
     def key(self, x: torch.Tensor) -> tuple[int, int]:
@@ -331,10 +360,32 @@ class _Recorder(TorchFunctionMode):
                 t = self.t
                 self.t += 1
                 self.produce(outs, t, self.use(_tensors((args, kwargs)), t))
+                if func is F.interpolate and isinstance(out, torch.Tensor):
+                    self.sites.append((t, self.site(args, kwargs, out)))
+                    return out
                 why = function_blocker(func, args, kwargs)
                 if why:
                     self.blocked.append((t, why))
         return out
+
+    def site(self, args: tuple, kwargs: dict | None, out: torch.Tensor) -> LayerSpec:
+        """An F.interpolate in a module's own forward, as a layer of its own (core.ops.site_name:
+        the domain style swaps that call)."""
+        owner = self.owner()
+        k = self.site_counts[owner] = self.site_counts.get(owner, -1) + 1
+        x = args[0] if args else (kwargs or {}).get("input")
+        geometry, why = _resample_call(args, kwargs or {})
+        return LayerSpec(
+            name=ops.site_name(owner, F.interpolate, k),
+            kind="other",
+            type="interpolate",
+            in_shape=tuple(x.shape[1:]),
+            out_shape=tuple(out.shape[1:]),
+            **_ONE,
+            op="interpolate",
+            blocker=why,
+            rows=("resample", geometry) if not why else (),
+        )
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -432,6 +483,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
         )
     rec = _Recorder()
     hooks = _Calls(model, rec)
+    rec.owner = lambda: hooks.calls[hooks.stack[-1]][0] if hooks.stack else ""
     handles = []
     for m in model.modules():
         handles += [m.register_forward_pre_hook(hooks.pre), m.register_forward_hook(hooks.post)]
@@ -462,7 +514,11 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
         for h in handles:
             h.remove()
     seqs = {n for n, m in model.named_modules() if isinstance(m, nn.Sequential)}
-    timed = sorted(hooks.specs, key=lambda ts: ts[0])  # a layer before the children inside it
+    counts = {c[0]: 0 for c in hooks.calls}
+    for c in hooks.calls:
+        counts[c[0]] += 1
+    sites = [(t, _once(s, counts)) for t, s in rec.sites]
+    timed = sorted(hooks.specs + sites, key=lambda ts: ts[0])  # a layer before its children
     unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
     timed = [(t, replace(s, unsplit=unsplit.get(s.name, ""))) for t, s in timed]
     dense = isinstance(out, torch.Tensor) and out.dim() == 4  # (N, C, H, W): rows stay split
@@ -473,6 +529,16 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     pinned = _pinned(model, state, x, cuts, batched)
     traced.specs = [replace(s, pinned=pinned.get(s.entry or "", "")) for s in traced.specs]
     return traced
+
+
+def _once(site: LayerSpec, counts: dict[str, int]) -> LayerSpec:
+    """A function's call in a module's forward is one layer where that module runs once."""
+    owner = site.name.partition(":")[0]
+    if counts.get(owner, 1) == 1 or site.blocker:
+        return site
+    return replace(
+        site, blocker=f"{site.type} in {owner or 'the model'}, run {counts[owner]} times"
+    )
 
 
 def _pinned(
@@ -562,7 +628,7 @@ def _segments(
                 entry=entry,
                 entry_elements=elements,
                 head_in=parent if entry and (parent := entry.rpartition(".")[0]) in seqs else None,
-                calls=counts[s.name],
+                calls=counts.get(s.name, 1),
                 blockers=blockers.get(seg, ()),
             )
         )

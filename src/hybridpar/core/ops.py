@@ -45,8 +45,10 @@ __all__ = [
     "Op",
     "call",
     "install",
+    "install_site",
     "is_plain",
     "own_op",
+    "site_name",
     "swapped_parameters",
     "units",
     "why_not_split",
@@ -193,6 +195,51 @@ def install(
     module.hybridpar_own_forward = own
     module.forward = forward
     module.hybridpar_wrapped = True  # runtime/parallel/compute.py compiles around it
+
+
+class _Sites(TorchFunctionMode):
+    """While a module's own forward runs: the k-th call of a function it makes itself (not one
+    of its children's, `depth` > 0 inside them) goes to `sites[(function, k)]`."""
+
+    def __init__(self, sites: dict, depth: list[int]) -> None:
+        super().__init__()
+        self.sites, self.depth, self.seen = sites, depth, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth[0] == 0 and any(f is func for f, _ in self.sites):
+            k = self.seen[func] = self.seen.get(func, -1) + 1
+            to = self.sites.get((func, k))
+            if to is not None:
+                return to(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def site_name(owner: str, func: Callable, k: int) -> str:
+    """The name of the k-th call of `func` in the forward of the module `owner` ("": the model)."""
+    return f"{owner}:{func.__name__}.{k}"
+
+
+def install_site(module: nn.Module, func: Callable, k: int, to: Callable) -> None:
+    """From now on the k-th call of `func` that `module`'s own forward makes (its children's
+    calls aside) goes to `to`; the forward, its children and the other calls run as written."""
+    sites = module.__dict__.get("hybridpar_sites")
+    if sites is None:
+        sites, depth = {}, [0]
+        inner = [m for m in module.modules() if m is not module]
+        for m in inner:
+            m.register_forward_pre_hook(lambda *a: depth.__setitem__(0, depth[0] + 1))
+            m.register_forward_hook(lambda *a: depth.__setitem__(0, depth[0] - 1))
+        own = module.forward
+
+        def forward(*args, **kwargs):
+            depth[0] = 0
+            with _Sites(sites, depth):
+                return own(*args, **kwargs)
+
+        module.hybridpar_sites = sites
+        module.forward = forward
+    sites[(func, k)] = to
 
 
 # --- whether a model split of a layer's weight units is exact -------------------------------------

@@ -9,7 +9,8 @@ names the operation.
 | -------------------------------------------- | --------------------------------------------------- |
 | Conv2d, ConvTranspose2d (zero padding),      | on the band and the halo rows its window needs       |
 | MaxPool2d, AvgPool2d (ceil_mode too),        | (core.halo: the rows each output row reads)          |
-| Upsample (nearest, bilinear, bicubic)        |                                                      |
+| Upsample, F.interpolate (nearest, bilinear,  |                                                      |
+| bicubic; a size or a scale)                  |                                                      |
 | BatchNorm2d                                  | statistics over every rank (rows and examples)       |
 | LocalResponseNorm, element-wise activations, | unchanged                                            |
 | Dropout, Identity; element-wise functions,   |                                                      |
@@ -24,9 +25,10 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["ELEMENTWISE_ACTIVATIONS", "function_blocker", "module_blocker"]
+__all__ = ["ELEMENTWISE_ACTIVATIONS", "RESAMPLED", "function_blocker", "module_blocker"]
 
-_RESAMPLED = ("nearest", "nearest-exact", "bilinear", "bicubic")
+RESAMPLED = ("nearest", "nearest-exact", "bilinear", "bicubic")
+"""the interpolation modes a band of rows runs (core.halo.Resample)"""
 ELEMENTWISE_ACTIVATIONS = (
     nn.ReLU,
     nn.ReLU6,
@@ -132,7 +134,7 @@ def module_blocker(module: nn.Module) -> str:
     if isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
         return f"{name} with return_indices" if getattr(module, "return_indices", False) else ""
     if isinstance(module, nn.Upsample):
-        return "" if module.mode in _RESAMPLED else f"{name} in mode {module.mode!r}"
+        return "" if module.mode in RESAMPLED else f"{name} in mode {module.mode!r}"
     if isinstance(module, nn.Softmax | nn.LogSoftmax):
         return "" if module.dim in (1, -3) else f"{name} over dim {module.dim}"
     if isinstance(module, _UNCHANGED):

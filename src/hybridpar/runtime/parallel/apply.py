@@ -77,6 +77,10 @@ def shard(model: nn.Module, layout: Layout, styles: list[ParallelStyle]) -> None
             if name in done:  # a module called twice (shared weights) is one module
                 continue
             done.add(name)
+            owner, site, _ = name.partition(":")  # a function's call in a module's own forward
+            if site:
+                styles[x.segment].site(name, model.get_submodule(owner), x)
+                continue
             old = model.get_submodule(name)
             new = styles[x.segment].shard(name, old, x)
             if new is not old:

@@ -579,6 +579,14 @@ class DomainStyle(ParallelStyle):
         ops.install(module, stand_in, name=name)
         return module
 
+    def site(self, name: str, owner: nn.Module, layer: CostLayer) -> None:
+        """An F.interpolate in a module's own forward (core.ops.install_site)."""
+        windows = {w[0]: w for w in layer.windows}
+        if name in windows:
+            group, ledger = self.grid.model_group, self.ctx.ledger
+            stand_in = DomainResample(owner, row_map(windows[name]), group, ledger, layer.name)
+            ops.install_site(owner, F.interpolate, int(name.rpartition(".")[2]), stand_in)
+
     @property
     def grad_group(self) -> Group:
         """Every rank holds the whole parameters: their gradients are summed over all P."""

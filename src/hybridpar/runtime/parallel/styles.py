@@ -79,6 +79,10 @@ class ParallelStyle:
         along with it: CostLayer.members); the module itself where the style leaves it whole."""
         return module
 
+    def site(self, name: str, owner: nn.Module, layer: CostLayer) -> None:
+        """Set up the call `name` (core.ops.site_name) of a function in `owner`'s own forward,
+        a member of `layer`; nothing where the style runs it as written."""
+
     @property
     def grad_group(self) -> Group:
         """The ranks that hold the same copy of a parameter of this style: its batch group."""
