@@ -26,6 +26,7 @@ from hybridpar.core.models import UNet
 from hybridpar.core.plan import Style
 from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export, plan_for
+from hybridpar.runtime.parallel.losses import Dice
 from hybridpar.runtime.parallel.trainer import HybridTrainer
 
 STEPS, W = 3, 12
@@ -47,6 +48,7 @@ LOSSES = {
     "ce-weight-ignore": functools.partial(F.cross_entropy, weight=WEIGHT, ignore_index=1),
     "mse": F.mse_loss,
     "l1": F.l1_loss,
+    "dice": Dice(ignore_index=2),
 }
 
 

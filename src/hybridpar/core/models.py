@@ -11,6 +11,7 @@ of the papers' tables) with real module trees (resnet20: stages of BasicBlocks, 
 | digits-cnn  | small CNN with a 3-layer FC head for scikit-learn's 8x8 digits                     |
 | digits-wide | the digits CNN with a 2048-wide FC head: the FC weights dominate, as in AlexNet   |
 | mlp         | Dettmers' MNIST network 784-1024-1024-10                                           |
+| unet        | a 3-level U-Net (transposed convolutions up; unet-bilinear: bilinear upsampling)   |
 """
 
 from __future__ import annotations
@@ -299,6 +300,10 @@ BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "digits-cnn": digits_cnn,
     "digits-wide": digits_wide,
     "mlp": mlp,
+    "unet": lambda input_size, num_classes, in_channels: UNet(input_size, num_classes, in_channels),
+    "unet-bilinear": lambda input_size, num_classes, in_channels: UNet(
+        input_size, num_classes, in_channels, up="bilinear"
+    ),
 }
 assert set(BUILDERS) == set(MODELS), "every zoo entry has a builder"
 

@@ -40,6 +40,8 @@ MODELS: dict[str, ModelInfo] = {
     "digits-cnn": ModelInfo(8, 1, 10, "small CNN for the 8x8 digits"),
     "digits-wide": ModelInfo(8, 1, 10, "digits CNN with a 2048-wide FC head"),
     "mlp": ModelInfo(28, 1, 10, "Dettmers' 784-1024-1024-10 MLP"),
+    "unet": ModelInfo(64, 1, 11, "U-Net for dense prediction (digits-seg's 11 classes a pixel)"),
+    "unet-bilinear": ModelInfo(64, 1, 11, "the U-Net with bilinear upsampling"),
 }
 
 

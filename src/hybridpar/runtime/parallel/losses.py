@@ -11,6 +11,11 @@ divides by on the whole global batch, so the gradient summed over the ranks is t
 | any other function                                                | the examples (N)             |
 
 Each rank reads the global batch's targets, so the divisor needs no collective.
+
+`Dice` is not a sum over pixels: its per-class sums over the whole batch (every rank's bands and
+examples) finish with one all-reduce of 2 x classes numbers forward; backward nothing moves, since
+every rank computes the same loss from the same sums and the gradients of the parameters are
+summed over the ranks anyway.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-__all__ = ["counted", "divisor"]
+__all__ = ["Dice", "counted", "divisor", "mean_iou", "overlaps"]
 
 _PER_TARGET = (F.cross_entropy, F.nll_loss)
 _PER_ELEMENT = (
@@ -32,6 +37,33 @@ _PER_ELEMENT = (
     F.binary_cross_entropy,
     F.binary_cross_entropy_with_logits,
 )
+
+
+class Dice:
+    """The soft Dice loss of a dense prediction, 1 - mean over the classes of (2 I + s) / (S + s)
+    with I the summed softmax probability of the class on its labelled pixels and S the summed
+    probability plus the labelled pixels, over the whole batch (ignored labels left out)."""
+
+    def __init__(self, smooth: float = 1.0, ignore_index: int = -100) -> None:
+        self.smooth, self.ignore_index = smooth, ignore_index
+
+    def sums(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """(2, classes): I and S of these outputs and labels (differentiable)."""
+        kept = (target != self.ignore_index).unsqueeze(1).to(out.dtype)
+        probs = out.float().softmax(1).to(out.dtype) * kept
+        hot = F.one_hot(target.clamp(0, out.shape[1] - 1), out.shape[1]).movedim(-1, 1) * kept
+        dims = [0, *range(2, out.dim())]
+        both = (probs * hot).sum(dims)
+        return torch.stack([both, probs.sum(dims) + hot.sum(dims)])
+
+    def value(self, sums: torch.Tensor) -> torch.Tensor:
+        """The loss of the whole batch's sums."""
+        return 1 - ((2 * sums[0] + self.smooth) / (sums[1] + self.smooth)).mean()
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor, reduction: str = "mean"):
+        """On one process: the loss of these outputs alone (reduction is ignored: the loss is
+        not a sum)."""
+        return self.value(self.sums(out, target))
 
 
 def _parts(loss: Callable) -> tuple[Callable, dict]:
@@ -63,10 +95,34 @@ def divisor(loss: Callable, y: torch.Tensor) -> torch.Tensor:
     return torch.tensor(n, dtype=torch.float64, device=y.device)
 
 
-def counted(loss: Callable, target: torch.Tensor) -> int:
+def counted(loss: Callable, target: torch.Tensor) -> torch.Tensor:
     """How many targets of `target` the metrics count: the class labels not ignored (a pixel
-    each in a dense prediction), else the examples."""
+    each in a dense prediction), else the examples (a float64 scalar on target's device, read
+    with the step's other numbers)."""
     func, kwargs = _parts(loss)
     if func in _PER_TARGET and not target.is_floating_point():
-        return int(_kept(target, kwargs).sum())
-    return len(target)
+        return _kept(target, kwargs).sum().double()
+    return torch.tensor(len(target), dtype=torch.float64, device=target.device)
+
+
+def overlaps(out: torch.Tensor, target: torch.Tensor, classes: int, loss: Callable) -> torch.Tensor:
+    """Per class, the pixels (or examples) whose predicted class (argmax over dim 1) and label
+    are both it, and either of them, ignored labels left out: (2, classes) float64. Summed over
+    the ranks' bands and batches they give the mean IoU of the whole images."""
+    _, kwargs = _parts(loss)
+    kept = _kept(target, kwargs)
+    pred, label = out.argmax(1)[kept], target[kept]
+    both = torch.bincount(label[pred == label], minlength=classes)[:classes]
+    each = (
+        torch.bincount(pred, minlength=classes)[:classes]
+        + torch.bincount(label, minlength=classes)[:classes]
+    )
+    return torch.stack([both, each - both]).double()
+
+
+def mean_iou(sums: torch.Tensor | list[float], classes: int) -> float:
+    """The mean over the classes present (in the predictions or the labels) of intersection
+    over union, from `overlaps` summed."""
+    t = torch.as_tensor(sums, dtype=torch.float64).view(2, classes)
+    present = t[1] > 0
+    return float((t[0][present] / t[1][present]).mean()) if present.any() else float("nan")

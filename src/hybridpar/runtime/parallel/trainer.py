@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hybridpar.core import faults
+from hybridpar.core.errors import ConfigError
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
@@ -146,17 +147,22 @@ class HybridTrainer:
         self.target = target = _mine(y, m)
         with self.autocast():
             out = m(x[m.input_rows(n)])
-            loss_sum = self.loss(out, target, reduction="sum")
+            if isinstance(self.loss, losses.Dice):
+                loss_sum, self.divisor = self._whole_batch(out, target)
+            else:
+                loss_sum = self.loss(out, target, reduction="sum")
+                self.divisor = losses.divisor(self.loss, y)
         if out.requires_grad:
             out.register_hook(lambda g: faults.at("backward"))
         self.optimizer.zero_grad(set_to_none=True)
-        self.divisor = losses.divisor(self.loss, y)
         (loss_sum / self.divisor.to(loss_sum)).backward()
         wait = m.finish_backward()
         # the step's one read of the device, once its backward is queued (on a GPU a read waits
         # for the work before it: read after the forward, it kept the backward from being
         # queued meanwhile), and before the parameters change
-        value, correct = torch.stack([loss_sum.detach().double(), _correct(out, target)]).tolist()
+        numbers = [loss_sum.detach().double(), _correct(out, target)]
+        numbers.append(losses.counted(self.loss, target).to(numbers[0].device))
+        value, correct, count = torch.stack(numbers).tolist()
         if not math.isfinite(value) and not self.options.allow_nonfinite:
             raise FloatingPointError(
                 f"the loss is {value} at step {step}: lower --lr or check the data "
@@ -166,12 +172,27 @@ class HybridTrainer:
         self.optimizer.step()
         entries = self.ledger.entries[first_entry:]
         blocking = sum(e.seconds for e in entries if e.term in BLOCKING_TERMS)
-        count = losses.counted(self.loss, target)
-        counted = (value, int(correct), count) if m.counts_outputs else (0.0, 0, 0)
+        counted = (value, int(correct), int(count)) if m.counts_outputs else (0.0, 0, 0)
         self.last = StepResult(*counted, time.perf_counter() - t0, wait, blocking)
         if m.bn_switch is not None:
             m.bn_switch.observe(counted[0], counted[2], counted[1])
         return self.last
+
+    def _whole_batch(self, out: torch.Tensor, target: torch.Tensor):
+        """(this rank's share of the loss, what it is divided by) of a loss over the whole
+        batch's sums (losses.Dice): every rank holds other pixels or examples, its sums are
+        all-reduced (one call, forward only) and every rank computes the loss of the total; the
+        shares add up to it."""
+        m = self.model
+        if not m.counts_outputs or (self.plan.engine == "hybridpar" and m.styles[-1].replicated):
+            raise ConfigError(
+                "the Dice loss needs every rank to hold other outputs: end the plan with a batch "
+                "or domain layer, not a model-parallel one"
+            )
+        world = m.world.size
+        total = _Summed.apply(self.loss.sums(out, target), Via(m.world, self.ledger, Term.METRICS))
+        share = torch.full((), 1.0 / world, dtype=torch.float64, device=out.device)
+        return self.loss.value(total) * share.to(out.dtype), share
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on the global batch (x, y); returns its mean loss (one small
@@ -179,16 +200,23 @@ class HybridTrainer:
         r = self.train_step(x, y)
         total = torch.tensor([r.loss_sum], dtype=torch.float64, device=self.device)
         all_reduce(total, Via(self.model.world, self.ledger, Term.METRICS))
-        return float(total) / float(self.divisor)
+        whole = isinstance(self.loss, losses.Dice)  # the shares add up to the loss
+        return float(total) if whole else float(total) / float(self.divisor)
 
     @torch.no_grad()
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor, batch: int) -> tuple[int, int]:
-        """(correct, examples) of this rank's counted outputs over (x, y) in batches of `batch`,
-        in evaluation mode; sum them over the ranks for the accuracy."""
+    def evaluate(
+        self, x: torch.Tensor, y: torch.Tensor, batch: int, classes: int = 0
+    ) -> tuple[int, int, torch.Tensor]:
+        """(correct, counted, overlaps) of this rank's counted outputs over (x, y) in batches of
+        `batch`, in evaluation mode: right class labels, labels counted (examples, or pixels of
+        a dense prediction), and with `classes` > 0 each class's pixels predicted and labelled
+        both and either (losses.overlaps; float64, 2 x classes); sum each over the ranks for
+        the accuracy and the mean IoU (losses.mean_iou)."""
         m = self.model
         m.eval()
         self.ledger.step = -1  # evaluation traffic is not part of any training iteration
         correct = total = 0
+        overlaps = torch.zeros((2, classes), dtype=torch.float64)
         for i in range(0, len(x), batch):
             xb, yb = x[i : i + batch], y[i : i + batch]
             n = len(xb)
@@ -198,8 +226,10 @@ class HybridTrainer:
             if m.counts_outputs:
                 target = _mine(yb, m)
                 correct += int(_correct(out, target))
-                total += losses.counted(self.loss, target)
-        return correct, total
+                total += int(losses.counted(self.loss, target))
+                if classes:
+                    overlaps += losses.overlaps(out, target, classes, self.loss).cpu()
+        return correct, total, overlaps
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor:
@@ -235,6 +265,21 @@ class HybridTrainer:
         meta, same = checkpoint.load(self.model, self.optimizer, path)
         self.resharded = not same
         return meta
+
+
+class _Summed(torch.autograd.Function):
+    """Forward: the sum of every rank's tensor (all-reduce). Backward: the gradient as it is
+    (every rank differentiates the same function of the sum)."""
+
+    @staticmethod
+    def forward(ctx, t, via):
+        t = t.clone()
+        all_reduce(t, via)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 def _mine(y: torch.Tensor, m: Engine) -> torch.Tensor:

@@ -4,6 +4,8 @@
 | -------------------- | ------------------------------------------------------------------------- |
 | digits               | scikit-learn's bundled 8x8 digits (1797 real images), fixed 80/20 split    |
 | synthetic[:N]        | N random examples of the model's input shape (throughput runs)            |
+| digits-seg:S[:N]     | N S x S canvases of the digits (real images, scaled up), a class per      |
+|                      | pixel: 0 background, 1 + the digit where it is drawn (dense prediction)  |
 | path/to/file.npz     | arrays x and y (and optionally x_test, y_test; else a fixed 80/20 split)  |
 | path/to/folder/      | an image folder: one sub-folder per class                                 |
 
@@ -71,6 +73,9 @@ def _dataset(name: str, xtr, ytr, xte, yte) -> Dataset:
 
 def validate_data_spec(spec: str) -> None:
     """Cheap checks before any process is spawned: the file or folder exists and looks right."""
+    if spec.split(":")[0] == "digits-seg":
+        _canvas(spec)
+        return
     if spec == "digits" or spec.split(":")[0] == "synthetic":
         if spec.startswith("synthetic:") and not spec.split(":", 1)[1].isdigit():
             raise ConfigError(f"data {spec!r}: write synthetic:N with N a number of examples")
@@ -104,8 +109,46 @@ def validate_data_spec(spec: str) -> None:
                 )
         return
     raise ConfigError(
-        f"unknown data {spec!r}; use digits, synthetic[:N], a .npz file or an image folder"
+        f"unknown data {spec!r}; use digits, digits-seg:SIZE, synthetic[:N], a .npz file or an "
+        "image folder"
     )
+
+
+def _canvas(spec: str) -> tuple[int, int]:
+    """(side, images) of digits-seg:S[:N] (N: 96 by default)."""
+    parts = spec.split(":")[1:]
+    if not 1 <= len(parts) <= 2 or not all(p.isdigit() for p in parts) or int(parts[0]) < 16:
+        raise ConfigError(
+            f"data {spec!r}: write digits-seg:SIZE or digits-seg:SIZE:IMAGES with SIZE >= 16 "
+            "pixels, e.g. digits-seg:128"
+        )
+    n = int(parts[1]) if len(parts) == 2 else 96
+    if n < 2:
+        raise ConfigError(f"data {spec!r}: at least 2 images (a training and a test one)")
+    return int(parts[0]), n
+
+
+def _digits_seg(spec: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """N canvases of S x S pixels, each with (S // 12k)^2 // 2 digits of scikit-learn's set
+    drawn at random places (may overlap: the later one wins), scaled up k = S // 128 + 1 times
+    (nearest); a pixel's class is 0 (background) or 1 + the digit drawn there (its value above
+    4 of 16)."""
+    side, n = _canvas(spec)
+    images, labels = _digits()
+    g = np.random.default_rng(seed)
+    scale = side // 128 + 1
+    box = 8 * scale
+    x = np.zeros((n, 1, side, side), np.float32)
+    y = np.zeros((n, side, side), np.int64)
+    for i in range(n):
+        for j in g.choice(len(images), max(1, (side // (12 * scale)) ** 2 // 2)):
+            digit = np.kron(images[j, 0] * 16.0, np.ones((scale, scale), np.float32))
+            r, c = g.integers(0, side - box + 1, 2)
+            window = (slice(r, r + box), slice(c, c + box))
+            drawn = digit > 4.0
+            x[i, 0][window] = np.where(drawn, digit / 16.0, x[i, 0][window])
+            y[i][window] = np.where(drawn, labels[j] + 1, y[i][window])
+    return x, y
 
 
 def signature(
@@ -116,6 +159,9 @@ def signature(
     validate_data_spec(spec)
     if spec == "digits":
         return (1, 8, 8), 10
+    if spec.split(":")[0] == "digits-seg":
+        side = _canvas(spec)[0]
+        return (1, side, side), 11
     if spec.split(":")[0] == "synthetic":
         return tuple(model_shape), model_classes
     p = Path(spec)
@@ -192,6 +238,8 @@ def load_data(
     if spec == "digits":
         x, y = _digits()
         return _dataset("digits", *_split(x, y))
+    if spec.split(":")[0] == "digits-seg":
+        return _dataset(spec, *_split(*_digits_seg(spec, seed)))
     if spec.split(":")[0] == "synthetic":
         n = int(spec.split(":")[1]) if ":" in spec else 512
         shape = input_shape or (1, 8, 8)

@@ -28,6 +28,7 @@ from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.devices import local_gpu
 from hybridpar.runtime.comm.host import host_name
 from hybridpar.runtime.launcher import under_torchrun
+from hybridpar.runtime.parallel import losses
 from hybridpar.runtime.parallel.checkpoint import save_weights
 from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.trainer import BLOCKING_TERMS, HybridTrainer
@@ -131,10 +132,11 @@ class Progress:
         if self.board is not None:
             for key in ("loss", "train_acc", "test_acc", "time_s"):
                 self.board.add_scalar(f"epoch/{key}", e[key], e["epoch"])
+        miou = f"  mean IoU {e['test_miou']:.4f}" if "test_miou" in e else ""
         self.write(
             {"event": "epoch", **e},
             f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  "
-            f"train {e['train_acc']:.4f}  test {e['test_acc']:.4f}  {e['time_s']:.2f} s",
+            f"train {e['train_acc']:.4f}  test {e['test_acc']:.4f}{miou}  {e['time_s']:.2f} s",
         )
 
 
@@ -234,16 +236,22 @@ def _first(trainer: HybridTrainer, log: Progress | None) -> Phase:
 
 def _epoch_record(trainer, data: Dataset, batch: int, sums: list, epoch: int, t0: float) -> dict:
     """The epoch's training loss and accuracy (`sums`: this rank's loss, correct, count) and its
-    test accuracy, over every rank."""
-    test = trainer.evaluate(data.x_test, data.y_test, batch)
-    loss, correct, count, tc, tt = _sum_over_world(trainer, [*sums, *test])
-    return {
+    test accuracy (a dense prediction's per pixel, and its mean IoU), over every rank."""
+    dense = len(trainer.model.layout.trace.out_shape) == 3
+    classes = data.num_classes if dense else 0
+    tc, tt, overlaps = trainer.evaluate(data.x_test, data.y_test, batch, classes)
+    every = _sum_over_world(trainer, [*sums, tc, tt, *overlaps.flatten().tolist()])
+    loss, correct, count, tc, tt = every[:5]
+    record = {
         "epoch": epoch + 1,
         "loss": loss / count,
         "train_acc": correct / count,
         "test_acc": tc / tt,
         "time_s": time.perf_counter() - t0,
     }
+    if dense:
+        record["test_miou"] = losses.mean_iou(every[5:], classes)
+    return record
 
 
 class _Trace:
