@@ -89,8 +89,15 @@ def _print_report(report: dict) -> None:
     if c.get("checkpointed"):
         said.append(f"recomputed in backward: {', '.join(c['checkpointed'])}")
     if said:
-        memory = ", ".join(f"{k[5:-3]} {v:.0f} MB" for k, v in peak.items() if k.startswith("peak"))
-        print("; ".join(said) + f"; a rank's peak memory: {memory}")
+        print("; ".join(said))
+    memory = ", ".join(f"{k[5:-3]} peak {v:.0f}" for k, v in peak.items() if k.startswith("peak"))
+    if "counted_mb" in peak:
+        predicted = report["plan"].get("memory_bytes")
+        before = f"predicted {predicted / 2**20:.1f}, " if predicted else ""
+        print(
+            f"memory per rank, MiB (the largest): {before}counted {peak['counted_mb']:.1f} "
+            f"(parameters, gradients, optimizer state, kept for backward); {memory}"
+        )
     print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):
         if k not in UNSHOWN:

@@ -125,6 +125,7 @@ class LayerSpec:
     pinned: str = ""  # set on a segment's first leaf: why its batch groups may not change there
     loose: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no layer holds (a
     # position embedding of the model's own) used in this leaf's segment next after it
+    saved: float = 0.0  # what autograd keeps for backward in this leaf, per sample (elements)
     rows: tuple = ()  # how its output rows read its input rows, where not a sliding window:
     # ("ceil",), ("transposed", output padding), ("resample", (mode, align_corners, scale))
 
@@ -527,8 +528,44 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     cuts = [s.entry for s in traced.specs if s.entry]
     batched = isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2
     pinned = _pinned(model, state, x, cuts, batched)
-    traced.specs = [replace(s, pinned=pinned.get(s.entry or "", "")) for s in traced.specs]
+    saved = _saved(model, state, x, hooks.leaves)
+    traced.specs = [
+        replace(s, pinned=pinned.get(s.entry or "", ""), saved=saved.get(s.name, 0.0))
+        for s in traced.specs
+    ]
     return traced
+
+
+def _saved(model: nn.Module, state: dict, x: torch.Tensor, leaves: set) -> dict[str, float]:
+    """Leaf -> what autograd keeps for the backward pass while it runs, per sample, in elements
+    of the model's float type (an int64 index of a float32 model counts 2): one more forward with
+    gradients, every tensor saved counted once (views by their base), parameters left out. What
+    the forward saves between leaves goes to the leaf before it."""
+    names = {m: n for n, m in model.named_modules()}
+    per: dict[str, float] = {}
+    current, seen, keep = [""], set(), []
+    params = {id(v) for v in state.values()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if id(base) not in seen and id(base) not in params:
+            seen.add(id(base))
+            keep.append(base)
+            per[current[0]] = per.get(current[0], 0.0) + base.numel() * base.element_size()
+        return t
+
+    handles = [
+        m.register_forward_pre_hook(lambda m, a: current.__setitem__(0, names[m])) for m in leaves
+    ]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.func.functional_call(model, state, (x,))
+    except Exception:  # a forward that cannot run with gradients here: nothing known
+        return {}
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: v / x.element_size() / len(x) for k, v in per.items()}
 
 
 def _once(site: LayerSpec, counts: dict[str, int]) -> LayerSpec:

@@ -63,6 +63,8 @@ class CostLayer:
     own: tuple[tuple[str, str, str], ...] = ()
     pinned: str = ""  # on a segment's first layer: why its batch groups may not change there
     loose: tuple[str, ...] = ()  # parameters no module of the layer holds, priced with it
+    # per member, what autograd keeps for backward per sample (elements; core.analysis._saved)
+    saved: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.op:  # a layer described by hand: what its kind and input say
@@ -148,9 +150,11 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     """`s` folded into `layer` (members in forward order); the weighted layer itself adds its
     name (and its height window)."""
     own = (*layer.own, (s.name, s.op, s.own)) if s.own else layer.own
+    saved = (*layer.saved, (s.name, s.saved))
     if weighted:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
-        return CostLayer(**{**layer.__dict__, "members": members, "windows": windows, "own": own})
+        fields = {"members": members, "windows": windows, "own": own, "saved": saved}
+        return CostLayer(**{**layer.__dict__, **fields})
     norms = layer.norms
     if s.op == "batch_norm":
         norms = (*norms, (s.in_shape[0], s.input_grad))
@@ -166,5 +170,6 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "norms": norms,
             "windows": (*layer.windows, *_window(s)),
             "own": own,
+            "saved": saved,
         }
     )

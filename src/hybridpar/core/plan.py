@@ -201,6 +201,9 @@ class ParallelPlan:
     placement: tuple[int, int] | None = None
     """grid (Pr, Pc) whose batch groups sit on consecutive ranks (hybridpar.core.groups);
     None: rank = position, model groups on consecutive ranks"""
+    memory_bytes: float | None = None
+    """predicted bytes a rank holds in a step: parameters, gradients, momentum and what autograd
+    keeps for backward (planning.search.kept); None where not predicted"""
 
     def __post_init__(self) -> None:
         for name in ("procs", "batch"):
@@ -260,6 +263,7 @@ class ParallelPlan:
             "cluster": self.cluster,
             "totals": self.totals,
             **({"placement": list(self.placement)} if self.placement else {}),
+            **({"memory_bytes": self.memory_bytes} if self.memory_bytes is not None else {}),
             "predicted": [
                 {"layer": p.layer, "term": p.term, "bytes": p.bytes, "seconds": p.seconds}
                 | ({"calls": p.calls} if p.calls else {})
@@ -306,6 +310,7 @@ class ParallelPlan:
                 cluster=str(d.get("cluster", "")),
                 totals={str(k): float(v) for k, v in d.get("totals", {}).items()},
                 placement=_placement(d.get("placement")),
+                memory_bytes=float(d["memory_bytes"]) if "memory_bytes" in d else None,
             )
         except ConfigError as exc:
             raise ConfigError(f"{origin}: {str(exc).replace('--', '')}") from None

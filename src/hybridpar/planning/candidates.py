@@ -280,6 +280,7 @@ def export(
         ],
         cluster=cluster,
         placement=chosen.placement if engine == "hybridpar" else None,
+        memory_bytes=chosen.memory_bytes,
         totals={} if cluster == BYTES_ONLY.name else priced_totals(chosen, cluster),
     )
 

@@ -38,6 +38,7 @@ from hybridpar.core.choices import Choices, covered, payload_bytes
 from hybridpar.core.cluster import Cluster, Priced
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.groups import why_not_placement
+from hybridpar.core.halo import bands, row_map
 from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_handoff
 from hybridpar.core.handoff import fused as handoff_fused
 from hybridpar.core.layers import CostLayer, cost_layers
@@ -259,11 +260,14 @@ class _Context:
         return dataclasses.replace(comm, seconds=cost)
 
     def memory(self, i: int, s: Style) -> float:
+        """Bytes of layer i on the busiest rank under s: weights, gradients and momentum (a
+        model split's shard), and what autograd keeps for the backward pass (`kept`; where the
+        layer is recomputed, only its input)."""
         x, w = self.layers[i], self.net.word_bytes
         shard = s.pr if s.kind == "model" else 1
-        act = self.B / s.pc * x.d_out / (s.pr if s.kind == "domain" else 1)
-        # weights, grads, momentum; Y (not kept where it is recomputed) and dY
-        return 3 * x.params / shard * w + (2 - self.recomputed[i]) * act * w
+        n = self.B / s.pc
+        acts = x.d_in / (s.pr if s.kind == "domain" else 1) if self.recomputed[i] else kept(x, s)
+        return 3 * x.params / shard * w + n * acts * w
 
     def time(self, i: int, s: Style) -> tuple[float, float, float]:
         """(forward, backward, update) seconds of layer i under s on one rank; the backward
@@ -459,6 +463,40 @@ class _Context:
             overlap=self.overlap,
             reason=f"no per-layer plan fits the memory limit of {memory_limit / 2**30:.2f} GiB",
         )
+
+
+def kept(layer: CostLayer, s: Style) -> float:
+    """Elements per sample that autograd keeps for the backward pass of `layer` on the busiest
+    rank under `s` (core.analysis._saved, traced whole): all of them under batch and model (a
+    split layer reads and its riders write the gathered activation); on bands the busiest rank's
+    share of each, and a convolution or pooling that reads rows beyond its band keeps its own
+    copy of band, halo and padding."""
+    if not layer.saved:  # described by hand: its output and that output's gradient
+        return 2.0 * layer.d_out / (s.pr if s.kind == "domain" else 1)
+    if s.kind != "domain":
+        return math.fsum(v for _, v in layer.saved)
+    windows = {w[0]: w for w in layer.windows}
+    h = layer.y_shape[1] if len(layer.y_shape) == 3 else 1
+    total = 0.0
+    for name, v in layer.saved:
+        w = windows.get(name)
+        if w is None or w[9] not in ("", "ceil"):
+            total += v * -(-h // s.pr) / h
+            continue
+        total += max(_window_kept(w, v, s.pr))
+    return total
+
+
+def _window_kept(w: tuple, v: float, pr: int) -> list[float]:
+    """Per rank of Pr bands, what a convolution or pooling (CostLayer.windows entry `w`, `v`
+    kept per sample whole) keeps on its band: the rows its output band reads, padding
+    included, where they are not its band (a copy), else its band's share of `v`."""
+    win = row_map(w)
+    out = []
+    for (a, b), (o0, o1) in zip(bands(win.h_in, pr), bands(win.h_out, pr), strict=True):
+        lo, hi = win.reads(o0, o1)
+        out.append((hi - lo) * w[7] * w[8] if (lo, hi) != (a, b) else v * (b - a) / win.h_in)
+    return out
 
 
 def _fits_memory(plan: Plan, limit: float | None) -> Plan:

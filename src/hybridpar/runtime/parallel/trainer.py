@@ -12,6 +12,7 @@ optimizer through torch.distributed.checkpoint, resharding onto another plan or 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -29,7 +30,7 @@ from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
-from hybridpar.runtime.parallel import checkpoint, losses, rounds
+from hybridpar.runtime.parallel import checkpoint, losses, memory, rounds
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.layout import Layout
@@ -105,6 +106,8 @@ class HybridTrainer:
         self.target: torch.Tensor | None = None
         """this step's targets of this rank's output rows"""
         self.loss = loss
+        self.counted: dict[str, int] = {}
+        """what the last step run with `count` held: bytes by kind (memory.py)"""
         self.divisor = torch.ones((), dtype=torch.float64)
         """what the last step's loss sum was divided by (losses.divisor)"""
         self.resharded = False
@@ -130,9 +133,10 @@ class HybridTrainer:
         enabled = self.plan.choices.amp == "bf16"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, count: bool = False) -> StepResult:
         """One optimizer step on the global batch (x, y), identical on every rank; this rank's
-        share of the metrics, no collective beyond the step's own."""
+        share of the metrics, no collective beyond the step's own. `count`: also count what the
+        step holds (`self.counted`: memory.state_bytes and what the forward kept)."""
         n = len(x)
         if len(y) != n:
             raise ValueError(f"x has {n} examples but y has {len(y)}")
@@ -145,7 +149,7 @@ class HybridTrainer:
         m.set_batch(n)
         faults.at("forward")
         self.target = target = _mine(y, m)
-        with self.autocast():
+        with self.autocast(), memory.Kept(m) if count else contextlib.nullcontext() as kept:
             out = m(x[m.input_rows(n)])
             if isinstance(self.loss, losses.Dice):
                 loss_sum, self.divisor = self._whole_batch(out, target)
@@ -170,6 +174,8 @@ class HybridTrainer:
             )
         faults.at("optimizer")
         self.optimizer.step()
+        if kept is not None:
+            self.counted = {**memory.state_bytes(m, self.optimizer), "kept": kept.bytes}
         entries = self.ledger.entries[first_entry:]
         blocking = sum(e.seconds for e in entries if e.term in BLOCKING_TERMS)
         counted = (value, int(correct), int(count)) if m.counts_outputs else (0.0, 0, 0)

@@ -200,7 +200,9 @@ def fit(
                 full_steps.add(trainer.steps)
             trace.before_step()
             with _first(trainer, log) if not started else contextlib.nullcontext():
-                r = trainer.train_step(data.x_train[idx], data.y_train[idx])
+                # the second step counts what it holds (the first pays one-off costs)
+                count = started and not trainer.counted
+                r = trainer.train_step(data.x_train[idx], data.y_train[idx], count)
             started = True
             trace.after_step()
             sums = [sums[0] + r.loss_sum, sums[1] + r.correct, sums[2] + r.count]
@@ -423,6 +425,8 @@ def train_worker(job: Job) -> dict | None:
     epochs, times, full_steps, steps = fit(trainer, data, job, pos, log)
     trained = trainer.steps - begun
     peak = _peak(trainer.device, base)
+    if trainer.counted:  # what the second step held, counted (memory.py)
+        peak["counted_mb"] = sum(trainer.counted.values()) / 2**20
     weights = trainer.full_state_dict()  # collective: every rank
     if cfg.checkpoint_dir:
         _checkpoint(trainer, job, Position(cfg.epochs, 0, [0.0, 0.0, 0.0], epochs))
