@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from hybridpar.core.analysis import analyze
 from hybridpar.core.choices import Choices
 from hybridpar.core.cluster import Cluster, load_cluster
+from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import Resample, Transposed, Window, bands
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.models import UNet
@@ -196,6 +197,26 @@ def test_the_planner_splits_a_large_unet_by_height_end_to_end():
         result = plan_for(m, (3, 1024, 1024), 4, 1, load_cluster("cori-knl"))
         styles = set(result.export().styles.values())
         assert styles == {Style.domain(4, 1)}, (up, styles)
+
+
+def test_a_memory_limit_under_every_model_plan_gets_bands_with_their_bytes():
+    """The bilinear U-Net, one 1024 x 1024 image on 2 ranks: a limit between the domain plan's
+    bytes per rank and the channel split's gets every layer on bands and the plan's predicted
+    bytes under it; a limit under both is refused naming the largest layer."""
+    with torch.device("meta"):
+        m = UNet(1024, 3, up="bilinear")
+    free = plan_for(m, (3, 1024, 1024), 2, 1, load_cluster("cori-knl"))
+    split, bands_ = free.scenario("model"), free.scenario("domain")
+    assert bands_.memory_bytes < split.memory_bytes, (bands_.memory_bytes, split.memory_bytes)
+    limit = (bands_.memory_bytes + split.memory_bytes) / 2
+    chosen = plan_for(m, (3, 1024, 1024), 2, 1, load_cluster("cori-knl"), memory_limit=limit)
+    plan = chosen.export()
+    assert set(plan.styles.values()) == {Style.domain(2, 1)}
+    assert 0 < plan.memory_bytes <= limit
+    assert not chosen.scenario("model").feasible
+    tight = plan_for(m, (3, 1024, 1024), 2, 1, load_cluster("cori-knl"), memory_limit=2**20)
+    with pytest.raises(ConfigError, match=r"over the limit of 1.0 MiB; the largest layer is \S+"):
+        _ = tight.best
 
 
 def test_a_target_that_is_not_the_outputs_shape_is_refused():

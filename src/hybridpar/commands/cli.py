@@ -200,7 +200,16 @@ TRAIN_CONCERNS = {
         "choices.amp",
         "runtime.allow_nonfinite",
     ),
-    "plan": ("nproc", "preset", "plan", "cluster", "handoff", "rounds", "runtime.variable_batch"),
+    "plan": (
+        "nproc",
+        "preset",
+        "plan",
+        "cluster",
+        "handoff",
+        "rounds",
+        "runtime.variable_batch",
+        "memory_limit",
+    ),
     "communication": (
         "choices.codec",
         "choices.compress",

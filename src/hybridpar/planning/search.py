@@ -461,7 +461,10 @@ class _Context:
             scenario,
             grid,
             overlap=self.overlap,
-            reason=f"no per-layer plan fits the memory limit of {memory_limit / 2**30:.2f} GiB",
+            reason=f"no per-layer plan fits the memory limit of {_size(memory_limit)} "
+            f"(the smallest found: {_size(plan.memory_bytes)}; {_largest(plan)})"
+            if plan.feasible
+            else f"no per-layer plan fits the memory limit of {_size(memory_limit)}",
         )
 
 
@@ -505,10 +508,20 @@ def _fits_memory(plan: Plan, limit: float | None) -> Plan:
             plan.scenario,
             plan.grid,
             overlap=plan.overlap,
-            reason=f"needs {plan.memory_bytes / 2**30:.2f} GiB per process, "
-            f"over the limit of {limit / 2**30:.2f} GiB (--activation-checkpointing keeps less)",
+            reason=f"needs {_size(plan.memory_bytes)} per process, over the limit of "
+            f"{_size(limit)}; {_largest(plan)} (--activation-checkpointing keeps less)",
         )
     return plan
+
+
+def _largest(plan: Plan) -> str:
+    """The layer of a plan that holds the most bytes, in words."""
+    x = max(plan.layers, key=lambda x: x.memory_bytes)
+    return f"the largest layer is {x.layer.name}, {_size(x.memory_bytes)} under {x.style}"
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
 def _best(plans: list[Plan], scenario: str, empty_reason: str) -> Plan:

@@ -88,6 +88,12 @@ class TrainConfig:
         "rounds of --handoff c (default: one per rank that gathers, the paper's K)",
         positive=True,
     )
+    memory_limit: float | None = meta(
+        None,
+        "GiB per process: the planner's plans keep each rank's predicted bytes (parameters, "
+        "gradients, momentum, what autograd keeps for backward) under it",
+        positive=True,
+    )
     input_size: int | None = size_option("the data's or the model's")
     input_shape: str | None = shape_option(" (default: the data's; needed with synthetic data)")
     report: str | None = meta(

@@ -81,6 +81,7 @@ def request(job: Job, cluster: Cluster, procs: int, batch: int, choices=None) ->
         handoff=cfg.handoff or "a",
         rounds=cfg.rounds,
         shared_memory=cfg.runtime.shared_memory,
+        memory_limit=cfg.memory_limit * 2**30 if cfg.memory_limit else None,
     )
 
 
