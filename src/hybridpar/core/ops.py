@@ -193,6 +193,7 @@ def install(
         return call(module, own, to, x, *args, name=name, around=around, **kwargs)
 
     module.hybridpar_own_forward = own
+    module.hybridpar_stand_in = to  # what stands in for the operation (a style's, to inspect)
     module.forward = forward
     module.hybridpar_wrapped = True  # runtime/parallel/compute.py compiles around it
 

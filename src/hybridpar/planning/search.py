@@ -267,6 +267,8 @@ class _Context:
         shard = s.pr if s.kind == "model" else 1
         n = self.B / s.pc
         acts = x.d_in / (s.pr if s.kind == "domain" else 1) if self.recomputed[i] else kept(x, s)
+        if i == len(self.layers) - 1:  # the loss keeps a tensor of the output's size (log-softmax)
+            acts += x.d_out / (s.pr if s.kind == "domain" else 1)
         return 3 * x.params / shard * w + n * acts * w
 
     def time(self, i: int, s: Style) -> tuple[float, float, float]:
@@ -485,20 +487,27 @@ def kept(layer: CostLayer, s: Style) -> float:
         w = windows.get(name)
         if w is None or w[9] not in ("", "ceil"):
             total += v * -(-h // s.pr) / h
-            continue
-        total += max(_window_kept(w, v, s.pr))
+        else:
+            total += max(_window_kept(w, v, s.pr, name == layer.name and layer.op == "conv2d"))
     return total
 
 
-def _window_kept(w: tuple, v: float, pr: int) -> list[float]:
+def _window_kept(w: tuple, v: float, pr: int, pieces: bool) -> list[float]:
     """Per rank of Pr bands, what a convolution or pooling (CostLayer.windows entry `w`, `v`
-    kept per sample whole) keeps on its band: the rows its output band reads, padding
-    included, where they are not its band (a copy), else its band's share of `v`."""
+    kept per sample whole) keeps on its band: its band's share of `v`, and the rows its output
+    band reads beyond its band (halo and padding): a convolution keeps those alone (`pieces`,
+    runtime.parallel.domain._ConvOfPieces), a pooling a copy of band and beyond."""
     win = row_map(w)
     out = []
     for (a, b), (o0, o1) in zip(bands(win.h_in, pr), bands(win.h_out, pr), strict=True):
         lo, hi = win.reads(o0, o1)
-        out.append((hi - lo) * w[7] * w[8] if (lo, hi) != (a, b) else v * (b - a) / win.h_in)
+        own = v * (b - a) / win.h_in
+        if (lo, hi) == (a, b):
+            out.append(own)
+        elif pieces:
+            out.append(own + (max(a - lo, 0) + max(hi - b, 0)) * w[7] * w[8])
+        else:
+            out.append((hi - lo) * w[7] * w[8])
     return out
 
 

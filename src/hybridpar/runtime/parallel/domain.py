@@ -262,8 +262,11 @@ class _Windowed:
         which is image row `lo` (negative: padding above the image)."""
         raise NotImplementedError
 
-    def _rows(self, parts: list[tuple[int, torch.Tensor]], lo: int, hi: int, like) -> torch.Tensor:
-        """Padded input rows [lo, hi) from the pieces (first image row, rows) and the fill."""
+    joined = True  # compute takes the rows as one tensor (else as the list of their pieces)
+
+    def _rows(self, parts: list[tuple[int, torch.Tensor]], lo: int, hi: int, like):
+        """Padded input rows [lo, hi) from the pieces (first image row, rows) and the fill: one
+        tensor, or where `joined` is off the list of pieces (the band's a view of it)."""
         h = self.exchange.window.h_in
         n, c, w = like.shape[0], like.shape[1], like.shape[3]
         out = []
@@ -276,7 +279,9 @@ class _Windowed:
         if hi > h:
             out.append(like.new_full((n, c, hi - h, w), self.fill))
         if not out:  # output rows no input row reaches (a transposed convolution's gaps)
-            return like.new_zeros((n, c, 0, w))
+            out.append(like.new_zeros((n, c, 0, w)))
+        if not self.joined:
+            return out
         return torch.cat(out, dim=2) if len(out) > 1 else out[0]
 
     def _out(self, parts: list, a: int, b: int, like: torch.Tensor) -> torch.Tensor:
@@ -333,9 +338,47 @@ class DomainConv(_Windowed):
         finally:
             self.weight = self.bias = None
 
-    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
-        w, bias = self.weight, self.bias
-        return F.conv2d(rows, w, bias, self.stride, self.width_padding, self.dilation, self.groups)
+    joined = False
+
+    def compute(self, rows: list[torch.Tensor], lo: int, a: int, b: int) -> torch.Tensor:
+        conf = (self.stride, self.width_padding, self.dilation, self.groups)
+        if len(rows) == 1:  # the band alone (a 1x1 convolution): autograd keeps it once
+            return F.conv2d(rows[0], self.weight, self.bias, *conf)
+        return _ConvOfPieces.apply(self.weight, self.bias, conf, *rows)
+
+
+class _ConvOfPieces(torch.autograd.Function):
+    """Forward: F.conv2d of the pieces (padding, halo rows, the band) joined along the height.
+    Backward: the gradients of the input, the weight and the bias from the pieces joined again;
+    only the pieces are kept in between, not their join: the band is what the layer before
+    keeps already (a ReLU's output), so the halo's and the padding's rows are all a band adds."""
+
+    @staticmethod
+    def forward(ctx, weight, bias, conf, *pieces):
+        ctx.conf, ctx.bias = conf, None if bias is None else bias.dtype
+        ctx.save_for_backward(weight, *pieces)
+        return F.conv2d(torch.cat(pieces, dim=2), weight, bias, *conf)
+
+    @staticmethod
+    def backward(ctx, g):
+        weight, *pieces = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conf
+        rows = torch.cat(pieces, dim=2).to(g.dtype)  # under autocast: what the conv computed on
+        w = weight.to(g.dtype)
+        grads = [None] * (3 + len(pieces))
+        if any(ctx.needs_input_grad[3:]):
+            gx = torch.nn.grad.conv2d_input(rows.shape, w, g, stride, padding, dilation, groups)
+            at = 0
+            for i, p in enumerate(pieces):
+                if ctx.needs_input_grad[3 + i]:
+                    grads[3 + i] = gx[:, :, at : at + p.shape[2]].to(p.dtype)
+                at += p.shape[2]
+        if ctx.needs_input_grad[0]:
+            gw = torch.nn.grad.conv2d_weight(rows, w.shape, g, stride, padding, dilation, groups)
+            grads[0] = gw.to(weight.dtype)
+        if ctx.bias is not None and ctx.needs_input_grad[1]:
+            grads[1] = g.sum((0, 2, 3)).to(ctx.bias)
+        return tuple(grads)
 
 
 class DomainTransposed(_Windowed):
