@@ -65,6 +65,10 @@ def _promise(command: str, job, plan) -> None:
         assert "model(2x2)" in styles and any(s.kind == "batch" for s in plan.styles.values())
     if "--preset domain" in command:  # images split by height
         assert any(s.kind == "domain" for s in plan.styles.values()), styles
+    if "--model unet --data digits-seg:128" in command:  # a U-Net on bands end to end
+        assert {s.kind for s in plan.styles.values()} == {"domain"}, styles
+    if "--memory-limit 0.03" in command:  # the fastest plan whose bytes per rank fit
+        assert 0 < plan.memory_bytes <= 0.03 * 2**30
     if "--preset ddp" in command:
         assert plan.engine == "ddp"
     if "mynets:small_cnn --preset model" in command:
