@@ -261,3 +261,28 @@ def test_predicted_memory_is_what_a_rank_counts(P):
     real step; on bands a rank holds about 1/P of the batch plan's activations per example."""
     for label, predicted, counted, parts in run_ranks(_memory, P, P, timeout_s=120)[0]:
         assert predicted == pytest.approx(counted, rel=0.10), (label, predicted, counted, parts)
+
+
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        ("bad.npz", r"y \(N, H, W\) a class per pixel of x \(N, C, H, W\); got x \(8, 1, 16, 16\)"),
+        ("digits-seg:8", r"digits-seg:SIZE .* SIZE >= 16 pixels"),
+        ("digits-seg:32:1", r"at least 2 images"),
+    ],
+)
+def test_dense_data_that_cannot_train_is_refused_in_one_line(tmp_path, capsys, data, why):
+    """Masks that are not the images' size and malformed digits-seg specs: exit 2, one line,
+    before any rank starts."""
+    import re
+
+    import numpy as np
+
+    from hybridpar.commands import cli
+
+    x = np.zeros((8, 1, 16, 16), np.float32)
+    np.savez(tmp_path / "bad.npz", x=x, y=np.zeros((8, 15, 16), np.int64))
+    spec = str(tmp_path / data) if data.endswith(".npz") else data
+    code = cli.main(["train", "--model", "unet", "--data", spec, "--nproc", "2", "--batch", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and re.search(why, err[0]), err

@@ -6,7 +6,8 @@
 | synthetic[:N]        | N random examples of the model's input shape (throughput runs)            |
 | digits-seg:S[:N]     | N S x S canvases of the digits (real images, scaled up), a class per      |
 |                      | pixel: 0 background, 1 + the digit where it is drawn (dense prediction)  |
-| path/to/file.npz     | arrays x and y (and optionally x_test, y_test; else a fixed 80/20 split)  |
+| path/to/file.npz     | arrays x and y (and optionally x_test, y_test; else a fixed 80/20 split);  |
+|                      | y (N,) a class per example or (N, H, W) a class per pixel of x (N, C, H, W)|
 | path/to/folder/      | an image folder: one sub-folder per class                                 |
 
 Sampling: every epoch is one global permutation (seeded by seed + epoch, identical on every rank),
@@ -180,10 +181,12 @@ def _check_arrays(spec: str, f) -> tuple[tuple[int, ...], int]:
     ys = []
     for xk, yk in pairs:
         x, y = f[xk], f[yk]
-        if x.ndim < 2 or len(x) != len(y) or y.ndim != 1:
+        dense = x.ndim == 4 and y.shape[1:] == x.shape[2:]  # a class per pixel
+        if x.ndim < 2 or len(x) != len(y) or (y.ndim != 1 and not dense):
             raise ConfigError(
-                f"data file {spec!r}: {xk} must be (N, ...) and {yk} (N,) with the same N; "
-                f"got {xk} {x.shape} and {yk} {y.shape}"
+                f"data file {spec!r}: {xk} must be (N, ...) and {yk} (N,) with the same N, or "
+                f"{yk} (N, H, W) a class per pixel of {xk} (N, C, H, W); got {xk} {x.shape} and "
+                f"{yk} {y.shape}"
             )
         if not np.issubdtype(y.dtype, np.integer):
             raise ConfigError(
