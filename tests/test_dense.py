@@ -219,17 +219,19 @@ def test_a_memory_limit_under_every_model_plan_gets_bands_with_their_bytes():
         _ = tight.best
 
 
-def test_a_target_that_is_not_the_outputs_shape_is_refused():
-    """One line naming both shapes, before the loss runs."""
-    run_ranks(_wrong_target, 2, timeout_s=120)
+def test_a_wrong_target_is_refused_and_predict_joins_the_bands():
+    """A target of another size: one line naming both shapes, before the loss runs. `predict`
+    returns whole images on every rank, as one process computes them (evaluation mode)."""
+    run_ranks(_wrong_target, 3, timeout_s=120)
 
 
 def _wrong_target():
-    m = _model("dilated", 16)
-    t = HybridTrainer(m, _plan("dilated", 16, 1, 2), optimizer, input_shape=(3, 16, W))
-    x = torch.randn(1, 3, 16, W, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"targets .* \(1, 15, 12\) .* outputs"):
-        t.step(x, torch.zeros(1, 15, W, dtype=torch.long))
+    t = HybridTrainer(_model("dilated", 16), _plan("dilated", 16, 2, 3), optimizer)
+    x = torch.randn(2, 3, 16, W, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"targets .* \(2, 15, 12\) .* outputs"):
+        t.step(x, torch.zeros(2, 15, W, dtype=torch.long))
+    want = _model("dilated", 16).eval()(x)
+    torch.testing.assert_close(t.predict(x), want, rtol=1e-12, atol=1e-12)
 
 
 def _memory(P: int) -> list[tuple[str, float, float]]:

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from hybridpar.core import faults
 from hybridpar.core.errors import ConfigError
+from hybridpar.core.halo import bands
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
@@ -246,12 +247,16 @@ class HybridTrainer:
         m.set_batch(n)
         with self.autocast():
             out = m(x[m.input_rows(n)])
-        mine = torch.tensor(
-            [len(out) if m.counts_outputs else 0], dtype=torch.int64, device=out.device
-        )
+        counted = out if m.counts_outputs else out[:0]
+        band = m.output_band()
+        if band is not None:  # the bands of a dense prediction joined first, within the group
+            grid, h = m.output_grid, m.layout.trace.out_shape[1]
+            rows = [b - a for a, b in bands(h, grid.pr)]
+            whole = all_gather_uneven(out, rows, 2, Via(grid.model_group, term=Term.METRICS))
+            counted = whole if grid.r == 0 else whole[:0]
+        mine = torch.tensor([len(counted)], dtype=torch.int64, device=out.device)
         sizes = [torch.zeros_like(mine) for _ in range(m.world.size)]
         torch.distributed.all_gather(sizes, mine, group=m.world.pg)
-        counted = out if m.counts_outputs else out[:0]
         every = [int(s) for s in sizes]
         return all_gather_uneven(counted, every, 0, Via(m.world, term=Term.METRICS))
 
