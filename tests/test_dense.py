@@ -288,3 +288,46 @@ def test_dense_data_that_cannot_train_is_refused_in_one_line(tmp_path, capsys, d
     code = cli.main(["train", "--model", "unet", "--data", spec, "--nproc", "2", "--batch", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and re.search(why, err[0]), err
+
+
+def test_a_rank_reads_its_band_of_memory_mapped_images(tmp_path):
+    """A folder of x.npy and y.npy is memory-mapped: a rank of a domain(2x1) plan reads its
+    band of rows of each image of the step (and of its masks) and nothing else, and trains as
+    one process on the arrays does."""
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", g.standard_normal((10, 3, 37, W)))
+    np.save(tmp_path / "y.npy", g.integers(0, CLASSES, (10, 37, W)))
+    assert run_ranks(_mapped_step, 2, str(tmp_path), timeout_s=120)[0]
+
+
+def _mapped_step(folder: str) -> bool:
+    import numpy as np
+
+    from hybridpar.runtime.train.data import load_data
+
+    data = load_data(folder)
+    idx = torch.tensor([3, 0, 5])
+    data.x_train.dtype = torch.float64  # the arrays' own (the CLI reads float32)
+    t = HybridTrainer(_model("dilated", 37), _plan("dilated", 37, 3, 2), optimizer)
+    t.train_step(data.x_train[idx], data.y_train[idx])
+    lo, hi = bands(37, 2)[dist.get_rank()]
+    assert data.bytes_read == 3 * 3 * (hi - lo) * W * 8, data.bytes_read
+    x = torch.as_tensor(np.load(f"{folder}/x.npy")[data.x_train.index[idx.numpy()]])
+    y = torch.as_tensor(np.load(f"{folder}/y.npy")[data.x_train.index[idx.numpy()]])
+    m = _model("dilated", 37)
+    opt = optimizer(m.parameters())
+    F.cross_entropy(m(x), y).backward()
+    opt.step()
+    state = t.full_state_dict()
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=k)
+    # with class weights and an ignored class the divisor needs the labels: the ranks' bands'
+    # counts are summed, and equal torch's over the whole masks
+    loss = LOSSES["ce-weight-ignore"]
+    t = HybridTrainer(_model("dilated", 37), _plan("dilated", 37, 3, 2), optimizer, loss)
+    t.train_step(data.x_train[idx], data.y_train[idx])
+    want = loss.keywords["weight"][y[y != 1]].sum()
+    torch.testing.assert_close(t.divisor, want, rtol=1e-12, atol=0)
+    return True

@@ -286,6 +286,7 @@ class Trace:
     calls: dict[str, int] = field(default_factory=dict)
     param_segments: dict[str, set[int]] = field(default_factory=dict)
     out_shape: tuple[int, ...] = ()  # the model's output per sample (one tensor; else ())
+    in_shape: tuple[int, ...] = ()  # the model's input per sample
 
     def segment_modules(self) -> dict[str, set[int]]:
         """Leaf module name -> the segments it ran in."""
@@ -525,6 +526,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     dense = isinstance(out, torch.Tensor) and out.dim() == 4  # (N, C, H, W): rows stay split
     traced = _segments(timed, hooks.calls, rec, seqs, dense)
     traced.out_shape = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else ()
+    traced.in_shape = input_shape
     cuts = [s.entry for s in traced.specs if s.entry]
     batched = isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2
     pinned = _pinned(model, state, x, cuts, batched)

@@ -540,6 +540,14 @@ class _Rows:
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         faults.at("handoff")
         x, *rest = args
+        if self.into and self.m.fed is not None and x.shape[2] != self.m.fed:
+            mine = bands(self.m.fed, self.pr)[self.group.rank]
+            if x.shape[2] != mine[1] - mine[0]:
+                raise ValueError(
+                    f"this rank feeds rows {mine[0]}..{mine[1] - 1} of the images "
+                    f"(model.input_band()) or the whole {self.m.fed}; got {x.shape[2]} rows"
+                )
+            return args  # fed its band alone
         h = x.shape[2] if self.into else self.m.height
         rows = Pieces(tuple(b - a for a, b in bands(h, self.pr)), 2)
         m = self.m

@@ -99,6 +99,11 @@ class Engine(nn.Module):
         """The examples its outputs belong to."""
         raise NotImplementedError
 
+    def input_band(self) -> tuple[int, int] | None:
+        """The rows [lo, hi) of the input images this rank needs, where the plan's first segment
+        splits them by height (the halo comes from the ranks that hold it); None: whole."""
+        return None
+
     def output_band(self) -> tuple[int, int] | None:
         """The rows [lo, hi) of the output images this rank's outputs hold, where the plan's
         last segment leaves them split by height (a dense prediction's loss runs on its band);

@@ -101,6 +101,12 @@ class HybridParallel(Engine):
     def output_rows(self, n: int) -> slice:
         return self.output_grid.rows(even_split(n, self.plan.procs))
 
+    def input_band(self) -> tuple[int, int] | None:
+        first, shape = self.layout.segments[0], self.layout.trace.in_shape
+        if first.kind != "domain" or len(shape) != 3:
+            return None
+        return bands(shape[1], first.pr)[self.input_grid.r]
+
     def output_band(self) -> tuple[int, int] | None:
         last, shape = self.layout.segments[-1], self.layout.trace.out_shape
         if last.kind != "domain" or len(shape) != 3:

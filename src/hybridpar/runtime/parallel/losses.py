@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-__all__ = ["Dice", "counted", "divisor", "mean_iou", "overlaps"]
+__all__ = ["Dice", "counted", "divisor", "divisor_by_shape", "mean_iou", "overlaps"]
 
 _PER_TARGET = (F.cross_entropy, F.nll_loss)
 _PER_ELEMENT = (
@@ -93,6 +93,20 @@ def divisor(loss: Callable, y: torch.Tensor) -> torch.Tensor:
         return torch.tensor(y.numel() // y.shape[1], dtype=torch.float64, device=y.device)
     n = y.numel() if func in _PER_ELEMENT else len(y)
     return torch.tensor(n, dtype=torch.float64, device=y.device)
+
+
+def divisor_by_shape(loss: Callable, shape: tuple[int, ...], floating: bool) -> int | None:
+    """`divisor` from the targets' shape alone, where their values do not change it (no class
+    weights, no ignore_index); None where they do."""
+    func, kwargs = _parts(loss)
+    elements = 1
+    for n in shape:
+        elements *= n
+    if func in _PER_TARGET:
+        if floating:
+            return elements // shape[1]
+        return None if {"weight", "ignore_index"} & set(kwargs) else elements
+    return elements if func in _PER_ELEMENT else shape[0]
 
 
 def counted(loss: Callable, target: torch.Tensor) -> torch.Tensor:

@@ -170,6 +170,8 @@ class Move:
     height: int | None = None
     fused: bool = False
     """the hand-off's backward is one reduce-scatter of the split layer's partial dX"""
+    fed: int | None = None
+    """at the model's input: the images' height (a rank may feed its band of it alone)"""
 
 
 class Chain:

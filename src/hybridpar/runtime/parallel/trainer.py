@@ -151,12 +151,12 @@ class HybridTrainer:
         faults.at("forward")
         self.target = target = _mine(y, m)
         with self.autocast(), memory.Kept(m) if count else contextlib.nullcontext() as kept:
-            out = m(x[m.input_rows(n)])
+            out = m(_take(x, m.input_rows(n), m.input_band()))
             if isinstance(self.loss, losses.Dice):
                 loss_sum, self.divisor = self._whole_batch(out, target)
             else:
                 loss_sum = self.loss(out, target, reduction="sum")
-                self.divisor = losses.divisor(self.loss, y)
+                self.divisor = self._divisor(y, target)
         if out.requires_grad:
             out.register_hook(lambda g: faults.at("backward"))
         self.optimizer.zero_grad(set_to_none=True)
@@ -184,6 +184,21 @@ class HybridTrainer:
         if m.bn_switch is not None:
             m.bn_switch.observe(counted[0], counted[2], counted[1])
         return self.last
+
+    def _divisor(self, y, target: torch.Tensor) -> torch.Tensor:
+        """What the summed loss is divided by (losses.divisor) over the global batch's targets
+        `y`; of targets not read whole (`take_rows`: memory-mapped), from their shape, or where the
+        labels decide it (ignored ones, class weights) from the ranks' own targets, summed."""
+        if not hasattr(y, "take_rows"):
+            return losses.divisor(self.loss, y)
+        by_shape = losses.divisor_by_shape(self.loss, tuple(y.shape), y.dtype.is_floating_point)
+        if by_shape is not None:
+            return torch.tensor(by_shape, dtype=torch.float64)
+        m = self.model
+        mine = losses.divisor(self.loss, target) if m.counts_outputs else target.new_zeros(())
+        total = mine.double().reshape(1).clone()
+        all_reduce(total, Via(m.world, self.ledger, Term.METRICS))
+        return total[0]
 
     def _whole_batch(self, out: torch.Tensor, target: torch.Tensor):
         """(this rank's share of the loss, what it is divided by) of a loss over the whole
@@ -229,7 +244,7 @@ class HybridTrainer:
             n = len(xb)
             m.set_batch(n)
             with self.autocast():
-                out = m(xb[m.input_rows(n)])
+                out = m(_take(xb, m.input_rows(n), m.input_band()))
             if m.counts_outputs:
                 target = _mine(yb, m)
                 correct += int(_correct(out, target))
@@ -246,7 +261,7 @@ class HybridTrainer:
         n = len(x)
         m.set_batch(n)
         with self.autocast():
-            out = m(x[m.input_rows(n)])
+            out = m(_take(x, m.input_rows(n), m.input_band()))
         counted = out if m.counts_outputs else out[:0]
         band = m.output_band()
         if band is not None:  # the bands of a dense prediction joined first, within the group
@@ -293,18 +308,25 @@ class _Summed(torch.autograd.Function):
         return g, None
 
 
-def _mine(y: torch.Tensor, m: Engine) -> torch.Tensor:
+def _take(x, rows: slice, band: tuple[int, int] | None) -> torch.Tensor:
+    """Of a global batch `x`, the examples `rows` and of them the rows of the height `band`
+    (x's second-last dimension); a batch not read yet (`take_rows`: memory-mapped) reads only those."""
+    if hasattr(x, "take_rows"):
+        return x.take_rows(rows, band)
+    x = x[rows]
+    return x if band is None else x[..., band[0] : band[1], :]
+
+
+def _mine(y, m: Engine) -> torch.Tensor:
     """This rank's targets of a global batch's `y`: its examples, and of a dense prediction split
     by height its band of rows (the height: y's second-last dimension)."""
-    out = m.layout.trace.out_shape
-    if len(out) == 3 and y.dim() >= 3 and tuple(y.shape[-2:]) != out[1:]:
+    out, shape = m.layout.trace.out_shape, tuple(y.shape)
+    if len(out) == 3 and len(shape) >= 3 and shape[-2:] != out[1:]:
         raise ValueError(
-            f"targets of shape {tuple(y.shape)} do not match the outputs' {out[1]} x {out[2]} "
+            f"targets of shape {shape} do not match the outputs' {out[1]} x {out[2]} "
             f"pixels: give y as (B, {out[1]}, {out[2]}) or (B, C, {out[1]}, {out[2]})"
         )
-    target = y[m.output_rows(len(y))]
-    band = m.output_band()
-    return target if band is None else target[..., band[0] : band[1], :]
+    return _take(y, m.output_rows(len(y)), m.output_band())
 
 
 def _correct(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@
 |                      | pixel: 0 background, 1 + the digit where it is drawn (dense prediction)  |
 | path/to/file.npz     | arrays x and y (and optionally x_test, y_test; else a fixed 80/20 split);  |
 |                      | y (N,) a class per example or (N, H, W) a class per pixel of x (N, C, H, W)|
-| path/to/folder/      | an image folder: one sub-folder per class                                 |
+| path/to/folder/      | an image folder: one sub-folder per class; or a folder of x.npy and y.npy |
+|                      | (and optionally x_test.npy, y_test.npy): memory-mapped, a rank reads the  |
+|                      | examples and, of an image split by height, the rows it holds             |
 
 Sampling: every epoch is one global permutation (seeded by seed + epoch, identical on every rank),
 cut into steps of B examples (the last step may be smaller, so every example is used exactly once
@@ -34,6 +36,40 @@ __all__ = ["Dataset", "epoch_steps", "load_data", "rows_of", "signature", "valid
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm"}
 
 
+class Mapped:
+    """Examples of a memory-mapped array that nothing has read yet: `[index]` picks examples
+    (still unread), `take_rows(rows, band)` reads those of a slice of them and, with `band` (lo, hi),
+    only those rows of the height (the second-last dimension) as a tensor. `read` counts the
+    bytes read."""
+
+    def __init__(self, array: np.ndarray, index: np.ndarray, dtype, counter: list[int]) -> None:
+        self.array, self.index, self.dtype, self.counter = array, index, dtype, counter
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.index), *self.array.shape[1:])
+
+    def __getitem__(self, i) -> Mapped:
+        i = i.cpu().numpy() if isinstance(i, torch.Tensor) else i
+        return Mapped(self.array, self.index[i], self.dtype, self.counter)
+
+    def take_rows(self, rows: slice, band: tuple[int, int] | None = None) -> torch.Tensor:
+        index = np.sort(self.index[rows])  # ascending: the pages in order
+        order = np.argsort(np.argsort(self.index[rows]))
+        if band is None:
+            part = self.array[index]
+        else:  # the examples' rows lo..hi - 1 of the height, the second-last dimension
+            part = self.array[(index, *[slice(None)] * (self.array.ndim - 3), slice(*band))]
+        self.counter[0] += part.nbytes
+        return torch.as_tensor(np.ascontiguousarray(part[order]), dtype=self.dtype)
+
+    def to(self, device) -> Mapped:
+        return self  # read where it is used
+
+
 @dataclass
 class Dataset:
     x_train: torch.Tensor
@@ -48,9 +84,16 @@ class Dataset:
         return tuple(self.x_train.shape[1:])
 
     def to(self, device: torch.device | str) -> Dataset:
-        """The examples on `device` (the data sets here are small: one copy, not one per batch)."""
+        """The examples on `device` (the data sets here are small: one copy, not one per batch;
+        memory-mapped ones are read as they are used)."""
         move = {k: getattr(self, k).to(device) for k in ("x_train", "y_train", "x_test", "y_test")}
         return Dataset(**move, num_classes=self.num_classes, name=self.name)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this process read of memory-mapped examples (0: none are)."""
+        x = self.x_train
+        return x.counter[0] if isinstance(x, Mapped) else 0
 
 
 def _split(x: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -96,6 +139,9 @@ def validate_data_spec(spec: str) -> None:
             raise ConfigError(
                 f"data file {spec!r} needs arrays named x and y; it has {sorted(keys)}"
             )
+        return
+    if p.is_dir() and (p / "x.npy").exists():
+        _mapped_signature(spec)
         return
     if p.is_dir():
         classes = [d for d in p.iterdir() if d.is_dir()]
@@ -169,14 +215,41 @@ def signature(
     if p.suffix == ".npz":
         with np.load(p) as f:
             return _check_arrays(spec, f)
+    if (p / "x.npy").exists():
+        return _mapped_signature(spec)
     classes = [d for d in p.iterdir() if d.is_dir()]
     return (3, *model_shape[1:]) if len(model_shape) == 3 else tuple(model_shape), len(classes)
 
 
-def _check_arrays(spec: str, f) -> tuple[tuple[int, ...], int]:
-    """The checks a .npz must pass before any process starts; (input shape, classes)."""
-    pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in f.files else [])
-    if ("x_test" in f.files) != ("y_test" in f.files):
+def _mapped(folder: Path) -> dict[str, np.ndarray]:
+    """The folder's arrays, memory-mapped (headers read, no data)."""
+    out = {}
+    for k in ("x", "y", "x_test", "y_test"):
+        if (folder / f"{k}.npy").exists():
+            out[k] = np.load(folder / f"{k}.npy", mmap_mode="r")
+    return out
+
+
+def _mapped_signature(spec: str) -> tuple[tuple[int, ...], int]:
+    """The checks a folder of .npy arrays must pass before any process starts: shapes from the
+    headers, the labels streamed in chunks; (input shape, classes)."""
+    try:
+        arrays = _mapped(Path(spec))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"data folder {spec!r}: an array cannot be mapped ({exc})") from exc
+    if "y" not in arrays:
+        raise ConfigError(f"data folder {spec!r} has x.npy but no y.npy: add the labels")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise ConfigError(f"data folder {spec!r}: give both x_test.npy and y_test.npy, or neither")
+    return _check_arrays(spec, arrays, read_x=False)
+
+
+def _check_arrays(spec: str, f, read_x: bool = True) -> tuple[tuple[int, ...], int]:
+    """The checks a .npz must pass before any process starts; (input shape, classes). Without
+    `read_x` the examples are not read (memory-mapped: whole images no rank needs)."""
+    files = list(f.files) if hasattr(f, "files") else list(f)
+    pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in files else [])
+    if ("x_test" in files) != ("y_test" in files):
         raise ConfigError(f"data file {spec!r}: give both x_test and y_test, or neither")
     ys = []
     for xk, yk in pairs:
@@ -188,6 +261,7 @@ def _check_arrays(spec: str, f) -> tuple[tuple[int, ...], int]:
                 f"{yk} (N, H, W) a class per pixel of {xk} (N, C, H, W); got {xk} {x.shape} and "
                 f"{yk} {y.shape}"
             )
+        y = _labels_in_chunks(y) if not read_x else y
         if not np.issubdtype(y.dtype, np.integer):
             raise ConfigError(
                 f"data file {spec!r}: {yk} must hold integer class labels, got "
@@ -197,7 +271,7 @@ def _check_arrays(spec: str, f) -> tuple[tuple[int, ...], int]:
             raise ConfigError(
                 f"data file {spec!r}: {yk} has negative labels ({y.min()}); number the classes 0..C-1"
             )
-        if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+        if not np.issubdtype(x.dtype, np.number) or (read_x and not np.isfinite(x).all()):
             raise ConfigError(
                 f"data file {spec!r}: {xk} must be finite numbers (it holds NaN, infinities or non-numbers)"
             )
@@ -215,6 +289,17 @@ def _check_arrays(spec: str, f) -> tuple[tuple[int, ...], int]:
             "have no training example; number the classes 0..C-1 (e.g. np.unique(y, return_inverse=True))"
         )
     return tuple(f["x"].shape[1:]), classes
+
+
+def _labels_in_chunks(y: np.ndarray) -> np.ndarray:
+    """A mapped label array's distinct values (what the checks read), 64 examples at a time;
+    the same array where it is not an integer one (the check says so)."""
+    if not np.issubdtype(y.dtype, np.integer):
+        return y
+    seen: set[int] = set()
+    for i in range(0, len(y), 64):
+        seen.update(np.unique(y[i : i + 64]).tolist())
+    return np.array(sorted(seen), dtype=y.dtype)
 
 
 def _digits() -> tuple[np.ndarray, np.ndarray]:
@@ -264,7 +349,32 @@ def load_data(
                     p.name, x, y, f["x_test"].astype(np.float32), f["y_test"].astype(np.int64)
                 )
         return _dataset(p.name, *_split(x, y))
+    if (p / "x.npy").exists():
+        return _mapped_dataset(p, seed)
     return _image_folder(p, input_shape)
+
+
+def _mapped_dataset(folder: Path, seed: int) -> Dataset:
+    """A folder of .npy arrays, memory-mapped: the examples are read as steps use them."""
+    arrays, counter = _mapped(folder), [0]
+    x, y = arrays["x"], arrays["y"]
+    if "x_test" in arrays:
+        parts = (x, np.arange(len(x)), y), (arrays["x_test"], np.arange(len(arrays["x_test"])),
+                                            arrays["y_test"])  # fmt: skip
+    else:
+        order = np.random.default_rng(seed).permutation(len(x))
+        n_test = max(1, len(x) // 5)
+        parts = (x, order[n_test:], y), (x, order[:n_test], y)
+    (xa, tr, ya), (xb, te, yb) = parts
+    classes = int(max(int(_labels_in_chunks(a).max()) for a in (ya, yb))) + 1
+    return Dataset(
+        Mapped(xa, tr, torch.float32, counter),
+        Mapped(ya, tr, torch.long, [0]),
+        Mapped(xb, te, torch.float32, counter),
+        Mapped(yb, te, torch.long, [0]),
+        classes,
+        folder.name,
+    )
 
 
 def _image_folder(root: Path, input_shape: tuple[int, ...] | None) -> Dataset:
