@@ -271,6 +271,7 @@ def test_predicted_memory_is_what_a_rank_counts(P):
         ("bad.npz", r"y \(N, H, W\) a class per pixel of x \(N, C, H, W\); got x \(8, 1, 16, 16\)"),
         ("digits-seg:8", r"digits-seg:SIZE .* SIZE >= 16 pixels"),
         ("digits-seg:32:1", r"at least 2 images"),
+        ("pairs", r"image b.png has no mask in masks/ \(1 images have none\)"),
     ],
 )
 def test_dense_data_that_cannot_train_is_refused_in_one_line(tmp_path, capsys, data, why):
@@ -279,12 +280,19 @@ def test_dense_data_that_cannot_train_is_refused_in_one_line(tmp_path, capsys, d
     import re
 
     import numpy as np
+    from PIL import Image
 
     from hybridpar.commands import cli
 
     x = np.zeros((8, 1, 16, 16), np.float32)
     np.savez(tmp_path / "bad.npz", x=x, y=np.zeros((8, 15, 16), np.int64))
-    spec = str(tmp_path / data) if data.endswith(".npz") else data
+    for d, names in (("images", "abc"), ("masks", "ac")):  # b's mask is missing
+        (tmp_path / "pairs" / d).mkdir(parents=True)
+        for n in names:
+            Image.fromarray(np.zeros((16, 16), np.uint8), "L").save(
+                tmp_path / "pairs" / d / f"{n}.png"
+            )
+    spec = str(tmp_path / data) if data in ("bad.npz", "pairs") else data
     code = cli.main(["train", "--model", "unet", "--data", spec, "--nproc", "2", "--batch", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and re.search(why, err[0]), err

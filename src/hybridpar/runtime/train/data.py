@@ -8,7 +8,9 @@
 |                      | pixel: 0 background, 1 + the digit where it is drawn (dense prediction)  |
 | path/to/file.npz     | arrays x and y (and optionally x_test, y_test; else a fixed 80/20 split);  |
 |                      | y (N,) a class per example or (N, H, W) a class per pixel of x (N, C, H, W)|
-| path/to/folder/      | an image folder: one sub-folder per class; or a folder of x.npy and y.npy |
+| path/to/folder/      | an image folder: one sub-folder per class; images/ and masks/ (a mask per |
+|                      | image, the same file name: a class per pixel, decoded as steps use them); |
+|                      | or a folder of x.npy and y.npy                                            |
 |                      | (and optionally x_test.npy, y_test.npy): memory-mapped, a rank reads the  |
 |                      | examples and, of an image split by height, the rows it holds             |
 
@@ -143,6 +145,9 @@ def validate_data_spec(spec: str) -> None:
     if p.is_dir() and (p / "x.npy").exists():
         _mapped_signature(spec)
         return
+    if p.is_dir() and (p / "images").is_dir() and (p / "masks").is_dir():
+        _pairs(spec)
+        return
     if p.is_dir():
         classes = [d for d in p.iterdir() if d.is_dir()]
         if len(classes) < 2:
@@ -217,8 +222,98 @@ def signature(
             return _check_arrays(spec, f)
     if (p / "x.npy").exists():
         return _mapped_signature(spec)
+    if (p / "images").is_dir() and (p / "masks").is_dir():
+        return _pairs_signature(spec)
     classes = [d for d in p.iterdir() if d.is_dir()]
     return (3, *model_shape[1:]) if len(model_shape) == 3 else tuple(model_shape), len(classes)
+
+
+class _Files:
+    """Image files as a read-only array, (N, C, H, W) images or (N, H, W) masks (`mode` None: a
+    class per pixel, the file's own values): indexing with (examples, ..., rows) decodes the
+    files it names and keeps those rows."""
+
+    def __init__(self, files: list[Path], shape: tuple[int, ...], mode: str | None) -> None:
+        self.files, self.shape, self.mode = files, (len(files), *shape), mode
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, key) -> np.ndarray:
+        from PIL import Image
+
+        index, *rest = key if isinstance(key, tuple) else (key,)
+        rows = rest[-1] if rest else slice(None)
+        out = []
+        for i in np.atleast_1d(index):
+            with Image.open(self.files[i]) as img:
+                a = np.asarray(img.convert(self.mode) if self.mode else img)
+            if self.mode is None:
+                out.append(a[rows].astype(np.int64))
+            else:
+                a = (a[rows] / 255.0).astype(np.float32)
+                out.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
+        return np.stack(out)
+
+
+def _pairs(spec: str) -> tuple[list[Path], list[Path]]:
+    """The images and their masks of an images/ + masks/ folder, matched by file name."""
+    root = Path(spec)
+
+    def listed(d: str) -> dict[str, Path]:
+        return {
+            f.stem: f for f in sorted((root / d).iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES
+        }
+
+    images, masks = listed("images"), listed("masks")
+    missing = sorted(set(images) - set(masks))
+    if missing:
+        raise ConfigError(
+            f"image folder {spec!r}: image {images[missing[0]].name} has no mask in masks/ "
+            f"({len(missing)} images have none); give each image a mask of the same name"
+        )
+    if len(images) < 2:
+        raise ConfigError(f"image folder {spec!r}: images/ holds fewer than 2 images")
+    return [images[k] for k in sorted(images)], [masks[k] for k in sorted(images)]
+
+
+def _pairs_signature(spec: str) -> tuple[tuple[int, ...], int]:
+    """Checks before any process starts (the sizes from the files' headers, the classes from
+    the masks one at a time): (input shape, classes)."""
+    from PIL import Image
+
+    images, masks = _pairs(spec)
+    with Image.open(images[0]) as first:
+        w, h = first.size
+        channels = 1 if first.mode in ("L", "I", "F", "1") else 3
+    classes = 0
+    for img, mask in zip(images, masks, strict=True):
+        with Image.open(img) as a, Image.open(mask) as b:
+            if a.size != (w, h) or b.size != (w, h):
+                raise ConfigError(
+                    f"image folder {spec!r}: {img.name} and its mask are {a.size} and {b.size}; "
+                    f"every image and mask must be {w} x {h} (the first's)"
+                )
+            classes = max(classes, int(np.asarray(b).max()) + 1)
+    return (channels, h, w), classes
+
+
+def _pairs_dataset(spec: str, seed: int) -> Dataset:
+    """images/ and masks/, decoded as steps use them (a fixed 80/20 split)."""
+    (c, h, w), classes = _pairs_signature(spec)
+    images, masks = _pairs(spec)
+    order = np.random.default_rng(seed).permutation(len(images))
+    n_test = max(1, len(images) // 5)
+    x = _Files(images, (c, h, w), "L" if c == 1 else "RGB")
+    y = _Files(masks, (h, w), None)
+    counter = [0]
+    tr, te = order[n_test:], order[:n_test]
+    return Dataset(
+        Mapped(x, tr, torch.float32, counter),
+        Mapped(y, tr, torch.long, [0]),
+        Mapped(x, te, torch.float32, counter),
+        Mapped(y, te, torch.long, [0]),
+        classes,
+        Path(spec).name,
+    )
 
 
 def _mapped(folder: Path) -> dict[str, np.ndarray]:
@@ -351,6 +446,8 @@ def load_data(
         return _dataset(p.name, *_split(x, y))
     if (p / "x.npy").exists():
         return _mapped_dataset(p, seed)
+    if (p / "images").is_dir() and (p / "masks").is_dir():
+        return _pairs_dataset(spec, seed)
     return _image_folder(p, input_shape)
 
 
