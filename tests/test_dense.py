@@ -221,7 +221,8 @@ def test_a_memory_limit_under_every_model_plan_gets_bands_with_their_bytes():
 
 def test_a_wrong_target_is_refused_and_predict_joins_the_bands():
     """A target of another size: one line naming both shapes, before the loss runs. `predict`
-    returns whole images on every rank, as one process computes them (evaluation mode)."""
+    returns whole images on every rank, as one process computes them (evaluation mode), and
+    the pixel accuracy and mean IoU summed over the ranks' bands are one process's."""
     run_ranks(_wrong_target, 3, timeout_s=120)
 
 
@@ -232,6 +233,16 @@ def _wrong_target():
         t.step(x, torch.zeros(2, 15, W, dtype=torch.long))
     want = _model("dilated", 16).eval()(x)
     torch.testing.assert_close(t.predict(x), want, rtol=1e-12, atol=1e-12)
+    # pixel accuracy and mean IoU from the ranks' summed counts: one process's on whole images
+    from hybridpar.runtime.parallel.losses import mean_iou, overlaps
+
+    y = torch.randint(0, CLASSES, (2, 16, W))
+    correct, counted, sums = t.evaluate(x, y, 2, CLASSES)
+    every = torch.tensor([correct, counted, *sums.flatten().tolist()], dtype=torch.float64)
+    dist.all_reduce(every)
+    assert every[0] == (want.argmax(1) == y).sum() and every[1] == y.numel()
+    whole = mean_iou(overlaps(want, y, CLASSES, F.cross_entropy), CLASSES)
+    assert mean_iou(every[2:], CLASSES) == pytest.approx(whole, rel=1e-12)
 
 
 def _memory(P: int) -> list[tuple[str, float, float]]:

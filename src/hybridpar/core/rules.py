@@ -90,7 +90,8 @@ def _domain(layer: CostLayer, s: Style) -> str:
     if s.pr > min(heights):
         return (
             f"{layer.name}: {s} splits {min(heights)} rows over Pr={s.pr} ranks; the largest Pr "
-            f"that works is {min(heights)}"
+            f"that works is {min(heights)}, or give images about {-(-s.pr // min(heights))}x "
+            "as high"
         )
     return ""
 
