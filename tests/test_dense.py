@@ -350,3 +350,26 @@ def _mapped_step(folder: str) -> bool:
     want = loss.keywords["weight"][y[y != 1]].sum()
     torch.testing.assert_close(t.divisor, want, rtol=1e-12, atol=0)
     return True
+
+
+def test_an_image_and_mask_folder_is_read_by_bands(tmp_path):
+    """images/ and masks/ of the same file names: a band of rows of some examples is those rows
+    of those files (the images scaled to 0..1, the masks' values the classes)."""
+    import numpy as np
+    from PIL import Image
+
+    from hybridpar.runtime.train.data import load_data, signature
+
+    g = np.random.default_rng(1)
+    pixels, classes = g.integers(0, 256, (5, 20, 12)), g.integers(0, 4, (5, 20, 12))
+    for d, arrays in (("images", pixels), ("masks", classes)):
+        (tmp_path / d).mkdir()
+        for i, a in enumerate(arrays):
+            Image.fromarray(a.astype(np.uint8), "L").save(tmp_path / d / f"{i}.png")
+    assert signature(str(tmp_path), (), 0) == ((1, 20, 12), 4)
+    data = load_data(str(tmp_path))
+    pick = data.x_train.index[[2, 0]]
+    x = data.x_train[torch.tensor([2, 0])].take_rows(slice(0, 2), (5, 9))
+    y = data.y_train[torch.tensor([2, 0])].take_rows(slice(0, 2), (5, 9))
+    torch.testing.assert_close(x, torch.as_tensor(pixels[pick, None, 5:9] / 255.0).float())
+    assert torch.equal(y, torch.as_tensor(classes[pick, 5:9]))

@@ -99,9 +99,7 @@ class Dataset:
 
 
 def _split(x: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[np.ndarray, ...]:
-    order = np.random.default_rng(seed).permutation(len(x))
-    n_test = max(1, len(x) // 5)
-    test, train = order[:n_test], order[n_test:]
+    train, test = _order(len(x), seed)
     return x[train], y[train], x[test], y[test]
 
 
@@ -300,19 +298,30 @@ def _pairs_dataset(spec: str, seed: int) -> Dataset:
     """images/ and masks/, decoded as steps use them (a fixed 80/20 split)."""
     (c, h, w), classes = _pairs_signature(spec)
     images, masks = _pairs(spec)
-    order = np.random.default_rng(seed).permutation(len(images))
-    n_test = max(1, len(images) // 5)
     x = _Files(images, (c, h, w), "L" if c == 1 else "RGB")
     y = _Files(masks, (h, w), None)
-    counter = [0]
-    tr, te = order[n_test:], order[:n_test]
+    train, test = _order(len(images), seed)
+    return _unread(((x, train, y), (x, test, y)), classes, Path(spec).name)
+
+
+def _order(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed 80/20 split of n examples: (training, test) positions."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = max(1, n // 5)
+    return order[n_test:], order[:n_test]
+
+
+def _unread(parts, classes: int, name: str) -> Dataset:
+    """A data set of examples read as steps use them: ((x, positions, y) of the training and of
+    the test examples); the images' bytes read counted together."""
+    (xa, tr, ya), (xb, te, yb), counter = *parts, [0]
     return Dataset(
-        Mapped(x, tr, torch.float32, counter),
-        Mapped(y, tr, torch.long, [0]),
-        Mapped(x, te, torch.float32, counter),
-        Mapped(y, te, torch.long, [0]),
+        Mapped(xa, tr, torch.float32, counter),
+        Mapped(ya, tr, torch.long, [0]),
+        Mapped(xb, te, torch.float32, counter),
+        Mapped(yb, te, torch.long, [0]),
         classes,
-        Path(spec).name,
+        name,
     )
 
 
@@ -453,25 +462,16 @@ def load_data(
 
 def _mapped_dataset(folder: Path, seed: int) -> Dataset:
     """A folder of .npy arrays, memory-mapped: the examples are read as steps use them."""
-    arrays, counter = _mapped(folder), [0]
+    arrays = _mapped(folder)
     x, y = arrays["x"], arrays["y"]
     if "x_test" in arrays:
-        parts = (x, np.arange(len(x)), y), (arrays["x_test"], np.arange(len(arrays["x_test"])),
-                                            arrays["y_test"])  # fmt: skip
+        xt, yt = arrays["x_test"], arrays["y_test"]
+        parts = (x, np.arange(len(x)), y), (xt, np.arange(len(xt)), yt)
     else:
-        order = np.random.default_rng(seed).permutation(len(x))
-        n_test = max(1, len(x) // 5)
-        parts = (x, order[n_test:], y), (x, order[:n_test], y)
-    (xa, tr, ya), (xb, te, yb) = parts
-    classes = int(max(int(_labels_in_chunks(a).max()) for a in (ya, yb))) + 1
-    return Dataset(
-        Mapped(xa, tr, torch.float32, counter),
-        Mapped(ya, tr, torch.long, [0]),
-        Mapped(xb, te, torch.float32, counter),
-        Mapped(yb, te, torch.long, [0]),
-        classes,
-        folder.name,
-    )
+        train, test = _order(len(x), seed)
+        parts = (x, train, y), (x, test, y)
+    classes = int(max(int(_labels_in_chunks(a).max()) for a in (y, parts[1][2]))) + 1
+    return _unread(parts, classes, folder.name)
 
 
 def _image_folder(root: Path, input_shape: tuple[int, ...] | None) -> Dataset:
