@@ -42,6 +42,8 @@ NETS = {
     "pyramid": lambda s: FeaturePyramid(s, CLASSES),
     "dilated": lambda s: DilatedFCN(CLASSES),
     "free-resamplings": lambda s: FreeResamplings(CLASSES),
+    "unet-instance-norm": lambda s: UNet(s, CLASSES, width=4, norm="instance"),
+    "unet-group-norm": lambda s: UNet(s, CLASSES, width=8, up="bilinear", norm="group"),
 }
 WEIGHT = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
 LOSSES = {
@@ -57,7 +59,9 @@ def _cells(P: int) -> list[tuple[str, int, int, str]]:
     """(net, height, B, loss): every net at an odd height (61 or 97 rows), B = 1 and 2; the
     losses on the transposed U-Net."""
     cells = []
-    for (name, h), b in itertools.product(zip(NETS, (61, 97, 61, 61, 97, 61), strict=True), (1, 2)):
+    for (name, h), b in itertools.product(
+        zip(NETS, (61, 97, 61, 61, 97, 61, 61, 97), strict=True), (1, 2)
+    ):
         if (b == 2) == (h == 61) or name.startswith("unet"):
             cells.append((name, h, b, "ce"))
     cells += [("unet-transposed", 40, 2, loss) for loss in LOSSES if loss != "ce"]

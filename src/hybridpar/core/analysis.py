@@ -175,6 +175,10 @@ def _op(module: nn.Module, kind: str) -> str:
     """What the module is, as far as splitting it goes (a subclass counts as its base)."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "batch_norm"
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return "instance_norm"
+    if isinstance(module, nn.GroupNorm):
+        return "group_norm"
     for cls, op in (
         (nn.Conv2d, "conv2d"),
         (nn.Conv1d, "conv1d"),
@@ -254,6 +258,8 @@ def _spec(
             dilation=_pair(getattr(module, "dilation", 1)),
             rows=("ceil",) if getattr(module, "ceil_mode", False) else (),
         )
+    elif isinstance(module, nn.InstanceNorm2d | nn.GroupNorm):
+        extra = dict(groups=getattr(module, "num_groups", in_shape[0]))
     elif isinstance(module, nn.Upsample) and len(in_shape) == 3:
         m = module
         how = _resampling(m.size, m.scale_factor, m.mode, m.align_corners, m.recompute_scale_factor)

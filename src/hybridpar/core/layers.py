@@ -46,6 +46,9 @@ class CostLayer:
     head_in: str | None = None  # the nn.Sequential holding the entry (core.handoff.head)
     input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
     norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
+    # instance and group norms riding along: (statistics per example, needs dX); on bands their
+    # statistics are all-reduced over the ranks holding an example's bands
+    spatial_norms: tuple[tuple[int, bool], ...] = ()
     op: str = ""  # what the weighted module is: linear, conv2d, conv1d, conv3d, conv_transpose
     groups: int = 1  # a convolution's groups
     padding_mode: str = "zeros"
@@ -155,9 +158,11 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
         fields = {"members": members, "windows": windows, "own": own, "saved": saved}
         return CostLayer(**{**layer.__dict__, **fields})
-    norms = layer.norms
+    norms, spatial = layer.norms, layer.spatial_norms
     if s.op == "batch_norm":
         norms = (*norms, (s.in_shape[0], s.input_grad))
+    if s.op in ("instance_norm", "group_norm"):
+        spatial = (*spatial, (s.groups, s.input_grad))
     loose = sum(n for _, n in s.loose)
     return CostLayer(
         **{
@@ -168,6 +173,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "extra_params": layer.extra_params + s.params + loose,
             "loose": (*layer.loose, *(k for k, _ in s.loose)),
             "norms": norms,
+            "spatial_norms": spatial,
             "windows": (*layer.windows, *_window(s)),
             "own": own,
             "saved": saved,

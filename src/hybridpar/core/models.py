@@ -203,6 +203,7 @@ class UNet(nn.Module):
         levels: int = 3,
         up: str = "transposed",
         align_corners: bool = False,
+        norm: str = "batch",
     ) -> None:
         super().__init__()
         h, w = (input_size, input_size) if isinstance(input_size, int) else input_size
@@ -214,7 +215,7 @@ class UNet(nn.Module):
         c = in_channels
         for i, cw in enumerate(widths):
             pool = [nn.MaxPool2d(2, ceil_mode=True)] if i else []
-            self.down.append(nn.Sequential(*pool, *_double_conv(c, cw)))
+            self.down.append(nn.Sequential(*pool, *_double_conv(c, cw, norm)))
             c = cw
         self.up = nn.ModuleList()
         self.merge = nn.ModuleList()
@@ -226,7 +227,7 @@ class UNet(nn.Module):
             else:
                 resize = nn.Upsample((hs, ws), mode="bilinear", align_corners=align_corners)
                 self.up.append(nn.Sequential(resize, nn.Conv2d(cl, widths[i], 3, padding=1)))
-            self.merge.append(nn.Sequential(*_double_conv(2 * widths[i], widths[i])))
+            self.merge.append(nn.Sequential(*_double_conv(2 * widths[i], widths[i], norm)))
         self.head = nn.Conv2d(widths[0], num_classes, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -239,10 +240,17 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def _double_conv(c_in: int, c_out: int) -> list[nn.Module]:
+def _double_conv(c_in: int, c_out: int, norm: str = "batch") -> list[nn.Module]:
+    """Two 3x3 conv-norm-ReLU: batch norm, instance norm (affine) or group norm (4 groups)."""
+
+    def normed(c: int) -> nn.Module:
+        if norm == "instance":
+            return nn.InstanceNorm2d(c, affine=True)
+        return nn.GroupNorm(4, c) if norm == "group" else nn.BatchNorm2d(c)
+
     return [
-        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
-        nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
+        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), normed(c_out), nn.ReLU(),
+        nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), normed(c_out), nn.ReLU(),
     ]  # fmt: skip
 
 

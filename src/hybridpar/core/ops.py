@@ -74,6 +74,8 @@ OPS: tuple[tuple[type, Op], ...] = (
     (nn.AvgPool2d, Op("avg_pool2d", (F.avg_pool2d,))),
     (nn.ConvTranspose2d, Op("conv_transpose2d", (F.conv_transpose2d,))),
     (nn.Upsample, Op("interpolate", (F.interpolate,))),
+    (nn.modules.instancenorm._InstanceNorm, Op("instance_norm", (F.instance_norm,))),
+    (nn.GroupNorm, Op("group_norm", (F.group_norm,))),
 )
 """layer class (subclasses included) -> its own operation"""
 

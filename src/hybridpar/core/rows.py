@@ -12,12 +12,13 @@ names the operation.
 | Upsample, F.interpolate (nearest, bilinear,  |                                                      |
 | bicubic; a size or a scale)                  |                                                      |
 | BatchNorm2d                                  | statistics over every rank (rows and examples)       |
+| InstanceNorm2d, GroupNorm                    | each example's statistics over its bands' ranks      |
 | LocalResponseNorm, element-wise activations, | unchanged                                            |
 | Dropout, Identity; element-wise functions,   |                                                      |
 | cat / chunk / split along batch or channels  |                                                      |
 
 Everything else mixes rows or sees the whole image (flatten, view, adaptive pooling, mean over
-the image, Softmax over space, GroupNorm, Dropout2d's per-channel masks, a pooling that returns
+the image, Softmax over space, Dropout2d's per-channel masks, a pooling that returns
 indices) and ends a domain segment's claim.
 """
 
@@ -133,6 +134,10 @@ def module_blocker(module: nn.Module) -> str:
         return ""
     if isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
         return f"{name} with return_indices" if getattr(module, "return_indices", False) else ""
+    if isinstance(module, nn.InstanceNorm2d) and module.track_running_stats:
+        return f"{name} with track_running_stats"
+    if isinstance(module, nn.InstanceNorm2d | nn.GroupNorm):
+        return ""
     if isinstance(module, nn.Upsample):
         return "" if module.mode in RESAMPLED else f"{name} in mode {module.mode!r}"
     if isinstance(module, nn.Softmax | nn.LogSoftmax):

@@ -244,6 +244,23 @@ def t_global_bn(
     }
 
 
+def t_band_norms(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> dict[str, Comm]:
+    """The instance and group norms riding along with `layer` on bands: each example's statistics
+    (per channel or group) all-reduced over the Pr ranks holding its bands, as global batch
+    norm's over B/Pc examples' worth of channels (runtime.parallel.batchnorm.BandStatistics)."""
+    net = as_priced(net, s.pr * s.pc).group("model", s.pr, s.pc)
+    out: dict[str, Comm] = {}
+    for k, grad in layer.spatial_norms:
+        for term, c in t_global_bn(k * (B // s.pc), s.pr, net, backward=grad).items():
+            prev = out.get(term)
+            out[term] = (
+                c
+                if prev is None
+                else Comm(c.kind, c.group, prev.bytes + c.bytes, prev.seconds + c.seconds)
+            )
+    return out
+
+
 def t_norms(layer: CostLayer, s: Style, net: Cluster | Priced) -> dict[str, Comm]:
     """The global batch norms riding along with `layer`, over the ranks that split the examples
     of its layout (the batch group: Pc ranks; a domain layout splits the image too: all P)."""
@@ -395,6 +412,11 @@ def layer_comms(
         }
     if bn != "local":
         terms.update(t_norms(layer, s, net))
+    if s.kind == "domain" and s.pr > 1 and layer.spatial_norms:
+        for term, c in t_band_norms(layer, s, B, net).items():
+            prev = terms.get(term)
+            terms[term] = c if prev is None else Comm(c.kind, c.group, prev.bytes + c.bytes,
+                                                      prev.seconds + c.seconds)  # fmt: skip
     return terms
 
 

@@ -38,6 +38,7 @@ from hybridpar.runtime.comm.ledger import Ledger
 __all__ = [
     "AdaptiveGlobalBatchNorm",
     "BNSwitch",
+    "BandStatistics",
     "GlobalBatchNorm",
     "GlobalBatchNorm1d",
     "GlobalBatchNorm2d",
@@ -251,6 +252,40 @@ class GlobalStatistics:
             via = Via(group, self.ledger, layer=self.layer)
             y = _GlobalBatchNormFn.apply(x, weight, bias, running, float(momentum), eps, via)
         return y.to(dtype)
+
+
+class BandStatistics:
+    """What the domain style swaps in for an instance or group norm's own F.instance_norm or
+    F.group_norm on a band of rows: each example's statistics (per channel, or per group of
+    channels) over every rank holding a band of it (`group`, the model group), by global batch
+    norm on the band viewed as one example of N x K channels; the affine per channel after. In
+    evaluation too: a band alone does not hold an example's statistics."""
+
+    def __init__(self, module: nn.Module, group: Group, ledger: Ledger | None, layer: str):
+        self.groups = getattr(module, "num_groups", None)  # None: instance norm
+        self.group, self.ledger, self.layer = group, ledger, layer
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.groups is None:  # F.instance_norm(x, running_mean, running_var, weight, bias,
+            names = ("running_mean", "running_var", "weight", "bias", "use", "momentum", "eps")
+        else:  # F.group_norm(x, num_groups, weight, bias, eps)
+            names = ("num_groups", "weight", "bias", "eps")
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
+        weight, bias, eps = given.get("weight"), given.get("bias"), given.get("eps", 1e-5)
+        n, c = x.shape[:2]
+        k = c if self.groups is None else self.groups
+        dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            via = Via(self.group, self.ledger, layer=self.layer)
+            flat = x.float() if dtype not in (torch.float32, torch.float64) else x
+            y = _GlobalBatchNormFn.apply(flat.reshape(1, n * k, -1), None, None, None, 0.0, eps,
+                                         via)  # fmt: skip
+        y = y.reshape(x.shape).to(dtype)
+        if weight is not None:
+            y = y * weight.view(1, c, *[1] * (x.dim() - 2))
+        if bias is not None:
+            y = y + bias.view(1, c, *[1] * (x.dim() - 2))
+        return y
 
 
 class GlobalBatchNorm(_BatchNorm):

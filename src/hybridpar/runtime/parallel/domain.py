@@ -46,6 +46,7 @@ from hybridpar.runtime.comm import p2p
 from hybridpar.runtime.comm.collectives import Via
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.parallel.batchnorm import BandStatistics
 from hybridpar.runtime.parallel.redistribute import Chain, Move, Pieces, gather, replicated, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
 
@@ -622,9 +623,12 @@ class DomainStyle(ParallelStyle):
 
     def shard(self, name: str, module: nn.Module, layer: CostLayer) -> nn.Module:
         windows = {w[0]: w for w in layer.windows}
+        group, ledger = self.grid.model_group, self.ctx.ledger
+        if isinstance(module, nn.InstanceNorm2d | nn.GroupNorm) and self.spec.pr > 1:
+            ops.install(module, BandStatistics(module, group, ledger, layer.name), name=name)
+            return module
         if name not in windows:
             return module
-        group, ledger = self.grid.model_group, self.ctx.ledger
         cls = next(c for t, c in _STAND_INS if isinstance(module, t))
         stand_in = cls(module, row_map(windows[name]), group, ledger, layer.name)
         ops.install(module, stand_in, name=name)
