@@ -44,8 +44,9 @@ class Mapped:
     only those rows of the height (the second-last dimension) as a tensor. `read` counts the
     bytes read."""
 
-    def __init__(self, array: np.ndarray, index: np.ndarray, dtype, counter: list[int]) -> None:
+    def __init__(self, array, index: np.ndarray, dtype, counter: list[int], device=None) -> None:
         self.array, self.index, self.dtype, self.counter = array, index, dtype, counter
+        self.device = torch.device(device or "cpu")
 
     def __len__(self) -> int:
         return len(self.index)
@@ -56,7 +57,7 @@ class Mapped:
 
     def __getitem__(self, i) -> Mapped:
         i = i.cpu().numpy() if isinstance(i, torch.Tensor) else i
-        return Mapped(self.array, self.index[i], self.dtype, self.counter)
+        return Mapped(self.array, self.index[i], self.dtype, self.counter, self.device)
 
     def take_rows(self, rows: slice, band: tuple[int, int] | None = None) -> torch.Tensor:
         index = np.sort(self.index[rows])  # ascending: the pages in order
@@ -66,10 +67,12 @@ class Mapped:
         else:  # the examples' rows lo..hi - 1 of the height, the second-last dimension
             part = self.array[(index, *[slice(None)] * (self.array.ndim - 3), slice(*band))]
         self.counter[0] += part.nbytes
-        return torch.as_tensor(np.ascontiguousarray(part[order]), dtype=self.dtype)
+        t = torch.as_tensor(np.ascontiguousarray(part[order]), dtype=self.dtype)
+        return t.to(self.device)
 
     def to(self, device) -> Mapped:
-        return self  # read where it is used
+        """The same examples, read onto `device` as they are used."""
+        return Mapped(self.array, self.index, self.dtype, self.counter, device)
 
 
 @dataclass
