@@ -251,13 +251,7 @@ def t_band_norms(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> d
     net = as_priced(net, s.pr * s.pc).group("model", s.pr, s.pc)
     out: dict[str, Comm] = {}
     for k, grad in layer.spatial_norms:
-        for term, c in t_global_bn(k * (B // s.pc), s.pr, net, backward=grad).items():
-            prev = out.get(term)
-            out[term] = (
-                c
-                if prev is None
-                else Comm(c.kind, c.group, prev.bytes + c.bytes, prev.seconds + c.seconds)
-            )
+        _merge(out, t_global_bn(k * (B // s.pc), s.pr, net, backward=grad))
     return out
 
 
@@ -269,14 +263,19 @@ def t_norms(layer: CostLayer, s: Style, net: Cluster | Priced) -> dict[str, Comm
     net = net.group("batch", 1, p) if s.kind == "domain" else net.group("batch", s.pr, s.pc)
     out: dict[str, Comm] = {}
     for channels, grad in layer.norms:
-        for term, c in t_global_bn(channels, p, net, backward=grad).items():
-            prev = out.get(term)
-            out[term] = (
-                c
-                if prev is None
-                else Comm(c.kind, c.group, prev.bytes + c.bytes, prev.seconds + c.seconds)
-            )
+        _merge(out, t_global_bn(channels, p, net, backward=grad))
     return out
+
+
+def _merge(into: dict[str, Comm], more: dict[str, Comm]) -> None:
+    """`more`'s terms added to `into`'s (bytes and seconds of one term summed)."""
+    for term, c in more.items():
+        prev = into.get(term)
+        into[term] = (
+            c
+            if prev is None
+            else Comm(c.kind, c.group, prev.bytes + c.bytes, prev.seconds + c.seconds)
+        )
 
 
 def t_halo(
@@ -412,11 +411,8 @@ def layer_comms(
         }
     if bn != "local":
         terms.update(t_norms(layer, s, net))
-    if s.kind == "domain" and s.pr > 1 and layer.spatial_norms:
-        for term, c in t_band_norms(layer, s, B, net).items():
-            prev = terms.get(term)
-            terms[term] = c if prev is None else Comm(c.kind, c.group, prev.bytes + c.bytes,
-                                                      prev.seconds + c.seconds)  # fmt: skip
+    if s.kind == "domain" and s.pr > 1:
+        _merge(terms, t_band_norms(layer, s, B, net))
     return terms
 
 

@@ -83,21 +83,20 @@ def divisor(loss: Callable, y: torch.Tensor) -> torch.Tensor:
     """What `loss` with reduction="mean" divides its sum by over the targets `y` (a float64
     scalar on y's device)."""
     func, kwargs = _parts(loss)
-    if func in _PER_TARGET and not y.is_floating_point():
-        kept = _kept(y, kwargs)
-        weight = kwargs.get("weight")
-        if weight is None:
-            return kept.sum().double()
-        return weight.to(y.device, torch.float64)[y[kept]].sum()
-    if func in _PER_TARGET:
-        return torch.tensor(y.numel() // y.shape[1], dtype=torch.float64, device=y.device)
-    n = y.numel() if func in _PER_ELEMENT else len(y)
-    return torch.tensor(n, dtype=torch.float64, device=y.device)
+    if func not in _PER_TARGET or y.is_floating_point():
+        n = divisor_by_shape(loss, tuple(y.shape), y.is_floating_point())
+        return torch.tensor(n, dtype=torch.float64, device=y.device)
+    kept = _kept(y, kwargs)  # class indices: the ignored ones (-100 unless given) left out
+    weight = kwargs.get("weight")
+    if weight is None:
+        return kept.sum().double()
+    return weight.to(y.device, torch.float64)[y[kept]].sum()
 
 
 def divisor_by_shape(loss: Callable, shape: tuple[int, ...], floating: bool) -> int | None:
     """`divisor` from the targets' shape alone, where their values do not change it (no class
-    weights, no ignore_index); None where they do."""
+    weights, no ignore_index given, and labels that are class ids: no -100); None where they
+    do."""
     func, kwargs = _parts(loss)
     elements = 1
     for n in shape:
