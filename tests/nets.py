@@ -605,3 +605,132 @@ class FreeResamplings(nn.Module):
         y = self.head(F.relu(self.merge(torch.cat([skip, low], 1))))
         y = F.interpolate(y, scale_factor=0.5, mode="bilinear", align_corners=True)
         return F.interpolate(y, size=x.shape[-2:], mode="bicubic", align_corners=False)
+
+
+class _ImagePooling(nn.Sequential):
+    """torchvision's ASPPPooling: the image pooled to one value per channel, a 1x1 convolution,
+    and back to the input's size (bilinear) in its own forward."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__(nn.AdaptiveAvgPool2d(1), nn.Conv2d(cin, cout, 1), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[-2:]
+        for m in self:
+            x = m(x)
+        return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+
+
+class AtrousPyramid(nn.Module):
+    """A small DeepLabv3 (Chen et al. 2017): a strided stem, an atrous spatial pyramid (a 1x1
+    convolution, 3x3 ones at dilation 2 and 3, and the image-pooling branch) joined along the
+    channels, a 1x1 projection and head, and a bilinear upsampling to the input's size."""
+
+    def __init__(self, classes: int = 3, c: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, 2 * c, 3, 2, 1), nn.ReLU()
+        )
+        self.branches = nn.ModuleList(
+            [
+                nn.Sequential(nn.Conv2d(2 * c, c, 1), nn.ReLU()),
+                nn.Sequential(nn.Conv2d(2 * c, c, 3, padding=2, dilation=2), nn.ReLU()),
+                nn.Sequential(nn.Conv2d(2 * c, c, 3, padding=3, dilation=3), nn.ReLU()),
+                _ImagePooling(2 * c, c),
+            ]
+        )
+        self.project = nn.Sequential(nn.Conv2d(4 * c, c, 1), nn.ReLU())
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.stem(x)
+        y = self.head(self.project(torch.cat([b(f) for b in self.branches], 1)))
+        return F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+
+class _GateConv(nn.Module):
+    """Squeeze-and-excitation with AdaptiveAvgPool2d(1) and 1x1 convolutions (torchvision's)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc1, self.fc2, self.act = nn.Conv2d(c, 2, 1), nn.Conv2d(2, c, 1), nn.PReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.fc2(self.act(self.fc1(self.pool(x)))))
+
+
+class _GateLinear(nn.Module):
+    """Squeeze-and-excitation as Hu et al. wrote it: a mean over height and width, Linear layers,
+    a view to (b, c, 1, 1) and expand_as."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(c, 2), nn.Linear(2, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c = x.shape[:2]
+        y = torch.sigmoid(self.fc2(F.relu(self.fc1(x.mean((2, 3))))))
+        return x * y.view(b, c, 1, 1).expand_as(x)
+
+
+class _GateMax(nn.Module):
+    """A gate from the maxima: AdaptiveMaxPool2d(1) (the first maximum takes the gradient) and
+    amax (ties share it)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.pool, self.fc = nn.AdaptiveMaxPool2d(1), nn.Conv2d(2 * c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([self.pool(x), x.amax((-1, -2), keepdim=True)], 1)
+        return x + torch.sigmoid(self.fc(both))
+
+
+class Gated(nn.Module):
+    """An encoder-decoder with PReLU and squeeze-and-excitation gates in three spellings; the
+    max gate runs after a nearest upsampling, whose repeated rows make ties that cross bands."""
+
+    def __init__(self, classes: int = 3, c: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.PReLU(c), _GateConv(c))
+        self.down = nn.Sequential(nn.Conv2d(c, 2 * c, 3, 2, 1), nn.PReLU(), _GateLinear(2 * c))
+        self.gate = _GateMax(2 * c)
+        self.head = nn.Conv2d(3 * c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stem(x)
+        d = F.interpolate(self.down(s), size=s.shape[-2:], mode="nearest")
+        return self.head(torch.cat([s, self.gate(d)], 1))
+
+
+class _ResidualUnit(nn.Module):
+    """Two 3x3 convolutions with group norm and PReLU, the input added through a strided 1x1
+    convolution."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.GroupNorm(2, cout), nn.PReLU(),
+            nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.GroupNorm(2, cout),
+        )  # fmt: skip
+        self.skip = nn.Conv2d(cin, cout, 1, stride, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.body(x) + self.skip(x))
+
+
+class ResidualEncoderDecoder(nn.Module):
+    """Residual units down (group norm, strided 1x1 shortcuts), a bilinear upsampling to the skip
+    tensor's size, and a head on their join."""
+
+    def __init__(self, classes: int = 3, c: int = 4) -> None:
+        super().__init__()
+        self.enc1, self.enc2 = _ResidualUnit(3, c, 1), _ResidualUnit(c, 2 * c, 2)
+        self.dec = _ResidualUnit(3 * c, c, 1)
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.enc1(x)
+        d = F.interpolate(self.enc2(s), size=s.shape[-2:], mode="bilinear", align_corners=False)
+        return self.head(self.dec(torch.cat([s, d], 1)))

@@ -14,7 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from nets import DilatedFCN, FeaturePyramid, FreeResamplings, optimizer
+from nets import (
+    AtrousPyramid,
+    DilatedFCN,
+    FeaturePyramid,
+    FreeResamplings,
+    Gated,
+    ResidualEncoderDecoder,
+    optimizer,
+)
+from torch import nn
 from torch.nn import functional as F
 
 from hybridpar.core.analysis import analyze
@@ -42,9 +51,32 @@ NETS = {
     "pyramid": lambda s: FeaturePyramid(s, CLASSES),
     "dilated": lambda s: DilatedFCN(CLASSES),
     "free-resamplings": lambda s: FreeResamplings(CLASSES),
-    "unet-instance-norm": lambda s: UNet(s, CLASSES, width=4, norm="instance"),
-    "unet-group-norm": lambda s: UNet(s, CLASSES, width=8, up="bilinear", norm="group"),
+    "unet-instance-prelu": lambda s: _tracked(_prelu(UNet(s, CLASSES, width=4, norm="instance"))),
+    "residual-group-norm": lambda s: ResidualEncoderDecoder(CLASSES),
+    "atrous-pyramid": lambda s: AtrousPyramid(CLASSES),
+    "gated": lambda s: Gated(CLASSES),
 }
+
+
+def _prelu(model: nn.Module) -> nn.Module:
+    """Every ReLU of `model` a PReLU (one slope)."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.ReLU):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, nn.PReLU())
+    return model
+
+
+def _tracked(model: nn.Module) -> nn.Module:
+    """Every instance norm of `model` one that tracks running statistics."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.InstanceNorm2d):
+            parent, _, child = name.rpartition(".")
+            new = nn.InstanceNorm2d(m.num_features, affine=True, track_running_stats=True)
+            setattr(model.get_submodule(parent), child, new)
+    return model
+
+
 WEIGHT = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
 LOSSES = {
     "ce": F.cross_entropy,
@@ -55,17 +87,17 @@ LOSSES = {
 }
 
 
-def _cells(P: int) -> list[tuple[str, int, int, str]]:
-    """(net, height, B, loss): every net at an odd height (61 or 97 rows), B = 1 and 2; the
-    losses on the transposed U-Net."""
+def _cells(P: int) -> list[tuple[str, int, int, str, int]]:
+    """(net, height, B, loss, Pr): every net at an odd height (61, 97 or 29 rows), B = 1 and 2
+    (the nets of global poolings and spatial norms at B = 1); the losses on the transposed
+    U-Net; all domain(P x 1), and on 4 ranks the instance norm's running statistics on 2 x 2."""
     cells = []
-    for (name, h), b in itertools.product(
-        zip(NETS, (61, 97, 61, 61, 97, 61, 61, 97), strict=True), (1, 2)
-    ):
+    heights = (61, 97, 61, 61, 97, 61, 61, 29, 29, 29)
+    for (name, h), b in itertools.product(zip(NETS, heights, strict=True), (1, 2)):
         if (b == 2) == (h == 61) or name.startswith("unet"):
-            cells.append((name, h, b, "ce"))
-    cells += [("unet-transposed", 40, 2, loss) for loss in LOSSES if loss != "ce"]
-    return cells
+            cells.append((name, h, b, "ce", P))
+    cells += [("unet-transposed", 40, 2, loss, P) for loss in LOSSES if loss != "ce"]
+    return cells + ([("unet-instance-prelu", 61, 4, "ce", 2)] if P == 4 else [])
 
 
 def _data(name: str, h: int, b: int, loss: str):
@@ -99,21 +131,21 @@ def _reference(name: str, h: int, b: int, loss: str):
     return m.state_dict(), losses
 
 
-def _plan(name: str, h: int, b: int, P: int):
-    """Every convolution domain(P x 1), priced (float64) and exported."""
+def _plan(name: str, h: int, b: int, P: int, pr: int | None = None):
+    """Every convolution domain(Pr x P/Pr) (Pr = P unless given), priced (float64), exported."""
     shape = (3, h, W)
     layers = cost_layers(analyze(_model(name, h), shape))
-    styles = [Style.domain(P, 1)] * len(layers)
+    styles = [Style.domain(pr or P, P // (pr or P))] * len(layers)
     plan = evaluate(layers, styles, PlanRequest(P, b, NET, elem_bytes=8))
     assert plan.feasible, plan.reason
     return export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape, model=name)
 
 
 def _train(P: int) -> int:
-    for name, h, b, loss in _cells(P):
-        label = f"{name} H={h} B={b} {loss} P={P}"
+    for name, h, b, loss, pr in _cells(P):
+        label = f"{name} H={h} B={b} {loss} P={P} Pr={pr}"
         want, want_losses = _reference(name, h, b, loss)
-        plan = _plan(name, h, b, P)
+        plan = _plan(name, h, b, P, pr)
         t = HybridTrainer(_model(name, h), plan, optimizer, LOSSES[loss], input_shape=(3, h, W))
         got = [t.step(x, y) for x, y in _data(name, h, b, loss)]
         state = t.full_state_dict()
@@ -121,7 +153,7 @@ def _train(P: int) -> int:
             torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
         torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
         lo, hi = bands(h, P)[dist.get_rank()]
-        assert t.target.shape[-2] == hi - lo, f"{label}: the loss ran on {t.target.shape}"
+        assert pr < P or t.target.shape[-2] == hi - lo, f"{label}: the loss ran on {t.target.shape}"
         _bytes_are_predicted(t.ledger, plan, label)
     return len(_cells(P))
 
@@ -226,11 +258,39 @@ def test_a_memory_limit_under_every_model_plan_gets_bands_with_their_bytes():
 def test_a_wrong_target_is_refused_and_predict_joins_the_bands():
     """A target of another size: one line naming both shapes, before the loss runs. `predict`
     returns whole images on every rank, as one process computes them (evaluation mode), and
-    the pixel accuracy and mean IoU summed over the ranks' bands are one process's."""
+    the pixel accuracy and mean IoU summed over the ranks' bands are one process's. A global
+    max pooling's ties across bands take torch's gradients: the first maximum all of it
+    (adaptive max pooling), every maximum an equal share (amax)."""
     run_ranks(_wrong_target, 3, timeout_s=120)
 
 
+def _ties() -> None:
+    import datetime
+
+    from hybridpar.runtime.comm.group import Group
+    from hybridpar.runtime.parallel.domain import SpaceReduction
+
+    group = Group(dist.group.WORLD, datetime.timedelta(seconds=60))
+    gen = torch.Generator().manual_seed(0)  # the same on every rank
+    x = torch.randn(2, 3, 1, 4, generator=gen, dtype=torch.float64).expand(2, 3, 7, 4).clone()
+    x[0, 1, 5] = 5.0  # one maximum in the third band, ties in every row of the others
+    g = torch.randn(2, 3, 1, 1, generator=gen, dtype=torch.float64)
+    lo, hi = bands(7, 3)[dist.get_rank()]
+    for how, torch_max in (
+        ("first", lambda t: F.adaptive_max_pool2d(t, 1)),
+        ("max", lambda t: t.amax((2, 3), keepdim=True)),
+    ):
+        whole = x.clone().requires_grad_()
+        (torch_max(whole) * g).sum().backward()
+        band = x[:, :, lo:hi].clone().requires_grad_()
+        y = SpaceReduction(("m", how, 3, 7, True), True, group, None, "m")(band)
+        torch.testing.assert_close(y, torch_max(x), rtol=0, atol=0)
+        (y * g * (dist.get_rank() == 0)).sum().backward()  # the ranks' parts of the gradient
+        torch.testing.assert_close(band.grad, whole.grad[:, :, lo:hi], rtol=1e-15, atol=0)
+
+
 def _wrong_target():
+    _ties()
     t = HybridTrainer(_model("dilated", 16), _plan("dilated", 16, 2, 3), optimizer)
     x = torch.randn(2, 3, 16, W, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"targets .* \(2, 15, 12\) .* outputs"):

@@ -52,7 +52,9 @@ from hybridpar.core.rows import (
     ELEMENTWISE_ACTIVATIONS,
     RESAMPLED,
     function_blocker,
+    global_pool,
     module_blocker,
+    module_pool,
 )
 
 __all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
@@ -127,7 +129,11 @@ class LayerSpec:
     # position embedding of the model's own) used in this leaf's segment next after it
     saved: float = 0.0  # what autograd keeps for backward in this leaf, per sample (elements)
     rows: tuple = ()  # how its output rows read its input rows, where not a sliding window:
-    # ("ceil",), ("transposed", output padding), ("resample", (mode, align_corners, scale))
+    # ("ceil",), ("transposed", output padding), ("resample", (mode, align_corners, scale)),
+    # ("spread", the same) from a whole input, ("global", how) (core.rows.global_pool)
+    tracked: bool = False  # an instance norm's running statistics are tracked
+    whole: bool = False  # its input is a global pooling's value (or computed from such alone):
+    # whole on every rank that holds bands of the image, where it runs unchanged
 
     @property
     def params(self) -> int:
@@ -260,6 +266,7 @@ def _spec(
         )
     elif isinstance(module, nn.InstanceNorm2d | nn.GroupNorm):
         extra = dict(groups=getattr(module, "num_groups", in_shape[0]))
+        extra["tracked"] = bool(getattr(module, "track_running_stats", False))
     elif isinstance(module, nn.Upsample) and len(in_shape) == 3:
         m = module
         how = _resampling(m.size, m.scale_factor, m.mode, m.align_corners, m.recompute_scale_factor)
@@ -322,9 +329,11 @@ class _Recorder(TorchFunctionMode):
         self.sizes: dict[str, int] = {}  # parameter name -> its elements
         self.param_times: dict[str, list[int]] = {}
         self.blocked: list[tuple[int, str]] = []  # (time, why) of functions that mix rows
-        self.sites: list[tuple[int, LayerSpec]] = []  # resamplings in a module's own forward
+        # resamplings and global poolings in a module's own forward
+        self.sites: list[tuple[int, LayerSpec]] = []
         self.owner: Callable[[], str] = lambda: ""  # the module whose own forward runs now
-        self.site_counts: dict[str, int] = {}
+        self.site_counts: dict[tuple[str, Callable], int] = {}
+        self.whole: set[tuple[int, int]] = set()  # values a global pooling made whole
         self.watches: list[ops.Matcher] = []  # the layers running: their operation on their input
 
     def key(self, x: torch.Tensor) -> tuple[int, int]:
@@ -356,6 +365,13 @@ class _Recorder(TorchFunctionMode):
                 self.grad.add(k)
             self.keep.append(y)
 
+    def wholes(self, xs: list[torch.Tensor]) -> list[bool]:
+        """Per activation among `xs` (parameters aside): whether it is whole."""
+        return [self.key(x) in self.whole for x in xs if id(x) not in self.params]
+
+    def made_whole(self, ys: list[torch.Tensor]) -> None:
+        self.whole.update(self.key(y) for y in ys)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         for w in self.watches:
             w.is_op(func, args)
@@ -367,33 +383,53 @@ class _Recorder(TorchFunctionMode):
             if outs:  # metadata (size, dim, shape) produces no tensor and is no data use
                 t = self.t
                 self.t += 1
-                self.produce(outs, t, self.use(_tensors((args, kwargs)), t))
+                ins = _tensors((args, kwargs))
+                whole = self.wholes(ins)
+                self.produce(outs, t, self.use(ins, t))
+                k = self.count(func)
                 if func is F.interpolate and isinstance(out, torch.Tensor):
-                    self.sites.append((t, self.site(args, kwargs, out)))
+                    self.sites.append((t, self.site(func, k, args, kwargs, out, all(whole))))
+                    return out
+                if whole and all(whole):  # a whole value's function: whole too
+                    self.made_whole(outs)
+                    return out
+                how = global_pool(func, args, kwargs)
+                if how and k is not None and isinstance(out, torch.Tensor):
+                    self.sites.append((t, self.site(func, k, args, kwargs, out, how=how)))
+                    self.made_whole(outs)
                     return out
                 why = function_blocker(func, args, kwargs)
+                if why and whole[:1] == [True] and getattr(func, "__name__", "") == "expand_as":
+                    why = ""  # a whole value broadcast to the band
                 if why:
                     self.blocked.append((t, why))
         return out
 
-    def site(self, args: tuple, kwargs: dict | None, out: torch.Tensor) -> LayerSpec:
-        """An F.interpolate in a module's own forward, as a layer of its own (core.ops.site_name:
-        the domain style swaps that call)."""
-        owner = self.owner()
-        k = self.site_counts[owner] = self.site_counts.get(owner, -1) + 1
+    def count(self, func: Callable) -> int | None:
+        """k of this call of a function a style may take in its owner's forward (core.ops.SITES:
+        every call counts, as install_site counts them); None for other functions."""
+        if not ops.site_key(func):
+            return None
+        at = (self.owner(), func)
+        k = self.site_counts[at] = self.site_counts.get(at, -1) + 1
+        return k
+
+    def site(
+        self, func, k: int, args: tuple, kwargs: dict | None, out, spread=False, how=""
+    ) -> LayerSpec:
+        """An F.interpolate (`spread`: of a whole value) or a global pooling (`how`) in a
+        module's own forward, as a layer of its own (core.ops.site_name: the domain style takes
+        that call)."""
         x = args[0] if args else (kwargs or {}).get("input")
+        shapes = dict(in_shape=tuple(x.shape[1:]), out_shape=tuple(out.shape[1:]))
+        name = ops.site_name(self.owner(), func, k)
+        if how:
+            return LayerSpec(name, "pool", func.__name__, **shapes, op="global_pool",
+                             rows=("global", how))  # fmt: skip
         geometry, why = _resample_call(args, kwargs or {})
-        return LayerSpec(
-            name=ops.site_name(owner, F.interpolate, k),
-            kind="other",
-            type="interpolate",
-            in_shape=tuple(x.shape[1:]),
-            out_shape=tuple(out.shape[1:]),
-            **_ONE,
-            op="interpolate",
-            blocker=why,
-            rows=("resample", geometry) if not why else (),
-        )
+        rows = ("spread" if spread else "resample", geometry) if not why else ()
+        return LayerSpec(name, "other", "interpolate", **shapes, **_ONE, op="interpolate",
+                         blocker=why, rows=rows)  # fmt: skip
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -442,7 +478,8 @@ class _Calls:
             watch = ops.Matcher(first, op) if op is not None and first is not None else None
             if watch is not None:
                 rec.watches.append(watch)
-            module._hybridpar_call = (t, grad, own, watch)
+            whole = first is not None and rec.key(first) in rec.whole
+            module._hybridpar_call = (t, grad, own, watch, whole)
             rec.in_leaf += 1
 
     def post(self, module: nn.Module, args: tuple, output: object) -> None:
@@ -451,14 +488,14 @@ class _Calls:
         outs = _tensors(output)
         if self._leaf(module):
             rec.in_leaf -= 1
-            t, grad, own, watch = module.__dict__.pop("_hybridpar_call")
+            t, grad, own, watch, whole = module.__dict__.pop("_hybridpar_call")
             if watch is not None:
                 rec.watches.remove(watch)
             rec.produce(outs, t, grad or own)
             if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
                 shapes = (tuple(args[0].shape[1:]), tuple(output.shape[1:]))
                 name = self.names[module]
-                spec = _spec(name, module, *shapes)
+                spec = _whole(_spec(name, module, *shapes), module, whole, rec, outs)
                 why = watch.why_not() if watch is not None else ""
                 self.specs.append((t, replace(spec, input_grad=grad, own=why)))
                 if spec.op in ("conv2d", "linear") and not why and not ops.is_plain(module):
@@ -466,6 +503,22 @@ class _Calls:
         if module is self.model:
             rec.use(outs, math.inf)
             rec.on = False
+
+
+def _whole(spec: LayerSpec, module: nn.Module, whole: bool, rec: _Recorder, outs) -> LayerSpec:
+    """A leaf on a whole value runs unchanged (whole, or an upsampling of it to bands: spread);
+    a global pooling of bands makes its value whole."""
+    how = module_pool(module)
+    if whole:
+        spread = spec.rows[:1] == ("resample",)
+        if not spread:
+            rec.made_whole(outs)
+        rows = ("spread", spec.rows[1]) if spread else spec.rows
+        return replace(spec, blocker="", whole=not spread, rows=rows)
+    if how:
+        rec.made_whole(outs)
+        return replace(spec, blocker="", op="global_pool", rows=("global", how))
+    return spec
 
 
 # a model with at most this many elements of state and of input per sample is traced on zeros
@@ -529,7 +582,8 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     timed = sorted(hooks.specs + sites, key=lambda ts: ts[0])  # a layer before its children
     unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
     timed = [(t, replace(s, unsplit=unsplit.get(s.name, ""))) for t, s in timed]
-    dense = isinstance(out, torch.Tensor) and out.dim() == 4  # (N, C, H, W): rows stay split
+    # (N, C, H, W) on bands: rows stay split (not a global pooling's whole value)
+    dense = isinstance(out, torch.Tensor) and out.dim() == 4 and rec.key(out) not in rec.whole
     traced = _segments(timed, hooks.calls, rec, seqs, dense)
     traced.out_shape = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else ()
     traced.in_shape = input_shape
@@ -653,6 +707,8 @@ def _segments(
         if window:  # the latest; among modules entered at the same time, the innermost
             best = max(reversed(window), key=lambda c: c[1])  # max keeps the first of a tie
             cuts.append((best[1], best[0], best[4]))
+            if best[3] in rec.whole:  # the layout change would take it for bands
+                rec.blocked.append((best[1] - 1, "a global pooling's value leaves the segment"))
     times = [c[0] for c in cuts]
     specs: list[LayerSpec] = []
     opened: set[int] = set()

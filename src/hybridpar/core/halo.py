@@ -22,6 +22,8 @@ reads (`RowMap.reads`); the halo and its bytes follow from that alone:
 | `Window`     | Conv2d, MaxPool2d, AvgPool2d (ceil_mode) | s*o0 - p .. s*(o1-1) - p + d*(k-1), padded   |
 | `Transposed` | ConvTranspose2d                          | the inputs whose taps land in the band      |
 | `Resample`   | Upsample / F.interpolate                 | the source rows of torch's own weights      |
+| `Spread`     | the same, of a whole value (a global     | every row, held by every rank: none moves   |
+|              | pooling's) to the image's rows           |                                             |
 
 A resampling's source rows are read off torch itself (the identity interpolated along the height,
 cached per geometry), so the rows a band reads are the rows torch reads, whatever the mode
@@ -33,7 +35,16 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-__all__ = ["Resample", "RowMap", "Transposed", "Window", "bands", "printed_halo_rows", "row_map"]
+__all__ = [
+    "Resample",
+    "RowMap",
+    "Spread",
+    "Transposed",
+    "Window",
+    "bands",
+    "printed_halo_rows",
+    "row_map",
+]
 
 
 def bands(h: int, parts: int) -> list[tuple[int, int]]:
@@ -60,9 +71,13 @@ class RowMap:
         are padding; lo >= hi: none)."""
         raise NotImplementedError
 
+    def held(self, parts: int) -> list[tuple[int, int]]:
+        """[lo, hi) of the input rows each rank holds."""
+        return bands(self.h_in, parts)
+
     def plan(self, parts: int) -> list[dict[int, tuple[int, int]]]:
         """For each rank: {other rank: [lo, hi) of that rank's input rows it receives}."""
-        ins, outs = bands(self.h_in, parts), bands(self.h_out, parts)
+        ins, outs = self.held(parts), bands(self.h_out, parts)
         got: list[dict[int, tuple[int, int]]] = []
         for r, (o0, o1) in enumerate(outs):
             lo, hi = self.reads(o0, o1) if o0 < o1 else (0, 0)
@@ -70,7 +85,7 @@ class RowMap:
             mine: dict[int, tuple[int, int]] = {}
             for q, (a, b) in enumerate(ins):
                 x, y = max(lo, a), min(hi, b)
-                if q != r and x < y:
+                if q != r and x < y and ins[r] != (0, self.h_in):
                     mine[q] = (x, y)
             got.append(mine)
         return got
@@ -172,6 +187,14 @@ class Resample(RowMap):
         return min(first[o0:o1]), max(last[o0:o1]) + 1
 
 
+class Spread(Resample):
+    """A resampling of a whole value (every rank holds all its rows: a global pooling's) to
+    bands of the output rows: each rank computes its band from what it holds."""
+
+    def held(self, parts: int) -> list[tuple[int, int]]:
+        return [(0, self.h_in)] * parts
+
+
 @functools.lru_cache(maxsize=256)
 def _resample_weights(mode: str, align: bool | None, scale: float | None, h_in: int, h_out: int):
     import torch
@@ -201,13 +224,13 @@ def row_map(w: tuple) -> RowMap:
     """The row map of one entry of CostLayer.windows: (module, kernel, stride, padding,
     dilation, H in, H out, C in, W in, how, extra) with how "" (a sliding window), "ceil" (a
     pooling with ceil_mode), "transposed" (extra: the output padding) or "resample" (extra:
-    (mode, align_corners, height scale or None))."""
+    (mode, align_corners, height scale or None)) or "spread" (the same, of a whole value))."""
     _, k, s, p, d, h_in, h_out, _, _, how, extra = w
     if how == "transposed":
         return Transposed(k, s, p, d, h_in, extra)
-    if how == "resample":
+    if how in ("resample", "spread"):
         mode, align, scale = extra
-        return Resample(mode, align, scale, h_in, h_out)
+        return (Spread if how == "spread" else Resample)(mode, align, scale, h_in, h_out)
     return Window(k, s, p, d, h_in, how == "ceil")
 
 

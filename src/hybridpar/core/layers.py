@@ -46,9 +46,10 @@ class CostLayer:
     head_in: str | None = None  # the nn.Sequential holding the entry (core.handoff.head)
     input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
     norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
-    # instance and group norms riding along: (statistics per example, needs dX); on bands their
-    # statistics are all-reduced over the ranks holding an example's bands
-    spatial_norms: tuple[tuple[int, bool], ...] = ()
+    # instance and group norms riding along: (statistics per example, needs dX, running
+    # statistics tracked); on bands their statistics are all-reduced over the ranks holding an
+    # example's bands, the running ones over the batch group
+    spatial_norms: tuple[tuple[int, bool, bool], ...] = ()
     op: str = ""  # what the weighted module is: linear, conv2d, conv1d, conv3d, conv_transpose
     groups: int = 1  # a convolution's groups
     padding_mode: str = "zeros"
@@ -68,6 +69,12 @@ class CostLayer:
     loose: tuple[str, ...] = ()  # parameters no module of the layer holds, priced with it
     # per member, what autograd keeps for backward per sample (elements; core.analysis._saved)
     saved: tuple[tuple[str, float], ...] = ()
+    # global poolings riding along: (member, how (core.rows.global_pool), channels, height,
+    # needs dX); on bands their sums are all-reduced over the ranks holding an example's bands
+    pools: tuple[tuple[str, str, int, int, bool], ...] = ()
+    # members (the weighted module included) whose input is a global pooling's value: whole on
+    # every rank of a model group, they run there unchanged
+    wholes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.op:  # a layer described by hand: what its kind and input say
@@ -142,6 +149,8 @@ def _window(s: LayerSpec) -> tuple[tuple, ...]:
     it (core.halo.row_map reads it)."""
     if s.kernel is None or len(s.kernel) != 2 or len(s.in_shape) != 3 or s.padding is None:
         return ()
+    if s.whole:  # runs unchanged on every rank: no rows to read from others
+        return ()
     c, h, w = s.in_shape
     d = s.dilation[0] if s.dilation else 1
     how, extra = (s.rows[0], s.rows[1] if len(s.rows) > 1 else None) if s.rows else ("", None)
@@ -154,15 +163,18 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     name (and its height window)."""
     own = (*layer.own, (s.name, s.op, s.own)) if s.own else layer.own
     saved = (*layer.saved, (s.name, s.saved))
+    wholes = (*layer.wholes, s.name) if s.whole else layer.wholes
     if weighted:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
         fields = {"members": members, "windows": windows, "own": own, "saved": saved}
-        return CostLayer(**{**layer.__dict__, **fields})
-    norms, spatial = layer.norms, layer.spatial_norms
+        return CostLayer(**{**layer.__dict__, **fields, "wholes": wholes})
+    norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
     if s.op == "batch_norm":
         norms = (*norms, (s.in_shape[0], s.input_grad))
-    if s.op in ("instance_norm", "group_norm"):
-        spatial = (*spatial, (s.groups, s.input_grad))
+    if s.op in ("instance_norm", "group_norm") and not s.whole:
+        spatial = (*spatial, (s.groups, s.input_grad, s.tracked))
+    if s.op == "global_pool":
+        pools = (*pools, (s.name, s.rows[1], *s.in_shape[:2], s.input_grad))
     loose = sum(n for _, n in s.loose)
     return CostLayer(
         **{
@@ -177,5 +189,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "windows": (*layer.windows, *_window(s)),
             "own": own,
             "saved": saved,
+            "pools": pools,
+            "wholes": wholes,
         }
     )

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "OPS",
+    "SITES",
     "Matcher",
     "Op",
     "call",
@@ -48,6 +49,8 @@ __all__ = [
     "install_site",
     "is_plain",
     "own_op",
+    "site_func",
+    "site_key",
     "site_name",
     "swapped_parameters",
     "units",
@@ -76,6 +79,8 @@ OPS: tuple[tuple[type, Op], ...] = (
     (nn.Upsample, Op("interpolate", (F.interpolate,))),
     (nn.modules.instancenorm._InstanceNorm, Op("instance_norm", (F.instance_norm,))),
     (nn.GroupNorm, Op("group_norm", (F.group_norm,))),
+    (nn.AdaptiveAvgPool2d, Op("adaptive_avg_pool2d", (F.adaptive_avg_pool2d,))),
+    (nn.AdaptiveMaxPool2d, Op("adaptive_max_pool2d", (F.adaptive_max_pool2d,))),
 )
 """layer class (subclasses included) -> its own operation"""
 
@@ -218,9 +223,36 @@ class _Sites(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+SITES: dict[str, Callable] = {
+    "interpolate": F.interpolate,
+    "adaptive_avg_pool2d": F.adaptive_avg_pool2d,
+    "adaptive_max_pool2d": F.adaptive_max_pool2d,
+    "mean": torch.mean,
+    "sum": torch.sum,
+    "amax": torch.amax,
+    "Tensor.mean": torch.Tensor.mean,
+    "Tensor.sum": torch.Tensor.sum,
+    "Tensor.amax": torch.Tensor.amax,
+}
+"""the functions whose calls in a module's own forward a style may take (a resampling, a
+global pooling), by the name a site's name carries"""
+
+
+def site_key(func: Callable) -> str:
+    """`func`'s name in SITES ("" when a style never takes its calls)."""
+    return next((k for k, f in SITES.items() if f is func), "")
+
+
 def site_name(owner: str, func: Callable, k: int) -> str:
     """The name of the k-th call of `func` in the forward of the module `owner` ("": the model)."""
-    return f"{owner}:{func.__name__}.{k}"
+    return f"{owner}:{site_key(func)}.{k}"
+
+
+def site_func(name: str) -> tuple[str, Callable, int]:
+    """(owner, function, k) of a site's name (`site_name`)."""
+    owner, _, call = name.partition(":")
+    key, _, k = call.rpartition(".")
+    return owner, SITES[key], int(k)
 
 
 def install_site(module: nn.Module, func: Callable, k: int, to: Callable) -> None:

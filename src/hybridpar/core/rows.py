@@ -13,20 +13,35 @@ names the operation.
 | bicubic; a size or a scale)                  |                                                      |
 | BatchNorm2d                                  | statistics over every rank (rows and examples)       |
 | InstanceNorm2d, GroupNorm                    | each example's statistics over its bands' ranks      |
+| AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1),  | summed (or maxed) over the bands' ranks: the value   |
+| a mean, sum or amax over height and width    | whole on each of them (`global_pool`)                |
+| anything on such a whole value alone         | unchanged on every rank (an upsampling of it: bands) |
 | LocalResponseNorm, element-wise activations, | unchanged                                            |
 | Dropout, Identity; element-wise functions,   |                                                      |
 | cat / chunk / split along batch or channels  |                                                      |
 
-Everything else mixes rows or sees the whole image (flatten, view, adaptive pooling, mean over
-the image, Softmax over space, Dropout2d's per-channel masks, a pooling that returns
-indices) and ends a domain segment's claim.
+Everything else mixes rows or sees the whole image (flatten or view of rows, other adaptive
+output sizes, Softmax over space, a pooling that returns indices) and ends a domain segment's
+claim.
+
+A whole value (a global pooling's) meets the bands only by broadcasting (x * s, x + s,
+s.expand_as(x)) or an upsampling back to the image's size: each rank computes from it what its
+band needs, so the gradient a rank sends back into it is its band's part, and the pooling's
+backward sums the parts over the ranks.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["ELEMENTWISE_ACTIVATIONS", "RESAMPLED", "function_blocker", "module_blocker"]
+__all__ = [
+    "ELEMENTWISE_ACTIVATIONS",
+    "RESAMPLED",
+    "function_blocker",
+    "global_pool",
+    "module_blocker",
+    "module_pool",
+]
 
 RESAMPLED = ("nearest", "nearest-exact", "bilinear", "bicubic")
 """the interpolation modes a band of rows runs (core.halo.Resample)"""
@@ -52,6 +67,7 @@ _UNCHANGED = (
     nn.Dropout,
     nn.Dropout2d,
     nn.Identity,
+    nn.PReLU,
 )
 
 _ELEMENTWISE = {
@@ -134,8 +150,6 @@ def module_blocker(module: nn.Module) -> str:
         return ""
     if isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
         return f"{name} with return_indices" if getattr(module, "return_indices", False) else ""
-    if isinstance(module, nn.InstanceNorm2d) and module.track_running_stats:
-        return f"{name} with track_running_stats"
     if isinstance(module, nn.InstanceNorm2d | nn.GroupNorm):
         return ""
     if isinstance(module, nn.Upsample):
@@ -181,3 +195,43 @@ def function_blocker(func: object, args: tuple, kwargs: dict | None) -> str:
             return ""  # the width or the channels only
         return "pad of the rows"
     return f"{name} mixes rows"
+
+
+_POOLED = {"mean": "avg", "sum": "sum", "amax": "max"}
+
+
+def _ones(size) -> bool:
+    return size == 1 or (isinstance(size, tuple | list) and list(size) == [1, 1])
+
+
+def module_pool(module: nn.Module) -> str:
+    """ "avg" or "first" (the first maximum takes the gradient) when `module` pools each channel
+    of an image to one value (AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1)), else ""."""
+    if isinstance(module, nn.AdaptiveAvgPool2d) and _ones(module.output_size):
+        return "avg"
+    if isinstance(module, nn.AdaptiveMaxPool2d) and _ones(module.output_size):
+        return "" if module.return_indices else "first"
+    return ""
+
+
+def global_pool(func: object, args: tuple, kwargs: dict | None) -> str:
+    """How the torch function call `func(*args, **kwargs)` reduces each channel of a 4-d tensor
+    over its height and width to one value: "avg" (a mean, an adaptive average pooling to 1),
+    "sum", "max" (amax: ties share the gradient) or "first" (an adaptive max pooling to 1: the
+    first maximum takes it); "" when it does not."""
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "")
+    x = args[0] if args else kwargs.get("input")
+    if getattr(x, "ndim", 0) != 4:
+        return ""
+    if name in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
+        size = args[1] if len(args) > 1 else kwargs.get("output_size")
+        if not _ones(size) or kwargs.get("return_indices") or (len(args) > 2 and args[2]):
+            return ""
+        return "avg" if name == "adaptive_avg_pool2d" else "first"
+    if name not in _POOLED or kwargs.get("dtype") is not None:
+        return ""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(dim, tuple | list) or sorted(d % 4 for d in dim) != [2, 3]:
+        return ""
+    return _POOLED[name]

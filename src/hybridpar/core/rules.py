@@ -67,7 +67,8 @@ def _model(layer: CostLayer, s: Style) -> str:
 
 
 def _domain(layer: CostLayer, s: Style) -> str:
-    if layer.op not in ("conv2d", "conv_transpose") or not layer.spatial:
+    whole = layer.name in layer.wholes  # on a global pooling's value: unchanged on every rank
+    if not whole and (layer.op not in ("conv2d", "conv_transpose") or not layer.spatial):
         return (
             f"{layer.name} ({layer.op or layer.kind}) cannot be split by height: only 2-d "
             "convolutions and transposed convolutions take domain; give it batch or model"
@@ -85,8 +86,9 @@ def _domain(layer: CostLayer, s: Style) -> str:
             f"{layer.name} cannot take {s}: its segment needs whole images "
             f"({layer.blockers[0]}); give it batch or model"
         )
-    heights = [layer.x_shape[1], layer.y_shape[1]]
-    heights += [h for w in layer.windows for h in (w[5], w[6])]
+    heights = [] if whole else [layer.x_shape[1], layer.y_shape[1]]
+    heights += [w[6] for w in layer.windows] + [w[5] for w in layer.windows if w[9] != "spread"]
+    heights = heights or [s.pr]  # a layer on a whole value alone
     if s.pr > min(heights):
         return (
             f"{layer.name}: {s} splits {min(heights)} rows over Pr={s.pr} ranks; the largest Pr "

@@ -222,36 +222,46 @@ def t_host_reduce(
     return Comm("all_reduce", p, flat.bytes, intra_s + inter.seconds)
 
 
+def _small(nbytes: float, p: int, net: Priced) -> Comm:
+    """An all-reduce of a few values: with a calibrated `small_alpha` (shared memory on one host,
+    comm.small) it takes that long; the bytes are the same."""
+    c = all_reduce(nbytes, p, net)
+    if net.small_alpha is None or not net.shared_memory or p <= 1:
+        return c
+    return Comm(c.kind, c.group, c.bytes, net.small_alpha)
+
+
 def t_global_bn(
     channels: int, p: int, net: Cluster | Priced, backward: bool = True
 ) -> dict[str, Comm]:
     """Global batch norm over p ranks (Liu et al.): forward all-reduce of [sum x, sum x^2, m] and
-    backward all-reduce of [sum dy, sum dy*(x - mean)], both in float64 (8 bytes an element).
-    With a calibrated `small_alpha` (shared memory on one host, comm.small) each takes that long;
-    the bytes are the same."""
-
+    backward all-reduce of [sum dy, sum dy*(x - mean)], both in float64 (8 bytes an element)."""
     net = as_priced(net, p)
-
-    def small(n: float) -> Comm:
-        c = all_reduce(n, p, net)
-        if net.small_alpha is None or not net.shared_memory or p <= 1:
-            return c
-        return Comm(c.kind, c.group, c.bytes, net.small_alpha)
-
     return {
-        Term.BN_STATS: small((2 * channels + 1) * 8),
-        Term.BN_GRAD: small(2 * channels * 8) if backward else Comm.zero("all_reduce", p),
+        Term.BN_STATS: _small((2 * channels + 1) * 8, p, net),
+        Term.BN_GRAD: _small(2 * channels * 8, p, net) if backward else Comm.zero("all_reduce", p),
     }
 
 
-def t_band_norms(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> dict[str, Comm]:
-    """The instance and group norms riding along with `layer` on bands: each example's statistics
-    (per channel or group) all-reduced over the Pr ranks holding its bands, as global batch
-    norm's over B/Pc examples' worth of channels (runtime.parallel.batchnorm.BandStatistics)."""
-    net = as_priced(net, s.pr * s.pc).group("model", s.pr, s.pc)
+def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> dict[str, Comm]:
+    """The sums over the Pr ranks holding an example's bands, of the layers riding along with
+    `layer`: an instance or group norm's statistics per channel or group, as global batch norm's
+    over B/Pc examples' worth of channels (runtime.parallel.batchnorm.BandStatistics); a global
+    pooling's sums per channel in float64, forward (a maximum: each rank's maximum and its count
+    in a row per rank) and backward (runtime.parallel.domain.SpaceReduction); an instance norm's
+    running statistics over the batch group, where Pc > 1."""
+    priced = as_priced(net, s.pr * s.pc)
+    net, batch = priced.group("model", s.pr, s.pc), priced.group("batch", s.pr, s.pc)
     out: dict[str, Comm] = {}
-    for k, grad in layer.spatial_norms:
+    for k, grad, tracked in layer.spatial_norms:
         _merge(out, t_global_bn(k * (B // s.pc), s.pr, net, backward=grad))
+        if tracked and s.pc > 1:  # the running statistics' sums over the batch group
+            _merge(out, {Term.BN_STATS: _small((2 * k + 1) * 8, s.pc, batch)})
+    for _, how, c, _, grad in layer.pools:
+        n = c * (B // s.pc) * 8
+        back = _small(n, s.pr, net) if grad else Comm.zero("all_reduce", s.pr)
+        rows = 2 * s.pr if how in ("max", "first") else 1
+        _merge(out, {Term.BN_STATS: _small(n * rows, s.pr, net), Term.BN_GRAD: back})
     return out
 
 
@@ -412,7 +422,7 @@ def layer_comms(
     if bn != "local":
         terms.update(t_norms(layer, s, net))
     if s.kind == "domain" and s.pr > 1:
-        _merge(terms, t_band_norms(layer, s, B, net))
+        _merge(terms, t_band_sums(layer, s, B, net))
     return terms
 
 

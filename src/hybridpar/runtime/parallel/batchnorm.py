@@ -259,11 +259,15 @@ class BandStatistics:
     F.group_norm on a band of rows: each example's statistics (per channel, or per group of
     channels) over every rank holding a band of it (`group`, the model group), by global batch
     norm on the band viewed as one example of N x K channels; the affine per channel after. In
-    evaluation too: a band alone does not hold an example's statistics."""
+    evaluation too (a band alone does not hold an example's statistics), unless an instance norm
+    tracks running statistics: those it updates as torch does (each example's copy moved by its
+    statistics, then their mean over the examples of every batch group: `batch`), and in
+    evaluation it normalises each pixel by them alone."""
 
-    def __init__(self, module: nn.Module, group: Group, ledger: Ledger | None, layer: str):
+    def __init__(self, module: nn.Module, group: Group, ledger: Ledger | None, layer: str,
+                 batch: Group | None = None):  # fmt: skip
         self.groups = getattr(module, "num_groups", None)  # None: instance norm
-        self.group, self.ledger, self.layer = group, ledger, layer
+        self.group, self.ledger, self.layer, self.batch = group, ledger, layer, batch
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.groups is None:  # F.instance_norm(x, running_mean, running_var, weight, bias,
@@ -272,20 +276,46 @@ class BandStatistics:
             names = ("num_groups", "weight", "bias", "eps")
         given = {**dict(zip(names, args, strict=False)), **kwargs}
         weight, bias, eps = given.get("weight"), given.get("bias"), given.get("eps", 1e-5)
+        if not given.get("use", True):  # running statistics: each pixel by itself
+            return F.instance_norm(x, *args, **kwargs)
         n, c = x.shape[:2]
         k = c if self.groups is None else self.groups
+        tracked = given.get("running_mean") is not None and self.groups is None
+        copies = (
+            tuple(given[r].repeat(n) for r in ("running_mean", "running_var")) if tracked else None
+        )
         dtype = x.dtype
-        with torch.autocast(x.device.type, enabled=False):
-            via = Via(self.group, self.ledger, layer=self.layer)
-            flat = x.float() if dtype not in (torch.float32, torch.float64) else x
-            y = _GlobalBatchNormFn.apply(flat.reshape(1, n * k, -1), None, None, None, 0.0, eps,
-                                         via)  # fmt: skip
+        if not n:  # a batch group without examples: every rank of its model group has none
+            y = x * 1.0
+        else:
+            with torch.autocast(x.device.type, enabled=False):
+                via = Via(self.group, self.ledger, layer=self.layer)
+                flat = x.float() if dtype not in (torch.float32, torch.float64) else x
+                y = _GlobalBatchNormFn.apply(flat.reshape(1, n * k, -1), None, None, copies,
+                                             given.get("momentum", 0.1), eps, via)  # fmt: skip
+        if copies is not None:
+            self._settle(copies, (given["running_mean"], given["running_var"]), n, c)
         y = y.reshape(x.shape).to(dtype)
         if weight is not None:
             y = y * weight.view(1, c, *[1] * (x.dim() - 2))
         if bias is not None:
             y = y + bias.view(1, c, *[1] * (x.dim() - 2))
         return y
+
+    def _settle(self, copies: tuple, running: tuple, n: int, c: int) -> None:
+        """The examples' updated copies of the running statistics averaged into them, over the
+        examples of every batch group (one all-reduce of their sums and counts where Pc > 1)."""
+        both = torch.stack(copies).view(2, n, c)
+        if self.batch is None or self.batch.size == 1:
+            if n:
+                running[0].copy_(both[0].mean(0))
+                running[1].copy_(both[1].mean(0))
+            return
+        sums = torch.cat([both.sum(1).flatten().double(), both.new_full((1,), n).double()])
+        all_reduce(sums, Via(self.batch, self.ledger, Term.BN_STATS, self.layer))
+        means = (sums[:-1] / sums[-1]).view(2, c).to(both.dtype)
+        running[0].copy_(means[0])
+        running[1].copy_(means[1])
 
 
 class GlobalBatchNorm(_BatchNorm):

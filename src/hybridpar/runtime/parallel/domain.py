@@ -31,6 +31,7 @@ back the same ways; the cost model (planning.cost.terms.redistribute) prices exa
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm import p2p
-from hybridpar.runtime.comm.collectives import Via
+from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.batchnorm import BandStatistics
@@ -58,6 +59,7 @@ __all__ = [
     "DomainStyle",
     "DomainTransposed",
     "Exchange",
+    "SpaceReduction",
 ]
 
 
@@ -79,7 +81,7 @@ class Exchange:
         pr, me = group.size, group.rank
         self.me, self.pr = me, pr
         self.ranks = [dist.get_global_rank(group.pg, j) for j in range(pr)]
-        self.band = bands(window.h_in, pr)[me]
+        self.band = window.held(pr)[me]
         self.out = bands(window.h_out, pr)[me]
         plan = window.plan(pr)  # every rank's receives: {rank: [lo, hi)}
         self.receives = plan[me]
@@ -492,6 +494,81 @@ class DomainPool(_Windowed):
         return mean / F.avg_pool2d(mask, k, st, pad, ceil, True)
 
 
+class _SpaceSum(torch.autograd.Function):
+    """Forward: each example's sum per channel over every rank's band (this rank's sums
+    all-reduced in float64). Backward: the gradient of those sums, which each rank computed
+    from its band alone (its part), summed over the ranks and spread over the band's rows."""
+
+    @staticmethod
+    def forward(ctx, x, via):
+        ctx.shape, ctx.via = x.shape, via
+        sums = x.sum((2, 3), dtype=torch.float64)
+        all_reduce(sums, via)
+        return sums.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        total = g.to(torch.float64).contiguous()
+        all_reduce(total, replace(ctx.via, term=Term.BN_GRAD))
+        return total.to(g.dtype)[:, :, None, None].expand(ctx.shape), None
+
+
+class _SpaceMax(torch.autograd.Function):
+    """Forward: each example's maximum per channel over every rank's band: this rank's maxima
+    and how often each occurs, summed in float64 into a row per rank (an all-gather as an
+    all-reduce). Backward: the gradient's sum over the ranks goes to the first maximum (`first`:
+    an adaptive max pooling's index) or in equal shares to every maximum (amax's ties)."""
+
+    @staticmethod
+    def forward(ctx, x, via, first: bool):
+        group = via.group
+        flat = x.flatten(2)
+        top = flat.amax(2)
+        hits = flat == top[..., None]
+        rows = torch.zeros((group.size, 2, *top.shape), dtype=torch.float64, device=x.device)
+        rows[group.rank, 0], rows[group.rank, 1] = top, hits.sum(2)
+        all_reduce(rows, via)
+        most = rows[:, 0].amax(0)
+        held = rows[:, 0] == most  # (ranks, N, C): the ranks holding a maximum
+        if first:  # the first in the image's order: the first rank's first
+            mine = held.int().argmax(0) == group.rank
+            hits = F.one_hot(hits.int().argmax(2), flat.shape[2]).bool()
+            ties = torch.ones_like(most)
+        else:
+            mine, ties = held[group.rank], (rows[:, 1] * held).sum(0)
+        ctx.save_for_backward(hits, mine, ties)
+        ctx.shape, ctx.via = x.shape, replace(via, term=Term.BN_GRAD)
+        return most.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        hits, mine, ties = ctx.saved_tensors
+        total = g.to(torch.float64).contiguous()
+        all_reduce(total, ctx.via)
+        share = (total * mine / ties).to(g.dtype)
+        return (hits * share[..., None]).view(ctx.shape), None, None
+
+
+class SpaceReduction:
+    """What the domain style swaps in for a global pooling of a band (core.rows.global_pool:
+    AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1), a mean, sum or amax over height and width): the
+    value of the whole image, on every rank of the model group, in the shape the call returns."""
+
+    def __init__(self, pool: tuple, adaptive: bool, group: Group, ledger: Ledger | None, layer):
+        _, self.how, _, self.rows, _ = pool  # CostLayer.pools
+        self.adaptive = adaptive  # keeps the dims (else the call's keepdim says)
+        self.via = Via(group, ledger, Term.BN_STATS, layer)
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.how in ("max", "first"):
+            y = _SpaceMax.apply(x, self.via, self.how == "first")
+        else:
+            y = _SpaceSum.apply(x, self.via)
+            y = y / (self.rows * x.shape[3]) if self.how == "avg" else y
+        keep = self.adaptive or kwargs.get("keepdim", args[1] if len(args) > 1 else False)
+        return y[:, :, None, None] if keep else y
+
+
 class _Transposed(torch.autograd.Function):
     """An all-to-all within the model group, from one cut of the activation to another: this
     rank's tensor cut into `send`'s pieces, piece q to rank q; what arrives joined along `recv`'s
@@ -624,8 +701,15 @@ class DomainStyle(ParallelStyle):
     def shard(self, name: str, module: nn.Module, layer: CostLayer) -> nn.Module:
         windows = {w[0]: w for w in layer.windows}
         group, ledger = self.grid.model_group, self.ctx.ledger
+        pool = next((p for p in layer.pools if p[0] == name), None)
+        if name in layer.wholes or (self.spec.pr == 1 and pool):
+            return module  # whole on every rank: unchanged
+        if pool:
+            ops.install(module, SpaceReduction(pool, True, group, ledger, layer.name), name=name)
+            return module
         if isinstance(module, nn.InstanceNorm2d | nn.GroupNorm) and self.spec.pr > 1:
-            ops.install(module, BandStatistics(module, group, ledger, layer.name), name=name)
+            stats = BandStatistics(module, group, ledger, layer.name, self.grid.batch_group)
+            ops.install(module, stats, name=name)
             return module
         if name not in windows:
             return module
@@ -635,12 +719,18 @@ class DomainStyle(ParallelStyle):
         return module
 
     def site(self, name: str, owner: nn.Module, layer: CostLayer) -> None:
-        """An F.interpolate in a module's own forward (core.ops.install_site)."""
+        """An F.interpolate or a global pooling in a module's own forward (core.ops.install_site)."""
         windows = {w[0]: w for w in layer.windows}
+        pool = next((p for p in layer.pools if p[0] == name), None)
+        _, func, k = ops.site_func(name)
+        group, ledger = self.grid.model_group, self.ctx.ledger
         if name in windows:
-            group, ledger = self.grid.model_group, self.ctx.ledger
             stand_in = DomainResample(owner, row_map(windows[name]), group, ledger, layer.name)
-            ops.install_site(owner, F.interpolate, int(name.rpartition(".")[2]), stand_in)
+            ops.install_site(owner, func, k, stand_in)
+        elif pool and self.spec.pr > 1:
+            adaptive = func.__name__.startswith("adaptive")
+            reduction = SpaceReduction(pool, adaptive, group, ledger, layer.name)
+            ops.install_site(owner, func, k, reduction)
 
     @property
     def grad_group(self) -> Group:
