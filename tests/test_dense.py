@@ -437,3 +437,54 @@ def test_an_image_and_mask_folder_is_read_by_bands(tmp_path):
     y = data.y_train[torch.tensor([2, 0])].take_rows(slice(0, 2), (5, 9))
     torch.testing.assert_close(x, torch.as_tensor(pixels[pick, None, 5:9] / 255.0).float())
     assert torch.equal(y, torch.as_tensor(classes[pick, 5:9]))
+
+
+class _Supervised(nn.Module):
+    """Deep supervision: a second head's output returned beside the main one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Conv2d(3, 4, 3, padding=1)
+        self.head, self.aux = nn.Conv2d(4, 3, 1), nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        f = self.body(x)
+        return self.head(f), self.aux(f)
+
+
+class _ChannelsLast(nn.Module):
+    """A layer norm over the channels through permute (ConvNeXt's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(3, 4, 3, padding=1), nn.LayerNorm(4)
+        self.head = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        y = self.norm(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(y)
+
+
+@pytest.mark.parametrize(
+    "net, why",
+    [
+        (lambda: _Supervised(), "the model's output"),
+        (lambda: _ChannelsLast(), "permute mixes rows"),
+        (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(2)), "AdaptiveAvgPool2d"),
+        (
+            lambda: nn.Sequential(
+                nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)
+            ),
+            "a global pooling's value leaves the segment",
+        ),
+    ],
+)
+def test_what_bands_cannot_run_is_refused_by_name(net, why):
+    """Deep supervision's second output, a layer norm through permute, an adaptive pooling to
+    more than one value, a global pooling's value handed to a classifier: domain is refused for
+    the first convolution, naming the reason."""
+    from hybridpar.core.rules import why_not
+
+    first = cost_layers(analyze(net().double(), (3, 16, 8)))[0]
+    said = why_not(first, Style.domain(2, 1), 2)
+    assert why in said and said.endswith("give it batch or model"), said
