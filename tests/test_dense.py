@@ -9,6 +9,7 @@ the returned mean losses against one process; every convolution domain; bytes = 
 
 import functools
 import itertools
+import re
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ NETS = {
     "residual-group-norm": lambda s: ResidualEncoderDecoder(CLASSES),
     "atrous-pyramid": lambda s: AtrousPyramid(CLASSES),
     "gated": lambda s: Gated(CLASSES),
+    "unet3d-instance-prelu": lambda s: _prelu(UNet(s, CLASSES, width=2, norm="instance", dims=3)),
+    "unet3d-trilinear": lambda s: UNet(s, CLASSES, width=2, up="bilinear", dims=3),
 }
 
 
@@ -92,9 +95,9 @@ def _cells(P: int) -> list[tuple[str, int, int, str, int]]:
     (the nets of global poolings and spatial norms at B = 1); the losses on the transposed
     U-Net; all domain(P x 1), and on 4 ranks the instance norm's running statistics on 2 x 2."""
     cells = []
-    heights = (61, 97, 61, 61, 97, 61, 61, 29, 29, 29)
+    heights = (61, 97, 61, 61, 97, 61, 61, 29, 29, 29, 13, 13)
     for (name, h), b in itertools.product(zip(NETS, heights, strict=True), (1, 2)):
-        if (b == 2) == (h == 61) or name.startswith("unet"):
+        if (b == 2) == (h == 61) or name.startswith("unet-"):
             cells.append((name, h, b, "ce", P))
     cells += [("unet-transposed", 40, 2, loss, P) for loss in LOSSES if loss != "ce"]
     return cells + ([("unet-instance-prelu", 61, 4, "ce", 2)] if P == 4 else [])
@@ -104,18 +107,24 @@ def _data(name: str, h: int, b: int, loss: str):
     g = torch.Generator().manual_seed(h + b)
     out = []
     for _ in range(STEPS):
-        x = torch.randn(b, 3, h, W, generator=g, dtype=torch.float64)
+        pixels = _size(name, h)
+        x = torch.randn(b, 3, *pixels, generator=g, dtype=torch.float64)
         if loss in ("mse", "l1"):
-            y = torch.randn(b, CLASSES, h, W, generator=g, dtype=torch.float64)
+            y = torch.randn(b, CLASSES, *pixels, generator=g, dtype=torch.float64)
         else:
-            y = torch.randint(0, CLASSES, (b, h, W), generator=g)
+            y = torch.randint(0, CLASSES, (b, *pixels), generator=g)
         out.append((x, y))
     return out
 
 
 def _model(name: str, h: int):
     torch.manual_seed(0)
-    return NETS[name]((h, W)).double()
+    return NETS[name](_size(name, h)).double()
+
+
+def _size(name: str, h: int) -> tuple[int, ...]:
+    """An image's (H, W), or a volume's (D, H, W): `h` the rows split over the ranks."""
+    return (h, 6, 5) if name.startswith("unet3d") else (h, W)
 
 
 def _reference(name: str, h: int, b: int, loss: str):
@@ -133,7 +142,7 @@ def _reference(name: str, h: int, b: int, loss: str):
 
 def _plan(name: str, h: int, b: int, P: int, pr: int | None = None):
     """Every convolution domain(Pr x P/Pr) (Pr = P unless given), priced (float64), exported."""
-    shape = (3, h, W)
+    shape = (3, *_size(name, h))
     layers = cost_layers(analyze(_model(name, h), shape))
     styles = [Style.domain(pr or P, P // (pr or P))] * len(layers)
     plan = evaluate(layers, styles, PlanRequest(P, b, NET, elem_bytes=8))
@@ -146,14 +155,16 @@ def _train(P: int) -> int:
         label = f"{name} H={h} B={b} {loss} P={P} Pr={pr}"
         want, want_losses = _reference(name, h, b, loss)
         plan = _plan(name, h, b, P, pr)
-        t = HybridTrainer(_model(name, h), plan, optimizer, LOSSES[loss], input_shape=(3, h, W))
+        shape = (3, *_size(name, h))
+        t = HybridTrainer(_model(name, h), plan, optimizer, LOSSES[loss], input_shape=shape)
         got = [t.step(x, y) for x, y in _data(name, h, b, loss)]
         state = t.full_state_dict()
         for k, v in want.items():
             torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
         torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
         lo, hi = bands(h, P)[dist.get_rank()]
-        assert pr < P or t.target.shape[-2] == hi - lo, f"{label}: the loss ran on {t.target.shape}"
+        rows = t.target.shape[-len(shape) + 1]  # the height's, or a volume's depth
+        assert pr < P or rows == hi - lo, f"{label}: the loss ran on {t.target.shape}"
         _bytes_are_predicted(t.ledger, plan, label)
     return len(_cells(P))
 
@@ -343,7 +354,10 @@ def test_predicted_memory_is_what_a_rank_counts(P):
 @pytest.mark.parametrize(
     "data, why",
     [
-        ("bad.npz", r"y \(N, H, W\) a class per pixel of x \(N, C, H, W\); got x \(8, 1, 16, 16\)"),
+        (
+            "bad.npz",
+            r"y \(N, H, W\) a class per pixel of x \(N, C, H, W\).*; got x \(8, 1, 16, 16\)",
+        ),
         ("digits-seg:8", r"digits-seg:SIZE .* SIZE >= 16 pixels"),
         ("digits-seg:32:1", r"at least 2 images"),
         ("pairs", r"image b.png has no mask in masks/ \(1 images have none\)"),
@@ -352,7 +366,6 @@ def test_predicted_memory_is_what_a_rank_counts(P):
 def test_dense_data_that_cannot_train_is_refused_in_one_line(tmp_path, capsys, data, why):
     """Masks that are not the images' size and malformed digits-seg specs: exit 2, one line,
     before any rank starts."""
-    import re
 
     import numpy as np
     from PIL import Image
@@ -488,3 +501,25 @@ def test_what_bands_cannot_run_is_refused_by_name(net, why):
     first = cost_layers(analyze(net().double(), (3, 16, 8)))[0]
     said = why_not(first, Style.domain(2, 1), 2)
     assert why in said and said.endswith("give it batch or model"), said
+
+
+def test_a_volume_trains_split_by_depth_from_the_command_line(tmp_path, capsys):
+    """`hybridpar train --model unet3d` on memory-mapped volumes (N, 1, D, H, W) with a class per
+    voxel: the domain preset splits them by depth, each rank reads its depth slices of each
+    volume only (printed), and the bytes it sends are the prediction."""
+    import numpy as np
+
+    from hybridpar.commands import cli
+
+    g = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", g.standard_normal((6, 1, 10, 8, 8)).astype(np.float32))
+    np.save(tmp_path / "y.npy", g.integers(0, 3, (6, 10, 8, 8)))
+    argv = ["train", "--model", "unet3d", "--data", str(tmp_path), "--nproc", "2", "--batch", "2"]
+    argv += ["--preset", "domain", "--epochs", "1", "--save", str(tmp_path / "w.pt")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    whole = 10 * 8 * 8 * 4 / 2**10  # KiB of one volume; a rank reads 5 of its 10 depth slices
+    assert f"{whole / 2:.1f} KiB an example of its {whole:.1f} KiB" in out, out
+    rows = re.findall(r"^ {30}(\w+) +(\d+) +(\d+)$", out, re.M)
+    assert {"halo_fwd", "halo_bwd", "bn_stats"} <= {t for t, _, _ in rows}, out
+    assert all(m == p for _, m, p in rows), rows

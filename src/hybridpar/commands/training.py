@@ -98,6 +98,11 @@ def _print_report(report: dict) -> None:
             f"memory per rank, MiB (the largest): {before}counted {peak['counted_mb']:.1f} "
             f"(parameters, gradients, optimizer state, kept for backward); {memory}"
         )
+    if "read_kib" in peak:
+        print(
+            f"examples read from disk per rank (memory-mapped, the largest): "
+            f"{peak['read_kib']:.1f} KiB an example of its {peak['whole_kib']:.1f} KiB"
+        )
     print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):
         if k not in UNSHOWN:

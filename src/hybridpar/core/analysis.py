@@ -89,8 +89,8 @@ def layer_kind(module: nn.Module) -> str:
     return "other"
 
 
-def _pair(v: int | tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(v) if isinstance(v, tuple | list) else (v, v)
+def _pair(v: int | tuple[int, ...], n: int = 2) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, tuple | list) else (v,) * n
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,7 @@ def _flops(
         k = getattr(module, "kernel_size", None)
         if k is None:  # adaptive: each output reads about d_in / d_out inputs
             return math.prod(in_shape)
-        return d_out * math.prod(_pair(k))
+        return d_out * math.prod(_pair(k, len(in_shape) - 1))
     if kind == "norm":
         return 4 * d_out
     if kind == "activation":
@@ -197,7 +197,9 @@ def _op(module: nn.Module, kind: str) -> str:
     return "linear" if kind == "linear" else kind
 
 
-_ONE = dict(kernel=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1))  # a resampling's
+def _one(dims: int) -> dict:
+    """A resampling's window: one row to one row along each of `dims` dimensions."""
+    return dict(kernel=(1,) * dims, stride=(1,) * dims, padding=(0,) * dims, dilation=(1,) * dims)
 
 
 def _resampling(size, scale, mode: str, align, recompute) -> tuple:
@@ -206,7 +208,7 @@ def _resampling(size, scale, mode: str, align, recompute) -> tuple:
     if isinstance(scale, tuple | list):
         scale = scale[0]
     scale = None if size is not None or scale is None or recompute else float(scale)
-    linear = mode in ("bilinear", "bicubic")
+    linear = mode in ("bilinear", "bicubic", "trilinear")
     return (mode, bool(align) if linear else None, scale)
 
 
@@ -215,7 +217,7 @@ def _resample_call(args: tuple, kwargs: dict) -> tuple[tuple, str]:
     band of rows ("": it can)."""
     a = inspect.signature(F.interpolate).bind(*args, **kwargs).arguments
     mode = a.get("mode", "nearest")
-    if a["input"].dim() != 4:
+    if a["input"].dim() not in (4, 5):
         return (), f"interpolate of a {a['input'].dim()}-d tensor"
     if mode not in RESAMPLED or a.get("antialias"):
         return (), f"interpolate in mode {mode!r}{' with antialias' if a.get('antialias') else ''}"
@@ -236,6 +238,7 @@ def _spec(
     name: str, module: nn.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...]
 ) -> LayerSpec:
     kind = layer_kind(module)
+    dims = len(in_shape) - 1  # spatial dimensions
     weight = getattr(module, "weight", None)
     bias = getattr(module, "bias", None)
     weights = weight.numel() if isinstance(weight, torch.Tensor) else 0
@@ -258,20 +261,20 @@ def _spec(
         extra = dict(out_units=out_shape[-1])
     elif kind == "pool" and getattr(module, "kernel_size", None) is not None:
         extra = dict(
-            kernel=_pair(module.kernel_size),
-            stride=_pair(module.stride or module.kernel_size),
-            padding=_pair(getattr(module, "padding", 0)),
-            dilation=_pair(getattr(module, "dilation", 1)),
+            kernel=_pair(module.kernel_size, dims),
+            stride=_pair(module.stride or module.kernel_size, dims),
+            padding=_pair(getattr(module, "padding", 0), dims),
+            dilation=_pair(getattr(module, "dilation", 1), dims),
             rows=("ceil",) if getattr(module, "ceil_mode", False) else (),
         )
-    elif isinstance(module, nn.InstanceNorm2d | nn.GroupNorm):
+    elif isinstance(module, nn.modules.instancenorm._InstanceNorm | nn.GroupNorm):
         extra = dict(groups=getattr(module, "num_groups", in_shape[0]))
         extra["tracked"] = bool(getattr(module, "track_running_stats", False))
-    elif isinstance(module, nn.Upsample) and len(in_shape) == 3:
+    elif isinstance(module, nn.Upsample) and dims in (2, 3):
         m = module
         how = _resampling(m.size, m.scale_factor, m.mode, m.align_corners, m.recompute_scale_factor)
-        extra = dict(**_ONE, rows=("resample", how))
-    if isinstance(module, nn.modules.conv._ConvTransposeNd) and len(in_shape) == 3:
+        extra = dict(**_one(dims), rows=("resample", how))
+    if isinstance(module, nn.modules.conv._ConvTransposeNd) and dims in (2, 3):
         k, st, p, d = (extra[a][0] for a in ("kernel", "stride", "padding", "dilation"))
         reached = (in_shape[1] - 1) * st - 2 * p + d * (k - 1) + 1  # output_padding aside
         extra["rows"] = ("transposed", out_shape[1] - reached)
@@ -428,7 +431,8 @@ class _Recorder(TorchFunctionMode):
                              rows=("global", how))  # fmt: skip
         geometry, why = _resample_call(args, kwargs or {})
         rows = ("spread" if spread else "resample", geometry) if not why else ()
-        return LayerSpec(name, "other", "interpolate", **shapes, **_ONE, op="interpolate",
+        one = _one(x.dim() - 2)
+        return LayerSpec(name, "other", "interpolate", **shapes, **one, op="interpolate",
                          blocker=why, rows=rows)  # fmt: skip
 
 
@@ -583,7 +587,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
     timed = [(t, replace(s, unsplit=unsplit.get(s.name, ""))) for t, s in timed]
     # (N, C, H, W) on bands: rows stay split (not a global pooling's whole value)
-    dense = isinstance(out, torch.Tensor) and out.dim() == 4 and rec.key(out) not in rec.whole
+    dense = isinstance(out, torch.Tensor) and out.dim() in (4, 5) and rec.key(out) not in rec.whole
     traced = _segments(timed, hooks.calls, rec, seqs, dense)
     traced.out_shape = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else ()
     traced.in_shape = input_shape

@@ -201,6 +201,7 @@ def _resample_weights(mode: str, align: bool | None, scale: float | None, h_in: 
     from torch.nn import functional as F
 
     eye = torch.eye(h_in, dtype=torch.float64).view(1, h_in, h_in, 1)  # channel i: row i's one
+    mode = "bilinear" if mode == "trilinear" else mode  # along one dimension the same weights
     kwargs: dict = {"mode": mode}
     if mode in ("bilinear", "bicubic"):
         kwargs["align_corners"] = align

@@ -11,6 +11,7 @@ layout it runs in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -147,11 +148,13 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
 def _window(s: LayerSpec) -> tuple[tuple, ...]:
     """The row map of a 2-d convolution, pooling or resampling leaf, as CostLayer.windows holds
     it (core.halo.row_map reads it)."""
-    if s.kernel is None or len(s.kernel) != 2 or len(s.in_shape) != 3 or s.padding is None:
+    dims = len(s.in_shape) - 1
+    if s.kernel is None or len(s.kernel) != dims or dims not in (2, 3) or s.padding is None:
         return ()
     if s.whole:  # runs unchanged on every rank: no rows to read from others
         return ()
-    c, h, w = s.in_shape
+    c, h, *rest = s.in_shape
+    w = math.prod(rest)  # the elements of one row (a volume's: of one depth slice) per channel
     d = s.dilation[0] if s.dilation else 1
     how, extra = (s.rows[0], s.rows[1] if len(s.rows) > 1 else None) if s.rows else ("", None)
     k, st, p = s.kernel[0], s.stride[0], s.padding[0]

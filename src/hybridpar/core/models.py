@@ -12,6 +12,7 @@ of the papers' tables) with real module trees (resnet20: stages of BasicBlocks, 
 | digits-wide | the digits CNN with a 2048-wide FC head: the FC weights dominate, as in AlexNet   |
 | mlp         | Dettmers' MNIST network 784-1024-1024-10                                           |
 | unet        | a 3-level U-Net (transposed convolutions up; unet-bilinear: bilinear upsampling)   |
+| unet3d      | the U-Net over volumes (Conv3d, instance norm), split by depth                     |
 """
 
 from __future__ import annotations
@@ -189,14 +190,16 @@ class ResNet20(nn.Module):
 class UNet(nn.Module):
     """A U-Net (Ronneberger et al. 2015) for dense prediction: `levels` encoder levels of two
     3x3 conv-BN-ReLU each, 2x2 max-pooling down (ceil_mode, so odd heights keep every row),
-    a 2x2 transposed convolution up (`up="transposed"`, its output padding fitted to the skip
-    tensor's size) or a bilinear upsampling to the skip tensor's size and a 3x3 convolution
-    (`up="bilinear"`), skip connections joined by `torch.cat`, a 1x1 convolution to the classes.
-    Built for one input size (the upsamplings' sizes follow it), any height and width."""
+    a 3x3 stride-2 transposed convolution up (`up="transposed"`, its output padding fitted to
+    the skip tensor's size) or a bilinear upsampling to the skip tensor's size and a 3x3
+    convolution (`up="bilinear"`), skip connections joined by `torch.cat`, a 1x1 convolution to
+    the classes. Built for one input size (the upsamplings' sizes follow it). With `dims=3` the
+    same over volumes (Cicek et al. 2016's 3-D U-Net: Conv3d, MaxPool3d, ConvTranspose3d or
+    trilinear upsampling), `input_size` (D, H, W) or one side."""
 
     def __init__(
         self,
-        input_size: int | tuple[int, int] = 64,
+        input_size: int | tuple[int, ...] = 64,
         num_classes: int = 3,
         in_channels: int = 3,
         width: int = 8,
@@ -204,31 +207,35 @@ class UNet(nn.Module):
         up: str = "transposed",
         align_corners: bool = False,
         norm: str = "batch",
+        dims: int = 2,
     ) -> None:
         super().__init__()
-        h, w = (input_size, input_size) if isinstance(input_size, int) else input_size
-        sizes = [(h, w)]
+        conv, transposed, pool = _LAYERS[dims][:3]
+        sizes = [
+            tuple(input_size) if isinstance(input_size, tuple | list) else (input_size,) * dims
+        ]
         for _ in range(levels - 1):
-            sizes.append((-(-sizes[-1][0] // 2), -(-sizes[-1][1] // 2)))
+            sizes.append(tuple(-(-s // 2) for s in sizes[-1]))
         widths = [width * 2**i for i in range(levels)]
         self.down = nn.ModuleList()
         c = in_channels
         for i, cw in enumerate(widths):
-            pool = [nn.MaxPool2d(2, ceil_mode=True)] if i else []
-            self.down.append(nn.Sequential(*pool, *_double_conv(c, cw, norm)))
+            down = [pool(2, ceil_mode=True)] if i else []
+            self.down.append(nn.Sequential(*down, *_double_conv(c, cw, norm, dims)))
             c = cw
         self.up = nn.ModuleList()
         self.merge = nn.ModuleList()
+        mode = "trilinear" if dims == 3 else "bilinear"
         for i in reversed(range(levels - 1)):
-            (hs, ws), (hl, wl), cl = sizes[i], sizes[i + 1], widths[i + 1]
+            skip, low, cl = sizes[i], sizes[i + 1], widths[i + 1]
             if up == "transposed":
-                pad = (hs - (2 * hl - 1), ws - (2 * wl - 1))  # 3x3, stride 2: 2h - 1 (+ 1)
-                self.up.append(nn.ConvTranspose2d(cl, widths[i], 3, 2, 1, output_padding=pad))
+                pad = tuple(s - (2 * t - 1) for s, t in zip(skip, low, strict=True))  # 2t - 1 (+1)
+                self.up.append(transposed(cl, widths[i], 3, 2, 1, output_padding=pad))
             else:
-                resize = nn.Upsample((hs, ws), mode="bilinear", align_corners=align_corners)
-                self.up.append(nn.Sequential(resize, nn.Conv2d(cl, widths[i], 3, padding=1)))
-            self.merge.append(nn.Sequential(*_double_conv(2 * widths[i], widths[i], norm)))
-        self.head = nn.Conv2d(widths[0], num_classes, 1)
+                resize = nn.Upsample(skip, mode=mode, align_corners=align_corners)
+                self.up.append(nn.Sequential(resize, conv(cl, widths[i], 3, padding=1)))
+            self.merge.append(nn.Sequential(*_double_conv(2 * widths[i], widths[i], norm, dims)))
+        self.head = conv(widths[0], num_classes, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skips = []
@@ -240,17 +247,25 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def _double_conv(c_in: int, c_out: int, norm: str = "batch") -> list[nn.Module]:
+# spatial dimensions -> convolution, transposed convolution, max pooling, batch and instance norm
+_LAYERS = {
+    2: (nn.Conv2d, nn.ConvTranspose2d, nn.MaxPool2d, nn.BatchNorm2d, nn.InstanceNorm2d),
+    3: (nn.Conv3d, nn.ConvTranspose3d, nn.MaxPool3d, nn.BatchNorm3d, nn.InstanceNorm3d),
+}
+
+
+def _double_conv(c_in: int, c_out: int, norm: str = "batch", dims: int = 2) -> list[nn.Module]:
     """Two 3x3 conv-norm-ReLU: batch norm, instance norm (affine) or group norm (4 groups)."""
+    conv, _, _, batch, instance = _LAYERS[dims]
 
     def normed(c: int) -> nn.Module:
         if norm == "instance":
-            return nn.InstanceNorm2d(c, affine=True)
-        return nn.GroupNorm(4, c) if norm == "group" else nn.BatchNorm2d(c)
+            return instance(c, affine=True)
+        return nn.GroupNorm(4, c) if norm == "group" else batch(c)
 
     return [
-        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), normed(c_out), nn.ReLU(),
-        nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), normed(c_out), nn.ReLU(),
+        conv(c_in, c_out, 3, padding=1, bias=False), normed(c_out), nn.ReLU(),
+        conv(c_out, c_out, 3, padding=1, bias=False), normed(c_out), nn.ReLU(),
     ]  # fmt: skip
 
 
@@ -311,6 +326,9 @@ BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "unet": lambda input_size, num_classes, in_channels: UNet(input_size, num_classes, in_channels),
     "unet-bilinear": lambda input_size, num_classes, in_channels: UNet(
         input_size, num_classes, in_channels, up="bilinear"
+    ),
+    "unet3d": lambda input_size, num_classes, in_channels: UNet(
+        input_size, num_classes, in_channels, norm="instance", dims=3
     ),
 }
 assert set(BUILDERS) == set(MODELS), "every zoo entry has a builder"
@@ -391,7 +409,7 @@ def build_any(name: str, shape: tuple[int, ...], num_classes: int | None) -> nn.
         return build_user_model(name, num_classes)
     return build_model(
         name,
-        input_size=shape[-1] if len(shape) == 3 else None,
+        input_size={3: shape[-1], 4: tuple(shape[1:])}.get(len(shape)),
         num_classes=num_classes,
         in_channels=shape[0],
     )

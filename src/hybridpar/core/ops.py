@@ -71,6 +71,10 @@ class Op:
 _CONV2D = Op("conv2d", (F.conv2d,), (F.pad,))
 OPS: tuple[tuple[type, Op], ...] = (
     (nn.Conv2d, _CONV2D),
+    (nn.Conv3d, Op("conv3d", (F.conv3d,), (F.pad,))),
+    (nn.ConvTranspose3d, Op("conv_transpose3d", (F.conv_transpose3d,))),
+    (nn.MaxPool3d, Op("max_pool3d", (F.max_pool3d,))),
+    (nn.AvgPool3d, Op("avg_pool3d", (F.avg_pool3d,))),
     (nn.Linear, Op("linear", (F.linear,))),
     (nn.modules.batchnorm._BatchNorm, Op("batch_norm", (F.batch_norm,))),
     (nn.MaxPool2d, Op("max_pool2d", (F.max_pool2d,))),
@@ -81,6 +85,8 @@ OPS: tuple[tuple[type, Op], ...] = (
     (nn.GroupNorm, Op("group_norm", (F.group_norm,))),
     (nn.AdaptiveAvgPool2d, Op("adaptive_avg_pool2d", (F.adaptive_avg_pool2d,))),
     (nn.AdaptiveMaxPool2d, Op("adaptive_max_pool2d", (F.adaptive_max_pool2d,))),
+    (nn.AdaptiveAvgPool3d, Op("adaptive_avg_pool3d", (F.adaptive_avg_pool3d,))),
+    (nn.AdaptiveMaxPool3d, Op("adaptive_max_pool3d", (F.adaptive_max_pool3d,))),
 )
 """layer class (subclasses included) -> its own operation"""
 
@@ -227,6 +233,8 @@ SITES: dict[str, Callable] = {
     "interpolate": F.interpolate,
     "adaptive_avg_pool2d": F.adaptive_avg_pool2d,
     "adaptive_max_pool2d": F.adaptive_max_pool2d,
+    "adaptive_avg_pool3d": F.adaptive_avg_pool3d,
+    "adaptive_max_pool3d": F.adaptive_max_pool3d,
     "mean": torch.mean,
     "sum": torch.sum,
     "amax": torch.amax,

@@ -10,9 +10,10 @@ names the operation.
 | Conv2d, ConvTranspose2d (zero padding),      | on the band and the halo rows its window needs       |
 | MaxPool2d, AvgPool2d (ceil_mode too),        | (core.halo: the rows each output row reads)          |
 | Upsample, F.interpolate (nearest, bilinear,  |                                                      |
-| bicubic; a size or a scale)                  |                                                      |
-| BatchNorm2d                                  | statistics over every rank (rows and examples)       |
-| InstanceNorm2d, GroupNorm                    | each example's statistics over its bands' ranks      |
+| bicubic; a size or a scale); the 3-d ones    |                                                      |
+| (trilinear) of volumes, split by depth       |                                                      |
+| BatchNorm2d, BatchNorm3d                     | statistics over every rank (rows and examples)       |
+| InstanceNorm2d/3d, GroupNorm                 | each example's statistics over its bands' ranks      |
 | AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1),  | summed (or maxed) over the bands' ranks: the value   |
 | a mean, sum or amax over height and width    | whole on each of them (`global_pool`)                |
 | anything on such a whole value alone         | unchanged on every rank (an upsampling of it: bands) |
@@ -43,7 +44,7 @@ __all__ = [
     "module_pool",
 ]
 
-RESAMPLED = ("nearest", "nearest-exact", "bilinear", "bicubic")
+RESAMPLED = ("nearest", "nearest-exact", "bilinear", "bicubic", "trilinear")
 """the interpolation modes a band of rows runs (core.halo.Resample)"""
 ELEMENTWISE_ACTIVATIONS = (
     nn.ReLU,
@@ -60,6 +61,7 @@ ELEMENTWISE_ACTIVATIONS = (
 """activation modules applied element by element (the analysis's activations, softmax aside)"""
 _UNCHANGED = (
     nn.BatchNorm2d,
+    nn.BatchNorm3d,
     nn.LocalResponseNorm,
     *ELEMENTWISE_ACTIVATIONS,
     nn.Hardswish,
@@ -142,15 +144,15 @@ def module_blocker(module: nn.Module) -> str:
     """ "" when `module` runs on a band of rows (with halo rows where its window needs them), else
     why not, in a few words naming it."""
     name = type(module).__name__
-    if isinstance(module, nn.Conv2d | nn.ConvTranspose2d):
+    if isinstance(module, nn.Conv2d | nn.ConvTranspose2d | nn.Conv3d | nn.ConvTranspose3d):
         if isinstance(module.padding, str) and module.padding != "valid":
             return f"{name} with padding='{module.padding}'"
         if module.padding_mode != "zeros":
             return f"{name} with padding_mode='{module.padding_mode}'"
         return ""
-    if isinstance(module, nn.MaxPool2d | nn.AvgPool2d):
+    if isinstance(module, nn.MaxPool2d | nn.AvgPool2d | nn.MaxPool3d | nn.AvgPool3d):
         return f"{name} with return_indices" if getattr(module, "return_indices", False) else ""
-    if isinstance(module, nn.InstanceNorm2d | nn.GroupNorm):
+    if isinstance(module, nn.InstanceNorm2d | nn.InstanceNorm3d | nn.GroupNorm):
         return ""
     if isinstance(module, nn.Upsample):
         return "" if module.mode in RESAMPLED else f"{name} in mode {module.mode!r}"
@@ -191,8 +193,9 @@ def function_blocker(func: object, args: tuple, kwargs: dict | None) -> str:
         return "indexing of rows or columns"
     if name == "pad" and len(args) > 1:
         pad = tuple(args[1])  # (left, right, top, bottom, front, back): last dimension first
-        if len(pad) < 4 or pad[2:4] == (0, 0):
-            return ""  # the width or the channels only
+        at = 2 * (_ndim(args) - 3)  # the rows': dim 2 (the height, or a volume's depth)
+        if len(pad) <= at or pad[at : at + 2] == (0, 0):
+            return ""  # other dimensions only
         return "pad of the rows"
     return f"{name} mixes rows"
 
@@ -201,37 +204,42 @@ _POOLED = {"mean": "avg", "sum": "sum", "amax": "max"}
 
 
 def _ones(size) -> bool:
-    return size == 1 or (isinstance(size, tuple | list) and list(size) == [1, 1])
+    return size == 1 or (isinstance(size, tuple | list) and set(size) == {1})
 
 
 def module_pool(module: nn.Module) -> str:
     """ "avg" or "first" (the first maximum takes the gradient) when `module` pools each channel
-    of an image to one value (AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1)), else ""."""
-    if isinstance(module, nn.AdaptiveAvgPool2d) and _ones(module.output_size):
+    of an image or a volume to one value (AdaptiveAvgPool2d(1), AdaptiveMaxPool3d(1), ...)."""
+    avg, top = (
+        (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
+        (nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d),
+    )
+    if isinstance(module, avg) and _ones(module.output_size):
         return "avg"
-    if isinstance(module, nn.AdaptiveMaxPool2d) and _ones(module.output_size):
+    if isinstance(module, top) and _ones(module.output_size):
         return "" if module.return_indices else "first"
     return ""
 
 
 def global_pool(func: object, args: tuple, kwargs: dict | None) -> str:
-    """How the torch function call `func(*args, **kwargs)` reduces each channel of a 4-d tensor
-    over its height and width to one value: "avg" (a mean, an adaptive average pooling to 1),
-    "sum", "max" (amax: ties share the gradient) or "first" (an adaptive max pooling to 1: the
-    first maximum takes it); "" when it does not."""
+    """How the torch function call `func(*args, **kwargs)` reduces each channel of an image (or a
+    volume) over its height and width (and depth) to one value: "avg" (a mean, an adaptive
+    average pooling to 1), "sum", "max" (amax: ties share the gradient) or "first" (an adaptive
+    max pooling to 1: the first maximum takes it); "" when it does not."""
     kwargs = kwargs or {}
     name = getattr(func, "__name__", "")
     x = args[0] if args else kwargs.get("input")
-    if getattr(x, "ndim", 0) != 4:
+    n = getattr(x, "ndim", 0)
+    if n not in (4, 5):
         return ""
-    if name in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
+    if name.startswith(("adaptive_avg_pool", "adaptive_max_pool")) and name.endswith(f"{n - 2}d"):
         size = args[1] if len(args) > 1 else kwargs.get("output_size")
         if not _ones(size) or kwargs.get("return_indices") or (len(args) > 2 and args[2]):
             return ""
-        return "avg" if name == "adaptive_avg_pool2d" else "first"
+        return "avg" if "avg" in name else "first"
     if name not in _POOLED or kwargs.get("dtype") is not None:
         return ""
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(dim, tuple | list) or sorted(d % 4 for d in dim) != [2, 3]:
+    if not isinstance(dim, tuple | list) or sorted(d % n for d in dim) != list(range(2, n)):
         return ""
     return _POOLED[name]

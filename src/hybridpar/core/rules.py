@@ -68,10 +68,11 @@ def _model(layer: CostLayer, s: Style) -> str:
 
 def _domain(layer: CostLayer, s: Style) -> str:
     whole = layer.name in layer.wholes  # on a global pooling's value: unchanged on every rank
-    if not whole and (layer.op not in ("conv2d", "conv_transpose") or not layer.spatial):
+    ops = ("conv2d", "conv3d", "conv_transpose")
+    if not whole and (layer.op not in ops or len(layer.x_shape) not in (3, 4)):
         return (
-            f"{layer.name} ({layer.op or layer.kind}) cannot be split by height: only 2-d "
-            "convolutions and transposed convolutions take domain; give it batch or model"
+            f"{layer.name} ({layer.op or layer.kind}) cannot be split by height: only 2-d and "
+            "3-d convolutions and transposed convolutions take domain; give it batch or model"
         )
     if layer.padding_mode != "zeros":
         return (

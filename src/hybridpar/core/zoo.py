@@ -30,6 +30,7 @@ class ModelInfo:
     in_channels: int
     num_classes: int
     summary: str
+    dims: int = 2  # spatial dimensions: images (C, H, W) or volumes (C, D, H, W)
 
 
 MODELS: dict[str, ModelInfo] = {
@@ -42,6 +43,7 @@ MODELS: dict[str, ModelInfo] = {
     "mlp": ModelInfo(28, 1, 10, "Dettmers' 784-1024-1024-10 MLP"),
     "unet": ModelInfo(64, 1, 11, "U-Net for dense prediction (digits-seg's 11 classes a pixel)"),
     "unet-bilinear": ModelInfo(64, 1, 11, "the U-Net with bilinear upsampling"),
+    "unet3d": ModelInfo(32, 1, 3, "3-D U-Net with instance norm for volumes", dims=3),
 }
 
 
@@ -54,10 +56,10 @@ def zoo_entry(name: str) -> ModelInfo:
 def input_shape(
     name: str, input_size: int | None = None, in_channels: int | None = None
 ) -> tuple[int, ...]:
-    """Per-sample input shape (C, H, W) of a zoo model."""
+    """Per-sample input shape (C, H, W) of a zoo model ((C, D, H, W) of a volume's)."""
     info = zoo_entry(name)
     s = input_size or info.input_size
-    return (in_channels or info.in_channels, s, s)
+    return (in_channels or info.in_channels, *(s,) * info.dims)
 
 
 def is_factory(name: str) -> bool:

@@ -481,7 +481,7 @@ def kept(layer: CostLayer, s: Style) -> float:
     if s.kind != "domain":
         return math.fsum(v for _, v in layer.saved)
     windows = {w[0]: w for w in layer.windows}
-    h = layer.y_shape[1] if len(layer.y_shape) == 3 else 1
+    h = layer.y_shape[1] if len(layer.y_shape) in (3, 4) else 1
     total = 0.0
     for name, v in layer.saved:
         w = windows.get(name)

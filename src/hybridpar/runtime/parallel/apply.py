@@ -100,7 +100,7 @@ def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list
         first = layout.first_layer(k)
         m = Move(ctx.grids, ctx.rows, ctx.ledger, first, ctx.activation_codec)
         m.height = layout.height_before(k)
-        if k == 0 and len(layout.trace.in_shape) == 3:
+        if k == 0 and len(layout.trace.in_shape) in (3, 4):
             m.fed = layout.trace.in_shape[1]
         x = layout.entry_layer(k)
         m.fused = k > 0 and handoff.fused(x, src, dst, ctx.choices.activations_encoded)

@@ -30,6 +30,7 @@ back the same ways; the cost model (planning.cost.terms.redistribute) prices exa
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from hybridpar.core import faults, ops
 from hybridpar.core.halo import RowMap, bands, row_map
@@ -98,10 +100,10 @@ class Exchange:
         self.hidden: list[tuple[float, float]] = []  # per forward: (halo seconds, exposed seconds)
 
     def _shape(self, like: torch.Tensor, rows: tuple[int, int]) -> tuple[int, ...]:
-        return (like.shape[0], like.shape[1], rows[1] - rows[0], like.shape[3])
+        return _rows_like(like, rows[1] - rows[0])
 
     def _row_bytes(self, like: torch.Tensor) -> int:
-        return like.shape[0] * like.shape[1] * like.shape[3] * like.element_size()
+        return math.prod(_rows_like(like, 1)) * like.element_size()
 
     def _shm(self, like: torch.Tensor, rows: int):
         """The group's shared-memory reducer when this call can take it (`rows`: the most rows
@@ -190,6 +192,11 @@ class Exchange:
         return g
 
 
+def _rows_like(like: torch.Tensor, rows: int) -> tuple[int, ...]:
+    """The shape of `rows` rows (dim 2: the height, or a volume's depth) of `like`."""
+    return (*like.shape[:2], rows, *like.shape[3:])
+
+
 def _rows_before(pieces: dict[int, tuple[int, int]], me: int) -> int:
     """Rows of the pieces {rank: [lo, hi)} of ranks below `me` (a slot's pieces in rank order)."""
     return sum(b - a for q, (a, b) in pieces.items() if q < me)
@@ -222,7 +229,7 @@ class _Wait(torch.autograd.Function):
         ctx.exchange, ctx.call = exchange, call
         below = [bufs[q] for q in sorted(bufs) if q < exchange.me]
         above = [bufs[q] for q in sorted(bufs) if q > exchange.me]
-        empty = x.new_empty((x.shape[0], x.shape[1], 0, x.shape[3]))
+        empty = x.new_empty(_rows_like(x, 0))
         top = torch.cat(below, dim=2) if below else empty
         bottom = torch.cat(above, dim=2) if above else empty.clone()
         return top, bottom
@@ -271,18 +278,17 @@ class _Windowed:
         """Padded input rows [lo, hi) from the pieces (first image row, rows) and the fill: one
         tensor, or where `joined` is off the list of pieces (the band's a view of it)."""
         h = self.exchange.window.h_in
-        n, c, w = like.shape[0], like.shape[1], like.shape[3]
         out = []
         if lo < 0:
-            out.append(like.new_full((n, c, -lo, w), self.fill))
+            out.append(like.new_full(_rows_like(like, -lo), self.fill))
         for first, t in parts:
             a, b = max(lo, first), min(hi, first + t.shape[2])
             if a < b:
                 out.append(t[:, :, a - first : b - first])
         if hi > h:
-            out.append(like.new_full((n, c, hi - h, w), self.fill))
+            out.append(like.new_full(_rows_like(like, hi - h), self.fill))
         if not out:  # output rows no input row reaches (a transposed convolution's gaps)
-            out.append(like.new_zeros((n, c, 0, w)))
+            out.append(like.new_zeros(_rows_like(like, 0)))
         if not self.joined:
             return out
         return torch.cat(out, dim=2) if len(out) > 1 else out[0]
@@ -325,13 +331,13 @@ class _Windowed:
 
 
 class DomainConv(_Windowed):
-    """F.conv2d on this rank's band of rows, with the weight and bias the module's forward hands
-    it (whole on every rank): the height padding replaced by the halo and zero rows outside the
-    image."""
+    """F.conv2d (a volume's F.conv3d) on this rank's band of rows (of depth slices), with the
+    weight and bias the module's forward hands it (whole on every rank): the height padding
+    replaced by the halo and zero rows outside the image."""
 
-    def __init__(self, conv: nn.Conv2d, window: RowMap, group, ledger, layer: str) -> None:
+    def __init__(self, conv: nn.Module, window: RowMap, group, ledger, layer: str) -> None:
         self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
-        self.width_padding = (0, conv.padding[1])
+        self.width_padding = (0, *conv.padding[1:])
         self.setup(window, group, ledger, layer)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None, *args, **kwargs):
@@ -346,8 +352,15 @@ class DomainConv(_Windowed):
     def compute(self, rows: list[torch.Tensor], lo: int, a: int, b: int) -> torch.Tensor:
         conf = (self.stride, self.width_padding, self.dilation, self.groups)
         if len(rows) == 1:  # the band alone (a 1x1 convolution): autograd keeps it once
-            return F.conv2d(rows[0], self.weight, self.bias, *conf)
+            return _CONV[rows[0].dim()][0](rows[0], self.weight, self.bias, *conf)
         return _ConvOfPieces.apply(self.weight, self.bias, conf, *rows)
+
+
+# input dims -> the convolution, its input gradient and its weight gradient
+_CONV = {
+    4: (F.conv2d, torch.nn.grad.conv2d_input, torch.nn.grad.conv2d_weight),
+    5: (F.conv3d, torch.nn.grad.conv3d_input, torch.nn.grad.conv3d_weight),
+}
 
 
 class _ConvOfPieces(torch.autograd.Function):
@@ -360,7 +373,7 @@ class _ConvOfPieces(torch.autograd.Function):
     def forward(ctx, weight, bias, conf, *pieces):
         ctx.conf, ctx.bias = conf, None if bias is None else bias.dtype
         ctx.save_for_backward(weight, *pieces)
-        return F.conv2d(torch.cat(pieces, dim=2), weight, bias, *conf)
+        return _CONV[weight.dim()][0](torch.cat(pieces, dim=2), weight, bias, *conf)
 
     @staticmethod
     def backward(ctx, g):
@@ -368,19 +381,20 @@ class _ConvOfPieces(torch.autograd.Function):
         stride, padding, dilation, groups = ctx.conf
         rows = torch.cat(pieces, dim=2).to(g.dtype)  # under autocast: what the conv computed on
         w = weight.to(g.dtype)
+        _, conv_input, conv_weight = _CONV[w.dim()]
         grads = [None] * (3 + len(pieces))
         if any(ctx.needs_input_grad[3:]):
-            gx = torch.nn.grad.conv2d_input(rows.shape, w, g, stride, padding, dilation, groups)
+            gx = conv_input(rows.shape, w, g, stride, padding, dilation, groups)
             at = 0
             for i, p in enumerate(pieces):
                 if ctx.needs_input_grad[3 + i]:
                     grads[3 + i] = gx[:, :, at : at + p.shape[2]].to(p.dtype)
                 at += p.shape[2]
         if ctx.needs_input_grad[0]:
-            gw = torch.nn.grad.conv2d_weight(rows, w.shape, g, stride, padding, dilation, groups)
+            gw = conv_weight(rows, w.shape, g, stride, padding, dilation, groups)
             grads[0] = gw.to(weight.dtype)
         if ctx.bias is not None and ctx.needs_input_grad[1]:
-            grads[1] = g.sum((0, 2, 3)).to(ctx.bias)
+            grads[1] = g.sum([0, *range(2, g.dim())]).to(ctx.bias)
         return tuple(grads)
 
 
@@ -395,24 +409,27 @@ class DomainTransposed(_Windowed):
         self.setup(window, group, ledger, layer)
 
     def __call__(self, x, weight, bias=None, stride=1, padding=0, output_padding=0, *args, **kw):
-        width = nn.modules.utils._pair(kw.get("output_padding", output_padding))[1]
-        self.weight, self.bias, self.width_out = weight, bias, width
+        out = kw.get("output_padding", output_padding)
+        out = tuple(out) if isinstance(out, tuple | list) else (out,) * (x.dim() - 2)
+        self.weight, self.bias, self.width_out = weight, bias, out[1:]
         try:
             return self.band(x)
         finally:
             self.weight = self.bias = None
 
     def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
-        (s, _), (p, pw) = self.stride, self.padding
+        s, p = self.stride[0], self.padding[0]
         if rows.shape[2] == 0:  # no input row reaches these output rows: the bias alone
-            rows = rows.new_zeros((*rows.shape[:2], 1, rows.shape[3]))
-        y = F.conv_transpose2d(rows, self.weight, None, self.stride, (0, pw), (0, self.width_out),
-                               self.groups, self.dilation)  # fmt: skip
+            rows = rows.new_zeros(_rows_like(rows, 1))
+        transposed = F.conv_transpose3d if rows.dim() == 5 else F.conv_transpose2d
+        y = transposed(rows, self.weight, None, self.stride, (0, *self.padding[1:]),
+                       (0, *self.width_out), self.groups, self.dilation)  # fmt: skip
         start = lo * s - p  # the output row of y's first row
         y = y[:, :, max(a - start, 0) :]
         top = max(start - a, 0)
-        y = F.pad(y, (0, 0, top, max(b - a - top - y.shape[2], 0)))[:, :, : b - a]
-        return y if self.bias is None else y + self.bias.view(1, -1, 1, 1)
+        rest = [0, 0] * (y.dim() - 3)  # F.pad's pairs run from the last dimension
+        y = F.pad(y, (*rest, top, max(b - a - top - y.shape[2], 0)))[:, :, : b - a]
+        return y if self.bias is None else y + self.bias.view(1, -1, *[1] * (y.dim() - 2))
 
 
 class DomainResample(_Windowed):
@@ -443,28 +460,35 @@ class DomainResample(_Windowed):
 
     def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
         index, weight = self._taps(rows, a, b, lo)
+        spread = [1] * (rows.dim() - 3)
         high = sum(
-            rows.index_select(2, index[:, j]) * weight[:, j].view(1, 1, -1, 1)
+            rows.index_select(2, index[:, j]) * weight[:, j].view(1, 1, -1, *spread)
             for j in range(index.shape[1])
         )
+        n = rows.dim() - 3  # the other dimensions (width; a volume's height and width)
         if self.size is not None:
-            width = self.size[-1] if isinstance(self.size, tuple | list) else self.size
-            return F.interpolate(high, (b - a, width), None, *self.args, **self.kwargs)
-        scale = self.scale[-1] if isinstance(self.scale, tuple | list) else self.scale
-        return F.interpolate(high, None, (1.0, scale), *self.args, **self.kwargs)
+            rest = self.size[1:] if isinstance(self.size, tuple | list) else (self.size,) * n
+            return F.interpolate(high, (b - a, *rest), None, *self.args, **self.kwargs)
+        scale = self.scale[1:] if isinstance(self.scale, tuple | list) else (self.scale,) * n
+        return F.interpolate(high, None, (1.0, *scale), *self.args, **self.kwargs)
 
 
 class DomainPool(_Windowed):
-    """A max or average pooling on this rank's band of rows (-inf or zero rows outside the image;
-    an average without padding counts only the image's elements, as AvgPool2d does)."""
+    """A max or average pooling (2-d, or a volume's 3-d) on this rank's band of rows (-inf or
+    zero rows outside the image; an average without padding counts only the image's elements,
+    as AvgPool2d does)."""
 
     def __init__(self, pool: nn.Module, window: RowMap, group, ledger, layer: str) -> None:
-        pair = nn.modules.utils._pair
+        n = 3 if isinstance(pool, nn.MaxPool3d | nn.AvgPool3d) else 2
+        tup = nn.modules.utils._ntuple(n)
         self.pool = pool
-        self.kernel, self.stride = pair(pool.kernel_size), pair(pool.stride or pool.kernel_size)
-        self.width_padding = (0, pair(pool.padding)[1])
-        self.is_max = isinstance(pool, nn.MaxPool2d)
+        self.kernel, self.stride = tup(pool.kernel_size), tup(pool.stride or pool.kernel_size)
+        self.width_padding = (0, *tup(pool.padding)[1:])
+        self.is_max = isinstance(pool, nn.MaxPool2d | nn.MaxPool3d)
         self.fill = float("-inf") if self.is_max else 0.0
+        self.max_pool, self.avg_pool = (
+            (F.max_pool3d, F.avg_pool3d) if n == 3 else (F.max_pool2d, F.avg_pool2d)
+        )
         self.setup(window, group, ledger, layer)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -474,24 +498,26 @@ class DomainPool(_Windowed):
         p, k, st, pad = self.pool, self.kernel, self.stride, self.width_padding
         ceil = p.ceil_mode  # the band's rows are exact either way; the width follows it
         if self.is_max:
-            return F.max_pool2d(rows, k, st, pad, p.dilation, ceil)
+            return self.max_pool(rows, k, st, pad, p.dilation, ceil)
+        avg = self.avg_pool
         if p.divisor_override:
-            return F.avg_pool2d(rows, k, st, pad, ceil, True, p.divisor_override)
-        mean = F.avg_pool2d(rows, k, st, pad, ceil, True)  # the whole window's rows counted
+            return avg(rows, k, st, pad, ceil, True, p.divisor_override)
+        mean = avg(rows, k, st, pad, ceil, True)  # the whole window's rows counted
         window = self.exchange.window
         index = torch.arange(lo, lo + rows.shape[2], device=rows.device)
+        ones = [1] * (rows.dim() - 3)
         if p.count_include_pad:
             if not ceil:
                 return mean
             # a window past the bottom padding (ceil_mode) counts the rows up to it only
             inside = (index >= -window.padding) & (index < window.h_in + window.padding)
-            share = F.avg_pool2d(inside.to(rows.dtype).view(1, 1, -1, 1), (k[0], 1), (st[0], 1))
-            return mean / share
+            inside = inside.to(rows.dtype).view(1, 1, -1, *ones)
+            return mean / avg(inside, (k[0], *ones), (st[0], *ones))
         # AvgPool2d divides by the image's elements only: the window's share of them, from a mask
         # of ones on the image's rows (and zeros on the padding rows and columns)
-        mask = ((index >= 0) & (index < window.h_in)).to(rows.dtype).view(1, 1, -1, 1)
-        mask = mask.expand(1, 1, rows.shape[2], rows.shape[3])
-        return mean / F.avg_pool2d(mask, k, st, pad, ceil, True)
+        mask = ((index >= 0) & (index < window.h_in)).to(rows.dtype).view(1, 1, -1, *ones)
+        mask = mask.expand(1, 1, *rows.shape[2:])
+        return mean / avg(mask, k, st, pad, ceil, True)
 
 
 class _SpaceSum(torch.autograd.Function):
@@ -502,7 +528,7 @@ class _SpaceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, via):
         ctx.shape, ctx.via = x.shape, via
-        sums = x.sum((2, 3), dtype=torch.float64)
+        sums = x.flatten(2).sum(2, dtype=torch.float64)
         all_reduce(sums, via)
         return sums.to(x.dtype)
 
@@ -510,7 +536,9 @@ class _SpaceSum(torch.autograd.Function):
     def backward(ctx, g):
         total = g.to(torch.float64).contiguous()
         all_reduce(total, replace(ctx.via, term=Term.BN_GRAD))
-        return total.to(g.dtype)[:, :, None, None].expand(ctx.shape), None
+        return total.to(g.dtype).view(*ctx.shape[:2], *[1] * (len(ctx.shape) - 2)).expand(
+            ctx.shape
+        ), None
 
 
 class _SpaceMax(torch.autograd.Function):
@@ -564,9 +592,9 @@ class SpaceReduction:
             y = _SpaceMax.apply(x, self.via, self.how == "first")
         else:
             y = _SpaceSum.apply(x, self.via)
-            y = y / (self.rows * x.shape[3]) if self.how == "avg" else y
+            y = y / (self.rows * math.prod(x.shape[3:])) if self.how == "avg" else y
         keep = self.adaptive or kwargs.get("keepdim", args[1] if len(args) > 1 else False)
-        return y[:, :, None, None] if keep else y
+        return y.view(*y.shape, *[1] * (x.dim() - 2)) if keep else y
 
 
 class _Transposed(torch.autograd.Function):
@@ -685,8 +713,8 @@ MOVES = {("rep", "dom"): into_domain, ("dom", "rep"): out_of_domain, ("dom", "do
 
 
 _STAND_INS = (
-    (nn.Conv2d, DomainConv),
-    (nn.ConvTranspose2d, DomainTransposed),
+    (nn.Conv2d | nn.Conv3d, DomainConv),
+    (nn.ConvTranspose2d | nn.ConvTranspose3d, DomainTransposed),
     (nn.Upsample, DomainResample),
     (nn.Module, DomainPool),
 )
@@ -707,7 +735,7 @@ class DomainStyle(ParallelStyle):
         if pool:
             ops.install(module, SpaceReduction(pool, True, group, ledger, layer.name), name=name)
             return module
-        if isinstance(module, nn.InstanceNorm2d | nn.GroupNorm) and self.spec.pr > 1:
+        if isinstance(module, _InstanceNorm | nn.GroupNorm) and self.spec.pr > 1:
             stats = BandStatistics(module, group, ledger, layer.name, self.grid.batch_group)
             ops.install(module, stats, name=name)
             return module

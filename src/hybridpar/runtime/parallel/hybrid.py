@@ -103,13 +103,13 @@ class HybridParallel(Engine):
 
     def input_band(self) -> tuple[int, int] | None:
         first, shape = self.layout.segments[0], self.layout.trace.in_shape
-        if first.kind != "domain" or len(shape) != 3:
+        if first.kind != "domain" or len(shape) not in (3, 4):
             return None
         return bands(shape[1], first.pr)[self.input_grid.r]
 
     def output_band(self) -> tuple[int, int] | None:
         last, shape = self.layout.segments[-1], self.layout.trace.out_shape
-        if last.kind != "domain" or len(shape) != 3:
+        if last.kind != "domain" or len(shape) not in (3, 4):
             return None
         return bands(shape[1], last.pr)[self.output_grid.r]
 

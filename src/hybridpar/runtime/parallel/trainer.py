@@ -151,7 +151,7 @@ class HybridTrainer:
         faults.at("forward")
         self.target = target = _mine(y, m)
         with self.autocast(), memory.Kept(m) if count else contextlib.nullcontext() as kept:
-            out = m(_take(x, m.input_rows(n), m.input_band()))
+            out = m(_take(x, m.input_rows(n), m.input_band(), _dims(m.layout.trace.in_shape)))
             if isinstance(self.loss, losses.Dice):
                 loss_sum, self.divisor = self._whole_batch(out, target)
             else:
@@ -244,7 +244,7 @@ class HybridTrainer:
             n = len(xb)
             m.set_batch(n)
             with self.autocast():
-                out = m(_take(xb, m.input_rows(n), m.input_band()))
+                out = m(_take(xb, m.input_rows(n), m.input_band(), _dims(m.layout.trace.in_shape)))
             if m.counts_outputs:
                 target = _mine(yb, m)
                 correct += int(_correct(out, target))
@@ -261,7 +261,7 @@ class HybridTrainer:
         n = len(x)
         m.set_batch(n)
         with self.autocast():
-            out = m(_take(x, m.input_rows(n), m.input_band()))
+            out = m(_take(x, m.input_rows(n), m.input_band(), _dims(m.layout.trace.in_shape)))
         counted = out if m.counts_outputs else out[:0]
         band = m.output_band()
         if band is not None:  # the bands of a dense prediction joined first, within the group
@@ -308,25 +308,33 @@ class _Summed(torch.autograd.Function):
         return g, None
 
 
-def _take(x, rows: slice, band: tuple[int, int] | None) -> torch.Tensor:
-    """Of a global batch `x`, the examples `rows` and of them the rows of the height `band`
-    (x's second-last dimension); a batch not read yet (`take_rows`: memory-mapped) reads only those."""
+def _dims(shape: tuple[int, ...]) -> int:
+    """The spatial dimensions of a per-example shape (C, H, W) or (C, D, H, W): 2 or 3."""
+    return max(len(shape) - 1, 1)
+
+
+def _take(x, rows: slice, band: tuple[int, int] | None, dims: int = 2) -> torch.Tensor:
+    """Of a global batch `x`, the examples `rows` and of them the rows `band` of the first of
+    its `dims` spatial dimensions (the height; a volume's depth); a batch not read yet
+    (`take_rows`: memory-mapped) reads only those."""
     if hasattr(x, "take_rows"):
-        return x.take_rows(rows, band)
+        return x.take_rows(rows, band, dims)
     x = x[rows]
-    return x if band is None else x[..., band[0] : band[1], :]
+    return x if band is None else x.narrow(x.dim() - dims, band[0], band[1] - band[0])
 
 
 def _mine(y, m: Engine) -> torch.Tensor:
     """This rank's targets of a global batch's `y`: its examples, and of a dense prediction split
-    by height its band of rows (the height: y's second-last dimension)."""
+    by height its band of rows (of a volume's, by depth)."""
     out, shape = m.layout.trace.out_shape, tuple(y.shape)
-    if len(out) == 3 and len(shape) >= 3 and shape[-2:] != out[1:]:
+    dims = _dims(out)
+    if len(out) in (3, 4) and len(shape) >= len(out) and shape[-dims:] != out[1:]:
+        size = " x ".join(map(str, out[1:]))
         raise ValueError(
-            f"targets of shape {shape} do not match the outputs' {out[1]} x {out[2]} "
-            f"pixels: give y as (B, {out[1]}, {out[2]}) or (B, C, {out[1]}, {out[2]})"
+            f"targets of shape {shape} do not match the outputs' {size} pixels: give y as "
+            f"(B, {', '.join(map(str, out[1:]))}) or (B, C, {', '.join(map(str, out[1:]))})"
         )
-    return _take(y, m.output_rows(len(y)), m.output_band())
+    return _take(y, m.output_rows(len(y)), m.output_band(), dims)
 
 
 def _correct(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +41,9 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm"}
 
 class Mapped:
     """Examples of a memory-mapped array that nothing has read yet: `[index]` picks examples
-    (still unread), `take_rows(rows, band)` reads those of a slice of them and, with `band` (lo, hi),
-    only those rows of the height (the second-last dimension) as a tensor. `read` counts the
-    bytes read."""
+    (still unread), `take_rows(rows, band)` reads those of a slice of them and, with `band`
+    (lo, hi), only those rows of the first spatial dimension (the height; a volume's depth) as a
+    tensor. `read` counts the bytes read."""
 
     def __init__(self, array, index: np.ndarray, dtype, counter: list[int], device=None) -> None:
         self.array, self.index, self.dtype, self.counter = array, index, dtype, counter
@@ -59,14 +60,16 @@ class Mapped:
         i = i.cpu().numpy() if isinstance(i, torch.Tensor) else i
         return Mapped(self.array, self.index[i], self.dtype, self.counter, self.device)
 
-    def take_rows(self, rows: slice, band: tuple[int, int] | None = None) -> torch.Tensor:
+    def take_rows(self, rows: slice, band: tuple[int, int] | None = None, dims: int = 2):
         index = np.sort(self.index[rows])  # ascending: the pages in order
         order = np.argsort(np.argsort(self.index[rows]))
         if band is None:
             part = self.array[index]
-        else:  # the examples' rows lo..hi - 1 of the height, the second-last dimension
-            part = self.array[(index, *[slice(None)] * (self.array.ndim - 3), slice(*band))]
+        else:  # the examples' rows lo..hi - 1 of the first of `dims` spatial dimensions
+            part = self.array[(index, *[slice(None)] * (self.array.ndim - 1 - dims), slice(*band))]
         self.counter[0] += part.nbytes
+        self.counter[1] += len(index)  # examples, and what they hold whole
+        self.counter[2] += len(index) * math.prod(self.array.shape[1:]) * part.itemsize
         t = torch.as_tensor(np.ascontiguousarray(part[order]), dtype=self.dtype)
         return t.to(self.device)
 
@@ -97,8 +100,14 @@ class Dataset:
     @property
     def bytes_read(self) -> int:
         """Bytes this process read of memory-mapped examples (0: none are)."""
+        return self.reads[0]
+
+    @property
+    def reads(self) -> tuple[int, int, int]:
+        """Of memory-mapped examples, this process's bytes read, examples read and those
+        examples' bytes whole (zeros: none are memory-mapped)."""
         x = self.x_train
-        return x.counter[0] if isinstance(x, Mapped) else 0
+        return tuple(x.counter) if isinstance(x, Mapped) else (0, 0, 0)
 
 
 def _split(x: np.ndarray, y: np.ndarray, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -317,12 +326,12 @@ def _order(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def _unread(parts, classes: int, name: str) -> Dataset:
     """A data set of examples read as steps use them: ((x, positions, y) of the training and of
     the test examples); the images' bytes read counted together."""
-    (xa, tr, ya), (xb, te, yb), counter = *parts, [0]
+    (xa, tr, ya), (xb, te, yb), counter = *parts, [0, 0, 0]
     return Dataset(
         Mapped(xa, tr, torch.float32, counter),
-        Mapped(ya, tr, torch.long, [0]),
+        Mapped(ya, tr, torch.long, [0, 0, 0]),
         Mapped(xb, te, torch.float32, counter),
-        Mapped(yb, te, torch.long, [0]),
+        Mapped(yb, te, torch.long, [0, 0, 0]),
         classes,
         name,
     )
@@ -361,11 +370,12 @@ def _check_arrays(spec: str, f, read_x: bool = True) -> tuple[tuple[int, ...], i
     ys = []
     for xk, yk in pairs:
         x, y = f[xk], f[yk]
-        dense = x.ndim == 4 and y.shape[1:] == x.shape[2:]  # a class per pixel
+        dense = x.ndim in (4, 5) and y.shape[1:] == x.shape[2:]  # a class per pixel (or voxel)
         if x.ndim < 2 or len(x) != len(y) or (y.ndim != 1 and not dense):
             raise ConfigError(
                 f"data file {spec!r}: {xk} must be (N, ...) and {yk} (N,) with the same N, or "
-                f"{yk} (N, H, W) a class per pixel of {xk} (N, C, H, W); got {xk} {x.shape} and "
+                f"{yk} (N, H, W) a class per pixel of {xk} (N, C, H, W) (of a volume (N, C, D, H, "
+                f"W): (N, D, H, W)); got {xk} {x.shape} and "
                 f"{yk} {y.shape}"
             )
         y = _labels_in_chunks(y) if not read_x else y

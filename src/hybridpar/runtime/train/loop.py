@@ -239,7 +239,7 @@ def _first(trainer: HybridTrainer, log: Progress | None) -> Phase:
 def _epoch_record(trainer, data: Dataset, batch: int, sums: list, epoch: int, t0: float) -> dict:
     """The epoch's training loss and accuracy (`sums`: this rank's loss, correct, count) and its
     test accuracy (a dense prediction's per pixel, and its mean IoU), over every rank."""
-    dense = len(trainer.model.layout.trace.out_shape) == 3
+    dense = len(trainer.model.layout.trace.out_shape) in (3, 4)
     classes = data.num_classes if dense else 0
     tc, tt, overlaps = trainer.evaluate(data.x_test, data.y_test, batch, classes)
     every = _sum_over_world(trainer, [*sums, tc, tt, *overlaps.flatten().tolist()])
@@ -427,6 +427,9 @@ def train_worker(job: Job) -> dict | None:
     peak = _peak(trainer.device, base)
     if trainer.counted:  # what the second step held, counted (memory.py)
         peak["counted_mb"] = sum(trainer.counted.values()) / 2**20
+    read, examples, whole = data.reads
+    if examples:  # memory-mapped: per example read, the rank's band (and the example whole)
+        peak["read_kib"], peak["whole_kib"] = read / examples / 2**10, whole / examples / 2**10
     weights = trainer.full_state_dict()  # collective: every rank
     if cfg.checkpoint_dir:
         _checkpoint(trainer, job, Position(cfg.epochs, 0, [0.0, 0.0, 0.0], epochs))
