@@ -57,7 +57,7 @@ def test_plan_table_and_json():
         (["plan", "--model", "digits-cnn", "--procs", "1024", "--batch", "1"], "no plan fits"),
         (
             ["plan", "--model", "alexnet", "--procs", "8", "--batch", "4", "--scenario", "batch"],
-            "Pc=8 to divide B=4",
+            "needs at least Pc=8 examples (one per batch group), got B=4",
         ),
         (["plan", "--model", "alexnet", "--procs", "0", "--batch", "8"], "at least 1"),
         (["plan", "--model", "alexnet", "--procs", "4"], "required"),

@@ -187,7 +187,7 @@ def test_default_run_is_the_demo_a_hybrid_plan_reaching_95_percent(tmp_path, cac
     "changes, needle",
     [
         ({"preset": "grid:3x2", "nproc": 4}, "has 6 ranks"),
-        ({"preset": "grid:2x2", "nproc": 4, "batch": 30}, "needs Pc=4 to divide B=30"),
+        ({"preset": "grid:2x2", "nproc": 4, "batch": 3}, "needs at least Pc=4 examples"),
         (
             {"preset": "owt", "nproc": 16, "model": "resnet20", "batch": 64},
             "fc has 10 output features, fewer than Pr=16",

@@ -615,6 +615,6 @@ def _preset(result, name: str) -> ParallelPlan:
     scenario, grid = parse_preset(name, result.procs)
     chosen = next((p for p in result.candidates.get(scenario, []) if p.grid == grid), None)
     if chosen is None or not chosen.feasible:
-        why = chosen.reason if chosen is not None else f"Pc must divide B={result.batch}"
+        why = chosen.reason if chosen is not None else f"it needs Pc <= B={result.batch}"
         raise ConfigError(f"--presets {name} cannot run: {why}")
     return result.export(chosen, engine="ddp" if name == "ddp" else "hybridpar")

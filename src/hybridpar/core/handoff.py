@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
+from hybridpar.core.splits import group_rows
 
 __all__ = [
     "SCHEMES",
@@ -163,7 +164,7 @@ def why_not_handoff(
             f"scheme (b) before {where} sends each of the {m} gathering ranks' batches in its own "
             f"round: rounds must be {m}, got {h.rounds}"
         )
-    fine = batch // prev.pc if prev is not None else batch
+    fine = min(group_rows(batch, prev.pr, prev.pc)) if prev is not None else batch
     if h.scheme == "c" and h.rounds > fine:
         return (
             f"scheme (c) before {where} splits each rank's {fine} examples into {h.rounds} "

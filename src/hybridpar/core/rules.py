@@ -111,11 +111,14 @@ EXECUTED = frozenset({"batch", "model", "domain"})
 
 
 def why_not_grid(pr: int, pc: int, procs: int, batch: int) -> str:
-    """Why a Pr x Pc grid cannot run a job of `procs` ranks on `batch` examples; "" when it can."""
-    if pr * pc != procs or pc > batch or batch % pc:
+    """Why a Pr x Pc grid cannot run a job of `procs` ranks on `batch` examples; "" when it can
+    (any batch of at least Pc examples: the batch groups may differ by one block, core.splits)."""
+    if pr * pc != procs:
+        return f"grid {pr}x{pc} has {pr * pc} ranks but the job has {procs}; use Pr*Pc = {procs}"
+    if pc > batch:
         return (
-            f"grid {pr}x{pc} needs Pc={pc} to divide B={batch} (each batch group gets B/Pc "
-            "examples); change --batch or --procs"
+            f"grid {pr}x{pc} needs at least Pc={pc} examples (one per batch group), got B={batch}; "
+            "change --batch or --procs"
         )
     return ""
 

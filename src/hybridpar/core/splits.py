@@ -3,13 +3,37 @@ examples of a batch, the output units of a split layer, the groups of a grouped 
 
 from __future__ import annotations
 
-__all__ = ["buckets", "chunk_sizes", "even_split", "group_split", "whole_group_prs"]
+__all__ = [
+    "buckets",
+    "chunk_sizes",
+    "even_split",
+    "group_rows",
+    "group_split",
+    "slowest_batch",
+    "whole_group_prs",
+]
 
 
 def even_split(n: int, parts: int) -> list[int]:
     """Split n into `parts` sizes differing by at most one, the larger ones first: how examples
     split over ranks and how a layer's output features split over a model group."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def group_rows(batch: int, pr: int, pc: int) -> list[int]:
+    """The examples of each batch group of a Pr x Pc grid: the global batch is dealt over the
+    Pr * Pc ranks (`even_split`) and group c holds the blocks of ranks c*Pr .. c*Pr + Pr - 1, so
+    that the groups of any two grids whose Pc divide one another are unions of each other's.
+    Unequal where Pc does not divide the batch (docs/runtime.md, "Any batch")."""
+    blocks = even_split(batch, pr * pc)
+    return [sum(blocks[c * pr : (c + 1) * pr]) for c in range(pc)]
+
+
+def slowest_batch(batch: int, pr: int, pc: int) -> int:
+    """The global batch whose even share per batch group (B / Pc) is the largest group's: the
+    batch the planner times a Pr x Pc layout by (the slowest group sets the step), where the
+    bytes a rank sends on average follow the true batch."""
+    return max(group_rows(batch, pr, pc)) * pc
 
 
 def buckets(sizes: list[float], cap: float) -> list[list[int]]:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from hybridpar.core.cluster import Cluster, cache_dir, cache_write, contention, rank_threads
 from hybridpar.core.progress import Phase
+from hybridpar.core.splits import slowest_batch
 from hybridpar.core.timing import Recheck, Settled, clock, settle
 from hybridpar.planning.cost.compute import ProfileModel
 
@@ -601,13 +602,12 @@ def profile_compute(
 
 
 def job_counts(P: int, B: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """The sample counts a rank of a P-rank job on global batch B runs (B / Pc over the grids)
-    and the (Pr, samples) of its bands."""
+    """The sample counts a rank of a P-rank job on global batch B is timed by (its largest batch
+    group's over the grids: core.splits.slowest_batch) and the (Pr, samples) of its bands."""
     from hybridpar.planning.search import grids
 
-    shapes = grids(P, B)
-    bands = sorted({(pr, B // pc) for pr, pc in shapes if pr > 1})
-    return sorted({B // pc for _, pc in shapes}), bands
+    shapes = [(pr, slowest_batch(B, pr, pc) // pc) for pr, pc in grids(P, B)]
+    return sorted({n for _, n in shapes}), sorted({(pr, n) for pr, n in shapes if pr > 1})
 
 
 def planning_compute(

@@ -44,7 +44,7 @@ from hybridpar.core.handoff import fused as handoff_fused
 from hybridpar.core.layers import CostLayer, cost_layers
 from hybridpar.core.plan import Style
 from hybridpar.core.rules import why_not, why_not_choices, why_not_grid, why_not_move
-from hybridpar.core.splits import buckets
+from hybridpar.core.splits import buckets, even_split, slowest_batch
 from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import (
     OVERLAPPABLE,
@@ -85,10 +85,23 @@ __all__ = [
 
 
 def grids(P: int, B: int) -> list[tuple[int, int]]:
-    """Every (Pr, Pc) with Pr * Pc = P, Pc <= B and Pc dividing B, Pr ascending (the divisors
-    of P found up to sqrt(P): a P of millions is answered at once)."""
+    """Every (Pr, Pc) with Pr * Pc = P and Pc <= B, Pr ascending (the divisors of P found up to
+    sqrt(P): a P of millions is answered at once)."""
     divisors = {d for k in range(1, math.isqrt(P) + 1) if P % k == 0 for d in (k, P // k)}
-    return [(P // pc, pc) for pc in sorted(divisors, reverse=True) if pc <= B and B % pc == 0]
+    return [(P // pc, pc) for pc in sorted(divisors, reverse=True) if pc <= B]
+
+
+def slowest(price, batch: int, slow: int):
+    """What `price(batch)` returns (a Comm, or terms by name), with the seconds `price(slow)`
+    gives: the bytes a rank sends on average follow the true batch, the time the slowest
+    group's (`_Context.slow`); the same where the groups are even."""
+    mean = price(batch)
+    if slow == batch or mean is None:
+        return mean
+    timed = price(slow)
+    if isinstance(mean, Comm):
+        return dataclasses.replace(mean, seconds=timed.seconds)
+    return {t: dataclasses.replace(c, seconds=timed[t].seconds) for t, c in mean.items()}
 
 
 def _shares_segment(layers: list[CostLayer], i: int) -> bool:
@@ -121,7 +134,8 @@ class _Context:
         self.reducer = choices.reducer
         compute = r.compute or FlopsModel(net.rank_flops())
         self.compute_model = compute
-        self.compute = [compute.times(x, B / P) for x in layers]  # B/P samples' worth, any style
+        # the busiest rank's samples' worth, any style
+        self.compute = [compute.times(x, max(even_split(B, P))) for x in layers]
         self._time: dict[tuple[int, Style], tuple[float, float, float]] = {}
         self._redist = lru_cache(maxsize=None)(self._redistribute)
         self._own: dict[tuple[int, Style], tuple[float, float]] = {}
@@ -139,8 +153,14 @@ class _Context:
             or why_not_choices(self.choices, [s], [x])
         )
 
+    def slow(self, *styles: Style | None) -> int:
+        """The batch the layouts of `styles` are timed by: their slowest group's (core.splits)."""
+        return max(slowest_batch(self.B, s.pr, s.pc) for s in styles if s is not None)
+
     def _redistribute(self, a: Style | None, b: Style, d: int) -> Comm | None:
-        return redistribute(a, b, d, self.B, self.net, self.e)
+        return slowest(
+            lambda B: redistribute(a, b, d, B, self.net, self.e), self.B, self.slow(a, b)
+        )
 
     def head(self, i: int) -> list[int]:
         """The layers a hand-off into layer i runs in rounds (core.handoff.head): within a plan
@@ -180,18 +200,23 @@ class _Context:
         if h.scheme == "a" and not fused:
             return base, {}
         m, K, wire = prev.pc // s.pc, h.rounds, Wire.of(self.e)
-        n = self.B / s.pc * d * wire.acts / K  # one round's gathered bytes
         net = self.net.regroup(self.P, prev.pc, s.pc)
-        if h.scheme == "b":
-            g, r = broadcast(n, m, net), broadcast(n, m, net)
-            v = (m - 1) / m * n  # bytes per rank, averaged (the ledger's convention)
-            g = Comm("broadcast", m, v, g.seconds)
-            r = Comm("reduce", m, v, r.seconds) if fused else Comm.zero("reduce", m)
-        else:
-            g = on_host(all_gather(n, m, net), net, wire.acts_compressed, n / m)
-            g = plus(g, codec_s(n, m, wire, grads=False, reduce=False))
-            r = on_host(reduce_scatter(n, m, net), net, wire.acts_compressed, n)
-            r = r if fused else Comm.zero("reduce_scatter", m)
+
+        def rounds(B: float) -> dict[str, Comm]:
+            n = B / s.pc * d * wire.acts / K  # one round's gathered bytes
+            if h.scheme == "b":
+                g, r = broadcast(n, m, net), broadcast(n, m, net)
+                v = (m - 1) / m * n  # bytes per rank, averaged (the ledger's convention)
+                g = Comm("broadcast", m, v, g.seconds)
+                r = Comm("reduce", m, v, r.seconds) if fused else Comm.zero("reduce", m)
+            else:
+                g = on_host(all_gather(n, m, net), net, wire.acts_compressed, n / m)
+                g = plus(g, codec_s(n, m, wire, grads=False, reduce=False))
+                r = on_host(reduce_scatter(n, m, net), net, wire.acts_compressed, n)
+                r = r if fused else Comm.zero("reduce_scatter", m)
+            return {"g": g, "r": r}
+
+        g, r = slowest(rounds, self.B, self.slow(prev, s)).values()
         heads = self.head(i)
         f = math.fsum(self.time(j, s)[0] for j in heads) / K
         b = math.fsum(self.time(j, s)[1] for j in heads) / K
@@ -202,9 +227,7 @@ class _Context:
         for j in heads:
             y = self.layers[j]
             full = self.terms(j, s)
-            per = layer_comms(
-                y, j == 0, s, self.B / K, self.net, self.e, self.choices.bn, None, self.reducer
-            )
+            per = self.terms(j, s, K, bucket=False)
             new = dict(full)
             for t in (Term.ALLGATHER, Term.DX_ALLREDUCE, Term.DX_ALLGATHER):
                 if t in per:
@@ -265,7 +288,7 @@ class _Context:
         layer is recomputed, only its input)."""
         x, w = self.layers[i], self.net.word_bytes
         shard = s.pr if s.kind == "model" else 1
-        n = self.B / s.pc
+        n = self.slow(s) / s.pc  # the largest group's examples
         acts = x.d_in / (s.pr if s.kind == "domain" else 1) if self.recomputed[i] else kept(x, s)
         if i == len(self.layers) - 1:  # the loss keeps a tensor of the output's size (log-softmax)
             acts += x.d_out / (s.pr if s.kind == "domain" else 1)
@@ -276,22 +299,20 @@ class _Context:
         computes the forward again where it is recomputed (activation checkpointing)."""
         key = (i, s)
         if key not in self._time:
-            f, b, u = style_times(self.compute_model, self.layers[i], s, self.B, self.P)
+            f, b, u = style_times(self.compute_model, self.layers[i], s, self.slow(s), self.P)
             self._time[key] = (f, b + f * self.recomputed[i], u)
         return self._time[key]
 
-    def terms(self, i: int, s: Style) -> dict[str, Comm]:
-        return layer_comms(
-            self.layers[i],
-            i == 0,
-            s,
-            self.B,
-            self.net,
-            self.e,
-            self.choices.bn,
-            self.bucket,
-            self.reducer,
-        )
+    def terms(self, i: int, s: Style, rounds: int = 1, bucket: bool = True) -> dict[str, Comm]:
+        """Layer i's terms under s (on 1/rounds of the batch: a hand-off's round): the bytes a
+        rank sends on average, the seconds of the slowest group."""
+        x, first, bucket_ = self.layers[i], i == 0, self.bucket if bucket else None
+        choices = (self.choices.bn, bucket_, self.reducer)
+
+        def price(B: float) -> dict[str, Comm]:
+            return layer_comms(x, first, s, B / rounds, self.net, self.e, *choices)
+
+        return slowest(price, self.B, self.slow(s))
 
     def own(self, i: int, s: Style) -> tuple[float, float, float]:
         """(exposed seconds, hideable seconds, memory bytes) of layer i under s, redistribution left
@@ -547,7 +568,7 @@ def _best(plans: list[Plan], scenario: str, empty_reason: str) -> Plan:
 def _check(P: int, B: int) -> list[tuple[int, int]]:
     all_grids = grids(P, B)
     if not all_grids:
-        raise ConfigError(f"no Pr x Pc grid fits P={P} with B={B}: Pc must divide B; change P or B")
+        raise ConfigError(f"no Pr x Pc grid fits P={P} with B={B}: give a batch of 1 or more")
     return all_grids
 
 

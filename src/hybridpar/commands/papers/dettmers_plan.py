@@ -25,13 +25,12 @@ def _profile(cfg: PlanConfig, args: argparse.Namespace):
                 f"{args.dettmers_profile} describes {prof.gpus} GPUs; pass --procs {prof.gpus}"
             )
         return prof
-    if cfg.batch % args.procs:
-        raise ConfigError(f"--batch {cfg.batch} must be a multiple of --procs {args.procs}")
     if is_factory(cfg.model):
         raise ConfigError("--model-of dettmers prices a zoo model; drop --model-of for your own")
     layers = zoo_cost_layers(cfg.model, cfg.input_size)
     cluster = load_cluster(cfg.cluster)
-    return dm.profile_from_layers(layers, cluster, args.procs, cfg.batch // args.procs)
+    # the busiest GPU's batch: the first B mod P ranks take one example more
+    return dm.profile_from_layers(layers, cluster, args.procs, -(-cfg.batch // args.procs))
 
 
 def _predictions(prof) -> dict:

@@ -46,17 +46,13 @@ from hybridpar.runtime.comm.small import shared_memory
 __all__ = ["GridSet", "ProcessGrid", "check_grid", "close_groups", "new_group", "rows_of_group"]
 
 
-def check_grid(pr: int, pc: int, world: int, batch: int | None = None) -> None:
+def check_grid(pr: int, pc: int, world: int) -> None:
     """Raise a one-line ConfigError when the grid cannot run on `world` ranks with `batch`."""
     if pr < 1 or pc < 1:
         raise ConfigError(f"grid {pr}x{pc}: both sides must be at least 1")
     if pr * pc != world:
         raise ConfigError(
             f"grid {pr}x{pc} has {pr * pc} ranks but the job has {world}; use Pr*Pc = {world}"
-        )
-    if batch is not None and batch % world:
-        raise ConfigError(
-            f"global batch {batch} does not split evenly over {world} ranks; use a multiple of {world}"
         )
 
 
