@@ -70,7 +70,7 @@ def plan_preset(preset: str, layers: list[CostLayer], request: PlanRequest) -> P
         if chosen is None:
             raise ConfigError(
                 f"preset {preset}: grid {grid[0]}x{grid[1]} does not fit P={P}, B={B}; "
-                f"Pc must divide the batch"
+                f"Pc must be at most the batch"
             )
     if not chosen.feasible:
         raise ConfigError(f"preset {preset} cannot run: {chosen.reason}")
