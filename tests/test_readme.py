@@ -77,8 +77,8 @@ def _promise(command: str, job, plan) -> None:
         assert cfg.choices.bn == "global" and plan.scenario == "per-layer"
     if "--checkpoint-every 50" in command:
         assert cfg.checkpoint_dir == "ck" and cfg.checkpoint_every == 50
-    if "--resume auto" in command:  # onto another grid and P
-        assert job.procs == 2 and "model(2x1)" in styles
+    if "--resume auto" in command:  # onto 3 ranks: the 4 ranks' batch of 64 in uneven groups
+        assert job.procs == 3 and job.batch == 64 and "model(3x1)" in styles
     if "--codec dynamic-tree" in command:
         assert plan.choices.codec == "dynamic-tree" and plan.choices.compress == (
             "activations",
