@@ -128,3 +128,53 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path):
     want, got = torch.load(ref), torch.load(ck / "final.pt")
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def test_an_elastic_restart_onto_fewer_ranks_goes_on(tmp_path):
+    """Two torchrun agents on a c10d rendezvous (--nnodes 1:2): 2 ranks and 1, B = 50 in groups
+    of 17, 17 and 16. At step 7 the second agent's node is lost (its rank kills the agent, then
+    itself); the first agent's ranks time out on the dead rank (--timeout 3), the agent restarts
+    them, the rendezvous closes without the lost node, and the 2 ranks go on from the checkpoint
+    of step 6 (--resume auto) to the weights a 2-rank run resumed from that checkpoint reaches,
+    bit for bit."""
+    import socket
+
+    ck, ref = tmp_path / "ck", tmp_path / "ref"
+    steps = ["--preset", "ddp", "--batch", "50", "--max-steps", "9", "--epochs", "1"]
+    steps += ["--checkpoint-every", "3"]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--max-restarts",
+             "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+             "--rdzv-id", "elastic", "--rdzv-conf"]  # fmt: skip
+    # the first agent holds the rendezvous's store: it outlives the lost one
+    args = [*CMD[3:], *steps, "--checkpoint-dir", str(ck), "--resume", "auto", "--timeout", "3"]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    first = subprocess.Popen(
+        [*agent, f"{conf},is_host=1", "--nproc-per-node", "2", "-m", "hybridpar", *args,
+         "--report", str(tmp_path / "r.json")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lost = subprocess.run(
+            [*agent, f"{conf},is_host=0", "--nproc-per-node", "1", "-m", "hybridpar", *args],
+            env={**env, "HYBRIDPAR_FAULT": "optimizer:rank=2:step=7:node=1"},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert lost.returncode == -9, lost.stderr[-2000:]  # SIGKILL: the node went away
+        err = first.communicate(timeout=120)[1]
+    finally:
+        first.kill()
+    assert first.returncode == 0, err[-3000:]
+    log = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert {"event": "resume", "from": str(ck / "step-00000006"), "step": 6} in log
+    assert [e["plan"]["procs"] for e in log if e["event"] == "plan"][-1] == 2
+    # the reference: 2 ranks resumed from that checkpoint (the 3 ranks' sums ran through another
+    # transport there: two agents are two shared-memory groups, so not bit for bit one host's)
+    train("--nproc", "2", *steps, "--checkpoint-dir", str(ref), "--resume",
+          str(ck / "step-00000006"))  # fmt: skip
+    want, got = torch.load(ref / "final.pt"), torch.load(ck / "final.pt")
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

@@ -1,7 +1,9 @@
 """Fault injection for the fault-matrix tests (tests/test_faults.py), the way torchelastic's own
-tests inject failures: HYBRIDPAR_FAULT="<where>:rank=<r>:step=<s>[:restart=<k>]" makes rank r kill
-itself with SIGKILL when it reaches <where> during step s (on torchrun restart attempt k, default
-0). Points: forward, backward, handoff, halo, optimizer, checkpoint, host. Unset, `at` costs a lookup.
+tests inject failures: HYBRIDPAR_FAULT="<where>:rank=<r>:step=<s>[:restart=<k>][:node=1]" makes
+rank r kill itself with SIGKILL when it reaches <where> during step s (on torchrun restart attempt
+k, default 0); with node=1 it kills its parent first, the torchrun agent: the whole node is lost,
+as when a machine goes away. Points: forward, backward, handoff, halo, optimizer, checkpoint,
+host. Unset, `at` costs a lookup.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def _spec() -> dict | None:
     if not text:
         return None
     where, *rest = text.split(":")
-    spec = {"where": where, "rank": 0, "step": 0, "restart": 0}
+    spec = {"where": where, "rank": 0, "step": 0, "restart": 0, "node": 0}
     spec.update({k: int(v) for k, v in (kv.split("=") for kv in rest)})
     return spec
 
@@ -40,4 +42,6 @@ def at(where: str) -> None:
         and spec["rank"] == int(os.environ.get("RANK", "0"))
         and spec["restart"] == int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     ):
+        if spec["node"]:
+            os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
