@@ -13,7 +13,7 @@ Scenarios (names are the CLI's and the JSON's):
 | domain    | one grid; conv layers domain or model, at least one domain; FC model (Fig. 10)  |
 | per-layer | each layer its own style and grid, paying redistribution between them (DP)        |
 
-Grids: Pr * Pc = P, Pc <= B and Pc divides B (every batch group gets B/Pc examples). Whether a
+Grids: Pr * Pc = P and Pc <= B (the batch groups' examples: core.splits.group_rows). Whether a
 layer can take a style is `hybridpar.core.rules.why_not`, the function the runtime asks too:
 a model split needs a Linear or Conv2d called once with Pr <= its output units (uneven shards are
 allowed); a domain split needs Pr <= the output height. Whether the plan's choices can run with
