@@ -35,6 +35,7 @@ CELLS = {
     3: [
         ("resnet20", "ddp", 7, {"bn": "global"}, {}),
         ("resnet20", "batch", 7, {"bn": "global"}, {}),
+        ("resnet20", "batch", 7, {"bn": "adaptive"}, {}),  # switched to global at the start
         ("digits-wide", "grid:3x1", 7, {}, {"handoff": "c", "rounds": 2}),
         ("tv-alexnet", "grid:3x1", 7, {"reducer": "host"}, {}),
         ("unet", "domain", 5, {}, {}),
@@ -87,6 +88,8 @@ def _train(P: int) -> int:
         want = train_reference(model, data)
         plan = _plan(name, preset, P, B, choices, options)
         t = HybridTrainer(_build(name)[0], plan, optimizer, input_shape=shape)
+        if choices.get("bn") == "adaptive":  # its global statistics (m_i) from the first step
+            t.model.bn_switch._switch("global from the start: the test's")
         for x, y in data:
             t.step(x, y)
         got = t.full_state_dict()
@@ -123,8 +126,9 @@ def _bytes_are_predicted(ledger, plan, label: str) -> None:
 @pytest.mark.parametrize("P", sorted(CELLS))
 def test_unequal_batch_groups_train_as_one_process(P):
     """B = 7 on 3 ranks (groups of 3, 2, 2), B = 10 on 4 and B = 7 on a 3 x 2 grid: DDP, batch
-    with adaptive batch norm, grid:RxC (an uneven convolution trunk, hand-off scheme (c), the
-    host reducer), domain plans with an odd batch; as one process, bytes as predicted."""
+    with global and adaptive batch norm (switched to global: its statistics over unequal m_i),
+    grid:RxC (an uneven convolution trunk, hand-off scheme (c), the host reducer), domain plans
+    with an odd batch; as one process, bytes as predicted."""
     assert run_ranks(_train, P, P, timeout_s=300)[0] == len(CELLS[P])
 
 
