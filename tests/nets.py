@@ -734,3 +734,23 @@ class ResidualEncoderDecoder(nn.Module):
         s = self.enc1(x)
         d = F.interpolate(self.enc2(s), size=s.shape[-2:], mode="bilinear", align_corners=False)
         return self.head(self.dec(torch.cat([s, d], 1)))
+
+
+class PyramidPooling(nn.Module):
+    """PSPNet's pyramid pooling (Zhao et al. 2017), small: the features averaged to 1 x 1, 2 x 2
+    and 3 x 3 cells, each through a 1x1 convolution and bilinear back to the features' size,
+    joined with them along the channels, and a 3x3 convolution to the classes."""
+
+    def __init__(self, classes: int = 3, c: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU())
+        self.levels = nn.ModuleList(
+            nn.Sequential(nn.AdaptiveAvgPool2d(s), nn.Conv2d(c, 2, 1), nn.ReLU()) for s in (1, 2, 3)
+        )
+        self.head = nn.Conv2d(c + 6, classes, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.stem(x)
+        size = f.shape[-2:]
+        up = [F.interpolate(p(f), size, mode="bilinear", align_corners=False) for p in self.levels]
+        return self.head(torch.cat([f, *up], 1))

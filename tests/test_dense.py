@@ -21,6 +21,7 @@ from nets import (
     FeaturePyramid,
     FreeResamplings,
     Gated,
+    PyramidPooling,
     ResidualEncoderDecoder,
     optimizer,
 )
@@ -56,6 +57,7 @@ NETS = {
     "residual-group-norm": lambda s: ResidualEncoderDecoder(CLASSES),
     "atrous-pyramid": lambda s: AtrousPyramid(CLASSES),
     "gated": lambda s: Gated(CLASSES),
+    "pyramid-pooling": lambda s: PyramidPooling(CLASSES),
     "unet3d-instance-prelu": lambda s: _prelu(UNet(s, CLASSES, width=2, norm="instance", dims=3)),
     "unet3d-trilinear": lambda s: UNet(s, CLASSES, width=2, up="bilinear", dims=3),
 }
@@ -95,7 +97,7 @@ def _cells(P: int) -> list[tuple[str, int, int, str, int]]:
     (the nets of global poolings and spatial norms at B = 1); the losses on the transposed
     U-Net; all domain(P x 1), and on 4 ranks the instance norm's running statistics on 2 x 2."""
     cells = []
-    heights = (61, 97, 61, 61, 97, 61, 61, 29, 29, 29, 13, 13)
+    heights = (61, 97, 61, 61, 97, 61, 61, 29, 29, 29, 29, 13, 13)
     for (name, h), b in itertools.product(zip(NETS, heights, strict=True), (1, 2)):
         if (b == 2) == (h == 61) or name.startswith("unet-"):
             cells.append((name, h, b, "ce", P))

@@ -71,8 +71,9 @@ class CostLayer:
     # per member, what autograd keeps for backward per sample (elements; core.analysis._saved)
     saved: tuple[tuple[str, float], ...] = ()
     # global poolings riding along: (member, how (core.rows.global_pool), channels, height,
-    # needs dX); on bands their sums are all-reduced over the ranks holding an example's bands
-    pools: tuple[tuple[str, str, int, int, bool], ...] = ()
+    # needs dX, output cells (1, 1) or (k, l)); on bands their sums are all-reduced over the
+    # ranks holding an example's bands
+    pools: tuple[tuple[str, str, int, int, bool, tuple[int, ...]], ...] = ()
     # members (the weighted module included) whose input is a global pooling's value: whole on
     # every rank of a model group, they run there unchanged
     wholes: tuple[str, ...] = ()
@@ -177,7 +178,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     if s.op in ("instance_norm", "group_norm") and not s.whole:
         spatial = (*spatial, (s.groups, s.input_grad, s.tracked))
     if s.op == "global_pool":
-        pools = (*pools, (s.name, s.rows[1], *s.in_shape[:2], s.input_grad))
+        pools = (*pools, (s.name, s.rows[1], *s.in_shape[:2], s.input_grad, s.out_shape[1:]))
     loose = sum(n for _, n in s.loose)
     return CostLayer(
         **{

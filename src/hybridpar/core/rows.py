@@ -15,7 +15,8 @@ names the operation.
 | BatchNorm2d, BatchNorm3d                     | statistics over every rank (rows and examples)       |
 | InstanceNorm2d/3d, GroupNorm                 | each example's statistics over its bands' ranks      |
 | AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1),  | summed (or maxed) over the bands' ranks: the value   |
-| a mean, sum or amax over height and width    | whole on each of them (`global_pool`)                |
+| a mean, sum or amax over height and width,   | whole on each of them (`global_pool`)                |
+| AdaptiveAvgPool2d((k, l))                    |                                                      |
 | anything on such a whole value alone         | unchanged on every rank (an upsampling of it: bands) |
 | LocalResponseNorm, element-wise activations, | unchanged                                            |
 | Dropout, Identity; element-wise functions,   |                                                      |
@@ -207,13 +208,22 @@ def _ones(size) -> bool:
     return size == 1 or (isinstance(size, tuple | list) and set(size) == {1})
 
 
+def _cells(size) -> bool:
+    """An adaptive average pooling of an image to k x l cells (PSPNet's pyramid: 1, 2, 3, 6)."""
+    sizes = tuple(size) if isinstance(size, tuple | list) else (size, size)
+    return len(sizes) == 2 and all(isinstance(s, int) and s >= 1 for s in sizes)
+
+
 def module_pool(module: nn.Module) -> str:
     """ "avg" or "first" (the first maximum takes the gradient) when `module` pools each channel
-    of an image or a volume to one value (AdaptiveAvgPool2d(1), AdaptiveMaxPool3d(1), ...)."""
+    of an image or a volume to one value (AdaptiveAvgPool2d(1), AdaptiveMaxPool3d(1), ...), or an
+    image to k x l cells by averages (AdaptiveAvgPool2d((k, l)))."""
     avg, top = (
         (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
         (nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d),
     )
+    if isinstance(module, nn.AdaptiveAvgPool2d) and _cells(module.output_size):
+        return "avg"
     if isinstance(module, avg) and _ones(module.output_size):
         return "avg"
     if isinstance(module, top) and _ones(module.output_size):
@@ -234,9 +244,11 @@ def global_pool(func: object, args: tuple, kwargs: dict | None) -> str:
         return ""
     if name.startswith(("adaptive_avg_pool", "adaptive_max_pool")) and name.endswith(f"{n - 2}d"):
         size = args[1] if len(args) > 1 else kwargs.get("output_size")
-        if not _ones(size) or kwargs.get("return_indices") or (len(args) > 2 and args[2]):
+        if kwargs.get("return_indices") or (len(args) > 2 and args[2]):
             return ""
-        return "avg" if "avg" in name else "first"
+        if name == "adaptive_avg_pool2d" and _cells(size):
+            return "avg"
+        return ("avg" if "avg" in name else "first") if _ones(size) else ""
     if name not in _POOLED or kwargs.get("dtype") is not None:
         return ""
     dim = args[1] if len(args) > 1 else kwargs.get("dim")

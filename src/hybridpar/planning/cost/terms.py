@@ -253,15 +253,16 @@ def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> di
     priced = as_priced(net, s.pr * s.pc)
     net, batch = priced.group("model", s.pr, s.pc), priced.group("batch", s.pr, s.pc)
     out: dict[str, Comm] = {}
+    n = B / s.pc  # a group's examples (their mean where groups differ: the bytes' mean)
     for k, grad, tracked in layer.spatial_norms:
-        _merge(out, t_global_bn(k * (B // s.pc), s.pr, net, backward=grad))
+        _merge(out, t_global_bn(k * n, s.pr, net, backward=grad))
         if tracked and s.pc > 1:  # the running statistics' sums over the batch group
             _merge(out, {Term.BN_STATS: _small((2 * k + 1) * 8, s.pc, batch)})
-    for _, how, c, _, grad in layer.pools:
-        n = c * (B // s.pc) * 8
-        back = _small(n, s.pr, net) if grad else Comm.zero("all_reduce", s.pr)
+    for _, how, c, _, grad, cells in layer.pools:
+        sums = c * math.prod(cells) * n * 8  # per example and channel: one sum per output cell
+        back = _small(sums, s.pr, net) if grad else Comm.zero("all_reduce", s.pr)
         rows = 2 * s.pr if how in ("max", "first") else 1
-        _merge(out, {Term.BN_STATS: _small(n * rows, s.pr, net), Term.BN_GRAD: back})
+        _merge(out, {Term.BN_STATS: _small(sums * rows, s.pr, net), Term.BN_GRAD: back})
     return out
 
 

@@ -577,17 +577,61 @@ class _SpaceMax(torch.autograd.Function):
         return (hits * share[..., None]).view(ctx.shape), None, None
 
 
+class _RegionSum(torch.autograd.Function):
+    """Forward: each example's sums per channel over the k x l regions of an adaptive average
+    pooling (`rows` (k, band rows) and `cols` (l, W): which input rows and columns each output
+    cell reads), of this rank's band in float64, all-reduced. Backward: the gradient's sum over
+    the ranks (each computed its part from its band) spread back over the regions' rows."""
+
+    @staticmethod
+    def forward(ctx, x, rows, cols, via):
+        sums = torch.einsum("nchw,kh,lw->nckl", x.to(torch.float64), rows, cols)
+        all_reduce(sums, via)
+        ctx.save_for_backward(rows, cols)
+        ctx.via, ctx.dtype = replace(via, term=Term.BN_GRAD), x.dtype
+        return sums.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        rows, cols = ctx.saved_tensors
+        total = g.to(torch.float64).contiguous()
+        all_reduce(total, ctx.via)
+        return torch.einsum("nckl,kh,lw->nchw", total, rows, cols).to(ctx.dtype), None, None, None
+
+
+def _regions(n_in: int, n_out: int, lo: int, hi: int, like: torch.Tensor) -> torch.Tensor:
+    """(n_out, hi - lo) float64: 1 where output cell i of an adaptive pooling of n_in to n_out
+    (torch's regions: floor(i n_in / n_out) .. ceil((i + 1) n_in / n_out) - 1) reads row lo + j."""
+    i = torch.arange(n_out, device=like.device)
+    start, end = (i * n_in) // n_out, -((-(i + 1) * n_in) // n_out)
+    j = torch.arange(lo, hi, device=like.device)
+    return ((j >= start[:, None]) & (j < end[:, None])).to(torch.float64)
+
+
 class SpaceReduction:
     """What the domain style swaps in for a global pooling of a band (core.rows.global_pool:
-    AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1), a mean, sum or amax over height and width): the
-    value of the whole image, on every rank of the model group, in the shape the call returns."""
+    AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1), a mean, sum or amax over height and width, an
+    AdaptiveAvgPool2d((k, l))): the value of the whole image, on every rank of the model group,
+    in the shape the call returns."""
 
     def __init__(self, pool: tuple, adaptive: bool, group: Group, ledger: Ledger | None, layer):
-        _, self.how, _, self.rows, _ = pool  # CostLayer.pools
+        _, self.how, _, self.rows, _, self.cells = pool  # CostLayer.pools
         self.adaptive = adaptive  # keeps the dims (else the call's keepdim says)
         self.via = Via(group, ledger, Term.BN_STATS, layer)
+        self.band = bands(self.rows, group.size)[group.rank]
+
+    def _cells(self, x: torch.Tensor) -> torch.Tensor:
+        """An adaptive average pooling to k x m cells: the regions' sums over the bands, divided
+        by the regions' sizes."""
+        (k, m), w = self.cells, x.shape[3]
+        rows = _regions(self.rows, k, *self.band, x)
+        cols = _regions(w, m, 0, w, x)
+        sizes = _regions(self.rows, k, 0, self.rows, x).sum(1)[:, None] * cols.sum(1)[None, :]
+        return _RegionSum.apply(x, rows, cols, self.via) / sizes.to(x.dtype)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if math.prod(self.cells) > 1:
+            return self._cells(x)
         if self.how in ("max", "first"):
             y = _SpaceMax.apply(x, self.via, self.how == "first")
         else:
