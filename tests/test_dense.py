@@ -239,13 +239,18 @@ def test_row_maps_name_the_rows_torch_reads():
 def test_the_planner_splits_a_large_unet_by_height_end_to_end():
     """One 1024 x 1024 image on 4 ranks: no batch group can take it and the transposed
     convolutions split by no channels, so every layer is domain(4x1), on the cluster files'
-    prices; the bilinear U-Net's model plans are priced and lose."""
+    prices; the bilinear U-Net's model plans are priced and lose. A 3-D U-Net's 32^3 volume too."""
     for up in ("transposed", "bilinear"):
         with torch.device("meta"):
             m = UNet(1024, 3, up=up)
         result = plan_for(m, (3, 1024, 1024), 4, 1, load_cluster("cori-knl"))
         styles = set(result.export().styles.values())
         assert styles == {Style.domain(4, 1)}, (up, styles)
+    # a 3-D U-Net over one 32^3 volume on 4 ranks: split by depth end to end (it was "no plan fits")
+    with torch.device("meta"):
+        m = UNet(32, 3, in_channels=1, norm="instance", dims=3)
+    result = plan_for(m, (1, 32, 32, 32), 4, 1, load_cluster("cori-knl"))
+    assert set(result.export().styles.values()) == {Style.domain(4, 1)}
 
 
 def test_a_memory_limit_under_every_model_plan_gets_bands_with_their_bytes():
