@@ -754,3 +754,33 @@ class PyramidPooling(nn.Module):
         size = f.shape[-2:]
         up = [F.interpolate(p(f), size, mode="bilinear", align_corners=False) for p in self.levels]
         return self.head(torch.cat([f, *up], 1))
+
+
+class _NextBlock(nn.Module):
+    """ConvNeXt's block (Liu et al. 2022): a 7x7 depthwise convolution, then channels-last (a
+    permute) a layer norm, a Linear to 4 C, GELU, a Linear back and a per-channel scale, permuted
+    back and added to the input."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm, self.up, self.down = nn.LayerNorm(c), nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.gamma = nn.Parameter(torch.full((c,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.gamma * self.down(F.gelu(self.up(self.norm(y))))
+        return x + y.permute(0, 3, 1, 2)
+
+
+class ChannelsLast(nn.Module):
+    """A small ConvNeXt-style dense predictor: a stem, two channels-last blocks, a 1x1 head."""
+
+    def __init__(self, classes: int = 3, c: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(_NextBlock(c), _NextBlock(c))
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))

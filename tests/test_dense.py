@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dist_helpers import run_ranks
 from nets import (
     AtrousPyramid,
+    ChannelsLast,
     DilatedFCN,
     FeaturePyramid,
     FreeResamplings,
@@ -58,6 +59,7 @@ NETS = {
     "atrous-pyramid": lambda s: AtrousPyramid(CLASSES),
     "gated": lambda s: Gated(CLASSES),
     "pyramid-pooling": lambda s: PyramidPooling(CLASSES),
+    "channels-last": lambda s: ChannelsLast(CLASSES),
     "unet3d-instance-prelu": lambda s: _prelu(UNet(s, CLASSES, width=2, norm="instance", dims=3)),
     "unet3d-trilinear": lambda s: UNet(s, CLASSES, width=2, up="bilinear", dims=3),
 }
@@ -97,7 +99,7 @@ def _cells(P: int) -> list[tuple[str, int, int, str, int]]:
     (the nets of global poolings and spatial norms at B = 1); the losses on the transposed
     U-Net; all domain(P x 1), and on 4 ranks the instance norm's running statistics on 2 x 2."""
     cells = []
-    heights = (61, 97, 61, 61, 97, 61, 61, 29, 29, 29, 29, 13, 13)
+    heights = (61, 97, 61, 61, 97, 61, 61, 29, 29, 29, 29, 29, 13, 13)
     for (name, h), b in itertools.product(zip(NETS, heights, strict=True), (1, 2)):
         if (b == 2) == (h == 61) or name.startswith("unet-"):
             cells.append((name, h, b, "ce", P))
@@ -301,7 +303,7 @@ def _ties() -> None:
         whole = x.clone().requires_grad_()
         (torch_max(whole) * g).sum().backward()
         band = x[:, :, lo:hi].clone().requires_grad_()
-        y = SpaceReduction(("m", how, 3, 7, True), True, group, None, "m")(band)
+        y = SpaceReduction(("m", how, 3, 7, True, (1, 1)), True, group, None, "m")(band)
         torch.testing.assert_close(y, torch_max(x), rtol=0, atol=0)
         (y * g * (dist.get_rank() == 0)).sum().backward()  # the ranks' parts of the gradient
         torch.testing.assert_close(band.grad, whole.grad[:, :, lo:hi], rtol=1e-15, atol=0)
@@ -472,25 +474,27 @@ class _Supervised(nn.Module):
         return self.head(f), self.aux(f)
 
 
-class _ChannelsLast(nn.Module):
-    """A layer norm over the channels through permute (ConvNeXt's)."""
+class _Transposed(nn.Module):
+    """A convolution on the image transposed (its rows become columns)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv, self.norm = nn.Conv2d(3, 4, 3, padding=1), nn.LayerNorm(4)
-        self.head = nn.Conv2d(4, 3, 1)
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 3, 3, padding=1)
 
     def forward(self, x):
-        y = self.norm(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-        return self.head(y)
+        return self.b(self.a(x).transpose(2, 3)).transpose(2, 3)
 
 
 @pytest.mark.parametrize(
     "net, why",
     [
         (lambda: _Supervised(), "the model's output"),
-        (lambda: _ChannelsLast(), "permute mixes rows"),
-        (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(2)), "AdaptiveAvgPool2d"),
+        (
+            lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.LayerNorm([4, 14, 6])),
+            "LayerNorm over the rows",
+        ),
+        (lambda: _Transposed(), "a permuted band leaves the segment"),
+        (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveMaxPool2d(2)), "AdaptiveMaxPool2d"),
         (
             lambda: nn.Sequential(
                 nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2)
@@ -500,9 +504,9 @@ class _ChannelsLast(nn.Module):
     ],
 )
 def test_what_bands_cannot_run_is_refused_by_name(net, why):
-    """Deep supervision's second output, a layer norm through permute, an adaptive pooling to
-    more than one value, a global pooling's value handed to a classifier: domain is refused for
-    the first convolution, naming the reason."""
+    """Deep supervision's second output, a layer norm over the rows, a convolution on a
+    transposed band, an adaptive max pooling to more than one value, a global pooling's value
+    handed to a classifier: domain is refused for the first convolution, naming the reason."""
     from hybridpar.core.rules import why_not
 
     first = cost_layers(analyze(net().double(), (3, 16, 8)))[0]

@@ -55,6 +55,8 @@ from hybridpar.core.rows import (
     global_pool,
     module_blocker,
     module_pool,
+    moved_rows,
+    permuted_blocker,
 )
 
 __all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
@@ -134,6 +136,8 @@ class LayerSpec:
     tracked: bool = False  # an instance norm's running statistics are tracked
     whole: bool = False  # its input is a global pooling's value (or computed from such alone):
     # whole on every rank that holds bands of the image, where it runs unchanged
+    permuted: int = 0  # where a permute moved its input's rows (0: dim 2, as they come): a
+    # channels-last layer norm or Linear, unchanged on a band
 
     @property
     def params(self) -> int:
@@ -337,6 +341,7 @@ class _Recorder(TorchFunctionMode):
         self.owner: Callable[[], str] = lambda: ""  # the module whose own forward runs now
         self.site_counts: dict[tuple[str, Callable], int] = {}
         self.whole: set[tuple[int, int]] = set()  # values a global pooling made whole
+        self.rowdim: dict[tuple[int, int], int] = {}  # bands whose rows a permute moved off dim 2
         self.watches: list[ops.Matcher] = []  # the layers running: their operation on their input
 
     def key(self, x: torch.Tensor) -> tuple[int, int]:
@@ -375,6 +380,17 @@ class _Recorder(TorchFunctionMode):
     def made_whole(self, ys: list[torch.Tensor]) -> None:
         self.whole.update(self.key(y) for y in ys)
 
+    def rows_at(self, x: torch.Tensor) -> int:
+        """The dim of `x` that holds the image's rows (2 unless a permute moved them)."""
+        return self.rowdim.get(self.key(x), 2)
+
+    def place(self, ys: list[torch.Tensor], at: int) -> None:
+        for y in ys:
+            if at == 2:
+                self.rowdim.pop(self.key(y), None)
+            else:
+                self.rowdim[self.key(y)] = at
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         for w in self.watches:
             w.is_op(func, args)
@@ -388,6 +404,7 @@ class _Recorder(TorchFunctionMode):
                 self.t += 1
                 ins = _tensors((args, kwargs))
                 whole = self.wholes(ins)
+                at = [self.rows_at(x) for x in ins if id(x) not in self.params]
                 self.produce(outs, t, self.use(ins, t))
                 k = self.count(func)
                 if func is F.interpolate and isinstance(out, torch.Tensor):
@@ -401,9 +418,19 @@ class _Recorder(TorchFunctionMode):
                     self.sites.append((t, self.site(func, k, args, kwargs, out, how=how)))
                     self.made_whole(outs)
                     return out
+                moved = moved_rows(func, args, kwargs, at[0]) if at else None
+                if moved is not None:  # the rows move to another dim, none mixes with another
+                    self.place(outs, moved)
+                    return out
                 why = function_blocker(func, args, kwargs)
                 if why and whole[:1] == [True] and getattr(func, "__name__", "") == "expand_as":
                     why = ""  # a whole value broadcast to the band
+                name = getattr(func, "__name__", "")
+                off = [a for a in at if a != 2]
+                if off and (why or name in _AWARE):
+                    why = f"{name} of a permuted band"  # it would read the rows as dim 2
+                elif off:
+                    self.place(outs, off[0])  # element by element: the rows stay where they are
                 if why:
                     self.blocked.append((t, why))
         return out
@@ -483,7 +510,8 @@ class _Calls:
             if watch is not None:
                 rec.watches.append(watch)
             whole = first is not None and rec.key(first) in rec.whole
-            module._hybridpar_call = (t, grad, own, watch, whole)
+            at = rec.rows_at(first) if first is not None else 2
+            module._hybridpar_call = (t, grad, own, watch, whole, at)
             rec.in_leaf += 1
 
     def post(self, module: nn.Module, args: tuple, output: object) -> None:
@@ -492,7 +520,7 @@ class _Calls:
         outs = _tensors(output)
         if self._leaf(module):
             rec.in_leaf -= 1
-            t, grad, own, watch, whole = module.__dict__.pop("_hybridpar_call")
+            t, grad, own, watch, whole, at = module.__dict__.pop("_hybridpar_call")
             if watch is not None:
                 rec.watches.remove(watch)
             rec.produce(outs, t, grad or own)
@@ -500,6 +528,7 @@ class _Calls:
                 shapes = (tuple(args[0].shape[1:]), tuple(output.shape[1:]))
                 name = self.names[module]
                 spec = _whole(_spec(name, module, *shapes), module, whole, rec, outs)
+                spec = _permuted(spec, module, at, len(args[0].shape), rec, outs)
                 why = watch.why_not() if watch is not None else ""
                 self.specs.append((t, replace(spec, input_grad=grad, own=why)))
                 if spec.op in ("conv2d", "linear") and not why and not ops.is_plain(module):
@@ -523,6 +552,22 @@ def _whole(spec: LayerSpec, module: nn.Module, whole: bool, rec: _Recorder, outs
         rec.made_whole(outs)
         return replace(spec, blocker="", op="global_pool", rows=("global", how))
     return spec
+
+
+def _permuted(spec: LayerSpec, module: nn.Module, at: int, ndim: int, rec, outs) -> LayerSpec:
+    """A leaf on a band whose rows a permute moved (dim `at`): a layer norm or a Linear over the
+    channels runs on it unchanged, the rows staying at `at`; a layer norm or Linear over the rows
+    is refused wherever they are."""
+    over = isinstance(module, nn.LayerNorm | nn.Linear)  # over its input's last dims
+    if spec.whole or ndim < 3 or (at == 2 and not over):
+        return spec
+    rec.place(outs, at)
+    return replace(spec, blocker=permuted_blocker(module, at, ndim), permuted=at % ndim)
+
+
+# functions that read an activation's dims as (N, C, H, W) beyond element by element
+_AWARE = {"cat", "concat", "concatenate", "stack", "chunk", "split", "narrow", "unbind", "pad",
+          "__getitem__", "flatten", "view", "reshape", "sum", "mean", "amax", "softmax"}  # fmt: skip
 
 
 # a model with at most this many elements of state and of input per sample is traced on zeros
@@ -587,7 +632,12 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
     timed = [(t, replace(s, unsplit=unsplit.get(s.name, ""))) for t, s in timed]
     # (N, C, H, W) on bands: rows stay split (not a global pooling's whole value)
-    dense = isinstance(out, torch.Tensor) and out.dim() in (4, 5) and rec.key(out) not in rec.whole
+    dense = (
+        isinstance(out, torch.Tensor)
+        and out.dim() in (4, 5)
+        and rec.key(out) not in rec.whole
+        and rec.rows_at(out) == 2
+    )
     traced = _segments(timed, hooks.calls, rec, seqs, dense)
     traced.out_shape = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else ()
     traced.in_shape = input_shape
@@ -713,6 +763,8 @@ def _segments(
             cuts.append((best[1], best[0], best[4]))
             if best[3] in rec.whole:  # the layout change would take it for bands
                 rec.blocked.append((best[1] - 1, "a global pooling's value leaves the segment"))
+            elif best[3] is not None and rec.rowdim.get(best[3], 2) != 2:
+                rec.blocked.append((best[1] - 1, "a permuted band leaves the segment"))
     times = [c[0] for c in cuts]
     specs: list[LayerSpec] = []
     opened: set[int] = set()

@@ -74,9 +74,10 @@ class CostLayer:
     # needs dX, output cells (1, 1) or (k, l)); on bands their sums are all-reduced over the
     # ranks holding an example's bands
     pools: tuple[tuple[str, str, int, int, bool, tuple[int, ...]], ...] = ()
-    # members (the weighted module included) whose input is a global pooling's value: whole on
-    # every rank of a model group, they run there unchanged
-    wholes: tuple[str, ...] = ()
+    # members (the weighted module included) that run unchanged on every rank of a domain
+    # layout: on a global pooling's value (whole there), or over the channels of a band a
+    # permute made channels-last (its rows kept apart)
+    unchanged: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.op:  # a layer described by hand: what its kind and input say
@@ -167,11 +168,11 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     name (and its height window)."""
     own = (*layer.own, (s.name, s.op, s.own)) if s.own else layer.own
     saved = (*layer.saved, (s.name, s.saved))
-    wholes = (*layer.wholes, s.name) if s.whole else layer.wholes
+    unchanged = (*layer.unchanged, s.name) if s.whole or s.permuted else layer.unchanged
     if weighted:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
         fields = {"members": members, "windows": windows, "own": own, "saved": saved}
-        return CostLayer(**{**layer.__dict__, **fields, "wholes": wholes})
+        return CostLayer(**{**layer.__dict__, **fields, "unchanged": unchanged})
     norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
     if s.op == "batch_norm":
         norms = (*norms, (s.in_shape[0], s.input_grad))
@@ -194,6 +195,6 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "own": own,
             "saved": saved,
             "pools": pools,
-            "wholes": wholes,
+            "unchanged": unchanged,
         }
     )

@@ -26,6 +26,11 @@ Everything else mixes rows or sees the whole image (flatten or view of rows, oth
 output sizes, Softmax over space, a pooling that returns indices) and ends a domain segment's
 claim.
 
+A band may be permuted (a channels-last convnet's permute(0, 2, 3, 1)): the trace follows where
+its rows went (`moved_rows`), and a layer norm or a Linear over the channels keeps them apart
+there (`permuted_blocker`); anything else on a permuted band, or a permuted band at a segment's
+cut or as the model's output, ends the claim.
+
 A whole value (a global pooling's) meets the bands only by broadcasting (x * s, x + s,
 s.expand_as(x)) or an upsampling back to the image's size: each rank computes from it what its
 band needs, so the gradient a rank sends back into it is its band's part, and the pooling's
@@ -43,6 +48,8 @@ __all__ = [
     "global_pool",
     "module_blocker",
     "module_pool",
+    "moved_rows",
+    "permuted_blocker",
 ]
 
 RESAMPLED = ("nearest", "nearest-exact", "bilinear", "bicubic", "trilinear")
@@ -199,6 +206,37 @@ def function_blocker(func: object, args: tuple, kwargs: dict | None) -> str:
             return ""  # other dimensions only
         return "pad of the rows"
     return f"{name} mixes rows"
+
+
+def moved_rows(func: object, args: tuple, kwargs: dict | None, at: int) -> int | None:
+    """Where a permute or a transpose of a band puts its rows (dim `at` before; a channels-last
+    convnet's permute(0, 2, 3, 1) puts them at 1): no row mixes with another; None for other
+    functions."""
+    name = getattr(func, "__name__", "")
+    x = args[0] if args else None
+    n = getattr(x, "ndim", 0)
+    if name == "permute":
+        dims = (kwargs or {}).get("dims", args[1] if len(args) == 2 else args[1:])
+        dims = [d % n for d in (dims if isinstance(dims, tuple | list) else (dims,))]
+        return dims.index(at) if sorted(dims) == list(range(n)) else None
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) == 3:
+        a, b = args[1] % n, args[2] % n
+        return b if at == a else a if at == b else at
+    return None
+
+
+def permuted_blocker(module: nn.Module, at: int, ndim: int) -> str:
+    """ "" when `module` keeps rows apart on a band whose rows are at dim `at` of `ndim` (a
+    channels-last convnet's layer norm and Linear layers over the channels), else why not."""
+    name = type(module).__name__
+    if isinstance(module, nn.LayerNorm):
+        inside = at < ndim - len(module.normalized_shape)
+        return "" if inside else f"{name} over the rows"
+    if isinstance(module, nn.Linear):
+        return "" if at != ndim - 1 else f"{name} over the rows"
+    if isinstance(module, (*ELEMENTWISE_ACTIVATIONS, nn.Dropout, nn.Identity)):
+        return ""
+    return f"{name} on a permuted band"
 
 
 _POOLED = {"mean": "avg", "sum": "sum", "amax": "max"}

@@ -67,7 +67,7 @@ def _model(layer: CostLayer, s: Style) -> str:
 
 
 def _domain(layer: CostLayer, s: Style) -> str:
-    whole = layer.name in layer.wholes  # on a global pooling's value: unchanged on every rank
+    whole = layer.name in layer.unchanged  # a pooled value's, or over a band's channels
     ops = ("conv2d", "conv3d", "conv_transpose")
     if not whole and (layer.op not in ops or len(layer.x_shape) not in (3, 4)):
         return (

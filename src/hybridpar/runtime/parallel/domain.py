@@ -774,8 +774,8 @@ class DomainStyle(ParallelStyle):
         windows = {w[0]: w for w in layer.windows}
         group, ledger = self.grid.model_group, self.ctx.ledger
         pool = next((p for p in layer.pools if p[0] == name), None)
-        if name in layer.wholes or (self.spec.pr == 1 and pool):
-            return module  # whole on every rank: unchanged
+        if name in layer.unchanged or (self.spec.pr == 1 and pool):
+            return module  # a whole value's, or over a band's channels: unchanged
         if pool:
             ops.install(module, SpaceReduction(pool, True, group, ledger, layer.name), name=name)
             return module
