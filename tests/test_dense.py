@@ -485,6 +485,19 @@ class _Transposed(nn.Module):
         return self.b(self.a(x).transpose(2, 3)).transpose(2, 3)
 
 
+class _PooledLast(nn.Module):
+    """A mean over dims 2 and 3 of a channels-last band: the width and the channels, not a
+    global pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        y = self.a(x).permute(0, 2, 3, 1)
+        return self.b((y + y.mean((2, 3), keepdim=True)).permute(0, 3, 1, 2))
+
+
 @pytest.mark.parametrize(
     "net, why",
     [
@@ -494,6 +507,7 @@ class _Transposed(nn.Module):
             "LayerNorm over the rows",
         ),
         (lambda: _Transposed(), "a permuted band leaves the segment"),
+        (lambda: _PooledLast(), "mean of a permuted band"),
         (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveMaxPool2d(2)), "AdaptiveMaxPool2d"),
         (
             lambda: nn.Sequential(

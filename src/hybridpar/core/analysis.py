@@ -407,13 +407,14 @@ class _Recorder(TorchFunctionMode):
                 at = [self.rows_at(x) for x in ins if id(x) not in self.params]
                 self.produce(outs, t, self.use(ins, t))
                 k = self.count(func)
-                if func is F.interpolate and isinstance(out, torch.Tensor):
+                off = [a for a in at if a != 2]  # a permuted band's rows are elsewhere
+                if func is F.interpolate and isinstance(out, torch.Tensor) and not off:
                     self.sites.append((t, self.site(func, k, args, kwargs, out, all(whole))))
                     return out
                 if whole and all(whole):  # a whole value's function: whole too
                     self.made_whole(outs)
                     return out
-                how = global_pool(func, args, kwargs)
+                how = global_pool(func, args, kwargs) if not off else ""
                 if how and k is not None and isinstance(out, torch.Tensor):
                     self.sites.append((t, self.site(func, k, args, kwargs, out, how=how)))
                     self.made_whole(outs)
@@ -426,8 +427,7 @@ class _Recorder(TorchFunctionMode):
                 if why and whole[:1] == [True] and getattr(func, "__name__", "") == "expand_as":
                     why = ""  # a whole value broadcast to the band
                 name = getattr(func, "__name__", "")
-                off = [a for a in at if a != 2]
-                if off and (why or name in _AWARE):
+                if off and (why or name in _AWARE or func is F.interpolate):
                     why = f"{name} of a permuted band"  # it would read the rows as dim 2
                 elif off:
                     self.place(outs, off[0])  # element by element: the rows stay where they are
