@@ -331,18 +331,29 @@ def _wrong_target():
 
 def _memory(P: int) -> list[tuple[str, float, float]]:
     """(plan, predicted, counted) bytes on this rank's busiest... every rank's, for the U-Net
-    under its domain plan and, at B = P, its batch plan: float32, momentum."""
+    under its domain plan and, at B = P, its batch plan, and the 3-D U-Net's volume split by
+    depth: float32, momentum."""
     out = []
     h = 64
-    for label, b, style in (("domain", 1, Style.domain(P, 1)), ("batch", P, Style.batch(P))):
+    for label, b, style, dims in (
+        ("domain", 1, Style.domain(P, 1), 2),
+        ("batch", P, Style.batch(P), 2),
+        ("domain-3d", 1, Style.domain(P, 1), 3),
+    ):
+        size = (h, W) if dims == 2 else (16, 12, 10)
+        shape = (3, *size)
+
+        norm = "batch" if dims == 2 else "instance"
+        build = functools.partial(UNet, size, CLASSES, width=4, dims=dims, norm=norm)
+
         with torch.device("meta"):
-            layers = cost_layers(analyze(UNet(h, CLASSES, width=4), (3, h, W)))
+            layers = cost_layers(analyze(build(), shape))
         request = PlanRequest(P, b, NET, elem_bytes=4)
         plan = evaluate(layers, [style] * len(layers), request)
-        exported = export(plan, procs=P, batch=b, choices=Choices(), input_shape=(3, h, W))
+        exported = export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape)
         torch.manual_seed(0)
-        t = HybridTrainer(UNet(h, CLASSES, width=4), exported, optimizer, input_shape=(3, h, W))
-        x, y = torch.randn(b, 3, h, W), torch.randint(0, CLASSES, (b, h, W))
+        t = HybridTrainer(build(), exported, optimizer, input_shape=shape)
+        x, y = torch.randn(b, *shape), torch.randint(0, CLASSES, (b, *size))
         t.train_step(x, y)
         t.train_step(x, y, count=True)
         every = [None] * P
@@ -355,7 +366,7 @@ def _memory(P: int) -> list[tuple[str, float, float]]:
 def test_predicted_memory_is_what_a_rank_counts(P):
     """The planner's bytes per rank (parameters, gradients, momentum, what autograd keeps for
     backward: band, halo and padding rows on bands) within 10 % of the busiest rank's count in a
-    real step; on bands a rank holds about 1/P of the batch plan's activations per example."""
+    real step, for images split by height and a volume split by depth."""
     for label, predicted, counted, parts in run_ranks(_memory, P, P, timeout_s=120)[0]:
         assert predicted == pytest.approx(counted, rel=0.10), (label, predicted, counted, parts)
 
