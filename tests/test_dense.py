@@ -7,6 +7,7 @@ The oracle: float64, 3 steps of SGD with momentum and weight decay, parameters a
 the returned mean losses against one process; every convolution domain; bytes = prediction per
 (layer, term). One spawn per P runs every cell."""
 
+import contextlib
 import functools
 import itertools
 import re
@@ -14,6 +15,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from device_rules import DeviceRules
 from dist_helpers import run_ranks
 from nets import (
     AtrousPyramid,
@@ -39,6 +41,7 @@ from hybridpar.core.models import UNet
 from hybridpar.core.plan import Style
 from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import evaluate, export, plan_for
+from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel.losses import Dice
 from hybridpar.runtime.parallel.trainer import HybridTrainer
 
@@ -63,6 +66,12 @@ NETS = {
     "unet3d-instance-prelu": lambda s: _prelu(UNet(s, CLASSES, width=2, norm="instance", dims=3)),
     "unet3d-trilinear": lambda s: UNet(s, CLASSES, width=2, up="bilinear", dims=3),
 }
+
+
+# the nets whose stand-ins (global poolings, statistics over bands, volumes, channels-last) also
+# run under CUDA's device rules on the CPU (tests/device_rules.py), on 3 ranks
+RULED = {"unet-instance-prelu", "residual-group-norm", "atrous-pyramid", "gated",
+         "pyramid-pooling", "channels-last", "unet3d-instance-prelu"}  # fmt: skip
 
 
 def _prelu(model: nn.Module) -> nn.Module:
@@ -160,8 +169,14 @@ def _train(P: int) -> int:
         want, want_losses = _reference(name, h, b, loss)
         plan = _plan(name, h, b, P, pr)
         shape = (3, *_size(name, h))
-        t = HybridTrainer(_model(name, h), plan, optimizer, LOSSES[loss], input_shape=shape)
-        got = [t.step(x, y) for x, y in _data(name, h, b, loss)]
+        model, data = _model(name, h), _data(name, h, b, loss)
+        ruled = P == 3 and name in RULED  # under CUDA's rules, on the paths a GPU takes
+        options = RuntimeOptions(shared_memory=False) if ruled else None
+        with DeviceRules() if ruled else contextlib.nullcontext() as rules:
+            t = HybridTrainer(model, plan, optimizer, LOSSES[loss], options, input_shape=shape)
+            got = [t.step(x, y) for x, y in data]
+        if ruled:
+            rules.check()
         state = t.full_state_dict()
         for k, v in want.items():
             torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
@@ -189,9 +204,11 @@ def _bytes_are_predicted(ledger, plan, label: str) -> None:
 
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_segmentation_nets_split_by_height_train_as_one_process(P):
-    """U-Nets (transposed convolutions; bilinear upsampling, align_corners False and True), a
-    feature pyramid (nearest upsampling to the next level's size) and a dilated net, all
-    convolutions domain(P x 1), odd heights, B = 1 and 2, on the losses' own means."""
+    """U-Nets (transposed convolutions; bilinear upsampling, align_corners False and True; instance
+    norm with running statistics and PReLU; 3-D), a feature pyramid, a dilated net, a residual
+    group-norm net, atrous and pyramid pooling, squeeze-and-excitation gates and channels-last
+    blocks, all convolutions domain(P x 1), odd heights, B = 1 and 2, on the losses' own means;
+    on 3 ranks the new stand-ins under CUDA's device rules."""
     assert run_ranks(_train, P, P, timeout_s=300)[0] == len(_cells(P))
 
 
