@@ -39,6 +39,7 @@ CELLS = {
         ("digits-wide", "grid:3x1", 7, {}, {"handoff": "c", "rounds": 2}),
         ("tv-alexnet", "grid:3x1", 7, {"reducer": "host"}, {}),
         ("unet", "domain", 5, {}, {}),
+        ("digits-wide", "grid:3x1", 7, {"codec": "dynamic-tree", "compress": "grads"}, {}),
     ],
     4: [
         ("resnet20", "ddp", 10, {"bn": "global"}, {}),
@@ -93,8 +94,9 @@ def _train(P: int) -> int:
         for x, y in data:
             t.step(x, y)
         got = t.full_state_dict()
-        for k, v in want.items():
-            torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
+        for k, v in want.items():  # an 8-bit wire is lossy: near, its payload as predicted
+            tol = dict(rtol=0.05, atol=0.02) if "codec" in choices else dict(rtol=1e-7, atol=1e-10)
+            torch.testing.assert_close(got[k], v, **tol, msg=f"{label}: {k}")
         _bytes_are_predicted(t.ledger, plan, label)
     return len(CELLS[P])
 
@@ -103,7 +105,8 @@ def _bytes_are_predicted(ledger, plan, label: str) -> None:
     """Per (layer, term), averaged over the ranks; under torch DDP (its buckets carry no layer
     names) per term; the host reducer's gradient sums aside (in host memory: tests/test_host.py)."""
     by_layer = plan.engine != "ddp"
-    skip = ("metrics", "bn_switch") + (("dw_allreduce",) if plan.choices.reducer == "host" else ())
+    skip = ("metrics", "bn_switch", "codec_overhead")  # the codec's scales: measured only
+    skip += ("dw_allreduce",) if plan.choices.reducer == "host" else ()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(
         every, ledger.bytes_by_layer_term() if by_layer else ledger.bytes_by_term()
@@ -128,7 +131,8 @@ def test_unequal_batch_groups_train_as_one_process(P):
     """B = 7 on 3 ranks (groups of 3, 2, 2), B = 10 on 4 and B = 7 on a 3 x 2 grid: DDP, batch
     with global and adaptive batch norm (switched to global: its statistics over unequal m_i),
     grid:RxC (an uneven convolution trunk, hand-off scheme (c), the host reducer), domain plans
-    with an odd batch; as one process, bytes as predicted."""
+    with an odd batch; as one process, bytes as predicted (8-bit gradients: near it, their
+    payload as predicted)."""
     assert run_ranks(_train, P, P, timeout_s=300)[0] == len(CELLS[P])
 
 
