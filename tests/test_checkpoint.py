@@ -2,8 +2,10 @@
 checkpoint of a 2x2 plan on 4 ranks resumes on a 3x1 plan on 3 ranks and ends where the
 uninterrupted run ends (rtol 1e-5); the final weights load into the plain model with torch.load."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -102,7 +104,7 @@ def test_a_checkpoint_dir_is_continued_only_on_purpose(tmp_path):
 def test_an_elastic_restart_onto_fewer_ranks_goes_on(tmp_path):
     """Two torchrun agents on a c10d rendezvous (--nnodes 1:2): 2 ranks and 1, B = 50 in groups
     of 17, 17 and 16. At step 7 the second agent's node is lost (its rank kills the agent, then
-    itself); the first agent's ranks time out on the dead rank (--timeout 3), torchrun restarts
+    itself); the first agent's ranks time out on the dead rank (--timeout 2), torchrun restarts
     them (--max-restarts 1; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, docs/checkpoints.md), the
     rendezvous closes without the lost node, and the 2 ranks go on from the checkpoint of step 6
     (--resume auto) to the weights a 2-rank run resumed from that checkpoint reaches, bit for
@@ -122,23 +124,26 @@ def test_an_elastic_restart_onto_fewer_ranks_goes_on(tmp_path):
              "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
              "--rdzv-id", "elastic", "--rdzv-conf"]  # fmt: skip
     # the first agent holds the rendezvous's store: it outlives the lost one
-    args = [*CMD[3:], *steps, "--checkpoint-dir", str(ck), "--resume", "auto", "--timeout", "3"]
+    args = [*CMD[3:], *steps, "--checkpoint-dir", str(ck), "--resume", "auto", "--timeout", "2"]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    first = subprocess.Popen(
-        [*agent, f"{conf},is_host=1", "--nproc-per-node", "2", "-m", "hybridpar", *args,
-         "--report", str(tmp_path / "r.json")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        lost = subprocess.run(
-            [*agent, f"{conf},is_host=0", "--nproc-per-node", "1", "-m", "hybridpar", *args],
-            env={**env, "HYBRIDPAR_FAULT": "optimizer:rank=2:step=7:node=1"},
-            capture_output=True, text=True, timeout=120,
+
+    def start(rdzv: str, nproc: str, *more: str, **env_more: str) -> subprocess.Popen:
+        return subprocess.Popen(  # in a process group of its own: nothing outlives the test
+            [*agent, rdzv, "--nproc-per-node", nproc, "-m", "hybridpar", *args, *more],
+            env={**env, **env_more}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
         )  # fmt: skip
-        assert lost.returncode == -9, lost.stderr[-2000:]  # SIGKILL: the node went away
+
+    first = start(f"{conf},is_host=1", "2", "--report", str(tmp_path / "r.json"))
+    lost = start(f"{conf},is_host=0", "1", HYBRIDPAR_FAULT="optimizer:rank=2:step=7:node=1")
+    try:
+        said = lost.communicate(timeout=120)[1]
+        assert lost.returncode == -9, said[-2000:]  # SIGKILL: the node went away
         err = first.communicate(timeout=120)[1]
-    finally:
-        first.kill()
+    finally:  # nothing left behind, whatever happened
+        for p in (first, lost):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
     assert first.returncode == 0, err[-3000:]
     log = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert {"event": "resume", "from": str(ck / "step-00000006"), "step": 6} in log

@@ -70,8 +70,7 @@ NETS = {
 
 # the nets whose stand-ins (global poolings, statistics over bands, volumes, channels-last) also
 # run under CUDA's device rules on the CPU (tests/device_rules.py), on 3 ranks
-RULED = {"unet-instance-prelu", "residual-group-norm", "atrous-pyramid", "gated",
-         "pyramid-pooling", "channels-last", "unet3d-instance-prelu"}  # fmt: skip
+RULED = {"unet-instance-prelu", "gated", "pyramid-pooling", "unet3d-instance-prelu"}
 
 
 def _prelu(model: nn.Module) -> nn.Module:
@@ -104,13 +103,13 @@ LOSSES = {
 
 
 def _cells(P: int) -> list[tuple[str, int, int, str, int]]:
-    """(net, height, B, loss, Pr): every net at an odd height (61, 97 or 29 rows), B = 1 and 2
-    (the nets of global poolings and spatial norms at B = 1); the losses on the transposed
-    U-Net; all domain(P x 1), and on 4 ranks the instance norm's running statistics on 2 x 2."""
+    """(net, height, B, loss, Pr): every net at an odd height (61, 97 or 29 rows), at B = 1 or 2
+    (both for the transposed and the instance-norm U-Nets); the losses on the transposed U-Net;
+    all domain(P x 1), and on 4 ranks the instance norm's running statistics on 2 x 2."""
     cells = []
     heights = (61, 97, 61, 61, 97, 61, 61, 29, 29, 29, 29, 29, 13, 13)
     for (name, h), b in itertools.product(zip(NETS, heights, strict=True), (1, 2)):
-        if (b == 2) == (h == 61) or name.startswith("unet-"):
+        if (b == 2) == (h == 61) or name in ("unet-transposed", "unet-instance-prelu"):
             cells.append((name, h, b, "ce", P))
     cells += [("unet-transposed", 40, 2, loss, P) for loss in LOSSES if loss != "ce"]
     return cells + ([("unet-instance-prelu", 61, 4, "ce", 2)] if P == 4 else [])
