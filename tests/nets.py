@@ -784,3 +784,19 @@ class ChannelsLast(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.stem(x)))
+
+
+class PooledClassifier(nn.Module):
+    """A classifier of large images: a strided convolution trunk with batch norm, global average
+    pooling, a Linear head on the pooled features."""
+
+    def __init__(self, classes: int = 3, c: int = 4) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(
+            nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+            nn.Conv2d(c, 2 * c, 3, 2, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )  # fmt: skip
+        self.head = nn.Sequential(nn.Linear(2 * c, 8), nn.ReLU(), nn.Linear(8, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(x))

@@ -121,6 +121,8 @@ class LayerSpec:
     segment: int = 0  # the segment (run of layers between clean cuts) this call belongs to
     entry: str | None = None  # set on a segment's first leaf: the module whose pre-hook starts it
     entry_elements: int = 0  # per example, of the activation entering the segment there
+    entry_whole: bool = False  # set with entry: that activation is a global pooling's value,
+    # whole on every rank of a domain layout before it (no rows to gather)
     head_in: str | None = None  # set with entry where the entry's parent is an nn.Sequential: its
     # name (a hand-off sent in rounds runs its later children too, runtime/parallel/rounds.py)
     input_grad: bool = True  # whether the input depends on parameters (so dX is needed)
@@ -755,15 +757,13 @@ def _segments(
     for c in calls:
         counts[c[0]] = counts.get(c[0], 0) + 1
     weighted = [t for t, s in timed if s.kind in ("conv", "linear") and s.params > 0]
-    cuts: list[tuple[int, str, int]] = []  # (time, module, elements)
+    cuts: list[tuple[int, str, int, bool]] = []  # (time, module, elements, whole)
     for prev, t in itertools.pairwise(weighted):
         window = [c for c in calls if prev < c[1] <= t and _clean(c, rec, counts)]
         if window:  # the latest; among modules entered at the same time, the innermost
             best = max(reversed(window), key=lambda c: c[1])  # max keeps the first of a tie
-            cuts.append((best[1], best[0], best[4]))
-            if best[3] in rec.whole:  # the layout change would take it for bands
-                rec.blocked.append((best[1] - 1, "a global pooling's value leaves the segment"))
-            elif best[3] is not None and rec.rowdim.get(best[3], 2) != 2:
+            cuts.append((best[1], best[0], best[4], best[3] in rec.whole))
+            if best[3] is not None and rec.rowdim.get(best[3], 2) != 2:
                 rec.blocked.append((best[1] - 1, "a permuted band leaves the segment"))
     times = [c[0] for c in cuts]
     specs: list[LayerSpec] = []
@@ -772,18 +772,17 @@ def _segments(
     blockers = _blockers(timed, rec, times, dense)
     for t, s in timed:
         seg = bisect.bisect_right(times, t)
-        entry, elements = None, 0
+        entry, elements, whole = None, 0, False
         if seg not in opened:
             opened.add(seg)
-            entry, elements = (
-                ("", first_input) if seg == 0 else (cuts[seg - 1][1], cuts[seg - 1][2])
-            )
+            entry, elements, whole = ("", first_input, False) if seg == 0 else cuts[seg - 1][1:]
         specs.append(
             replace(
                 s,
                 segment=seg,
                 entry=entry,
                 entry_elements=elements,
+                entry_whole=whole,
                 head_in=parent if entry and (parent := entry.rpartition(".")[0]) in seqs else None,
                 calls=counts.get(s.name, 1),
                 blockers=blockers.get(seg, ()),

@@ -44,6 +44,8 @@ class CostLayer:
     segment: int | None = None  # layers of one segment share one layout (None: its own)
     entry: str | None = None  # first layer of a segment: the module where its layout is set
     entry_elements: int = 0  # per example, of the activation redistributed there
+    entry_whole: bool = False  # that activation is whole on every rank of a domain layout (a
+    # global pooling's value): out of it no rows are gathered
     head_in: str | None = None  # the nn.Sequential holding the entry (core.handoff.head)
     input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
     norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
@@ -122,6 +124,7 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
                 segment=s.segment,
                 entry=first.entry,
                 entry_elements=first.entry_elements,
+                entry_whole=first.entry_whole,
                 head_in=first.head_in,
                 input_grad=s.input_grad,
                 op=s.op,

@@ -157,7 +157,11 @@ class _Context:
         """The batch the layouts of `styles` are timed by: their slowest group's (core.splits)."""
         return max(slowest_batch(self.B, s.pr, s.pc) for s in styles if s is not None)
 
-    def _redistribute(self, a: Style | None, b: Style, d: int) -> Comm | None:
+    def _redistribute(self, a: Style | None, b: Style, d: int, whole: bool) -> Comm | None:
+        if whole and a is not None and a.kind == "domain" and a.layout != b.layout:
+            if b.kind == "domain":  # a pooled value: no rows to gather, none to cut
+                return None  # it would be cut into bands it never had
+            a = Style.model(a.pr, a.pc)  # whole on every rank of its model group
         return slowest(
             lambda B: redistribute(a, b, d, B, self.net, self.e), self.B, self.slow(a, b)
         )
@@ -193,7 +197,7 @@ class _Context:
         batch; the split layer's dX all-reduce gone where the hand-off reduce-scatters it)."""
         x = self.layers[i]
         d = x.entry_elements or x.d_in
-        base = self._redist(prev, s, d)
+        base = self._redist(prev, s, d, x.entry_whole)
         if base is None or not is_gather(prev, s):
             return (base, {}) if base is not None else None
         fused = self.fuse_handoff and handoff_fused(x, prev, s, self.choices.activations_encoded)

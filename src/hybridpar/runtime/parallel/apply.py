@@ -103,6 +103,7 @@ def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list
         if k == 0 and len(layout.trace.in_shape) in (3, 4):
             m.fed = layout.trace.in_shape[1]
         x = layout.entry_layer(k)
+        m.whole = k > 0 and x.entry_whole
         m.fused = k > 0 and handoff.fused(x, src, dst, ctx.choices.activations_encoded)
         if m.fused:  # the split layer leaves dX partial; the hand-off reduce-scatters it
             model.get_submodule(layout.entries[k]).hybridpar_split.partial_dx = True

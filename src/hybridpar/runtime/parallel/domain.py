@@ -744,8 +744,38 @@ def into_domain(src: Style, dst: Style, m: Move):
     return Chain(replicated(src, Style.model(dst.pr, dst.pc), m), _Rows(dst, m, into=True))
 
 
+class _OnePart(torch.autograd.Function):
+    """Forward: a whole value as it is. Backward: the gradient, which the layout after it holds
+    whole on every rank of the model group, kept on its first rank and zero on the others: the
+    parts a global pooling's backward sums (it counted Pr times otherwise)."""
+
+    @staticmethod
+    def forward(ctx, x, first: bool):
+        ctx.first = first
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g if ctx.first else torch.zeros_like(g)), None
+
+
+class _Whole:
+    """Forward pre-hook out of the domain layout for a global pooling's value (whole on every
+    rank of the model group): no rows to gather; its gradient becomes one rank's part."""
+
+    def __init__(self, src: Style, m: Move) -> None:
+        self.group = m.grids.grid(src.pc).model_group
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        return (_OnePart.apply(x, self.group.rank == 0), *rest)
+
+
 def out_of_domain(src: Style, dst: Style, m: Move):
-    """Out of the domain layout, the same ways back."""
+    """Out of the domain layout, the same ways back; a whole value (a global pooling's) through
+    its own grid's replicated layout, which it is already in."""
+    if m.whole:
+        return Chain(_Whole(src, m), replicated(Style.model(src.pr, src.pc), dst, m))
     if dst.pc == src.pc:
         return _Rows(src, m, into=False)
     if dst.pc == src.procs:

@@ -172,6 +172,9 @@ class Move:
     """the hand-off's backward is one reduce-scatter of the split layer's partial dX"""
     fed: int | None = None
     """at the model's input: the images' height (a rank may feed its band of it alone)"""
+    whole: bool = False
+    """the activation is a global pooling's value, whole on every rank of the domain layout it
+    leaves (runtime.parallel.domain.out_of_domain)"""
 
 
 class Chain:
