@@ -301,6 +301,11 @@ def test_the_planner_splits_a_large_unet_by_height_end_to_end():
     styles = plan_for(m, (3, 1024, 1024), 4, 1, load_cluster("cori-knl")).export().styles
     assert {s.kind for k, s in styles.items() if k.startswith("trunk")} == {"domain"}, styles
     assert {s.kind for k, s in styles.items() if k.startswith("head")} == {"model"}, styles
+    # its pooled features were never bands: no plan cuts them into bands after a batch trunk
+    layers = cost_layers(analyze(PooledClassifier(5).double(), (3, 29, W)))
+    into = [Style.batch(2), Style.batch(2), Style.domain(2, 1), Style.model(2, 1)]
+    refused = evaluate(layers, into, PlanRequest(2, 4, NET))
+    assert "no redistribution from batch to domain(2x1) before head.0" in refused.reason
     # a 3-D U-Net over one 32^3 volume on 4 ranks: split by depth end to end (it was "no plan fits")
     with torch.device("meta"):
         m = UNet(32, 3, in_channels=1, norm="instance", dims=3)

@@ -158,10 +158,11 @@ class _Context:
         return max(slowest_batch(self.B, s.pr, s.pc) for s in styles if s is not None)
 
     def _redistribute(self, a: Style | None, b: Style, d: int, whole: bool) -> Comm | None:
-        if whole and a is not None and a.kind == "domain" and a.layout != b.layout:
-            if b.kind == "domain":  # a pooled value: no rows to gather, none to cut
+        if whole and a is not None and a.layout != b.layout:  # a pooled value: no rows to cut
+            if b.kind == "domain":
                 return None  # it would be cut into bands it never had
-            a = Style.model(a.pr, a.pc)  # whole on every rank of its model group
+            if a.kind == "domain":  # none to gather: whole on every rank of its model group
+                a = Style.model(a.pr, a.pc)
         return slowest(
             lambda B: redistribute(a, b, d, B, self.net, self.e), self.B, self.slow(a, b)
         )
