@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 from hybridpar.core import ops
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.rows import (
+    DIMS_READ,
     ELEMENTWISE_ACTIVATIONS,
     RESAMPLED,
     function_blocker,
@@ -429,7 +430,7 @@ class _Recorder(TorchFunctionMode):
                 if why and whole[:1] == [True] and getattr(func, "__name__", "") == "expand_as":
                     why = ""  # a whole value broadcast to the band
                 name = getattr(func, "__name__", "")
-                if off and (why or name in _AWARE or func is F.interpolate):
+                if off and (why or name in DIMS_READ or func is F.interpolate):
                     why = f"{name} of a permuted band"  # it would read the rows as dim 2
                 elif off:
                     self.place(outs, off[0])  # element by element: the rows stay where they are
@@ -565,11 +566,6 @@ def _permuted(spec: LayerSpec, module: nn.Module, at: int, ndim: int, rec, outs)
         return spec
     rec.place(outs, at)
     return replace(spec, blocker=permuted_blocker(module, at, ndim), permuted=at % ndim)
-
-
-# functions that read an activation's dims as (N, C, H, W) beyond element by element
-_AWARE = {"cat", "concat", "concatenate", "stack", "chunk", "split", "narrow", "unbind", "pad",
-          "__getitem__", "flatten", "view", "reshape", "sum", "mean", "amax", "softmax"}  # fmt: skip
 
 
 # a model with at most this many elements of state and of input per sample is traced on zeros

@@ -42,6 +42,7 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = [
+    "DIMS_READ",
     "ELEMENTWISE_ACTIVATIONS",
     "RESAMPLED",
     "function_blocker",
@@ -146,6 +147,10 @@ _ELEMENTWISE = {
     "__truediv__",
 }
 _ALONG_DIM = {"cat", "concat", "concatenate", "stack", "chunk", "split", "narrow", "unbind"}
+DIMS_READ = _ALONG_DIM | {"pad", "__getitem__", "flatten", "view", "reshape", "sum", "mean", "amax",
+                          "softmax"}  # fmt: skip
+"""functions that read an activation's dims as (N, C, H, W), not element by element: on a
+band a permute changed, they would take another dim for the rows"""
 
 
 def module_blocker(module: nn.Module) -> str:

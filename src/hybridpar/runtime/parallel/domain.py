@@ -520,27 +520,6 @@ class DomainPool(_Windowed):
         return mean / avg(mask, k, st, pad, ceil, True)
 
 
-class _SpaceSum(torch.autograd.Function):
-    """Forward: each example's sum per channel over every rank's band (this rank's sums
-    all-reduced in float64). Backward: the gradient of those sums, which each rank computed
-    from its band alone (its part), summed over the ranks and spread over the band's rows."""
-
-    @staticmethod
-    def forward(ctx, x, via):
-        ctx.shape, ctx.via = x.shape, via
-        sums = x.flatten(2).sum(2, dtype=torch.float64)
-        all_reduce(sums, via)
-        return sums.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        total = g.to(torch.float64).contiguous()
-        all_reduce(total, replace(ctx.via, term=Term.BN_GRAD))
-        return total.to(g.dtype).view(*ctx.shape[:2], *[1] * (len(ctx.shape) - 2)).expand(
-            ctx.shape
-        ), None
-
-
 class _SpaceMax(torch.autograd.Function):
     """Forward: each example's maximum per channel over every rank's band: this rank's maxima
     and how often each occurs, summed in float64 into a row per rank (an all-gather as an
@@ -578,10 +557,11 @@ class _SpaceMax(torch.autograd.Function):
 
 
 class _RegionSum(torch.autograd.Function):
-    """Forward: each example's sums per channel over the k x l regions of an adaptive average
-    pooling (`rows` (k, band rows) and `cols` (l, W): which input rows and columns each output
-    cell reads), of this rank's band in float64, all-reduced. Backward: the gradient's sum over
-    the ranks (each computed its part from its band) spread back over the regions' rows."""
+    """Forward: each example's sums per channel over k x l regions (`rows` (k, band rows) and
+    `cols` (l, the rest of a row): which rows and columns each output cell reads; one region of
+    all of them: a global sum), of this rank's band in float64, all-reduced. Backward: the
+    gradient's sum over the ranks (each computed its part from its band: its consumers saw its
+    band alone) spread back over the regions' rows."""
 
     @staticmethod
     def forward(ctx, x, rows, cols, via):
@@ -620,23 +600,27 @@ class SpaceReduction:
         self.via = Via(group, ledger, Term.BN_STATS, layer)
         self.band = bands(self.rows, group.size)[group.rank]
 
-    def _cells(self, x: torch.Tensor) -> torch.Tensor:
-        """An adaptive average pooling to k x m cells: the regions' sums over the bands, divided
-        by the regions' sizes."""
-        (k, m), w = self.cells, x.shape[3]
-        rows = _regions(self.rows, k, *self.band, x)
-        cols = _regions(w, m, 0, w, x)
-        sizes = _regions(self.rows, k, 0, self.rows, x).sum(1)[:, None] * cols.sum(1)[None, :]
-        return _RegionSum.apply(x, rows, cols, self.via) / sizes.to(x.dtype)
+    def _sums(self, x: torch.Tensor) -> torch.Tensor:
+        """Each example's sums (averages: `how` avg) per channel over the k x m cells of an
+        adaptive average pooling, or over the whole image or volume (one cell): the regions'
+        sums over the bands, (N, C, k, m)."""
+        k, m = self.cells if math.prod(self.cells) > 1 else (1, 1)
+        flat = x.reshape(*x.shape[:3], -1)  # a volume's depth slices as rows of H x W
+        rest = flat.shape[3]
+        rows, cols = _regions(self.rows, k, *self.band, x), _regions(rest, m, 0, rest, x)
+        y = _RegionSum.apply(flat, rows, cols, self.via)
+        if self.how != "avg":
+            return y
+        tall = _regions(self.rows, k, 0, self.rows, x).sum(1)
+        return y / (tall[:, None] * cols.sum(1)[None, :]).to(x.dtype)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if math.prod(self.cells) > 1:
-            return self._cells(x)
+            return self._sums(x)
         if self.how in ("max", "first"):
             y = _SpaceMax.apply(x, self.via, self.how == "first")
         else:
-            y = _SpaceSum.apply(x, self.via)
-            y = y / (self.rows * math.prod(x.shape[3:])) if self.how == "avg" else y
+            y = self._sums(x).flatten(2).squeeze(2)
         keep = self.adaptive or kwargs.get("keepdim", args[1] if len(args) > 1 else False)
         return y.view(*y.shape, *[1] * (x.dim() - 2)) if keep else y
 
