@@ -10,6 +10,7 @@ the returned mean losses against one process; every convolution domain; bytes = 
 import contextlib
 import functools
 import itertools
+import json
 import re
 
 import pytest
@@ -37,7 +38,7 @@ from hybridpar.core.analysis import analyze
 from hybridpar.core.choices import Choices
 from hybridpar.core.cluster import Cluster, load_cluster
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import Resample, Transposed, Window, bands
+from hybridpar.core.halo import Resample, Transposed, Window, bands, tile
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.models import UNet
 from hybridpar.core.plan import Style
@@ -154,11 +155,12 @@ def _reference(name: str, h: int, b: int, loss: str):
     return m.state_dict(), losses
 
 
-def _plan(name: str, h: int, b: int, P: int, pr: int | None = None):
-    """Every convolution domain(Pr x P/Pr) (Pr = P unless given), priced (float64), exported."""
+def _plan(name: str, h: int, b: int, P: int, pr: int | None = None, pw: int = 1):
+    """Every convolution domain(Pr x P/Pr) (Pr = P unless given; on tiles of `pw` columns),
+    priced (float64), exported."""
     shape = (3, *_size(name, h))
     layers = cost_layers(analyze(_model(name, h), shape))
-    styles = [Style.domain(pr or P, P // (pr or P))] * len(layers)
+    styles = [Style.domain(pr or P, P // (pr or P), pw)] * len(layers)
     plan = evaluate(layers, styles, PlanRequest(P, b, NET, elem_bytes=8))
     assert plan.feasible, plan.reason
     return export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape, model=name)
@@ -241,6 +243,58 @@ def test_segmentation_nets_split_by_height_train_as_one_process(P):
     assert run_ranks(_train, P, P, timeout_s=300)[0] == len(_cells(P)) + 2
 
 
+# the nets on tiles: every 2-d net but the channels-last one (its permute hides the columns)
+TILED = [n for n in NETS if not n.startswith("unet3d") and n != "channels-last"]
+
+
+def _tile_cells(P: int) -> list[tuple[str, int, int, str, int]]:
+    """(net, height, B, loss, tile columns): on 4 ranks every 2-d net on 2 x 2 tiles at B = 1,
+    the transposed U-Net at B = 2 with the losses; on 2 ranks two nets split by columns alone
+    (1 x 2 tiles)."""
+    if P == 2:
+        return [("unet-bilinear", 29, 1, "ce", 2), ("atrous-pyramid", 29, 1, "ce", 2)]
+    cells = [(name, 29, 1, "ce", 2) for name in TILED]
+    return cells + [("unet-transposed", 40, 2, loss, 2) for loss in ("dice", "mse")]
+
+
+def _tiles(P: int) -> int:
+    for name, h, b, loss, pw in _tile_cells(P):
+        label = f"{name} H={h} B={b} {loss} P={P} tiles {P // pw}x{pw}"
+        want, want_losses = _reference(name, h, b, loss)
+        plan = _plan(name, h, b, P, P, pw)
+        shape = (3, *_size(name, h))
+        model, data = _model(name, h), _data(name, h, b, loss)
+        ruled = name in ("unet-instance-prelu", "gated")  # under CUDA's rules
+        options = RuntimeOptions(shared_memory=False) if ruled else None
+        with DeviceRules() if ruled else contextlib.nullcontext() as rules:
+            t = HybridTrainer(model, plan, optimizer, LOSSES[loss], options, input_shape=shape)
+            got = [t.step(x, y) for x, y in data]
+        if ruled:
+            rules.check()
+        state = t.full_state_dict()
+        for k, v in want.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
+        torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
+        (r0, r1), (c0, c1) = tile(_size(name, h), P, pw, dist.get_rank())
+        assert tuple(t.target.shape[-2:]) == (r1 - r0, c1 - c0), f"{label}: {t.target.shape}"
+        _bytes_are_predicted(t.ledger, plan, label)
+    if P == 4:  # predict joins the tiles; a global maximum's ties across tiles
+        t = HybridTrainer(_model("dilated", 16), _plan("dilated", 16, 2, 4, 4, 2), optimizer)
+        x = torch.randn(2, 3, 16, W, dtype=torch.float64)
+        want = _model("dilated", 16).eval()(x)
+        torch.testing.assert_close(t.predict(x), want, rtol=1e-12, atol=1e-12)
+        _ties(pw=2)
+    return len(_tile_cells(P))
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_segmentation_nets_on_tiles_train_as_one_process(P):
+    """Every 2-d net of the bands' test on 2 x 2 tiles (on 2 ranks two of them on 1 x 2: split by
+    columns alone), B = 1 and 2, the losses on the tiles' pixels, bytes = prediction per (layer,
+    term); predict joins the tiles; two nets under CUDA's device rules."""
+    assert run_ranks(_tiles, P, P, timeout_s=300)[0] == len(_tile_cells(P))
+
+
 def _reads_exactly(fn, rowmap, h: int) -> None:
     """The rows torch's own gradient says each band of outputs reads lie in rowmap.reads."""
     x = torch.randn(1, 1, h, 3, dtype=torch.float64, requires_grad=True)
@@ -286,15 +340,17 @@ def test_row_maps_name_the_rows_torch_reads():
 
 def test_the_planner_splits_a_large_unet_by_height_end_to_end():
     """One 1024 x 1024 image on 4 ranks: no batch group can take it and the transposed
-    convolutions split by no channels, so every layer is domain(4x1), on the cluster files'
-    prices; the bilinear U-Net's model plans are priced and lose. A 3-D U-Net's 32^3 volume too,
-    and a classifier's trunk (its globally pooled features go to a head split by units)."""
+    convolutions split by no channels, so every layer is domain on all 4 ranks (2 x 2 tiles on
+    the cluster file's prices: half the bytes of 4 bands' widest, in as many messages); the
+    bilinear U-Net's model plans are priced and lose. A 3-D U-Net's 32^3 volume split by depth
+    (volumes take no tiles), and a classifier's trunk (its globally pooled features go to a head
+    split by units)."""
     for up in ("transposed", "bilinear"):
         with torch.device("meta"):
             m = UNet(1024, 3, up=up)
         result = plan_for(m, (3, 1024, 1024), 4, 1, load_cluster("cori-knl"))
         styles = set(result.export().styles.values())
-        assert styles == {Style.domain(4, 1)}, (up, styles)
+        assert styles == {Style.domain(4, 1, 2)}, (up, styles)
     # a classifier of one 1024 x 1024 image: its trunk on bands, its head split by units
     with torch.device("meta"):
         m = PooledClassifier(5, c=16)
@@ -342,7 +398,8 @@ def test_a_wrong_target_is_refused_and_predict_joins_the_bands():
     run_ranks(_wrong_target, 3, timeout_s=120)
 
 
-def _ties() -> None:
+def _ties(pw: int = 1) -> None:
+    """On bands (on tiles of `pw` columns)."""
     import datetime
 
     from hybridpar.runtime.comm.group import Group
@@ -352,19 +409,23 @@ def _ties() -> None:
     gen = torch.Generator().manual_seed(0)  # the same on every rank
     x = torch.randn(2, 3, 1, 4, generator=gen, dtype=torch.float64).expand(2, 3, 7, 4).clone()
     x[0, 1, 5] = 5.0  # one maximum in the third band, ties in every row of the others
+    x[1, 2, 2:, 0] = x[1, 2, 0].max()  # ties in the left tiles below the first row's
     g = torch.randn(2, 3, 1, 1, generator=gen, dtype=torch.float64)
-    lo, hi = bands(7, 3)[dist.get_rank()]
+    box = tile((7, 4), dist.get_world_size(), pw, dist.get_rank())
+    (lo, hi), (c0, c1) = box if pw > 1 else (box, (0, 4))
     for how, torch_max in (
         ("first", lambda t: F.adaptive_max_pool2d(t, 1)),
         ("max", lambda t: t.amax((2, 3), keepdim=True)),
     ):
         whole = x.clone().requires_grad_()
         (torch_max(whole) * g).sum().backward()
-        band = x[:, :, lo:hi].clone().requires_grad_()
-        y = SpaceReduction(("m", how, 3, 7, True, (1, 1)), True, group, None, "m")(band)
+        band = x[:, :, lo:hi, c0:c1].clone().requires_grad_()
+        pool = ("m", how, 3, 7, True, (1, 1), 4)
+        y = SpaceReduction(pool, True, group, None, "m", pw)(band)
         torch.testing.assert_close(y, torch_max(x), rtol=0, atol=0)
         (y * g * (dist.get_rank() == 0)).sum().backward()  # the ranks' parts of the gradient
-        torch.testing.assert_close(band.grad, whole.grad[:, :, lo:hi], rtol=1e-15, atol=0)
+        mine = whole.grad[:, :, lo:hi, c0:c1]
+        torch.testing.assert_close(band.grad, mine, rtol=1e-15, atol=0)
 
 
 def _wrong_target():
@@ -397,6 +458,7 @@ def _memory(P: int) -> list[tuple[str, float, float]]:
         ("domain", 1, Style.domain(P, 1), 2),
         ("batch", P, Style.batch(P), 2),
         ("domain-3d", 1, Style.domain(P, 1), 3),
+        *([("tiles", 1, Style.domain(P, 1, 2), 2)] if P == 4 else []),
     ):
         size = (h, W) if dims == 2 else (16, 12, 10)
         shape = (3, *size)
@@ -424,7 +486,8 @@ def _memory(P: int) -> list[tuple[str, float, float]]:
 def test_predicted_memory_is_what_a_rank_counts(P):
     """The planner's bytes per rank (parameters, gradients, momentum, what autograd keeps for
     backward: band, halo and padding rows on bands) within 10 % of the busiest rank's count in a
-    real step, for images split by height and a volume split by depth."""
+    real step, for images split by height (on 4 ranks also into 2 x 2 tiles) and a volume split
+    by depth."""
     for label, predicted, counted, parts in run_ranks(_memory, P, P, timeout_s=120)[0]:
         assert predicted == pytest.approx(counted, rel=0.10), (label, predicted, counted, parts)
 
@@ -611,3 +674,52 @@ def test_a_volume_trains_split_by_depth_from_the_command_line(tmp_path, capsys):
     rows = re.findall(r"^ {30}(\w+) +(\d+) +(\d+)$", out, re.M)
     assert {"halo_fwd", "halo_bwd", "bn_stats"} <= {t for t, _, _ in rows}, out
     assert all(m == p for _, m, p in rows), rows
+
+
+def _unet_1024(up: str = "transposed"):
+    with torch.device("meta"):
+        return UNet(1024, 3, up=up)
+
+
+def test_the_planner_picks_tiles_where_bytes_cost_and_bands_where_messages_do(tmp_path):
+    """The U-Net on one 1024 x 1024 image on 16 ranks: 4 x 4 tiles send about half the halo
+    bytes of 16 bands in twice the messages (columns, then rows). On a cluster file with a high
+    per-byte cost the planner picks tiles, on one with a high per-message cost bands; between
+    them the plans' predicted halo seconds cross where alpha / beta is the bytes saved over the
+    messages added, which the test prints and checks lies between the two files."""
+    shape, m = (3, 1024, 1024), _unet_1024()
+    layers = cost_layers(analyze(m, shape))
+    bands_, tiles = Style.domain(16, 1), Style.tiles(16, 1)
+    assert tiles == Style.domain(16, 1, 4)
+
+    def halo(style: Style, net: Cluster) -> tuple[float, float, int]:
+        plan = evaluate(layers, [style] * len(layers), PlanRequest(16, 1, net))
+        assert plan.feasible, plan.reason
+        terms = [c for x in plan.layers for t, c in x.terms.items() if t.startswith("halo")]
+        calls = sum(sum(c.calls or (0, 0)) for c in terms)
+        return sum(c.bytes for c in terms), sum(c.seconds for c in terms), calls
+
+    flops = 1e12
+    (b_bytes, _, b_calls), (t_bytes, _, t_calls) = (halo(s, NET) for s in (bands_, tiles))
+    assert t_bytes < 0.6 * b_bytes, (t_bytes, b_bytes)  # about half the bytes
+    # the busiest rank's messages: 2 a band (up, down), 4 a tile (left, right, then up, down)
+    one = Cluster("one", alpha=1.0, beta=1e-30, flops=flops)
+    b_msgs, t_msgs = (halo(s, one)[1] for s in (bands_, tiles))
+    assert 1.5 * b_msgs < t_msgs <= 2 * b_msgs, (t_msgs, b_msgs)
+    # where the halo seconds cross: alpha * (t_msgs - b_msgs) = beta * (b busiest - t busiest)
+    byte = Cluster("byte", alpha=0.0, beta=1.0, flops=flops)
+    b_most, t_most = (halo(s, byte)[1] for s in (bands_, tiles))
+    crossover = (b_most - t_most) / (t_msgs - b_msgs)  # alpha / beta, in bytes
+    print(f"tiles {tiles} vs bands {bands_}: halo bytes per rank {t_bytes:.3g} vs {b_bytes:.3g}, "
+          f"busiest rank's messages {t_msgs:.0f} vs {b_msgs:.0f}; crossover alpha/beta = "
+          f"{crossover:.3g} bytes")  # fmt: skip
+    chosen = {}
+    for name, alpha, beta in (("bytes", 1e-6, 1e-8), ("messages", 1e-2, 1e-12)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"name": name, "alpha": alpha, "beta": beta, "flops": flops}))
+        net = load_cluster(str(path))
+        assert (alpha / beta > crossover) == (name == "messages"), (name, crossover)
+        styles = set(plan_for(m, shape, 16, 1, net).export().styles.values())
+        chosen[name] = {s for s in styles if s.kind == "domain"}
+    assert chosen["bytes"] == {tiles}, chosen
+    assert chosen["messages"] == {bands_}, chosen

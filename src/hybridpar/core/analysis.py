@@ -48,10 +48,12 @@ from torch.utils._pytree import tree_flatten
 
 from hybridpar.core import ops
 from hybridpar.core.errors import ConfigError
+from hybridpar.core.layers import TILED
 from hybridpar.core.rows import (
     DIMS_READ,
     ELEMENTWISE_ACTIVATIONS,
     RESAMPLED,
+    column_blocker,
     function_blocker,
     global_pool,
     module_blocker,
@@ -210,13 +212,15 @@ def _one(dims: int) -> dict:
 
 
 def _resampling(size, scale, mode: str, align, recompute) -> tuple:
-    """(mode, align_corners, height scale) of an interpolation: the scale torch maps rows by
-    (None where it maps by the sizes: a size given, or the scale recomputed)."""
-    if isinstance(scale, tuple | list):
-        scale = scale[0]
-    scale = None if size is not None or scale is None or recompute else float(scale)
+    """(mode, align_corners, height scale, width scale) of an interpolation: the scales torch
+    maps rows and columns by (None where it maps by the sizes: a size given, or the scale
+    recomputed)."""
+    scales = tuple(scale[:2]) if isinstance(scale, tuple | list) else (scale, scale)
+    if size is not None or scale is None or recompute:
+        scales = (None, None)
+    scales = tuple(None if x is None else float(x) for x in (*scales, scales[-1])[:2])
     linear = mode in ("bilinear", "bicubic", "trilinear")
-    return (mode, bool(align) if linear else None, scale)
+    return (mode, bool(align) if linear else None, *scales)
 
 
 def _resample_call(args: tuple, kwargs: dict) -> tuple[tuple, str]:
@@ -425,8 +429,9 @@ class _Recorder(TorchFunctionMode):
                 moved = moved_rows(func, args, kwargs, at[0]) if at else None
                 if moved is not None:  # the rows move to another dim, none mixes with another
                     self.place(outs, moved)
+                    self.blocked.append((t, column_blocker(func, args)))
                     return out
-                why = function_blocker(func, args, kwargs)
+                why = function_blocker(func, args, kwargs) or column_blocker(func, args)
                 if why and whole[:1] == [True] and getattr(func, "__name__", "") == "expand_as":
                     why = ""  # a whole value broadcast to the band
                 name = getattr(func, "__name__", "")
@@ -565,7 +570,8 @@ def _permuted(spec: LayerSpec, module: nn.Module, at: int, ndim: int, rec, outs)
     if spec.whole or ndim < 3 or (at == 2 and not over):
         return spec
     rec.place(outs, at)
-    return replace(spec, blocker=permuted_blocker(module, at, ndim), permuted=at % ndim)
+    why = permuted_blocker(module, at, ndim) or f"{TILED}{spec.type} on a permuted band"
+    return replace(spec, blocker=why, permuted=at % ndim)
 
 
 # a model with at most this many elements of state and of input per sample is traced on zeros

@@ -44,6 +44,7 @@ __all__ = [
     "bands",
     "printed_halo_rows",
     "row_map",
+    "tile",
 ]
 
 
@@ -55,6 +56,16 @@ def bands(h: int, parts: int) -> list[tuple[int, int]]:
         out.append((lo, lo + n))
         lo += n
     return out
+
+
+def tile(shape: tuple[int, ...], pr: int, pw: int, r: int) -> tuple:
+    """Of images (volumes) of `shape` (H, W, ...) split over the Pr ranks of a model group, what
+    rank r holds: its band of rows (lo, hi), or with `pw` > 1 tile columns its tile
+    ((lo, hi), (first, last + 1)): rank r holds tile (r // pw, r % pw)."""
+    if pw == 1:
+        return bands(shape[0], pr)[r]
+    i, j = divmod(r, pw)
+    return bands(shape[0], pr // pw)[i], bands(shape[1], pw)[j]
 
 
 class RowMap:
@@ -230,7 +241,7 @@ def row_map(w: tuple) -> RowMap:
     if how == "transposed":
         return Transposed(k, s, p, d, h_in, extra)
     if how in ("resample", "spread"):
-        mode, align, scale = extra
+        mode, align, scale = extra[:3]
         return (Spread if how == "spread" else Resample)(mode, align, scale, h_in, h_out)
     return Window(k, s, p, d, h_in, how == "ceil")
 

@@ -20,7 +20,11 @@ from hybridpar.core.errors import ConfigError
 if TYPE_CHECKING:
     from hybridpar.core.analysis import LayerSpec
 
-__all__ = ["CostLayer", "cost_layers"]
+__all__ = ["TILED", "CostLayer", "cost_layers"]
+
+TILED = "on tiles: "
+"""the start of a blocker that ends a domain segment's claim on tiles only (a band of rows runs
+it): an operation that mixes columns"""
 
 
 @dataclass(frozen=True)
@@ -58,12 +62,15 @@ class CostLayer:
     padding_mode: str = "zeros"
     calls: int = 1  # how often the weighted module runs in one forward
     # what in this layer's segment does not run on a band of rows (core.rows): the domain
-    # style needs it empty
+    # style needs it empty (on bands: those not starting with TILED)
     blockers: tuple[str, ...] = ()
     # the row maps along the height in this layer (the convolution, poolings and resamplings
     # riding along), in forward order: (module, kernel, stride, padding, dilation, H in, H out,
     # C in, W in, how, extra); the domain style's halos follow from them (core.halo.row_map)
     windows: tuple[tuple, ...] = ()
+    # the same along the width of 2-d images, for tiles: (module, kernel, stride, padding,
+    # dilation, W in, W out, C in, H in, how, extra)
+    cols: tuple[tuple, ...] = ()
     # why the weighted module cannot be split by output units (core.ops.why_not_split), and the
     # members whose own operation a style cannot swap: (member, operation, why) (core.ops)
     unsplit: str = ""
@@ -73,9 +80,9 @@ class CostLayer:
     # per member, what autograd keeps for backward per sample (elements; core.analysis._saved)
     saved: tuple[tuple[str, float], ...] = ()
     # global poolings riding along: (member, how (core.rows.global_pool), channels, height,
-    # needs dX, output cells (1, 1) or (k, l)); on bands their sums are all-reduced over the
-    # ranks holding an example's bands
-    pools: tuple[tuple[str, str, int, int, bool, tuple[int, ...]], ...] = ()
+    # needs dX, output cells (1, 1) or (k, l), elements of a row); on bands their sums are
+    # all-reduced over the ranks holding an example's bands
+    pools: tuple[tuple[str, str, int, int, bool, tuple[int, ...], int], ...] = ()
     # members (the weighted module included) that run unchanged on every rank of a domain
     # layout: on a global pooling's value (whole there), or over the channels of a band a
     # permute made channels-last (its rows kept apart)
@@ -150,20 +157,26 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
     return out
 
 
-def _window(s: LayerSpec) -> tuple[tuple, ...]:
+def _window(s: LayerSpec, axis: int = 0) -> tuple[tuple, ...]:
     """The row map of a 2-d convolution, pooling or resampling leaf, as CostLayer.windows holds
-    it (core.halo.row_map reads it)."""
+    it (core.halo.row_map reads it); `axis` 1: its column map (a 2-d leaf's, CostLayer.cols)."""
     dims = len(s.in_shape) - 1
     if s.kernel is None or len(s.kernel) != dims or dims not in (2, 3) or s.padding is None:
         return ()
-    if s.whole:  # runs unchanged on every rank: no rows to read from others
+    if s.whole or (axis and dims != 2):  # unchanged on every rank; a volume's width: not split
         return ()
-    c, h, *rest = s.in_shape
-    w = math.prod(rest)  # the elements of one row (a volume's: of one depth slice) per channel
-    d = s.dilation[0] if s.dilation else 1
+    c, shape = s.in_shape[0], s.in_shape[1:]
+    h = shape[axis]
+    w = math.prod(shape) // h  # the elements of one row (column; a volume's depth slice)
+    d = s.dilation[axis] if s.dilation else 1
     how, extra = (s.rows[0], s.rows[1] if len(s.rows) > 1 else None) if s.rows else ("", None)
-    k, st, p = s.kernel[0], s.stride[0], s.padding[0]
-    return ((s.name, k, st, p, d, h, s.out_shape[1], c, w, how, extra),)
+    k, st, p = s.kernel[axis], s.stride[axis], s.padding[axis]
+    h_out = s.out_shape[1 + axis]
+    if how == "transposed" and axis:  # the columns no tap reaches (the output padding)
+        extra = h_out - ((h - 1) * st - 2 * p + d * (k - 1) + 1)
+    elif how in ("resample", "spread") and axis:
+        extra = (*extra[:2], extra[3])  # the width's scale
+    return ((s.name, k, st, p, d, h, h_out, c, w, how, extra),)
 
 
 def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
@@ -174,7 +187,8 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     unchanged = (*layer.unchanged, s.name) if s.whole or s.permuted else layer.unchanged
     if weighted:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
-        fields = {"members": members, "windows": windows, "own": own, "saved": saved}
+        cols = (*layer.cols, *_window(s, 1))
+        fields = {"members": members, "windows": windows, "cols": cols, "own": own, "saved": saved}
         return CostLayer(**{**layer.__dict__, **fields, "unchanged": unchanged})
     norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
     if s.op == "batch_norm":
@@ -182,7 +196,8 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     if s.op in ("instance_norm", "group_norm") and not s.whole:
         spatial = (*spatial, (s.groups, s.input_grad, s.tracked))
     if s.op == "global_pool":
-        pools = (*pools, (s.name, s.rows[1], *s.in_shape[:2], s.input_grad, s.out_shape[1:]))
+        rest = math.prod(s.in_shape[2:])
+        pools = (*pools, (s.name, s.rows[1], *s.in_shape[:2], s.input_grad, s.out_shape[1:], rest))
     loose = sum(n for _, n in s.loose)
     return CostLayer(
         **{
@@ -195,6 +210,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "norms": norms,
             "spatial_norms": spatial,
             "windows": (*layer.windows, *_window(s)),
+            "cols": (*layer.cols, *_window(s, 1)),
             "own": own,
             "saved": saved,
             "pools": pools,

@@ -15,6 +15,7 @@ run in the layout of the layer they sit next to.
 |                | channels split; the Pc batch groups split the examples (Gholami et al. 1.5D, Eq. 8) |
 | `domain(RxC)`  | Conv2d: the image split by height over Pr, halo rows exchanged (Eqs. 7, 9); the    |
 |                | pools, norms and element-wise layers of its segment run on the bands too          |
+| `domain(HxWxC)`| the same on H x W tiles of 2-d images (Pr = H W): halo columns, then rows          |
 
 `model(1xP)` is `batch`: the two spellings are one style (its kind is "batch").
 
@@ -57,23 +58,30 @@ FORMAT = "hybridpar-plan/1"
 ENGINES = ("hybridpar", "ddp")
 KINDS = ("batch", "model", "domain")
 
-_STYLE_RE = re.compile(r"(batch|model|domain)(?:\((\d+)x(\d+)\))?")
+_STYLE_RE = re.compile(r"(batch|model|domain)(?:\((\d+)x(\d+)(?:x(\d+))?\))?")
 
 
 @dataclass(frozen=True, order=True)
 class Style:
     """How one layer is split: its kind and the grid Pr x Pc it runs on. `batch` is the 1 x P
-    grid: a model style with Pr = 1 is batch (one style, one spelling)."""
+    grid: a model style with Pr = 1 is batch (one style, one spelling). A domain style's `pw`:
+    its model group splits 2-d images into (Pr / pw) x pw tiles (1: bands of rows)."""
 
     kind: Literal["batch", "model", "domain"]
     pr: int
     pc: int
+    pw: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"style kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.kind == "model" and self.pr == 1:
             object.__setattr__(self, "kind", "batch")
+        if self.pw != 1 and (self.kind != "domain" or self.pw < 1 or self.pr % self.pw):
+            raise ConfigError(
+                f"{self.kind} style with {self.pw} tile columns: only domain styles tile, "
+                f"with Pr={self.pr} a multiple of them"
+            )
 
     @staticmethod
     def batch(p: int) -> Style:
@@ -84,8 +92,20 @@ class Style:
         return Style("model", pr, pc)
 
     @staticmethod
-    def domain(pr: int, pc: int) -> Style:
-        return Style("domain", pr, pc)
+    def domain(pr: int, pc: int, pw: int = 1) -> Style:
+        return Style("domain", pr, pc, pw)
+
+    @staticmethod
+    def tiles(pr: int, pc: int) -> Style | None:
+        """The squarest tiling of a model group of Pr ranks (H x W tiles, H >= W > 1: 2 x 2 of
+        4, 4 x 4 of 16, 4 x 2 of 8), the one the planner offers; None where Pr is prime."""
+        pw = max((d for d in range(2, math.isqrt(pr) + 1) if pr % d == 0), default=0)
+        return Style.domain(pr, pc, pw) if pw else None
+
+    @property
+    def ph(self) -> int:
+        """Tile rows of a domain style (Pr: bands)."""
+        return self.pr // self.pw
 
     @property
     def is_batch(self) -> bool:
@@ -97,6 +117,8 @@ class Style:
 
     @property
     def label(self) -> str:
+        if self.pw > 1:
+            return f"{self.kind}({self.ph}x{self.pw}x{self.pc})"
         return "batch" if self.is_batch else f"{self.kind}({self.pr}x{self.pc})"
 
     def __str__(self) -> str:
@@ -105,20 +127,33 @@ class Style:
     @property
     def layout(self) -> tuple:
         """How the layer's output activations lie on the ranks: ("rep", pc) = split over pc batch
-        groups and replicated within each model group; ("dom", pr, pc) = also split by height."""
-        return (
-            ("dom", self.pr, self.pc) if self.kind == "domain" and self.pr > 1 else ("rep", self.pc)
-        )
+        groups and replicated within each model group; ("dom", pr, pc) = also split by height;
+        ("dom", pr, pc, pw) by height and width into tiles."""
+        if self.kind != "domain" or self.pr == 1:
+            return ("rep", self.pc)
+        return ("dom", self.pr, self.pc) + ((self.pw,) if self.pw > 1 else ())
 
     @staticmethod
     def parse(text: str, procs: int) -> Style:
-        """'batch', 'model(2x2)' or 'domain(4x1)' for a job of `procs` ranks."""
+        """'batch', 'model(2x2)', 'domain(4x1)' or 'domain(2x2x1)' (tiles) for a job of `procs`
+        ranks."""
         m = _STYLE_RE.fullmatch(str(text).strip())
         if not m:
             raise ConfigError(
-                f"style {text!r} is not one of batch, model(RxC), domain(RxC), e.g. model(2x2)"
+                f"style {text!r} is not one of batch, model(RxC), domain(RxC), domain(HxWxC), "
+                "e.g. model(2x2)"
             )
-        kind, pr, pc = m.group(1), m.group(2), m.group(3)
+        kind, pr, pc, tiled = m.group(1), m.group(2), m.group(3), m.group(4)
+        if tiled is not None:
+            if kind != "domain":
+                raise ConfigError(f"style {text!r}: only domain takes tiles, e.g. domain(2x2x1)")
+            pr, pc, pw = int(pr) * int(pc), int(tiled), int(pc)
+            if pr * pc != procs:
+                raise ConfigError(
+                    f"style {text!r} has {pr * pc} ranks but the plan is for P={procs}; "
+                    f"use H x W x C = {procs}"
+                )
+            return Style.domain(pr, pc, pw)
         if kind == "batch":
             if pr is not None and int(pr) != 1:
                 raise ConfigError(f"style {text!r}: batch is 1x{procs}; write batch")

@@ -31,6 +31,10 @@ its rows went (`moved_rows`), and a layer norm or a Linear over the channels kee
 there (`permuted_blocker`); anything else on a permuted band, or a permuted band at a segment's
 cut or as the model's output, ends the claim.
 
+Tiles (a 2-d image split by rows and columns) need the columns kept apart too: everything above
+does, except a pad of the columns and a permuted band, whose columns the trace does not follow
+(`column_blocker`: blockers of tiles alone).
+
 A whole value (a global pooling's) meets the bands only by broadcasting (x * s, x + s,
 s.expand_as(x)) or an upsampling back to the image's size: each rank computes from it what its
 band needs, so the gradient a rank sends back into it is its band's part, and the pooling's
@@ -41,10 +45,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from hybridpar.core.layers import TILED
+
 __all__ = [
     "DIMS_READ",
     "ELEMENTWISE_ACTIVATIONS",
     "RESAMPLED",
+    "column_blocker",
     "function_blocker",
     "global_pool",
     "module_blocker",
@@ -211,6 +218,17 @@ def function_blocker(func: object, args: tuple, kwargs: dict | None) -> str:
             return ""  # other dimensions only
         return "pad of the rows"
     return f"{name} mixes rows"
+
+
+def column_blocker(func: object, args: tuple) -> str:
+    """Why a function that keeps rows apart mixes the columns of a 2-d image, ending a claim on
+    tiles only (core.layers.TILED); "" when it does not."""
+    name = getattr(func, "__name__", "")
+    if name == "pad" and len(args) > 1 and _ndim(args) == 4 and tuple(args[1])[:2] != (0, 0):
+        return f"{TILED}pad of the columns"
+    if name in ("permute", "transpose", "swapaxes", "swapdims"):
+        return f"{TILED}{name} of a band"  # its columns are not followed
+    return ""
 
 
 def moved_rows(func: object, args: tuple, kwargs: dict | None, at: int) -> int | None:

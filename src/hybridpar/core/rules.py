@@ -12,7 +12,8 @@ Each style kind states what it needs of a layer:
 |          | Pr output units; a grouped Conv2d's split must keep every group whole; a        |
 |          | subclass's forward row by row in its parameters (core.ops.why_not_split)        |
 | `domain` | a 2-d (transposed) convolution with zero padding, and a segment of operations  |
-|          | that keep rows apart (rows.py), each activation in it at least Pr rows high    |
+|          | that keep rows apart (rows.py), each activation in it at least Pr rows high;   |
+|          | on H x W tiles 2-d images that keep columns apart too, H rows and W columns    |
 
 Every style swaps a layer's own operation on its input, never the layer (core.ops): a layer
 whose forward does not apply it to its input once takes no style that swaps it (model, domain;
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from hybridpar.core.choices import Choices
-from hybridpar.core.layers import CostLayer
+from hybridpar.core.layers import TILED, CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.splits import chunk_sizes, group_split, whole_group_prs
 
@@ -82,20 +83,30 @@ def _domain(layer: CostLayer, s: Style) -> str:
     if layer.own:
         member, _, why = layer.own[0]
         return f"{layer.name} cannot take {s}: {member}: {why}; give it batch or model"
-    if layer.blockers:
+    blockers = [b for b in layer.blockers if s.pw > 1 or not b.startswith(TILED)]
+    if blockers:
+        bands = " or bands of rows (domain(RxC))" if blockers[0].startswith(TILED) else ""
         return (
             f"{layer.name} cannot take {s}: its segment needs whole images "
-            f"({layer.blockers[0]}); give it batch or model"
+            f"({blockers[0].removeprefix(TILED)}); give it batch or model{bands}"
         )
-    heights = [] if whole else [layer.x_shape[1], layer.y_shape[1]]
-    heights += [w[6] for w in layer.windows] + [w[5] for w in layer.windows if w[9] != "spread"]
-    heights = heights or [s.pr]  # a layer on a whole value alone
-    if s.pr > min(heights):
+    if s.pw > 1 and not whole and len(layer.x_shape) != 3:
         return (
-            f"{layer.name}: {s} splits {min(heights)} rows over Pr={s.pr} ranks; the largest Pr "
-            f"that works is {min(heights)}, or give images about {-(-s.pr // min(heights))}x "
-            "as high"
+            f"{layer.name}: {s}: only 2-d images split into tiles; split it by depth (domain(RxC))"
         )
+    along = ((1, layer.windows, s.ph, "rows", "high"), (2, layer.cols, s.pw, "columns", "wide"))
+    for axis, maps, parts, what, size in along:
+        if parts == 1:
+            continue
+        sizes = [] if whole else [layer.x_shape[axis], layer.y_shape[axis]]
+        sizes += [w[6] for w in maps] + [w[5] for w in maps if w[9] != "spread"]
+        least = min(sizes or [parts])  # a layer on a whole value alone: nothing to split
+        who = "Pr" if s.pw == 1 else "H" if axis == 1 else "W"
+        if parts > least:
+            return (
+                f"{layer.name}: {s} splits {least} {what} over {who}={parts} ranks; the largest "
+                f"{who} that works is {least}, or give images about {-(-parts // least)}x as {size}"
+            )
     return ""
 
 

@@ -506,34 +506,50 @@ def kept(layer: CostLayer, s: Style) -> float:
         return 2.0 * layer.d_out / (s.pr if s.kind == "domain" else 1)
     if s.kind != "domain":
         return math.fsum(v for _, v in layer.saved)
-    windows = {w[0]: w for w in layer.windows}
+    windows = {
+        w[0]: (w, c) for w, c in zip(layer.windows, layer.cols or layer.windows, strict=True)
+    }
     h = layer.y_shape[1] if len(layer.y_shape) in (3, 4) else 1
+    wide = layer.y_shape[2] if s.pw > 1 and len(layer.y_shape) == 3 else 1
+    share = -(-h // s.ph) / h * (-(-wide // s.pw) / wide)  # the largest band's (tile's)
     total = 0.0
     for name, v in layer.saved:
-        w = windows.get(name)
+        w, c = windows.get(name, (None, None))
         if w is None or w[9] not in ("", "ceil"):
-            total += v * -(-h // s.pr) / h
+            total += v * share
         else:
-            total += max(_window_kept(w, v, s.pr, name == layer.name and layer.op == "conv2d"))
+            pieces = name == layer.name and layer.op == "conv2d"
+            total += max(_window_kept(w, v, s.pr, pieces, c if s.pw > 1 else None, s.pw))
     return total
 
 
-def _window_kept(w: tuple, v: float, pr: int, pieces: bool) -> list[float]:
-    """Per rank of Pr bands, what a convolution or pooling (CostLayer.windows entry `w`, `v`
-    kept per sample whole) keeps on its band: its band's share of `v`, and the rows its output
-    band reads beyond its band (halo and padding): a convolution keeps those alone (`pieces`,
-    runtime.parallel.domain._ConvOfPieces), a pooling a copy of band and beyond."""
+def _window_kept(
+    w: tuple, v: float, pr: int, pieces: bool, cols: tuple | None = None, pw: int = 1
+) -> list[float]:
+    """Per rank of Pr bands (tiles, of `pw` columns: `cols` the column map), what a convolution
+    or pooling (CostLayer.windows entry `w`, `v` kept per sample whole) keeps on its band: its
+    band's share of `v`, and the rows its output band reads beyond its band (halo and padding):
+    a convolution keeps those alone (`pieces`, runtime.parallel.domain._ConvOfPieces), a
+    pooling a copy of band and beyond; on tiles a tile widened by halo columns is a copy too."""
     win = row_map(w)
+    spans = [(w[8], w[8], w[8])]  # along a row: (own, read, whole), the whole row on bands
+    if cols is not None:
+        by_cols = row_map(cols)
+        spans = []
+        for (a, b), (o0, o1) in zip(by_cols.held(pw), bands(by_cols.h_out, pw), strict=True):
+            lo, hi = by_cols.reads(o0, o1)
+            spans.append((b - a, max(hi - lo, 0) if (lo, hi) != (a, b) else b - a, by_cols.h_in))
     out = []
-    for (a, b), (o0, o1) in zip(bands(win.h_in, pr), bands(win.h_out, pr), strict=True):
+    for (a, b), (o0, o1) in zip(win.held(pr // pw), bands(win.h_out, pr // pw), strict=True):
         lo, hi = win.reads(o0, o1)
-        own = v * (b - a) / win.h_in
-        if (lo, hi) == (a, b):
-            out.append(own)
-        elif pieces:
-            out.append(own + (max(a - lo, 0) + max(hi - b, 0)) * w[7] * w[8])
-        else:
-            out.append((hi - lo) * w[7] * w[8])
+        for mine, read, whole in spans:
+            own = v * (b - a) / win.h_in * mine / whole
+            if (lo, hi) == (a, b) and read == mine:
+                out.append(own)
+            elif pieces and read == mine:
+                out.append(own + (max(a - lo, 0) + max(hi - b, 0)) * w[7] * read)
+            else:
+                out.append((hi - lo) * w[7] * read)
     return out
 
 
@@ -584,19 +600,25 @@ def _domain(ctx: _Context, g: tuple[int, int], conv: list[bool], limit: float | 
     the convolutions that can take it at domain; infeasible, with the rule's reason, where none
     can."""
     dom, mod = Style.domain(*g), Style.model(*g)
-    options = [[dom, mod] if c else [mod] for c in conv]
+    split = _split(g)
+    options = [[*split, mod] if c else [mod] for c in conv]
     plan = ctx.search("domain", g, options, limit)
     if not plan.feasible or any(x.style.kind == "domain" for x in plan.layers):
         return plan
-    can = [i for i, c in enumerate(conv) if c and not ctx.why_not(i, dom)]
-    held = [ctx.search("domain", g, [[dom] if j == i else o for j, o in enumerate(options)], limit)
-            for i in can]  # fmt: skip
+    can = [(i, d) for i, c in enumerate(conv) for d in split if c and not ctx.why_not(i, d)]
+    held = [ctx.search("domain", g, [[d] if j == i else o for j, o in enumerate(options)], limit)
+            for i, d in can]  # fmt: skip
     held = [p for p in held if p.feasible]
     if held:
         return min(held, key=lambda p: (p.total_s, p.comm_s))
     first = next((i for i, c in enumerate(conv) if c), None)
     why = ctx.why_not(first, dom) if first is not None else "the model has no convolution"
     return Plan("domain", g, overlap=ctx.overlap, reason=f"no layer splits by height: {why}")
+
+
+def _split(g: tuple[int, int]) -> list[Style]:
+    """The domain styles of grid g: bands, and the squarest tiles where Pr is not prime."""
+    return [Style.domain(*g), *filter(None, [Style.tiles(*g)])]
 
 
 def _candidates(
@@ -626,7 +648,7 @@ def _candidates(
         return [_domain(ctx, g, conv, memory_limit) for g in all_grids if g[0] > 1]
     options = [
         [Style.model(*g) for g in all_grids]
-        + ([Style.domain(*g) for g in all_grids if g[0] > 1] if c else [])
+        + ([d for g in all_grids if g[0] > 1 for d in _split(g)] if c else [])
         for c in conv
     ]
     # the search prices each layer's share of a gradient bucket; the evaluated plan pays whole

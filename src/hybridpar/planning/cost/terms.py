@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster, Priced, as_priced
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import row_map
+from hybridpar.core.halo import bands, row_map
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
@@ -247,8 +247,8 @@ def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> di
     """The sums over the Pr ranks holding an example's bands, of the layers riding along with
     `layer`: an instance or group norm's statistics per channel or group, as global batch norm's
     over B/Pc examples' worth of channels (runtime.parallel.batchnorm.BandStatistics); a global
-    pooling's sums per channel in float64, forward (a maximum: each rank's maximum and its count
-    in a row per rank) and backward (runtime.parallel.domain.SpaceReduction); an instance norm's
+    pooling's sums per channel in float64, forward (a maximum: each rank's maximum, its count and
+    where it first occurs in a row per rank) and backward (runtime.parallel.domain.SpaceReduction); an instance norm's
     running statistics over the batch group, where Pc > 1."""
     priced = as_priced(net, s.pr * s.pc)
     net, batch = priced.group("model", s.pr, s.pc), priced.group("batch", s.pr, s.pc)
@@ -258,10 +258,10 @@ def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> di
         _merge(out, t_global_bn(k * n, s.pr, net, backward=grad))
         if tracked and s.pc > 1:  # the running statistics' sums over the batch group
             _merge(out, {Term.BN_STATS: _small((2 * k + 1) * 8, s.pc, batch)})
-    for _, how, c, _, grad, cells in layer.pools:
+    for _, how, c, _, grad, cells, _ in layer.pools:
         sums = c * math.prod(cells) * n * 8  # per example and channel: one sum per output cell
         back = _small(sums, s.pr, net) if grad else Comm.zero("all_reduce", s.pr)
-        rows = 2 * s.pr if how in ("max", "first") else 1
+        rows = 3 * s.pr if how in ("max", "first") else 1  # maximum, count, first index
         _merge(out, {Term.BN_STATS: _small(sums * rows, s.pr, net), Term.BN_GRAD: back})
     return out
 
@@ -298,6 +298,7 @@ def t_halo(
     e: float | Wire,
     backward: bool = False,
     first: bool = False,
+    pw: int = 1,
 ) -> Comm:
     """The halo rows the domain style exchanges for `layer`, as the runtime sends them: for every
     height window of the layer (its convolution and the poolings riding along: CostLayer.windows),
@@ -306,7 +307,7 @@ def t_halo(
     band have one neighbour; stride and dilation change the rows; a thin band is crossed). Time:
     the busiest rank's messages and bytes; one exchange (call) per window with rows to send.
     Backward the same rows carry gradients back, except into the input of a first layer
-    (`first`: nothing is back-propagated there)."""
+    (`first`: nothing is back-propagated there). On tiles (`pw` > 1 columns): `_tile_halo`."""
     net = as_priced(net, pr * pc)
     if pr <= 1:
         return Comm.zero("halo", pr)
@@ -318,6 +319,10 @@ def t_halo(
     calls = 0
     for i, entry in enumerate(layer.windows):
         if backward and i < no_grad:
+            continue
+        if pw > 1:
+            tiled = _tile_halo(entry, layer.cols[i], pr, pw, B / pc * elem, net)
+            total, seconds, calls = total + tiled[0], seconds + tiled[1], calls + tiled[2]
             continue
         win, c, w = row_map(entry), entry[7], entry[8]
         row = B / pc * c * w * elem
@@ -333,6 +338,40 @@ def t_halo(
             pairs = zip(msgs, sent, strict=True)
             seconds += max(net.alpha * m + net.beta * n * row for m, n in pairs)
     return Comm("halo", pr, total, seconds, (0, calls) if backward else (calls, 0))
+
+
+def _tile_halo(rows: tuple, cols: tuple, pr: int, pw: int, n: float, net: Priced):
+    """(bytes per rank averaged over the Pr ranks, seconds, calls) of one window's halo on
+    (Pr / pw) x pw tiles, as the runtime sends it (runtime.parallel.domain._Windowed): the halo
+    columns over each row of tiles, a column being the tile's rows high, then the halo rows of
+    the tiles widened by them (and by the padding's columns: the corners) over each column of
+    tiles. `n`: bytes of one element of every example of a batch group. Seconds: the busiest
+    rank's messages and bytes of each stage, point to point."""
+    ph, c = pr // pw, rows[7]
+    by_rows, by_cols = row_map(rows), row_map(cols)
+    tall = [b - a for a, b in by_rows.held(ph)]  # a tile's rows
+    wide = []  # a tile's widened columns
+    for a, b in bands(by_cols.h_out, pw):
+        lo, hi = by_cols.reads(a, b)
+        wide.append(max(hi - lo, 0))
+    total = seconds = 0.0
+    calls = 0
+    stages = ((by_cols, pw, [[h] * pw for h in tall]), (by_rows, ph, [wide] * ph))
+    for k, (win, parts, length) in enumerate(stages):
+        sent, msgs = win.rows_sent(parts), win.messages(parts)
+        if not any(sent):
+            continue
+        calls += 1
+        # per tile (i, j): what it sends along its line, a row (column) `length[i][j]` long
+        along = [[sent[j if k == 0 else i] * length[i][j] for j in range(pw)] for i in range(ph)]
+        count = [[msgs[j if k == 0 else i] for j in range(pw)] for i in range(ph)]
+        total += sum(map(sum, along)) / pr * c * n
+        seconds += max(
+            net.alpha * m + net.beta * v * c * n
+            for row_m, row_v in zip(count, along, strict=True)
+            for m, v in zip(row_m, row_v, strict=True)
+        )
+    return total, seconds, calls
 
 
 def _halo_rows(layer: CostLayer, axis: int) -> int:
@@ -405,8 +444,8 @@ def layer_comms(
     first = first or not layer.input_grad
     if s.kind == "domain":
         terms = {
-            Term.HALO_FWD: t_halo(layer, s.pr, s.pc, B, net, e),
-            Term.HALO_BWD: t_halo(layer, s.pr, s.pc, B, net, e, backward=True, first=first),
+            Term.HALO_FWD: t_halo(layer, s.pr, s.pc, B, net, e, pw=s.pw),
+            Term.HALO_BWD: t_halo(layer, s.pr, s.pc, B, net, e, True, first, s.pw),
             Term.DW_ALLREDUCE: t_dw_allreduce(layer, p, 1, net, e, reducer, bucket),
         }
     else:
@@ -454,8 +493,9 @@ def redistribute(
     Gholami Eq. 6 is the case batch -> model: an all-gather of B/Pc examples over the model group.
     Going the other way (to more batch groups) is a local slice forward and the same all-gather of
     dX backward. Into and out of a domain layout from the layout with the same Pc the extra step is
-    a height slice (free) and a gather of the rows; from pure batch with Pr*Pc = P it is one
-    all-to-all within the model group each way. The first layer reads its input in any layout.
+    a height slice (free) and a gather of the rows (of tiles: the same bytes); from pure batch
+    with Pr*Pc = P into bands it is one all-to-all within the model group each way (into tiles
+    through the replicated layout). The first layer reads its input in any layout.
     """
     net = as_priced(net, nxt.pr * nxt.pc)
     wire = Wire.of(net.word_bytes if e is None else e)
@@ -477,8 +517,8 @@ def redistribute(
         g = gather(B / lo * d * e, hi // lo, net.regroup(p, hi, lo))  # forward if c2 < c1
         return Comm(Term.REDISTRIBUTE, g.group, g.bytes, g.seconds, _one(g, c2 < c1))
     if a[0] == "rep" and b[0] == "dom":
-        _, pr, pc = b
-        if a[1] == p:  # pure batch -> domain: all-to-all each way within the model group
+        pr, pc = b[1], b[2]
+        if a[1] == p and nxt.pw == 1:  # pure batch -> bands: all-to-all each way in the group
             x = all_to_all(B / p * d * e, pr, net.group("model", pr, pc))
             calls = (1, 1) if x.bytes > 0 else (0, 0)
             return Comm("redistribute", pr, 2 * x.bytes, 2 * x.seconds, calls)
@@ -489,7 +529,7 @@ def redistribute(
         calls = _both(_calls(step), _one(g, False))
         return Comm("redistribute", pr, step.bytes + g.bytes, step.seconds + g.seconds, calls)
     if a[0] == "dom" and b[0] == "rep":
-        back = redistribute(nxt, Style.domain(a[1], a[2]), d, B, net, e)  # symmetric
+        back = redistribute(nxt, prev, d, B, net, e)  # symmetric
         return None if back is None else replace(back, calls=_calls(back)[::-1])
     # domain -> another domain layout: through the replicated layout of the first
     mid = Style.model(a[1], a[2])

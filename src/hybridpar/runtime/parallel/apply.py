@@ -16,10 +16,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from hybridpar.core import handoff
 from hybridpar.core.errors import ConfigError
+from hybridpar.core.halo import tile
 from hybridpar.core.plan import ParallelPlan, Style
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import get_codec
-from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import GridSet
 from hybridpar.runtime.comm.group import pg_of
 from hybridpar.runtime.comm.host import leader_groups
@@ -99,9 +99,9 @@ def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list
     for k, src, dst in moves:
         first = layout.first_layer(k)
         m = Move(ctx.grids, ctx.rows, ctx.ledger, first, ctx.activation_codec)
-        m.height = layout.height_before(k)
+        m.size = layout.size_before(k)
         if k == 0 and len(layout.trace.in_shape) in (3, 4):
-            m.fed = layout.trace.in_shape[1]
+            m.fed = layout.trace.in_shape[1:]
         x = layout.entry_layer(k)
         m.whole = k > 0 and x.entry_whole
         m.fused = k > 0 and handoff.fused(x, src, dst, ctx.choices.activations_encoded)
@@ -169,8 +169,9 @@ def dropouts(
 
         if spec is None or style.spec.layout[0] != "dom" or len(spec.in_shape) < 2:
             return Where(step, first_example)
-        bands = even_split(spec.in_shape[1], grid.pr)
-        return Where(step, first_example, sum(bands[: grid.r]), tuple(spec.in_shape))
+        box = tile(spec.in_shape[1:], grid.pr, style.spec.pw, grid.r)
+        first = tuple(a for a, _ in box) if style.spec.pw > 1 else box[0]
+        return Where(step, first_example, first, tuple(spec.in_shape))
 
     return replace_dropouts(model, seed, where_of)
 

@@ -41,7 +41,7 @@ from torch.nn import functional as F
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from hybridpar.core import faults, ops
-from hybridpar.core.halo import RowMap, bands, row_map
+from hybridpar.core.halo import RowMap, bands, row_map, tile
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
@@ -78,11 +78,15 @@ class Exchange:
     gloo carries them, a GPU's rows included). Either way the
         ledger books the bytes each rank sends to the others, what the cost model prices."""
 
-    def __init__(self, window: RowMap, group: Group, ledger: Ledger | None, layer: str) -> None:
+    def __init__(self, window: RowMap, group: Group, ledger: Ledger | None, layer: str,
+                 dim: int = 2, line: list[int] | None = None) -> None:  # fmt: skip
         self.window, self.group, self.ledger, self.layer = window, group, ledger, layer
-        pr, me = group.size, group.rank
-        self.me, self.pr = me, pr
-        self.ranks = [dist.get_global_rank(group.pg, j) for j in range(pr)]
+        # on tiles the exchange runs along one line of the group's ranks (`line`: their ranks in
+        # the group, in order; the columns (dim 3) of a tile row or the rows of a tile column)
+        line = list(range(group.size)) if line is None else line
+        pr, me = len(line), line.index(group.rank)
+        self.me, self.pr, self.dim, self.tiled = me, pr, dim, len(line) < group.size
+        self.ranks = [dist.get_global_rank(group.pg, j) for j in line]
         self.band = window.held(pr)[me]
         self.out = bands(window.h_out, pr)[me]
         plan = window.plan(pr)  # every rank's receives: {rank: [lo, hi)}
@@ -100,16 +104,17 @@ class Exchange:
         self.hidden: list[tuple[float, float]] = []  # per forward: (halo seconds, exposed seconds)
 
     def _shape(self, like: torch.Tensor, rows: tuple[int, int]) -> tuple[int, ...]:
-        return _rows_like(like, rows[1] - rows[0])
+        return _rows_like(like, rows[1] - rows[0], self.dim)
 
     def _row_bytes(self, like: torch.Tensor) -> int:
-        return math.prod(_rows_like(like, 1)) * like.element_size()
+        return math.prod(_rows_like(like, 1, self.dim)) * like.element_size()
 
     def _shm(self, like: torch.Tensor, rows: int):
         """The group's shared-memory reducer when this call can take it (`rows`: the most rows
-        any rank writes), else None."""
+        any rank writes; not along a line of tiles: its slots are the whole group's), else
+        None."""
         shm = self.group.shm
-        if shm is None or not shm.fits(like, rows * self._row_bytes(like)):
+        if shm is None or self.tiled or not shm.fits(like, rows * self._row_bytes(like)):
             return None
         return shm
 
@@ -117,7 +122,7 @@ class Exchange:
         """Start sending the rows others read and receiving the ones this rank reads."""
         lo = self.band[0]
         call["t0"] = time.perf_counter()
-        pieces = [x[:, :, a - lo : b - lo] for _, (a, b) in sorted(self.sends.items())]
+        pieces = [x.narrow(self.dim, a - lo, b - a) for _, (a, b) in sorted(self.sends.items())]
         sent = sum(t.numel() * t.element_size() for t in pieces)
         shm = self._shm(x, self.most)
         if shm is not None:
@@ -125,7 +130,7 @@ class Exchange:
         else:
             works, bufs = [], {}
             for (q, _), piece in zip(sorted(self.sends.items()), pieces, strict=True):
-                works.append(p2p.isend(piece, self.ranks[q], self.group.pg))
+                works.append(p2p.isend(piece.contiguous(), self.ranks[q], self.group.pg))
             for q, rows in self.receives.items():
                 bufs[q] = x.new_empty(self._shape(x, rows))
                 works.append(p2p.irecv(bufs[q], self.ranks[q], self.group.pg))
@@ -185,16 +190,16 @@ class Exchange:
         if inbound:
             g = g.clone()
             for q, (a, b) in self.sends.items():
-                g[:, :, a - lo : b - lo] += inbound[q]
+                g.narrow(self.dim, a - lo, b - a).add_(inbound[q])
         if self.ledger is not None:
             took, sent = time.perf_counter() - t0, call.get("back_bytes", 0)
             self.ledger.record("halo", self.pr, sent, took, Term.HALO_BWD, {self.layer: 1.0})
         return g
 
 
-def _rows_like(like: torch.Tensor, rows: int) -> tuple[int, ...]:
-    """The shape of `rows` rows (dim 2: the height, or a volume's depth) of `like`."""
-    return (*like.shape[:2], rows, *like.shape[3:])
+def _rows_like(like: torch.Tensor, rows: int, dim: int = 2) -> tuple[int, ...]:
+    """The shape of `rows` rows (dim 2: the height, or a volume's depth; 3: columns) of `like`."""
+    return (*like.shape[:dim], rows, *like.shape[dim + 1 :])
 
 
 def _rows_before(pieces: dict[int, tuple[int, int]], me: int) -> int:
@@ -229,9 +234,10 @@ class _Wait(torch.autograd.Function):
         ctx.exchange, ctx.call = exchange, call
         below = [bufs[q] for q in sorted(bufs) if q < exchange.me]
         above = [bufs[q] for q in sorted(bufs) if q > exchange.me]
-        empty = x.new_empty(_rows_like(x, 0))
-        top = torch.cat(below, dim=2) if below else empty
-        bottom = torch.cat(above, dim=2) if above else empty.clone()
+        d = exchange.dim
+        empty = x.new_empty(_rows_like(x, 0, d))
+        top = torch.cat(below, dim=d) if below else empty
+        bottom = torch.cat(above, dim=d) if above else empty.clone()
         return top, bottom
 
     @staticmethod
@@ -241,7 +247,7 @@ class _Wait(torch.autograd.Function):
         for q in sorted(ex.receives):
             a, b = ex.receives[q]
             side, g = ("top", g_top) if q < ex.me else ("bottom", g_bottom)
-            grads[q] = g[:, :, at[side] : at[side] + b - a]
+            grads[q] = g.narrow(ex.dim, at[side], b - a)
             at[side] += b - a
         ex.send_back(grads, ctx.call)
         return None, None, None
@@ -251,12 +257,30 @@ class _Windowed:
     """An operation on a band of rows (what the style swaps in for F.conv2d, a pooling, a
     transposed convolution or an interpolation in the module's own forward: core.ops):
     `compute(rows, lo, a, b)` turns the input rows it reads (padded: no padding left to add along
-    the height) into output rows [a, b)."""
+    the height) into output rows [a, b).
+
+    On tiles (`cols`: the column map, `pw` tile columns; the group's rank m holds tile
+    (m // pw, m % pw)) the halo columns come first, over the tile's row of tiles, and the tile
+    widened by them (and by the padding's columns) is what the row exchange, over its column of
+    tiles, sends: the corners travel with the rows. `compute` then reads `self.cols`: the
+    widened tile's first column and the output columns [a, b) it makes, no width padding left."""
 
     fill = 0.0  # what the rows outside the image hold (the height padding)
+    cols: tuple[int, int, int] | None = None  # on tiles: (first input column, a, b)
 
-    def setup(self, window: RowMap, group: Group, ledger: Ledger | None, layer: str) -> None:
-        self.exchange = Exchange(window, group, ledger, layer)
+    def setup(self, window: RowMap, group: Group, ledger: Ledger | None, layer: str,
+              cols: RowMap | None = None, pw: int = 1) -> None:  # fmt: skip
+        rows = None
+        if pw > 1 and cols is not None:
+            i, j = divmod(group.rank, pw)
+            rows = list(range(j, group.size, pw))  # this tile's column of tiles
+            line = list(range(i * pw, (i + 1) * pw))  # its row of tiles
+            self.widen = Exchange(cols, group, ledger, layer, dim=3, line=line)
+            a, b = bands(cols.h_out, pw)[j]
+            lo, hi = cols.reads(a, b)
+            self.cols = (lo, a, b)
+            self.col_span = (lo, max(lo, hi))
+        self.exchange = Exchange(window, group, ledger, layer, line=rows)
         w, (a, b) = window, self.exchange.band
         # the output rows whose window reads only this band (and padding): computed while the
         # halo rows travel
@@ -274,24 +298,39 @@ class _Windowed:
 
     joined = True  # compute takes the rows as one tensor (else as the list of their pieces)
 
-    def _rows(self, parts: list[tuple[int, torch.Tensor]], lo: int, hi: int, like):
-        """Padded input rows [lo, hi) from the pieces (first image row, rows) and the fill: one
-        tensor, or where `joined` is off the list of pieces (the band's a view of it)."""
-        h = self.exchange.window.h_in
+    def _rows(self, parts: list[tuple[int, torch.Tensor]], lo: int, hi: int, like,
+              dim: int = 2, joined: bool | None = None):  # fmt: skip
+        """Padded input rows (dim 3: columns) [lo, hi) from the pieces (first image row, rows)
+        and the fill: one tensor, or where `joined` is off the list of pieces (the band's a view
+        of it)."""
+        h = (self.exchange if dim == 2 else self.widen).window.h_in
         out = []
         if lo < 0:
-            out.append(like.new_full(_rows_like(like, -lo), self.fill))
+            out.append(like.new_full(_rows_like(like, -lo, dim), self.fill))
         for first, t in parts:
-            a, b = max(lo, first), min(hi, first + t.shape[2])
+            a, b = max(lo, first), min(hi, first + t.shape[dim])
             if a < b:
-                out.append(t[:, :, a - first : b - first])
+                out.append(t.narrow(dim, a - first, b - a))
         if hi > h:
-            out.append(like.new_full(_rows_like(like, hi - h), self.fill))
+            out.append(like.new_full(_rows_like(like, hi - h, dim), self.fill))
         if not out:  # output rows no input row reaches (a transposed convolution's gaps)
-            out.append(like.new_zeros(_rows_like(like, 0)))
-        if not self.joined:
+            out.append(like.new_zeros(_rows_like(like, 0, dim)))
+        if not (self.joined if joined is None else joined):
             return out
-        return torch.cat(out, dim=2) if len(out) > 1 else out[0]
+        return torch.cat(out, dim=dim) if len(out) > 1 else out[0]
+
+    def _widened(self, x: torch.Tensor) -> torch.Tensor:
+        """On tiles: the tile with the halo columns its output columns read, and the padding's."""
+        ex = self.widen
+        parts = [(ex.band[0], x)]
+        if ex.needed:
+            call: dict = {}
+            x = _Post.apply(x, ex, call)
+            left, right = _Wait.apply(x, ex, call)
+            if "entry" in call:
+                call["entry"].seconds = time.perf_counter() - call["t0"]
+            parts = [(ex.band[0] - left.shape[3], left), (ex.band[0], x), (ex.band[1], right)]
+        return self._rows(parts, *self.col_span, x, dim=3, joined=True)
 
     def _out(self, parts: list, a: int, b: int, like: torch.Tensor) -> torch.Tensor:
         """Output rows [a, b) from the input pieces."""
@@ -301,6 +340,8 @@ class _Windowed:
 
     def band(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output rows of its band `x` and the halo rows it receives."""
+        if self.cols is not None:
+            x = self._widened(x)
         ex, call = self.exchange, {}
         (o0, o1), (i0, i1) = ex.out, self.interior
         if not ex.needed:
@@ -335,10 +376,10 @@ class DomainConv(_Windowed):
     weight and bias the module's forward hands it (whole on every rank): the height padding
     replaced by the halo and zero rows outside the image."""
 
-    def __init__(self, conv: nn.Module, window: RowMap, group, ledger, layer: str) -> None:
+    def __init__(self, conv: nn.Module, window: RowMap, group, ledger, layer: str, **tiles):
         self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
-        self.width_padding = (0, *conv.padding[1:])
-        self.setup(window, group, ledger, layer)
+        self.setup(window, group, ledger, layer, **tiles)
+        self.width_padding = (0, 0) if self.cols else (0, *conv.padding[1:])
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None, *args, **kwargs):
         self.weight, self.bias = weight, bias
@@ -403,10 +444,11 @@ class DomainTransposed(_Windowed):
     output band (core.halo.Transposed), transposed without height padding, the band's rows cut
     out of the result (rows no tap reaches hold the bias alone, as in the whole image)."""
 
-    def __init__(self, conv: nn.ConvTranspose2d, window: RowMap, group, ledger, layer: str):
+    def __init__(self, conv: nn.ConvTranspose2d, window: RowMap, group, ledger, layer: str,
+                 **tiles):  # fmt: skip
         self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
         self.padding = conv.padding
-        self.setup(window, group, ledger, layer)
+        self.setup(window, group, ledger, layer, **tiles)
 
     def __call__(self, x, weight, bias=None, stride=1, padding=0, output_padding=0, *args, **kw):
         out = kw.get("output_padding", output_padding)
@@ -418,18 +460,29 @@ class DomainTransposed(_Windowed):
             self.weight = self.bias = None
 
     def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
-        s, p = self.stride[0], self.padding[0]
-        if rows.shape[2] == 0:  # no input row reaches these output rows: the bias alone
-            rows = rows.new_zeros(_rows_like(rows, 1))
+        for d in range(2, 2 + (self.cols is not None) + 1):
+            if rows.shape[d] == 0:  # no input row reaches these output rows: the bias alone
+                rows = rows.new_zeros(_rows_like(rows, 1, d))
         transposed = F.conv_transpose3d if rows.dim() == 5 else F.conv_transpose2d
-        y = transposed(rows, self.weight, None, self.stride, (0, *self.padding[1:]),
-                       (0, *self.width_out), self.groups, self.dilation)  # fmt: skip
-        start = lo * s - p  # the output row of y's first row
-        y = y[:, :, max(a - start, 0) :]
-        top = max(start - a, 0)
-        rest = [0, 0] * (y.dim() - 3)  # F.pad's pairs run from the last dimension
-        y = F.pad(y, (*rest, top, max(b - a - top - y.shape[2], 0)))[:, :, : b - a]
+        width = ((0,), (0,)) if self.cols else (self.padding[1:], self.width_out)
+        y = transposed(rows, self.weight, None, self.stride, (0, *width[0]), (0, *width[1]),
+                       self.groups, self.dilation)  # fmt: skip
+        y = self._crop(y, 2, lo, a, b)
+        if self.cols is not None:
+            y = self._crop(y, 3, *self.cols)
         return y if self.bias is None else y + self.bias.view(1, -1, *[1] * (y.dim() - 2))
+
+    def _crop(self, y: torch.Tensor, dim: int, lo: int, a: int, b: int) -> torch.Tensor:
+        """Output rows (columns) [a, b) of y, which starts where input row `lo` lands; zero where
+        no tap reaches."""
+        start = lo * self.stride[dim - 2] - self.padding[dim - 2]  # the output row of y's first
+        off = min(max(a - start, 0), y.shape[dim])
+        y = y.narrow(dim, off, y.shape[dim] - off)
+        first = max(start - a, 0)
+        pad = [0, 0] * (y.dim() - 2)  # F.pad's pairs run from the last dimension
+        at = 2 * (y.dim() - 1 - dim)
+        pad[at : at + 2] = [first, max(b - a - first - y.shape[dim], 0)]
+        return F.pad(y, pad).narrow(dim, 0, b - a)
 
 
 class DomainResample(_Windowed):
@@ -437,8 +490,8 @@ class DomainResample(_Windowed):
     weighed from the rows they read with torch's own weights (core.halo.Resample), along the
     width torch interpolates as it would the whole image (the height kept: an identity)."""
 
-    def __init__(self, module: nn.Module, window: RowMap, group, ledger, layer: str) -> None:
-        self.setup(window, group, ledger, layer)
+    def __init__(self, module: nn.Module, window: RowMap, group, ledger, layer: str, **tiles):
+        self.setup(window, group, ledger, layer, **tiles)
         self.taps: dict = {}
 
     def __call__(self, x, size=None, scale_factor=None, *args, **kwargs):
@@ -446,11 +499,12 @@ class DomainResample(_Windowed):
         self.args, self.kwargs = args, kwargs
         return self.band(x)
 
-    def _taps(self, like: torch.Tensor, a: int, b: int, lo: int):
-        """(index, weight) of each output row of [a, b): (rows, taps) each, from row `lo` on."""
-        key = (a, b, lo, like.dtype, like.device)
+    def _taps(self, like: torch.Tensor, a: int, b: int, lo: int, dim: int = 2):
+        """(index, weight) of each output row (dim 3: column) of [a, b): (rows, taps) each,
+        from row `lo` on."""
+        key = (a, b, lo, dim, like.dtype, like.device)
         if key not in self.taps:
-            w = self.exchange.window.weights()[a:b]
+            w = (self.exchange if dim == 2 else self.widen).window.weights()[a:b]
             taps = max(int((w != 0).sum(1).max()), 1)
             index = w.abs().topk(taps, dim=1).indices
             weight = w.gather(1, index)
@@ -458,13 +512,20 @@ class DomainResample(_Windowed):
             self.taps[key] = (index.to(like.device), weight.to(like))
         return self.taps[key]
 
-    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
-        index, weight = self._taps(rows, a, b, lo)
-        spread = [1] * (rows.dim() - 3)
-        high = sum(
-            rows.index_select(2, index[:, j]) * weight[:, j].view(1, 1, -1, *spread)
+    def _along(self, rows: torch.Tensor, dim: int, lo: int, a: int, b: int) -> torch.Tensor:
+        """Output rows (dim 3: columns) [a, b) weighed from the input ones, from `lo` on."""
+        index, weight = self._taps(rows, a, b, lo, dim)
+        shape = [1] * rows.dim()
+        shape[dim] = -1
+        return sum(
+            rows.index_select(dim, index[:, j]) * weight[:, j].view(shape)
             for j in range(index.shape[1])
         )
+
+    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
+        high = self._along(rows, 2, lo, a, b)
+        if self.cols is not None:
+            return self._along(high, 3, *self.cols)
         n = rows.dim() - 3  # the other dimensions (width; a volume's height and width)
         if self.size is not None:
             rest = self.size[1:] if isinstance(self.size, tuple | list) else (self.size,) * n
@@ -478,21 +539,38 @@ class DomainPool(_Windowed):
     zero rows outside the image; an average without padding counts only the image's elements,
     as AvgPool2d does)."""
 
-    def __init__(self, pool: nn.Module, window: RowMap, group, ledger, layer: str) -> None:
+    def __init__(self, pool: nn.Module, window: RowMap, group, ledger, layer: str, **tiles):
         n = 3 if isinstance(pool, nn.MaxPool3d | nn.AvgPool3d) else 2
         tup = nn.modules.utils._ntuple(n)
         self.pool = pool
         self.kernel, self.stride = tup(pool.kernel_size), tup(pool.stride or pool.kernel_size)
-        self.width_padding = (0, *tup(pool.padding)[1:])
+        self.width_padding = (0, *tup(pool.padding)[1:]) if not tiles.get("cols") else (0, 0)
         self.is_max = isinstance(pool, nn.MaxPool2d | nn.MaxPool3d)
         self.fill = float("-inf") if self.is_max else 0.0
         self.max_pool, self.avg_pool = (
             (F.max_pool3d, F.avg_pool3d) if n == 3 else (F.max_pool2d, F.avg_pool2d)
         )
-        self.setup(window, group, ledger, layer)
+        self.setup(window, group, ledger, layer, **tiles)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self.band(x)
+
+    def _inside(self, rows: torch.Tensor, lo: int, padded: bool) -> list[tuple[int, torch.Tensor]]:
+        """Per split dim, 1 on its rows (columns) inside the image (`padded`: and its padding),
+        0 on the fill, shaped to broadcast along that dim."""
+        out = []
+        for dim, ex, first in ((2, self.exchange, lo), (3, getattr(self, "widen", None), None)):
+            if dim == 3 and self.cols is None:
+                break
+            first = self.cols[0] if dim == 3 else first
+            window, n = ex.window, rows.shape[dim]
+            index = torch.arange(first, first + n, device=rows.device)
+            pad = window.padding if padded else 0
+            shape = [1] * rows.dim()
+            shape[dim] = n
+            inside = (index >= -pad) & (index < window.h_in + pad)
+            out.append((dim, inside.to(rows.dtype).view(shape)))
+        return out
 
     def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
         p, k, st, pad = self.pool, self.kernel, self.stride, self.width_padding
@@ -503,43 +581,48 @@ class DomainPool(_Windowed):
         if p.divisor_override:
             return avg(rows, k, st, pad, ceil, True, p.divisor_override)
         mean = avg(rows, k, st, pad, ceil, True)  # the whole window's rows counted
-        window = self.exchange.window
-        index = torch.arange(lo, lo + rows.shape[2], device=rows.device)
-        ones = [1] * (rows.dim() - 3)
         if p.count_include_pad:
             if not ceil:
                 return mean
             # a window past the bottom padding (ceil_mode) counts the rows up to it only
-            inside = (index >= -window.padding) & (index < window.h_in + window.padding)
-            inside = inside.to(rows.dtype).view(1, 1, -1, *ones)
-            return mean / avg(inside, (k[0], *ones), (st[0], *ones))
+            for dim, inside in self._inside(rows, lo, padded=True):
+                one = [1] * (rows.dim() - 2)
+                kd, sd = list(one), list(one)
+                kd[dim - 2], sd[dim - 2] = k[dim - 2], st[dim - 2]
+                mean = mean / avg(inside, tuple(kd), tuple(sd))
+            return mean
         # AvgPool2d divides by the image's elements only: the window's share of them, from a mask
-        # of ones on the image's rows (and zeros on the padding rows and columns)
-        mask = ((index >= 0) & (index < window.h_in)).to(rows.dtype).view(1, 1, -1, *ones)
+        # of ones on the image's rows and columns (and zeros on the padding's)
+        mask = math.prod(m for _, m in self._inside(rows, lo, padded=False))
         mask = mask.expand(1, 1, *rows.shape[2:])
         return mean / avg(mask, k, st, pad, ceil, True)
 
 
 class _SpaceMax(torch.autograd.Function):
-    """Forward: each example's maximum per channel over every rank's band: this rank's maxima
-    and how often each occurs, summed in float64 into a row per rank (an all-gather as an
-    all-reduce). Backward: the gradient's sum over the ranks goes to the first maximum (`first`:
-    an adaptive max pooling's index) or in equal shares to every maximum (amax's ties)."""
+    """Forward: each example's maximum per channel over every rank's band (tile): this rank's
+    maxima, how often each occurs and where it first occurs in the image (`at`: the image
+    index of the band's first element, and (row length, image row length, first column)),
+    summed in float64 into a row per rank (an all-gather as an all-reduce). Backward: the
+    gradient's sum over the ranks goes to the first maximum in the image's order (`first`: an
+    adaptive max pooling's index) or in equal shares to every maximum (amax's ties)."""
 
     @staticmethod
-    def forward(ctx, x, via, first: bool):
+    def forward(ctx, x, via, first: bool, at: tuple[int, int, int, int]):
         group = via.group
         flat = x.flatten(2)
         top = flat.amax(2)
         hits = flat == top[..., None]
-        rows = torch.zeros((group.size, 2, *top.shape), dtype=torch.float64, device=x.device)
+        rows = torch.zeros((group.size, 3, *top.shape), dtype=torch.float64, device=x.device)
+        start, width, full, col = at
+        local = hits.int().argmax(2)  # the band's first maximum
         rows[group.rank, 0], rows[group.rank, 1] = top, hits.sum(2)
+        rows[group.rank, 2] = start + (local // width) * full + col + local % width
         all_reduce(rows, via)
         most = rows[:, 0].amax(0)
         held = rows[:, 0] == most  # (ranks, N, C): the ranks holding a maximum
-        if first:  # the first in the image's order: the first rank's first
-            mine = held.int().argmax(0) == group.rank
-            hits = F.one_hot(hits.int().argmax(2), flat.shape[2]).bool()
+        if first:  # the first in the image's order
+            mine = torch.where(held, rows[:, 2], math.inf).argmin(0) == group.rank
+            hits = F.one_hot(local, flat.shape[2]).bool()
             ties = torch.ones_like(most)
         else:
             mine, ties = held[group.rank], (rows[:, 1] * held).sum(0)
@@ -553,7 +636,7 @@ class _SpaceMax(torch.autograd.Function):
         total = g.to(torch.float64).contiguous()
         all_reduce(total, ctx.via)
         share = (total * mine / ties).to(g.dtype)
-        return (hits * share[..., None]).view(ctx.shape), None, None
+        return (hits * share[..., None]).view(ctx.shape), None, None, None
 
 
 class _RegionSum(torch.autograd.Function):
@@ -594,11 +677,14 @@ class SpaceReduction:
     AdaptiveAvgPool2d((k, l))): the value of the whole image, on every rank of the model group,
     in the shape the call returns."""
 
-    def __init__(self, pool: tuple, adaptive: bool, group: Group, ledger: Ledger | None, layer):
-        _, self.how, _, self.rows, _, self.cells = pool  # CostLayer.pools
+    def __init__(self, pool: tuple, adaptive: bool, group: Group, ledger: Ledger | None, layer,
+                 pw: int = 1):  # fmt: skip
+        _, self.how, _, self.rows, _, self.cells, self.rest = pool  # CostLayer.pools
         self.adaptive = adaptive  # keeps the dims (else the call's keepdim says)
         self.via = Via(group, ledger, Term.BN_STATS, layer)
-        self.band = bands(self.rows, group.size)[group.rank]
+        i, j = divmod(group.rank, pw)  # on tiles (pw columns of them): a tile's columns
+        self.band = bands(self.rows, group.size // pw)[i]
+        self.span = bands(self.rest, pw)[j] if pw > 1 else None
 
     def _sums(self, x: torch.Tensor) -> torch.Tensor:
         """Each example's sums (averages: `how` avg) per channel over the k x m cells of an
@@ -606,19 +692,22 @@ class SpaceReduction:
         sums over the bands, (N, C, k, m)."""
         k, m = self.cells if math.prod(self.cells) > 1 else (1, 1)
         flat = x.reshape(*x.shape[:3], -1)  # a volume's depth slices as rows of H x W
-        rest = flat.shape[3]
-        rows, cols = _regions(self.rows, k, *self.band, x), _regions(rest, m, 0, rest, x)
+        span = self.span or (0, self.rest)
+        rows, cols = _regions(self.rows, k, *self.band, x), _regions(self.rest, m, *span, x)
         y = _RegionSum.apply(flat, rows, cols, self.via)
         if self.how != "avg":
             return y
         tall = _regions(self.rows, k, 0, self.rows, x).sum(1)
-        return y / (tall[:, None] * cols.sum(1)[None, :]).to(x.dtype)
+        wide = _regions(self.rest, m, 0, self.rest, x).sum(1)
+        return y / (tall[:, None] * wide[None, :]).to(x.dtype)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if math.prod(self.cells) > 1:
             return self._sums(x)
         if self.how in ("max", "first"):
-            y = _SpaceMax.apply(x, self.via, self.how == "first")
+            first, width = self.span or (0, self.rest)
+            at = (self.band[0] * self.rest, width - first, self.rest, first)
+            y = _SpaceMax.apply(x, self.via, self.how == "first", at)
         else:
             y = self._sums(x).flatten(2).squeeze(2)
         keep = self.adaptive or kwargs.get("keepdim", args[1] if len(args) > 1 else False)
@@ -662,31 +751,67 @@ def _all_to_all(x: torch.Tensor, send: Pieces, recv: Pieces, via: Via) -> torch.
     return torch.cat(parts, dim=recv.dim)
 
 
+def _sizes(shape: tuple[int, ...], pr: int, pw: int) -> tuple[list, Pieces]:
+    """Every rank's band (tile) of activations of spatial `shape` over Pr ranks with `pw` tile
+    columns, and how they lie on the wire: the rows along dim 2, or the tiles flattened."""
+    boxes = [tile(shape, pr, pw, r) for r in range(pr)]
+    if pw == 1:
+        return boxes, Pieces(tuple(b - a for a, b in boxes), 2)
+    return boxes, Pieces(tuple((b - a) * (d - c) for (a, b), (c, d) in boxes), 2)
+
+
+def join(x: torch.Tensor, shape: tuple[int, ...], pr: int, pw: int, via: Via) -> torch.Tensor:
+    """The whole activation from every rank's band (tile): one all-gather over the model group
+    (backward: this rank's part of the gradient)."""
+    boxes, pieces = _sizes(shape, pr, pw)
+    if pw == 1:
+        return gather(x, pieces, via)
+    parts = gather(x.flatten(2), pieces, via).split(list(pieces.sizes), 2)
+    flat = [
+        t.unflatten(2, (b - a, d - c)) for t, ((a, b), (c, d)) in zip(parts, boxes, strict=True)
+    ]
+    return torch.cat([torch.cat(flat[i : i + pw], 3) for i in range(0, pr, pw)], 2)
+
+
+def cut(x: torch.Tensor, pr: int, pw: int, via: Via) -> torch.Tensor:
+    """This rank's band (tile) of the whole activation (backward: the parts' all-gather)."""
+    boxes, pieces = _sizes(tuple(x.shape[2:]), pr, pw)
+    if pw == 1:
+        return split(x, pieces, via)
+    flat = torch.cat([x[:, :, a:b, c:d].flatten(2) for (a, b), (c, d) in boxes], 2)
+    (a, b), (c, d) = boxes[via.group.rank]
+    return split(flat, pieces, via).unflatten(2, (b - a, d - c))
+
+
 class _Rows:
     """Forward pre-hook between the domain layout and the replicated layout of the same grid:
-    keep this rank's band (`into`; backward: all-gather the bands' gradients) or all-gather
-    the bands (out of it; backward: keep this rank's band's)."""
+    keep this rank's band or tile (`into`; backward: all-gather the bands' gradients) or
+    all-gather them (out of it; backward: keep this rank's part)."""
 
     def __init__(self, style: Style, m: Move, into: bool) -> None:
         self.group = m.grids.grid(style.pc).model_group
-        self.pr, self.m, self.into = style.pr, m, into
+        self.pr, self.pw, self.m, self.into = style.pr, style.pw, m, into
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         faults.at("handoff")
         x, *rest = args
-        if self.into and self.m.fed is not None and x.shape[2] != self.m.fed:
-            mine = bands(self.m.fed, self.pr)[self.group.rank]
-            if x.shape[2] != mine[1] - mine[0]:
+        fed = self.m.fed
+        if self.into and fed is not None and tuple(x.shape[2:]) != tuple(fed):
+            mine = tile(fed, self.pr, self.pw, self.group.rank)
+            spans = mine if self.pw > 1 else (mine,)
+            if tuple(x.shape[2 : 2 + len(spans)]) != tuple(b - a for a, b in spans):
+                what = " and columns ".join(f"{a}..{b - 1}" for a, b in spans)
                 raise ValueError(
-                    f"this rank feeds rows {mine[0]}..{mine[1] - 1} of the images "
-                    f"(model.input_band()) or the whole {self.m.fed}; got {x.shape[2]} rows"
+                    f"this rank feeds rows {what} of the images (model.input_band()) or the "
+                    f"whole {' x '.join(map(str, fed))}; got {' x '.join(map(str, x.shape[2:]))}"
                 )
             return args  # fed its band alone
-        h = x.shape[2] if self.into else self.m.height
-        rows = Pieces(tuple(b - a for a, b in bands(h, self.pr)), 2)
         m = self.m
         via = Via(self.group, m.ledger, Term.REDISTRIBUTE, m.layer, m.codec)
-        return (split(x, rows, via) if self.into else gather(x, rows, via), *rest)
+        if self.into:
+            return (cut(x, self.pr, self.pw, via), *rest)
+        shape = m.size if self.pw > 1 else (m.size[0],)
+        return (join(x, shape, self.pr, self.pw, via), *rest)
 
 
 class _Transpose:
@@ -708,7 +833,7 @@ class _Transpose:
         x, *rest = args
         first = self.grid.c * self.pr  # the examples of each rank in pure batch
         examples = Pieces(tuple(self.m.rows.sizes[first : first + self.pr]), 0)
-        h = x.shape[2] if self.into else self.m.height
+        h = x.shape[2] if self.into else self.m.size[0]
         rows = Pieces(tuple(b - a for a, b in bands(h, self.pr)), 2)
         send, recv = (rows, examples) if self.into else (examples, rows)
         via = Via(self.group, self.m.ledger, Term.REDISTRIBUTE, self.m.layer)
@@ -723,7 +848,7 @@ def into_domain(src: Style, dst: Style, m: Move):
         return Chain(out, into_domain(Style.model(src.pr, src.pc), dst, m))
     if src.pc == dst.pc:
         return _Rows(dst, m, into=True)
-    if src.pc == dst.procs:
+    if src.pc == dst.procs and dst.pw == 1:
         return _Transpose(dst, m, into=True)
     return Chain(replicated(src, Style.model(dst.pr, dst.pc), m), _Rows(dst, m, into=True))
 
@@ -762,7 +887,7 @@ def out_of_domain(src: Style, dst: Style, m: Move):
         return Chain(_Whole(src, m), replicated(Style.model(src.pr, src.pc), dst, m))
     if dst.pc == src.pc:
         return _Rows(src, m, into=False)
-    if dst.pc == src.procs:
+    if dst.pc == src.procs and src.pw == 1:
         return _Transpose(src, m, into=False)
     return Chain(_Rows(src, m, into=False), replicated(Style.model(src.pr, src.pc), dst, m))
 
@@ -790,8 +915,10 @@ class DomainStyle(ParallelStyle):
         pool = next((p for p in layer.pools if p[0] == name), None)
         if name in layer.unchanged or (self.spec.pr == 1 and pool):
             return module  # a whole value's, or over a band's channels: unchanged
+        pw = self.spec.pw
         if pool:
-            ops.install(module, SpaceReduction(pool, True, group, ledger, layer.name), name=name)
+            stand_in = SpaceReduction(pool, True, group, ledger, layer.name, pw)
+            ops.install(module, stand_in, name=name)
             return module
         if isinstance(module, _InstanceNorm | nn.GroupNorm) and self.spec.pr > 1:
             stats = BandStatistics(module, group, ledger, layer.name, self.grid.batch_group)
@@ -800,7 +927,9 @@ class DomainStyle(ParallelStyle):
         if name not in windows:
             return module
         cls = next(c for t, c in _STAND_INS if isinstance(module, t))
-        stand_in = cls(module, row_map(windows[name]), group, ledger, layer.name)
+        stand_in = cls(
+            module, row_map(windows[name]), group, ledger, layer.name, **self._tiles(name, layer)
+        )
         ops.install(module, stand_in, name=name)
         return module
 
@@ -811,12 +940,21 @@ class DomainStyle(ParallelStyle):
         _, func, k = ops.site_func(name)
         group, ledger = self.grid.model_group, self.ctx.ledger
         if name in windows:
-            stand_in = DomainResample(owner, row_map(windows[name]), group, ledger, layer.name)
+            tiles = self._tiles(name, layer)
+            stand_in = DomainResample(
+                owner, row_map(windows[name]), group, ledger, layer.name, **tiles
+            )
             ops.install_site(owner, func, k, stand_in)
         elif pool and self.spec.pr > 1:
             adaptive = func.__name__.startswith("adaptive")
-            reduction = SpaceReduction(pool, adaptive, group, ledger, layer.name)
+            reduction = SpaceReduction(pool, adaptive, group, ledger, layer.name, self.spec.pw)
             ops.install_site(owner, func, k, reduction)
+
+    def _tiles(self, name: str, layer: CostLayer) -> dict:
+        """On tiles: the column map of `name`'s window and the tile columns."""
+        if self.spec.pw == 1:
+            return {}
+        return {"cols": row_map(next(w for w in layer.cols if w[0] == name)), "pw": self.spec.pw}
 
     @property
     def grad_group(self) -> Group:

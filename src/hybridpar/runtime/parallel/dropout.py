@@ -82,7 +82,7 @@ class Where:
 
     step: Callable[[], int]
     first_example: Callable[[], int | torch.Tensor] = lambda: 0
-    first_row: int = 0
+    first_row: int | tuple[int, int] = 0  # on tiles: the tile's first row and column
     shape: tuple[int, ...] | None = None
 
 
@@ -107,7 +107,8 @@ class CounterDropout(nn.Module):
         shape = list(w.shape) if w.shape is not None else local
         offsets = [0] * len(local)
         if w.shape is not None and len(local) >= 2:
-            offsets[1] = w.first_row  # (C, H, W): the band's rows
+            first = w.first_row if isinstance(w.first_row, tuple) else (w.first_row,)
+            offsets[1 : 1 + len(first)] = first  # (C, H, W): the band's rows (tile's columns)
         if self.channels:  # one draw per channel, broadcast over the rest
             local, shape, offsets = local[:1], shape[:1], offsets[:1]
         index = torch.zeros([1] * (1 + len(local)), dtype=torch.int64, device=x.device)

@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import nn
 
-from hybridpar.core.halo import bands
+from hybridpar.core.halo import tile
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.comm.grid import ProcessGrid
 from hybridpar.runtime.parallel import apply
@@ -101,17 +101,20 @@ class HybridParallel(Engine):
     def output_rows(self, n: int) -> slice:
         return self.output_grid.rows(even_split(n, self.plan.procs))
 
-    def input_band(self) -> tuple[int, int] | None:
+    def input_band(self) -> tuple | None:
+        """The rows (lo, hi) of the images this rank feeds where the first layer splits them by
+        height (on tiles its rows and columns ((lo, hi), (first, last + 1))); None: whole."""
         first, shape = self.layout.segments[0], self.layout.trace.in_shape
         if first.kind != "domain" or len(shape) not in (3, 4):
             return None
-        return bands(shape[1], first.pr)[self.input_grid.r]
+        return tile(shape[1:], first.pr, first.pw, self.input_grid.r)
 
-    def output_band(self) -> tuple[int, int] | None:
+    def output_band(self) -> tuple | None:
+        """The rows (or the tile) of the dense outputs (and targets) this rank holds."""
         last, shape = self.layout.segments[-1], self.layout.trace.out_shape
         if last.kind != "domain" or len(shape) not in (3, 4):
             return None
-        return bands(shape[1], last.pr)[self.output_grid.r]
+        return tile(shape[1:], last.pr, last.pw, self.output_grid.r)
 
     @property
     def counts_outputs(self) -> bool:

@@ -63,11 +63,14 @@ class Layout:
             if k and s.layout != self.segments[k - 1].layout
         ]
 
-    def height_before(self, seg: int) -> int | None:
-        """The height of the activation entering segment `seg`, where the segment before it
-        leaves it split by height (the last window of its last layer); else None."""
+    def size_before(self, seg: int) -> tuple[int, int] | None:
+        """The height and width of the activation entering segment `seg`, where the segment
+        before it leaves it split by height (the last window of its last layer; the width from
+        its column map, 0 for a volume's); else None."""
         prev = [x for x in self.layers if x.segment == seg - 1 and x.windows]
-        return prev[-1].windows[-1][6] if prev else None
+        if not prev:
+            return None
+        return prev[-1].windows[-1][6], prev[-1].cols[-1][6] if prev[-1].cols else 0
 
     def head_layers(self, seg: int) -> list[CostLayer]:
         """The layers a hand-off into segment `seg` runs in rounds (core.handoff.head)."""

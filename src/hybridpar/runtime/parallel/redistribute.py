@@ -159,19 +159,21 @@ class Redistribute:
 @dataclass
 class Move:
     """What a redistribution between two layouts needs: the grids, the step's rows, the ledger,
-    the layer it books under, the activations' codec, and the height of the activation moved
-    where it leaves a layout split by height (its bands are not all on one rank)."""
+    the layer it books under, the activations' codec, and the height and width of the
+    activation moved where it leaves a layout split by height (its bands, or tiles, are not all
+    on one rank)."""
 
     grids: GridSet
     rows: StepRows
     ledger: Ledger | None
     layer: str
     codec: Codec | None = None
-    height: int | None = None
+    size: tuple[int, int] | None = None
     fused: bool = False
     """the hand-off's backward is one reduce-scatter of the split layer's partial dX"""
-    fed: int | None = None
-    """at the model's input: the images' height (a rank may feed its band of it alone)"""
+    fed: tuple[int, ...] | None = None
+    """at the model's input: the images' (H, W) or volumes' (D, H, W) (a rank may feed its band
+    or tile of them alone)"""
     whole: bool = False
     """the activation is a global pooling's value, whole on every rank of the domain layout it
     leaves (runtime.parallel.domain.out_of_domain)"""

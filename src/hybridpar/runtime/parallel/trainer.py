@@ -25,13 +25,12 @@ from torch.nn import functional as F
 
 from hybridpar.core import faults
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import bands
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
-from hybridpar.runtime.parallel import checkpoint, losses, memory, rounds
+from hybridpar.runtime.parallel import checkpoint, domain, losses, memory, rounds
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.layout import Layout
@@ -265,9 +264,9 @@ class HybridTrainer:
         counted = out if m.counts_outputs else out[:0]
         band = m.output_band()
         if band is not None:  # the bands of a dense prediction joined first, within the group
-            grid, h = m.output_grid, m.layout.trace.out_shape[1]
-            rows = [b - a for a, b in bands(h, grid.pr)]
-            whole = all_gather_uneven(out, rows, 2, Via(grid.model_group, term=Term.METRICS))
+            grid, last = m.output_grid, m.layout.segments[-1]
+            via = Via(grid.model_group, term=Term.METRICS)
+            whole = domain.join(out, m.layout.trace.out_shape[1:], last.pr, last.pw, via)
             counted = whole if grid.r == 0 else whole[:0]
         mine = torch.tensor([len(counted)], dtype=torch.int64, device=out.device)
         sizes = [torch.zeros_like(mine) for _ in range(m.world.size)]
@@ -313,14 +312,19 @@ def _dims(shape: tuple[int, ...]) -> int:
     return max(len(shape) - 1, 1)
 
 
-def _take(x, rows: slice, band: tuple[int, int] | None, dims: int = 2) -> torch.Tensor:
-    """Of a global batch `x`, the examples `rows` and of them the rows `band` of the first of
-    its `dims` spatial dimensions (the height; a volume's depth); a batch not read yet
-    (`take_rows`: memory-mapped) reads only those."""
+def _take(x, rows: slice, band: tuple | None, dims: int = 2) -> torch.Tensor:
+    """Of a global batch `x`, the examples `rows` and of them the rows `band` (lo, hi) of the
+    first of its `dims` spatial dimensions (the height; a volume's depth), or a tile's rows and
+    columns ((lo, hi), (first, last + 1)); a batch not read yet (`take_rows`: memory-mapped)
+    reads only those."""
     if hasattr(x, "take_rows"):
         return x.take_rows(rows, band, dims)
     x = x[rows]
-    return x if band is None else x.narrow(x.dim() - dims, band[0], band[1] - band[0])
+    if band is None:
+        return x
+    for d, (lo, hi) in enumerate(band if isinstance(band[0], tuple) else (band,)):
+        x = x.narrow(x.dim() - dims + d, lo, hi - lo)
+    return x
 
 
 def _mine(y, m: Engine) -> torch.Tensor:

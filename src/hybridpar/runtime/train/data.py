@@ -60,13 +60,15 @@ class Mapped:
         i = i.cpu().numpy() if isinstance(i, torch.Tensor) else i
         return Mapped(self.array, self.index[i], self.dtype, self.counter, self.device)
 
-    def take_rows(self, rows: slice, band: tuple[int, int] | None = None, dims: int = 2):
+    def take_rows(self, rows: slice, band: tuple | None = None, dims: int = 2):
         index = np.sort(self.index[rows])  # ascending: the pages in order
         order = np.argsort(np.argsort(self.index[rows]))
         if band is None:
             part = self.array[index]
-        else:  # the examples' rows lo..hi - 1 of the first of `dims` spatial dimensions
-            part = self.array[(index, *[slice(None)] * (self.array.ndim - 1 - dims), slice(*band))]
+        else:  # the examples' rows lo..hi - 1 of the first of `dims` spatial dimensions (a
+            # tile's ((lo, hi), (first, last + 1)): its rows and columns)
+            spans = [slice(*b) for b in (band if isinstance(band[0], tuple) else (band,))]
+            part = self.array[(index, *[slice(None)] * (self.array.ndim - 1 - dims), *spans)]
         self.counter[0] += part.nbytes
         self.counter[1] += len(index)  # examples, and what they hold whole
         self.counter[2] += len(index) * math.prod(self.array.shape[1:]) * part.itemsize
