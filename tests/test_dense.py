@@ -529,8 +529,8 @@ def test_dense_data_that_cannot_train_is_refused_in_one_line(tmp_path, capsys, d
 
 def test_a_rank_reads_its_band_of_memory_mapped_images(tmp_path):
     """A folder of x.npy and y.npy is memory-mapped: a rank of a domain(2x1) plan reads its
-    band of rows of each image of the step (and of its masks) and nothing else, and trains as
-    one process on the arrays does."""
+    band of rows of each image of the step (and of its masks) and nothing else, of a plan on
+    1 x 2 tiles its columns, and trains as one process on the arrays does."""
     import numpy as np
 
     g = np.random.default_rng(0)
@@ -551,15 +551,23 @@ def _mapped_step(folder: str) -> bool:
     t.train_step(data.x_train[idx], data.y_train[idx])
     lo, hi = bands(37, 2)[dist.get_rank()]
     assert data.bytes_read == 3 * 3 * (hi - lo) * W * 8, data.bytes_read
+    banded = t.full_state_dict()
+    # split by columns (1 x 2 tiles): a rank reads its columns of every row, and nothing else
+    before = data.bytes_read
+    t = HybridTrainer(_model("dilated", 37), _plan("dilated", 37, 3, 2, 2, 2), optimizer)
+    t.train_step(data.x_train[idx], data.y_train[idx])
+    _, (c0, c1) = tile((37, W), 2, 2, dist.get_rank())
+    assert data.bytes_read - before == 3 * 3 * 37 * (c1 - c0) * 8, data.bytes_read - before
+    tiled = t.full_state_dict()
     x = torch.as_tensor(np.load(f"{folder}/x.npy")[data.x_train.index[idx.numpy()]])
     y = torch.as_tensor(np.load(f"{folder}/y.npy")[data.x_train.index[idx.numpy()]])
     m = _model("dilated", 37)
     opt = optimizer(m.parameters())
     F.cross_entropy(m(x), y).backward()
     opt.step()
-    state = t.full_state_dict()
     for k, v in m.state_dict().items():
-        torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=k)
+        torch.testing.assert_close(banded[k], v, rtol=1e-7, atol=1e-10, msg=k)
+        torch.testing.assert_close(tiled[k], v, rtol=1e-7, atol=1e-10, msg=f"tiles: {k}")
     # with class weights and an ignored class the divisor needs the labels: the ranks' bands'
     # counts are summed, and equal torch's over the whole masks
     loss = LOSSES["ce-weight-ignore"]
@@ -654,6 +662,41 @@ def test_what_bands_cannot_run_is_refused_by_name(net, why):
     assert why in said and said.endswith("give it batch or model"), said
 
 
+class _PadColumns(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return F.pad(self.conv(x), (1, 1, 0, 0))
+
+
+@pytest.mark.parametrize(
+    "net, shape, why",
+    [
+        (lambda: ChannelsLast(CLASSES), (3, 16, 8), "permute of a band); give it batch or model "
+         "or bands of rows (domain(RxC))"),
+        (lambda: _PadColumns(), (3, 16, 8), "pad of the columns); give it batch or model or bands"),
+        (lambda: UNet((8, 6, 6), CLASSES, width=2, dims=3), (3, 8, 6, 6),
+         "only 2-d images split into tiles; split it by depth (domain(RxC))"),
+        (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, stride=2)), (3, 16, 5), "splits 2 columns over "
+         "W=4 ranks; the largest W that works is 2, or give images about 2x as wide"),
+    ],
+)  # fmt: skip
+def test_what_tiles_cannot_run_is_refused_by_name(net, shape, why):
+    """A permuted band and a pad of the columns (both run on bands), a volume, tiles narrower
+    than a rank each: 2 x 2 (1 x 4) tiles are refused for the first convolution they reach,
+    naming why."""
+    from hybridpar.core.rules import why_not
+
+    layers = cost_layers(analyze(net().double(), shape))
+    style = Style.domain(4, 1, 4 if "W=4" in why else 2)
+    said = next((w for x in layers if (w := why_not(x, style, 1))), "")
+    assert why in said, said
+    if "bands" in why:  # what mixes columns alone runs on bands
+        assert not any(why_not(x, Style.domain(2, 1), 1) for x in layers)
+
+
 def test_a_volume_trains_split_by_depth_from_the_command_line(tmp_path, capsys):
     """`hybridpar train --model unet3d` on memory-mapped volumes (N, 1, D, H, W) with a class per
     voxel: the domain preset splits them by depth, each rank reads its depth slices of each
@@ -692,15 +735,14 @@ def test_the_planner_picks_tiles_where_bytes_cost_and_bands_where_messages_do(tm
     bands_, tiles = Style.domain(16, 1), Style.tiles(16, 1)
     assert tiles == Style.domain(16, 1, 4)
 
-    def halo(style: Style, net: Cluster) -> tuple[float, float, int]:
+    def halo(style: Style, net: Cluster) -> tuple[float, float]:
         plan = evaluate(layers, [style] * len(layers), PlanRequest(16, 1, net))
         assert plan.feasible, plan.reason
         terms = [c for x in plan.layers for t, c in x.terms.items() if t.startswith("halo")]
-        calls = sum(sum(c.calls or (0, 0)) for c in terms)
-        return sum(c.bytes for c in terms), sum(c.seconds for c in terms), calls
+        return sum(c.bytes for c in terms), sum(c.seconds for c in terms)
 
     flops = 1e12
-    (b_bytes, _, b_calls), (t_bytes, _, t_calls) = (halo(s, NET) for s in (bands_, tiles))
+    (b_bytes, _), (t_bytes, _) = (halo(s, NET) for s in (bands_, tiles))
     assert t_bytes < 0.6 * b_bytes, (t_bytes, b_bytes)  # about half the bytes
     # the busiest rank's messages: 2 a band (up, down), 4 a tile (left, right, then up, down)
     one = Cluster("one", alpha=1.0, beta=1e-30, flops=flops)
@@ -723,3 +765,35 @@ def test_the_planner_picks_tiles_where_bytes_cost_and_bands_where_messages_do(tm
         chosen[name] = {s for s in styles if s.kind == "domain"}
     assert chosen["bytes"] == {tiles}, chosen
     assert chosen["messages"] == {bands_}, chosen
+
+
+def test_tiles_plan_and_train_from_the_command_line(tmp_path, capsys):
+    """`hybridpar plan --scenario domain` on a cluster file where bytes cost writes a plan of
+    2 x 2 tiles; `hybridpar train --plan` runs it on memory-mapped images, each rank reading its
+    tile of each image only (printed), the bytes it sends the plan's."""
+    import numpy as np
+
+    from hybridpar.commands import cli
+
+    g = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", g.standard_normal((4, 1, 32, 32)).astype(np.float32))
+    y = g.integers(0, 11, (4, 32, 32))  # the zoo U-Net's 11 classes (digits-seg's)
+    y[0, 0, 0] = 10
+    np.save(tmp_path / "y.npy", y)
+    net = tmp_path / "bytes.json"
+    net.write_text(json.dumps({"name": "bytes", "alpha": 1e-6, "beta": 1e-8, "flops": 1e12}))
+    plan = tmp_path / "tiles.json"
+    argv = ["plan", "--model", "unet", "--input-size", "32", "--procs", "4", "--batch", "1"]
+    argv += ["--scenario", "domain", "--cluster", str(net), "--out", str(plan)]
+    assert cli.main(argv) == 0
+    assert set(json.loads(plan.read_text())["styles"].values()) == {"domain(2x2x1)"}
+    capsys.readouterr()
+    argv = ["train", "--model", "unet", "--data", str(tmp_path), "--nproc", "4", "--batch", "1"]
+    argv += ["--plan", str(plan), "--epochs", "1", "--save", str(tmp_path / "w.pt")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    whole = 32 * 32 * 4 / 2**10  # KiB of one image; a rank reads its 16 x 16 tile
+    assert f"{whole / 4:.1f} KiB an example of its {whole:.1f} KiB" in out, out
+    rows = re.findall(r"^ {30}(\w+) +(\d+) +(\d+)$", out, re.M)
+    assert {"halo_fwd", "halo_bwd", "bn_stats"} <= {t for t, _, _ in rows}, out
+    assert all(m == p for _, m, p in rows), rows

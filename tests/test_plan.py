@@ -24,11 +24,19 @@ def test_styles_parse_and_print():
     assert Style.model(1, 4).kind == "batch" and Style.model(1, 4).label == "batch"
     assert Style.parse("model(2x2)", 4) == Style.model(2, 2)
     assert str(Style.parse(" domain(4x1) ", 4)) == "domain(4x1)"
+    # tiles: H x W tiles of each image, C batch groups; another layout than 4 bands'
+    tiles = Style.parse("domain(2x2x2)", 8)
+    assert tiles == Style.domain(4, 2, 2) and (tiles.ph, tiles.pw) == (2, 2)
+    assert tiles.label == "domain(2x2x2)" and tiles.layout != Style.domain(4, 2).layout
+    assert Style.tiles(16, 1) == Style.domain(16, 1, 4) and Style.tiles(8, 1).ph == 4
+    assert Style.tiles(7, 1) is None and Style.domain(4, 1, 1) == Style.domain(4, 1)
     for bad, needle in (
         ("model", "needs its grid"),
         ("model(3x2)", "P=4"),
         ("pipe(2x2)", "not one of"),
         ("batch(2x2)", "write batch"),
+        ("model(2x2x1)", "only domain takes tiles"),
+        ("domain(2x2x2)", "H x W x C = 4"),
     ):
         with pytest.raises(ConfigError, match=needle):
             Style.parse(bad, 4)

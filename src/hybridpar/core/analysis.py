@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from hybridpar.core import ops
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.layers import TILED
+from hybridpar.core.halo import TILED
 from hybridpar.core.rows import (
     DIMS_READ,
     ELEMENTWISE_ACTIVATIONS,

@@ -36,6 +36,7 @@ import functools
 from dataclasses import dataclass
 
 __all__ = [
+    "TILED",
     "Resample",
     "RowMap",
     "Spread",
@@ -56,6 +57,11 @@ def bands(h: int, parts: int) -> list[tuple[int, int]]:
         out.append((lo, lo + n))
         lo += n
     return out
+
+
+TILED = "on tiles: "
+"""the start of a blocker (core.rows) that ends a domain segment's claim on tiles only (a band
+of rows runs it): an operation that mixes columns"""
 
 
 def tile(shape: tuple[int, ...], pr: int, pw: int, r: int) -> tuple:

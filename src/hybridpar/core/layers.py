@@ -20,11 +20,7 @@ from hybridpar.core.errors import ConfigError
 if TYPE_CHECKING:
     from hybridpar.core.analysis import LayerSpec
 
-__all__ = ["TILED", "CostLayer", "cost_layers"]
-
-TILED = "on tiles: "
-"""the start of a blocker that ends a domain segment's claim on tiles only (a band of rows runs
-it): an operation that mixes columns"""
+__all__ = ["CostLayer", "cost_layers"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ class CostLayer:
     padding_mode: str = "zeros"
     calls: int = 1  # how often the weighted module runs in one forward
     # what in this layer's segment does not run on a band of rows (core.rows): the domain
-    # style needs it empty (on bands: those not starting with TILED)
+    # style needs it empty (on bands: those not starting with core.halo.TILED)
     blockers: tuple[str, ...] = ()
     # the row maps along the height in this layer (the convolution, poolings and resamplings
     # riding along), in forward order: (module, kernel, stride, padding, dilation, H in, H out,

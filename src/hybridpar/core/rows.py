@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridpar.core.layers import TILED
+from hybridpar.core.halo import TILED
 
 __all__ = [
     "DIMS_READ",

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from hybridpar.core.choices import Choices
-from hybridpar.core.layers import TILED, CostLayer
+from hybridpar.core.halo import TILED
+from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.splits import chunk_sizes, group_split, whole_group_prs
 

@@ -13,6 +13,11 @@ their owners and are added to their rows. Batch norm takes its statistics over e
 and examples); element-wise layers run on the band as they are. Parameters are whole on every
 rank: their gradients are summed over all P ranks.
 
+On tiles (`domain(HxWxC)`: rank m of the model group holds tile (m // W, m % W) of each image)
+a window's halo columns travel first, along the tile's row of tiles, and the tile widened by
+them is what the row exchange sends along its column of tiles: the corners come with the rows
+(`_Windowed.setup`).
+
 | function        | forward                                       | backward                        | term      |
 | --------------- | --------------------------------------------- | ------------------------------- | --------- |
 | _Post           | post the sends and receives of halo rows       | receive the gradients of the    | halo_fwd  |
@@ -20,11 +25,12 @@ rank: their gradients are summed over all P ranks.
 | _Wait           | wait for the halo rows                         | send their gradients back       | halo_bwd  |
 | _Transposed     | all-to-all: my examples' bands to their owners | the inverse all-to-all          | redistribute |
 |                 | (or back, out of the domain layout)            |                                 |           |
-| split / gather  | (rows, dim 2) keep my band / all-gather bands  | all-gather / keep (redistribute.py) | redistribute |
+| cut / join      | keep my band (tile) / all-gather them          | all-gather / keep (redistribute.py) | redistribute |
 
 Moves into and out of the domain layout (`MOVES`): from the layout with the same batch groups a
 band is kept (its gradient all-gathered backward), from pure batch one all-to-all each way within
-the model group, from any other layout through the replicated layout of the domain grid, and
+the model group (tiles: through the replicated layout), from any other layout through the
+replicated layout of the domain grid, and
 back the same ways; the cost model (planning.cost.terms.redistribute) prices exactly these.
 """
 
@@ -67,25 +73,27 @@ __all__ = [
 
 class Exchange:
     """The halo rows of one window on this rank: what it receives from whom and sends to whom,
-        over the model group (`ranks`: the group's global ranks, in band order).
+    over the model group (`ranks`: the group's global ranks, in band order), or on tiles along
+    one line of it (`line`, `dim`: the columns of a row of tiles, the rows of a column).
 
-        On one host (the group built with shared memory, comm.small) the rows travel through the
-        group's shared segment: forward, each rank writes the rows others read into its slot and
-        raises its flag (`begin`), computes its interior rows, then waits for the others' flags and
-        copies out what it reads (`finish`); backward, one exchange of the gradients in `_Post`'s
-        backward, which every rank runs. Elsewhere (several hosts, CUDA, more than the segment's
-        limit) they travel as point-to-point sends and receives (comm.p2p: through host buffers where
-    gloo carries them, a GPU's rows included). Either way the
-        ledger books the bytes each rank sends to the others, what the cost model prices."""
+    On one host (the group built with shared memory, comm.small) the rows of bands travel
+    through the group's shared segment: forward, each rank writes the rows others read into its
+    slot and raises its flag (`begin`), computes its interior rows, then waits for the others'
+    flags and copies out what it reads (`finish`); backward, one exchange of the gradients in
+    `_Post`'s backward, which every rank runs. Elsewhere (several hosts, CUDA, more than the
+    segment's limit, tiles) they travel as point-to-point sends and receives (comm.p2p: through
+    host buffers where gloo carries them, a GPU's rows included). Either way the ledger books
+    the bytes each rank sends to the others, what the cost model prices."""
 
     def __init__(self, window: RowMap, group: Group, ledger: Ledger | None, layer: str,
                  dim: int = 2, line: list[int] | None = None) -> None:  # fmt: skip
         self.window, self.group, self.ledger, self.layer = window, group, ledger, layer
         # on tiles the exchange runs along one line of the group's ranks (`line`: their ranks in
         # the group, in order; the columns (dim 3) of a tile row or the rows of a tile column)
+        self.tiled = line is not None  # point to point: the shared slots are the whole group's
         line = list(range(group.size)) if line is None else line
         pr, me = len(line), line.index(group.rank)
-        self.me, self.pr, self.dim, self.tiled = me, pr, dim, len(line) < group.size
+        self.me, self.pr, self.dim = me, pr, dim
         self.ranks = [dist.get_global_rank(group.pg, j) for j in line]
         self.band = window.held(pr)[me]
         self.out = bands(window.h_out, pr)[me]
