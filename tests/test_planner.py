@@ -91,11 +91,14 @@ def test_domain_extends_scaling_beyond_batch():
     r = make_plan("alexnet", 4096, 512, KNL)
     assert not r.scenario("batch").feasible and r.scenario("domain").feasible
     # the first convolution takes domain where its bands stay at least one row deep (its pooled
-    # output has 27 rows: Pr = 8 and 16, not 32)
+    # output has 27 rows: Pr = 8 and 16, not 32), and on tiles up to 16 x 16 (Pr = 256; not
+    # 32 x 16)
     with_domain = {
         p.grid for p in r.candidates["domain"] if p.feasible and p.layers[0].style.kind == "domain"
     }
-    assert with_domain == {(8, 512), (16, 256)}
+    assert with_domain == {(8, 512), (16, 256), (32, 128), (64, 64), (128, 32), (256, 16)}
+    tiled = {p.grid: p.layers[0].style.pw for p in r.candidates["domain"] if p.feasible}
+    assert all(tiled[(pr, 4096 // pr)] > 1 for pr in (32, 64, 128, 256)), tiled
     assert r.speedup_vs_batch() is None
 
 
