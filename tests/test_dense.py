@@ -191,9 +191,10 @@ def _train(P: int) -> int:
     return len(_cells(P)) + _classify(P)
 
 
-def _classify(P: int) -> int:
-    """A classifier of 29-row images: its trunk on bands (domain(P x 1)), the globally pooled
-    features whole on every rank, its head in batch(P) or model(P x 1): as one process."""
+def _classify(P: int, pw: int = 1) -> int:
+    """A classifier of 29-row images: its trunk on bands (domain(P x 1); on tiles of `pw`
+    columns), the globally pooled features whole on every rank, its head in batch(P) or
+    model(P x 1): as one process."""
     shape, b = (3, 29, W), 4
     g = torch.Generator().manual_seed(P)
     data = [(torch.randn(b, *shape, generator=g, dtype=torch.float64),
@@ -201,7 +202,7 @@ def _classify(P: int) -> int:
     for head in (Style.batch(P), Style.model(P, 1)):
         torch.manual_seed(0)
         layers = cost_layers(analyze(PooledClassifier(5).double(), shape))
-        styles = [Style.domain(P, 1) if x.kind == "conv" else head for x in layers]
+        styles = [Style.domain(P, 1, pw) if x.kind == "conv" else head for x in layers]
         plan = evaluate(layers, styles, PlanRequest(P, b, NET, elem_bytes=8, choices=Choices()))
         assert plan.feasible, plan.reason
         plan = export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape)
@@ -212,7 +213,7 @@ def _classify(P: int) -> int:
         t = HybridTrainer(PooledClassifier(5).double(), plan, optimizer, input_shape=shape)
         for x, y in data:
             t.step(x, y)
-        got, label = t.full_state_dict(), f"classifier, head {head}, P={P}"
+        got, label = t.full_state_dict(), f"classifier, head {head}, P={P}, {pw} tile columns"
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
         _bytes_are_predicted(t.ledger, plan, label)
@@ -247,21 +248,23 @@ def test_segmentation_nets_split_by_height_train_as_one_process(P):
 TILED = [n for n in NETS if not n.startswith("unet3d") and n != "channels-last"]
 
 
-def _tile_cells(P: int) -> list[tuple[str, int, int, str, int]]:
-    """(net, height, B, loss, tile columns): on 4 ranks every 2-d net on 2 x 2 tiles at B = 1,
-    the transposed U-Net at B = 2 with the losses; on 2 ranks two nets split by columns alone
+def _tile_cells(P: int) -> list[tuple[str, int, int, str, int, int]]:
+    """(net, height, B, loss, Pr, tile columns): on 4 ranks every 2-d net on 2 x 2 tiles at
+    B = 1, the transposed U-Net at B = 2 with the losses, the instance-norm U-Net (running
+    statistics) on 1 x 2 tiles in 2 batch groups; on 2 ranks two nets split by columns alone
     (1 x 2 tiles)."""
     if P == 2:
-        return [("unet-bilinear", 29, 1, "ce", 2), ("atrous-pyramid", 29, 1, "ce", 2)]
-    cells = [(name, 29, 1, "ce", 2) for name in TILED]
-    return cells + [("unet-transposed", 40, 2, loss, 2) for loss in ("dice", "mse")]
+        return [("unet-bilinear", 29, 1, "ce", 2, 2), ("atrous-pyramid", 29, 1, "ce", 2, 2)]
+    cells = [(name, 29, 1, "ce", 4, 2) for name in TILED]
+    cells += [("unet-transposed", 40, 2, loss, 4, 2) for loss in ("dice", "mse")]
+    return [*cells, ("unet-instance-prelu", 29, 2, "ce", 2, 2)]
 
 
 def _tiles(P: int) -> int:
-    for name, h, b, loss, pw in _tile_cells(P):
-        label = f"{name} H={h} B={b} {loss} P={P} tiles {P // pw}x{pw}"
+    for name, h, b, loss, pr, pw in _tile_cells(P):
+        label = f"{name} H={h} B={b} {loss} P={P} tiles {pr // pw}x{pw}x{P // pr}"
         want, want_losses = _reference(name, h, b, loss)
-        plan = _plan(name, h, b, P, P, pw)
+        plan = _plan(name, h, b, P, pr, pw)
         shape = (3, *_size(name, h))
         model, data = _model(name, h), _data(name, h, b, loss)
         ruled = name in ("unet-instance-prelu", "gated")  # under CUDA's rules
@@ -275,7 +278,7 @@ def _tiles(P: int) -> int:
         for k, v in want.items():
             torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
         torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
-        (r0, r1), (c0, c1) = tile(_size(name, h), P, pw, dist.get_rank())
+        (r0, r1), (c0, c1) = tile(_size(name, h), pr, pw, dist.get_rank() % pr)
         assert tuple(t.target.shape[-2:]) == (r1 - r0, c1 - c0), f"{label}: {t.target.shape}"
         _bytes_are_predicted(t.ledger, plan, label)
     if P == 4:  # predict joins the tiles; a global maximum's ties across tiles
@@ -284,14 +287,16 @@ def _tiles(P: int) -> int:
         want = _model("dilated", 16).eval()(x)
         torch.testing.assert_close(t.predict(x), want, rtol=1e-12, atol=1e-12)
         _ties(pw=2)
+        _classify(P, pw=2)
     return len(_tile_cells(P))
 
 
 @pytest.mark.parametrize("P", [2, 4])
 def test_segmentation_nets_on_tiles_train_as_one_process(P):
     """Every 2-d net of the bands' test on 2 x 2 tiles (on 2 ranks two of them on 1 x 2: split by
-    columns alone), B = 1 and 2, the losses on the tiles' pixels, bytes = prediction per (layer,
-    term); predict joins the tiles; two nets under CUDA's device rules."""
+    columns alone; on 4 one on 1 x 2 tiles in 2 batch groups), B = 1 and 2, the losses on the
+    tiles' pixels, bytes = prediction per (layer, term); predict joins the tiles; a classifier's
+    trunk on tiles; two nets under CUDA's device rules."""
     assert run_ranks(_tiles, P, P, timeout_s=300)[0] == len(_tile_cells(P))
 
 

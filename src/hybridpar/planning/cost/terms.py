@@ -25,6 +25,7 @@ Conventions (stated once; docs/cost-model.md repeats them with a worked example)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, replace
 
@@ -33,6 +34,7 @@ from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import bands, row_map
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
+from hybridpar.core.splits import group_rows
 from hybridpar.core.terms import Term
 from hybridpar.planning.cost.collectives import (
     Comm,
@@ -254,8 +256,14 @@ def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> di
     net, batch = priced.group("model", s.pr, s.pc), priced.group("batch", s.pr, s.pc)
     out: dict[str, Comm] = {}
     n = B / s.pc  # a group's examples (their mean where groups differ: the bytes' mean)
+    # a norm's sums per group: 2 N K + 1 numbers, none where a group has no example (B < P)
+    groups = group_rows(int(B), s.pr, s.pc) if float(B).is_integer() else [n] * s.pc
     for k, grad, tracked in layer.spatial_norms:
-        _merge(out, t_global_bn(k * n, s.pr, net, backward=grad))
+        each = [t_global_bn(k * g, s.pr, net, backward=grad) for g in groups if g]
+        for term in each[0] if each else ():
+            c = max((x[term] for x in each), key=lambda c: c.seconds)  # the slowest group's
+            mean = math.fsum(x[term].bytes for x in each) / s.pc
+            _merge(out, {term: dataclasses.replace(c, bytes=mean)})
         if tracked and s.pc > 1:  # the running statistics' sums over the batch group
             _merge(out, {Term.BN_STATS: _small((2 * k + 1) * 8, s.pc, batch)})
     for _, how, c, _, grad, cells, _ in layer.pools:

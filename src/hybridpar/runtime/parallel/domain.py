@@ -496,7 +496,8 @@ class DomainTransposed(_Windowed):
 class DomainResample(_Windowed):
     """F.interpolate on this rank's band of rows: along the height the band's output rows are
     weighed from the rows they read with torch's own weights (core.halo.Resample), along the
-    width torch interpolates as it would the whole image (the height kept: an identity)."""
+    width torch interpolates as it would the whole image (the height kept: an identity); on
+    tiles the columns are weighed as the rows are."""
 
     def __init__(self, module: nn.Module, window: RowMap, group, ledger, layer: str, **tiles):
         self.setup(window, group, ledger, layer, **tiles)
@@ -552,13 +553,13 @@ class DomainPool(_Windowed):
         tup = nn.modules.utils._ntuple(n)
         self.pool = pool
         self.kernel, self.stride = tup(pool.kernel_size), tup(pool.stride or pool.kernel_size)
-        self.width_padding = (0, *tup(pool.padding)[1:]) if not tiles.get("cols") else (0, 0)
         self.is_max = isinstance(pool, nn.MaxPool2d | nn.MaxPool3d)
         self.fill = float("-inf") if self.is_max else 0.0
         self.max_pool, self.avg_pool = (
             (F.max_pool3d, F.avg_pool3d) if n == 3 else (F.max_pool2d, F.avg_pool2d)
         )
         self.setup(window, group, ledger, layer, **tiles)
+        self.width_padding = (0, 0) if self.cols else (0, *tup(pool.padding)[1:])
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self.band(x)
