@@ -528,28 +528,28 @@ def _window_kept(
 ) -> list[float]:
     """Per rank of Pr bands (tiles, of `pw` columns: `cols` the column map), what a convolution
     or pooling (CostLayer.windows entry `w`, `v` kept per sample whole) keeps on its band: its
-    band's share of `v`, and the rows its output band reads beyond its band (halo and padding):
-    a convolution keeps those alone (`pieces`, runtime.parallel.domain._ConvOfPieces), a
-    pooling a copy of band and beyond; on tiles a tile widened by halo columns is a copy too."""
+    band's share of `v`, and what its output band reads beyond its band (halo and padding rows,
+    on tiles columns too): a convolution keeps those alone (`pieces`,
+    runtime.parallel.domain._ConvOfPieces), a pooling a copy of band and beyond."""
     win = row_map(w)
-    spans = [(w[8], w[8], w[8])]  # along a row: (own, read, whole), the whole row on bands
+    spans = [(w[8], w[8], w[8], w[8])]  # along a row: (own, read, both, whole); on bands all
     if cols is not None:
         by_cols = row_map(cols)
         spans = []
         for (a, b), (o0, o1) in zip(by_cols.held(pw), bands(by_cols.h_out, pw), strict=True):
             lo, hi = by_cols.reads(o0, o1)
-            spans.append((b - a, max(hi - lo, 0) if (lo, hi) != (a, b) else b - a, by_cols.h_in))
+            both = max(min(hi, b) - max(lo, a), 0)
+            spans.append((b - a, max(hi - lo, 0), both, by_cols.h_in))
     out = []
     for (a, b), (o0, o1) in zip(win.held(pr // pw), bands(win.h_out, pr // pw), strict=True):
         lo, hi = win.reads(o0, o1)
-        for mine, read, whole in spans:
+        rows = max(min(hi, b) - max(lo, a), 0)  # of its own band
+        for mine, read, both, whole in spans:
             own = v * (b - a) / win.h_in * mine / whole
-            if (lo, hi) == (a, b) and read == mine:
-                out.append(own)
-            elif pieces and read == mine:
-                out.append(own + (max(a - lo, 0) + max(hi - b, 0)) * w[7] * read)
+            if pieces:
+                out.append(own + ((hi - lo) * read - rows * both) * w[7])
             else:
-                out.append((hi - lo) * w[7] * read)
+                out.append(own if (lo, hi, read) == (a, b, mine) else (hi - lo) * w[7] * read)
     return out
 
 

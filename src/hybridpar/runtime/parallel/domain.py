@@ -126,11 +126,18 @@ class Exchange:
             return None
         return shm
 
-    def post(self, x: torch.Tensor, call: dict) -> None:
-        """Start sending the rows others read and receiving the ones this rank reads."""
-        lo = self.band[0]
+    def post(self, xs: list[torch.Tensor], call: dict) -> None:
+        """Start sending the rows others read and receiving the ones this rank reads: of the
+        band, or of a tile's strip (`xs`: its column pieces, joined along the width)."""
+        lo, x = self.band[0], xs[0]
         call["t0"] = time.perf_counter()
-        pieces = [x.narrow(self.dim, a - lo, b - a) for _, (a, b) in sorted(self.sends.items())]
+        call["width"] = sum(t.shape[3] for t in xs) if len(xs) > 1 else None  # a strip's
+        pieces = [
+            torch.cat([t.narrow(self.dim, a - lo, b - a) for t in xs], dim=3)
+            if len(xs) > 1
+            else x.narrow(self.dim, a - lo, b - a)
+            for _, (a, b) in sorted(self.sends.items())
+        ]
         sent = sum(t.numel() * t.element_size() for t in pieces)
         shm = self._shm(x, self.most)
         if shm is not None:
@@ -140,7 +147,7 @@ class Exchange:
             for (q, _), piece in zip(sorted(self.sends.items()), pieces, strict=True):
                 works.append(p2p.isend(piece.contiguous(), self.ranks[q], self.group.pg))
             for q, rows in self.receives.items():
-                bufs[q] = x.new_empty(self._shape(x, rows))
+                bufs[q] = x.new_empty(_wide(self._shape(x, rows), call["width"]))
                 works.append(p2p.irecv(bufs[q], self.ranks[q], self.group.pg))
             call["works"], call["bufs"] = works, bufs
         if self.ledger is not None:
@@ -173,11 +180,12 @@ class Exchange:
             ranks = self.ranks
             call["back"] = [p2p.isend(g, ranks[q], self.group.pg) for q, g in grads.items()]
 
-    def take_back(self, g: torch.Tensor, call: dict) -> torch.Tensor:
+    def take_back(self, gs: list[torch.Tensor], call: dict) -> list[torch.Tensor]:
         """Backward: the gradients other ranks computed for the rows this rank sent them come in
-        and are added to its band's; once every send back of this call has gone."""
+        and are added to its band's (to its strip's pieces, `gs`); once every send back of this
+        call has gone."""
         t0 = call.get("t1", time.perf_counter())
-        lo, inbound = self.band[0], {}
+        lo, inbound, g = self.band[0], {}, gs[0]
         if "shm" in call:
             shm = call["shm"][0]
             grads = call.get("grads", {})
@@ -191,18 +199,27 @@ class Exchange:
         else:
             works = []
             for q, rows in self.sends.items():
-                inbound[q] = g.new_empty(self._shape(g, rows))
+                inbound[q] = g.new_empty(_wide(self._shape(g, rows), call["width"]))
                 works.append(p2p.irecv(inbound[q], self.ranks[q], self.group.pg))
             for w in [*call.get("back", []), *works]:
                 w.wait()
         if inbound:
-            g = g.clone()
+            gs = [t.clone() for t in gs]
             for q, (a, b) in self.sends.items():
-                g.narrow(self.dim, a - lo, b - a).add_(inbound[q])
+                at = 0
+                for t in gs:  # a strip's pieces, side by side along the width
+                    part = inbound[q].narrow(3, at, t.shape[3]) if len(gs) > 1 else inbound[q]
+                    t.narrow(self.dim, a - lo, b - a).add_(part)
+                    at += t.shape[-1]
         if self.ledger is not None:
             took, sent = time.perf_counter() - t0, call.get("back_bytes", 0)
             self.ledger.record("halo", self.pr, sent, took, Term.HALO_BWD, {self.layer: 1.0})
-        return g
+        return gs
+
+
+def _wide(shape: tuple[int, ...], width: int | None) -> tuple[int, ...]:
+    """`shape` with `width` columns (a strip's rows: every piece's); None: as it is."""
+    return shape if width is None else (*shape[:3], width)
 
 
 def _rows_like(like: torch.Tensor, rows: int, dim: int = 2) -> tuple[int, ...]:
@@ -217,18 +234,29 @@ def _rows_before(pieces: dict[int, tuple[int, int]], me: int) -> int:
 
 class _Post(torch.autograd.Function):
     """Forward: start sending this band's rows that other ranks read and receiving the rows it
-    reads from them (non-blocking); the band passes through. Backward: the gradients other ranks
-    computed for the rows it sent come in and are added to its band's gradient."""
+    reads from them (non-blocking); the band (a tile's strip: its pieces) passes through.
+    Backward: the gradients other ranks computed for the rows it sent come in and are added to
+    its band's gradient."""
 
     @staticmethod
-    def forward(ctx, x, exchange, call):
-        exchange.post(x.detach(), call)
+    def forward(ctx, exchange, call, *xs):
+        exchange.post([x.detach() for x in xs], call)
         ctx.exchange, ctx.call = exchange, call
-        return x.view_as(x)
+        ctx.like = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx, g):
-        return ctx.exchange.take_back(g.contiguous(), ctx.call), None, None
+    def backward(ctx, *gs):
+        full = [
+            g.contiguous() if g is not None else torch.zeros(s, dtype=d, device=v)
+            for g, (s, d, v) in zip(gs, ctx.like, strict=True)
+        ]  # a piece no output row read (a padding column the rows' exchange sent)
+        grads = ctx.exchange.take_back(full, ctx.call)
+        return (
+            None,
+            None,
+            *[g if need else None for g, need in zip(grads, ctx.needs_input_grad[2:], strict=True)],
+        )
 
 
 class _Wait(torch.autograd.Function):
@@ -243,7 +271,7 @@ class _Wait(torch.autograd.Function):
         below = [bufs[q] for q in sorted(bufs) if q < exchange.me]
         above = [bufs[q] for q in sorted(bufs) if q > exchange.me]
         d = exchange.dim
-        empty = x.new_empty(_rows_like(x, 0, d))
+        empty = x.new_empty(_wide(_rows_like(x, 0, d), call["width"]))
         top = torch.cat(below, dim=d) if below else empty
         bottom = torch.cat(above, dim=d) if above else empty.clone()
         return top, bottom
@@ -259,6 +287,32 @@ class _Wait(torch.autograd.Function):
             at[side] += b - a
         ex.send_back(grads, ctx.call)
         return None, None, None
+
+
+class _Strip:
+    """Rows of a tile widened by halo and padding columns, kept as its column pieces (the tile a
+    view of what the layer before keeps): what a row exchange and a convolution read of it."""
+
+    def __init__(self, pieces: list[torch.Tensor]) -> None:
+        self.pieces = pieces
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.pieces[0].shape
+        return (*first[:3], sum(p.shape[3] for p in self.pieces))
+
+    def narrow(self, dim: int, start: int, length: int) -> _Strip:
+        assert dim == 2, "a strip is cut by rows"
+        return _Strip([p.narrow(2, start, length) for p in self.pieces])
+
+    def joined(self) -> torch.Tensor:
+        return torch.cat(self.pieces, dim=3)
+
+    def new_full(self, shape, value) -> torch.Tensor:
+        return self.pieces[0].new_full(shape, value)
+
+    def new_zeros(self, shape) -> torch.Tensor:
+        return self.pieces[0].new_zeros(shape)
 
 
 class _Windowed:
@@ -325,20 +379,23 @@ class _Windowed:
             out.append(like.new_zeros(_rows_like(like, 0, dim)))
         if not (self.joined if joined is None else joined):
             return out
+        out = [t.joined() if isinstance(t, _Strip) else t for t in out]
         return torch.cat(out, dim=dim) if len(out) > 1 else out[0]
 
-    def _widened(self, x: torch.Tensor) -> torch.Tensor:
-        """On tiles: the tile with the halo columns its output columns read, and the padding's."""
+    def _widened(self, x: torch.Tensor) -> torch.Tensor | _Strip:
+        """On tiles: the tile with the halo columns its output columns read, and the padding's,
+        as its column pieces (no copy of the tile)."""
         ex = self.widen
         parts = [(ex.band[0], x)]
         if ex.needed:
             call: dict = {}
-            x = _Post.apply(x, ex, call)
+            (x,) = _Post.apply(ex, call, x)
             left, right = _Wait.apply(x, ex, call)
             if "entry" in call:
                 call["entry"].seconds = time.perf_counter() - call["t0"]
             parts = [(ex.band[0] - left.shape[3], left), (ex.band[0], x), (ex.band[1], right)]
-        return self._rows(parts, *self.col_span, x, dim=3, joined=True)
+        pieces = self._rows(parts, *self.col_span, x, dim=3, joined=False)
+        return pieces[0] if len(pieces) == 1 else _Strip(pieces)
 
     def _out(self, parts: list, a: int, b: int, like: torch.Tensor) -> torch.Tensor:
         """Output rows [a, b) from the input pieces."""
@@ -354,7 +411,12 @@ class _Windowed:
         (o0, o1), (i0, i1) = ex.out, self.interior
         if not ex.needed:
             return self._out([(ex.band[0], x)], o0, o1, x)
-        x = _Post.apply(x, ex, call)
+        if isinstance(x, _Strip):  # its rows go joined along the width, corners with them
+            x = _Strip(list(_Post.apply(ex, call, *x.pieces)))
+            like = x.pieces[0]
+        else:
+            (x,) = _Post.apply(ex, call, x)
+            like = x
         own = [(ex.band[0], x)]
         # the interior rows while the halo rows travel, over the network; through shared memory
         # they are there at once, and three pieces (the interior, the rows next to each
@@ -363,7 +425,7 @@ class _Windowed:
         pieces = i0 < i1 and "shm" not in call
         mid = self._out(own, i0, i1, x) if pieces else None
         t_mid = time.perf_counter()
-        top, bottom = _Wait.apply(x, ex, call)
+        top, bottom = _Wait.apply(like, ex, call)
         t_end = time.perf_counter()
         ex.hidden.append((t_end - call["t0"], t_end - t_mid))
         if "entry" in call:
@@ -398,11 +460,13 @@ class DomainConv(_Windowed):
 
     joined = False
 
-    def compute(self, rows: list[torch.Tensor], lo: int, a: int, b: int) -> torch.Tensor:
+    def compute(self, rows: list, lo: int, a: int, b: int) -> torch.Tensor:
         conf = (self.stride, self.width_padding, self.dilation, self.groups)
-        if len(rows) == 1:  # the band alone (a 1x1 convolution): autograd keeps it once
-            return _CONV[rows[0].dim()][0](rows[0], self.weight, self.bias, *conf)
-        return _ConvOfPieces.apply(self.weight, self.bias, conf, *rows)
+        if len(rows) == 1 and not isinstance(rows[0], _Strip):  # the band alone (a 1x1
+            return _CONV[rows[0].dim()][0](rows[0], self.weight, self.bias, *conf)  # conv)
+        layout = tuple(len(r.pieces) if isinstance(r, _Strip) else 1 for r in rows)
+        flat = [p for r in rows for p in (r.pieces if isinstance(r, _Strip) else [r])]
+        return _ConvOfPieces.apply(self.weight, self.bias, conf, layout, *flat)
 
 
 # input dims -> the convolution, its input gradient and its weight gradient
@@ -412,33 +476,64 @@ _CONV = {
 }
 
 
+def _join(layout: tuple[int, ...], pieces: list[torch.Tensor], dtype: torch.dtype):
+    """One tensor of rows of pieces (`layout`: how many pieces each row has, a row of several
+    being a strip's columns), copied once; and where each piece lies in it (row, column)."""
+    first = pieces[0]
+    rows, at, where = [], 0, []
+    for n in layout:
+        rows.append(pieces[at : at + n])
+        at += n
+    height = sum(row[0].shape[2] for row in rows)
+    shape = list(first.shape)
+    shape[2] = height
+    if len(first.shape) == 4:
+        shape[3] = sum(p.shape[3] for p in rows[0])
+    out, r0 = first.new_empty(shape, dtype=dtype), 0
+    for row in rows:
+        c0 = 0
+        for p in row:
+            part = out.narrow(2, r0, p.shape[2])
+            if len(row) > 1:
+                part = part.narrow(3, c0, p.shape[3])
+            part.copy_(p)
+            where.append((r0, c0))
+            c0 += p.shape[3] if len(row) > 1 else 0
+        r0 += row[0].shape[2]
+    return out, where
+
+
 class _ConvOfPieces(torch.autograd.Function):
-    """Forward: F.conv2d of the pieces (padding, halo rows, the band) joined along the height.
-    Backward: the gradients of the input, the weight and the bias from the pieces joined again;
-    only the pieces are kept in between, not their join: the band is what the layer before
-    keeps already (a ReLU's output), so the halo's and the padding's rows are all a band adds."""
+    """Forward: F.conv2d of the pieces (padding, halo rows, the band; on tiles a strip's columns
+    as a row of pieces: `layout`) joined along the height, copied once. Backward: the gradients
+    of the input, the weight and the bias from the pieces joined again; only the pieces are kept
+    in between, not their join: the band (tile) is what the layer before keeps already (a
+    ReLU's output), so the halo's and the padding's rows (and columns) are all it adds."""
 
     @staticmethod
-    def forward(ctx, weight, bias, conf, *pieces):
-        ctx.conf, ctx.bias = conf, None if bias is None else bias.dtype
+    def forward(ctx, weight, bias, conf, layout, *pieces):
+        ctx.conf, ctx.layout, ctx.bias = conf, layout, None if bias is None else bias.dtype
         ctx.save_for_backward(weight, *pieces)
-        return _CONV[weight.dim()][0](torch.cat(pieces, dim=2), weight, bias, *conf)
+        return _CONV[weight.dim()][0](_join(layout, pieces, pieces[0].dtype)[0], weight, bias,
+                                      *conf)  # fmt: skip
 
     @staticmethod
     def backward(ctx, g):
         weight, *pieces = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.conf
-        rows = torch.cat(pieces, dim=2).to(g.dtype)  # under autocast: what the conv computed on
+        # under autocast: what the conv computed on
+        rows, where = _join(ctx.layout, pieces, g.dtype)
         w = weight.to(g.dtype)
         _, conv_input, conv_weight = _CONV[w.dim()]
-        grads = [None] * (3 + len(pieces))
-        if any(ctx.needs_input_grad[3:]):
+        grads = [None] * (4 + len(pieces))
+        if any(ctx.needs_input_grad[4:]):
             gx = conv_input(rows.shape, w, g, stride, padding, dilation, groups)
-            at = 0
-            for i, p in enumerate(pieces):
-                if ctx.needs_input_grad[3 + i]:
-                    grads[3 + i] = gx[:, :, at : at + p.shape[2]].to(p.dtype)
-                at += p.shape[2]
+            for i, (p, (r0, c0)) in enumerate(zip(pieces, where, strict=True)):
+                if ctx.needs_input_grad[4 + i]:
+                    part = gx.narrow(2, r0, p.shape[2])
+                    if p.dim() == 4:  # a strip's column piece (else the whole width)
+                        part = part.narrow(3, c0, p.shape[3])
+                    grads[4 + i] = part.to(p.dtype)
         if ctx.needs_input_grad[0]:
             gw = conv_weight(rows, w.shape, g, stride, padding, dilation, groups)
             grads[0] = gw.to(weight.dtype)
