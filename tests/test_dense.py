@@ -166,28 +166,36 @@ def _plan(name: str, h: int, b: int, P: int, pr: int | None = None, pw: int = 1)
     return export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape, model=name)
 
 
+def _as_one_process(name, h, b, loss, P, pr, pw, ruled, label) -> HybridTrainer:
+    """Train `name` on P ranks, every convolution domain(Pr x P/Pr) on tiles of `pw` columns
+    (`ruled`: under CUDA's device rules, on the paths a GPU takes): the parameters and the mean
+    losses one process's, the bytes the plan's; the trainer."""
+    want, want_losses = _reference(name, h, b, loss)
+    plan = _plan(name, h, b, P, pr, pw)
+    shape = (3, *_size(name, h))
+    model, data = _model(name, h), _data(name, h, b, loss)
+    options = RuntimeOptions(shared_memory=False) if ruled else None
+    with DeviceRules() if ruled else contextlib.nullcontext() as rules:
+        t = HybridTrainer(model, plan, optimizer, LOSSES[loss], options, input_shape=shape)
+        got = [t.step(x, y) for x, y in data]
+    if ruled:
+        rules.check()
+    state = t.full_state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
+    torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
+    _bytes_are_predicted(t.ledger, plan, label)
+    return t
+
+
 def _train(P: int) -> int:
     for name, h, b, loss, pr in _cells(P):
         label = f"{name} H={h} B={b} {loss} P={P} Pr={pr}"
-        want, want_losses = _reference(name, h, b, loss)
-        plan = _plan(name, h, b, P, pr)
-        shape = (3, *_size(name, h))
-        model, data = _model(name, h), _data(name, h, b, loss)
-        ruled = P == 3 and name in RULED  # under CUDA's rules, on the paths a GPU takes
-        options = RuntimeOptions(shared_memory=False) if ruled else None
-        with DeviceRules() if ruled else contextlib.nullcontext() as rules:
-            t = HybridTrainer(model, plan, optimizer, LOSSES[loss], options, input_shape=shape)
-            got = [t.step(x, y) for x, y in data]
-        if ruled:
-            rules.check()
-        state = t.full_state_dict()
-        for k, v in want.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
-        torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
+        ruled = P == 3 and name in RULED
+        t = _as_one_process(name, h, b, loss, P, pr, 1, ruled, label)
         lo, hi = bands(h, P)[dist.get_rank()]
-        rows = t.target.shape[-len(shape) + 1]  # the height's, or a volume's depth
+        rows = t.target.shape[-len(_size(name, h))]  # the height's, or a volume's depth
         assert pr < P or rows == hi - lo, f"{label}: the loss ran on {t.target.shape}"
-        _bytes_are_predicted(t.ledger, plan, label)
     return len(_cells(P)) + _classify(P)
 
 
@@ -263,24 +271,10 @@ def _tile_cells(P: int) -> list[tuple[str, int, int, str, int, int]]:
 def _tiles(P: int) -> int:
     for name, h, b, loss, pr, pw in _tile_cells(P):
         label = f"{name} H={h} B={b} {loss} P={P} tiles {pr // pw}x{pw}x{P // pr}"
-        want, want_losses = _reference(name, h, b, loss)
-        plan = _plan(name, h, b, P, pr, pw)
-        shape = (3, *_size(name, h))
-        model, data = _model(name, h), _data(name, h, b, loss)
-        ruled = name in ("unet-instance-prelu", "gated")  # under CUDA's rules
-        options = RuntimeOptions(shared_memory=False) if ruled else None
-        with DeviceRules() if ruled else contextlib.nullcontext() as rules:
-            t = HybridTrainer(model, plan, optimizer, LOSSES[loss], options, input_shape=shape)
-            got = [t.step(x, y) for x, y in data]
-        if ruled:
-            rules.check()
-        state = t.full_state_dict()
-        for k, v in want.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
-        torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
-        (r0, r1), (c0, c1) = tile(_size(name, h), pr, pw, dist.get_rank() % pr)
+        ruled = name in ("unet-instance-prelu", "gated")
+        t = _as_one_process(name, h, b, loss, P, pr, pw, ruled, label)
+        (r0, r1), (c0, c1) = tile(_size(name, h), pr, pw, t.model.output_grid.r)
         assert tuple(t.target.shape[-2:]) == (r1 - r0, c1 - c0), f"{label}: {t.target.shape}"
-        _bytes_are_predicted(t.ledger, plan, label)
     if P == 4:  # predict joins the tiles; a global maximum's ties across tiles
         t = HybridTrainer(_model("dilated", 16), _plan("dilated", 16, 2, 4, 4, 2), optimizer)
         x = torch.randn(2, 3, 16, W, dtype=torch.float64)
