@@ -796,3 +796,23 @@ def test_tiles_plan_and_train_from_the_command_line(tmp_path, capsys):
     rows = re.findall(r"^ {30}(\w+) +(\d+) +(\d+)$", out, re.M)
     assert {"halo_fwd", "halo_bwd", "bn_stats"} <= {t for t, _, _ in rows}, out
     assert all(m == p for _, m, p in rows), rows
+
+
+def test_tiles_fit_where_bands_do_not():
+    """A wide image (32 x 1024) through the U-Net on 16 ranks: at a quarter of the resolution it
+    has 8 rows, too few for 16 bands, so bands are refused naming the rows; 4 x 4 tiles (2 rows
+    and 64 columns a tile there) take every layer, and the planner's domain plan is on them."""
+    from hybridpar.core.rules import why_not
+
+    shape = (3, 32, 1024)
+    with torch.device("meta"):
+        m = UNet((32, 1024), 3)
+    layers = cost_layers(analyze(m, shape))
+    said = next(w for x in layers if (w := why_not(x, Style.domain(16, 1), 1)))
+    assert "splits 8 rows over Pr=16 ranks; the largest Pr that works is 8" in said, said
+    assert not any(why_not(x, Style.domain(16, 1, 4), 1) for x in layers)
+    result = plan_for(m, shape, 16, 1, load_cluster("cori-knl"))
+    plan = result.scenario("domain")
+    assert plan.feasible, plan.reason
+    styles = {x.style for x in plan.layers if x.style.kind == "domain"}
+    assert styles == {Style.domain(16, 1, 4)}, styles
