@@ -27,8 +27,9 @@ B, STEPS, SHAPE, SEED = 12, 3, (2, 11, 6), 7
 
 
 def test_a_rank_draws_the_slice_one_process_draws():
-    """Examples 5..8 and rows 3..6 of an 11-row activation: the same numbers as the whole mask's
-    slice; Dropout2d drops whole channels; other steps and modules draw other masks."""
+    """Examples 5..8 and rows 3..6 of an 11-row activation (and of them columns 2..4, a tile):
+    the same numbers as the whole mask's slice; Dropout2d drops whole channels; other steps and
+    modules draw other masks."""
     e = torch.arange(12).view(12, 1, 1, 1)
     f = torch.arange(2 * 11 * 6).view(1, 2, 11, 6)
     whole = uniform(1, 2, 3, e, f)
@@ -45,6 +46,8 @@ def test_a_rank_draws_the_slice_one_process_draws():
     full = CounterDropout(0.5, False, False, 9, 1, Where(lambda: 4))(x)
     part = CounterDropout(0.5, False, False, 9, 1, Where(lambda: 4, lambda: 5, 3, SHAPE))
     torch.testing.assert_close(part(x[5:9, :, 3:7]), full[5:9, :, 3:7])
+    tile = CounterDropout(0.5, False, False, 9, 1, Where(lambda: 4, lambda: 5, (3, 2), SHAPE))
+    torch.testing.assert_close(tile(x[5:9, :, 3:7, 2:5]), full[5:9, :, 3:7, 2:5])  # a tile's
     assert set(full.unique().tolist()) == {0.0, 2.0}
     ch = CounterDropout(0.5, False, True, 9, 1, Where(lambda: 4))(x)
     assert (ch.amax((2, 3)) == ch.amin((2, 3))).all() and (ch == 0).any()
@@ -103,9 +106,11 @@ def _oracle(P: int) -> list[str]:
         layers, PlanRequest(P, B, NET, scenarios=SCENARIOS, input_shape=SHAPE, elem_bytes=8)
     )
     plans = [r.export(c) for sc in SCENARIOS for c in r.candidates[sc] if c.feasible]
-    # the planner prefers model to domain for conv1 here: the masks on bands by hand, and DDP
+    # the planner prefers model to domain for conv1 here: the masks on bands (on tiles: 1 x 2,
+    # 2 x 2) by hand, and DDP
     dom = [(P, 1)] + ([(2, 2)] if P == 4 else [])
-    plans += [ParallelPlan(P, B, {"conv1": Style.domain(*g)}, input_shape=SHAPE) for g in dom]
+    doms = [Style.domain(*g) for g in dom] + ([Style.domain(P, 1, 2)] if P % 2 == 0 else [])
+    plans += [ParallelPlan(P, B, {"conv1": d}, input_shape=SHAPE) for d in doms]  # and tiles
     plans.append(ParallelPlan(P, B, {}, input_shape=SHAPE, engine="ddp"))
     done, seen = [], set()
     for plan in plans:
