@@ -155,23 +155,25 @@ def _reference(name: str, h: int, b: int, loss: str):
     return m.state_dict(), losses
 
 
-def _plan(name: str, h: int, b: int, P: int, pr: int | None = None, pw: int = 1):
-    """Every convolution domain(Pr x P/Pr) (Pr = P unless given; on tiles of `pw` columns),
-    priced (float64), exported."""
+def _plan(name: str, h: int, b: int, P: int, pr: int | None = None, pw: int = 1, cycle=()):
+    """Every convolution domain(Pr x P/Pr) (Pr = P unless given; on tiles of `pw` columns), or
+    the layers' styles taken from `cycle` in turn, priced (float64), exported."""
     shape = (3, *_size(name, h))
     layers = cost_layers(analyze(_model(name, h), shape))
     styles = [Style.domain(pr or P, P // (pr or P), pw)] * len(layers)
+    styles = [cycle[i % len(cycle)] for i in range(len(layers))] if cycle else styles
     plan = evaluate(layers, styles, PlanRequest(P, b, NET, elem_bytes=8))
     assert plan.feasible, plan.reason
     return export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape, model=name)
 
 
-def _as_one_process(name, h, b, loss, P, pr, pw, ruled, label) -> HybridTrainer:
+def _as_one_process(name, h, b, loss, P, pr, pw, ruled, label, cycle=()) -> HybridTrainer:
     """Train `name` on P ranks, every convolution domain(Pr x P/Pr) on tiles of `pw` columns
-    (`ruled`: under CUDA's device rules, on the paths a GPU takes): the parameters and the mean
-    losses one process's, the bytes the plan's; the trainer."""
+    (or the styles of `cycle` in turn; `ruled`: under CUDA's device rules, on the paths a GPU
+    takes): the parameters and the mean losses one process's, the bytes the plan's; the
+    trainer."""
     want, want_losses = _reference(name, h, b, loss)
-    plan = _plan(name, h, b, P, pr, pw)
+    plan = _plan(name, h, b, P, pr, pw, cycle)
     shape = (3, *_size(name, h))
     model, data = _model(name, h), _data(name, h, b, loss)
     options = RuntimeOptions(shared_memory=False) if ruled else None
@@ -275,7 +277,10 @@ def _tiles(P: int) -> int:
         t = _as_one_process(name, h, b, loss, P, pr, pw, ruled, label)
         (r0, r1), (c0, c1) = tile(_size(name, h), pr, pw, t.model.output_grid.r)
         assert tuple(t.target.shape[-2:]) == (r1 - r0, c1 - c0), f"{label}: {t.target.shape}"
-    if P == 4:  # predict joins the tiles; a global maximum's ties across tiles
+    if P == 4:  # bands, tiles and batch in turn: every move between them
+        cycle = (Style.domain(4, 1), Style.domain(4, 1, 2), Style.batch(4), Style.domain(2, 2, 2))
+        _as_one_process("dilated", 29, 4, "ce", 4, 4, 2, False, "dilated, moves", cycle)
+        # predict joins the tiles; a global maximum's ties across tiles
         t = HybridTrainer(_model("dilated", 16), _plan("dilated", 16, 2, 4, 4, 2), optimizer)
         x = torch.randn(2, 3, 16, W, dtype=torch.float64)
         want = _model("dilated", 16).eval()(x)
@@ -289,8 +294,9 @@ def _tiles(P: int) -> int:
 def test_segmentation_nets_on_tiles_train_as_one_process(P):
     """Every 2-d net of the bands' test on 2 x 2 tiles (on 2 ranks two of them on 1 x 2: split by
     columns alone; on 4 one on 1 x 2 tiles in 2 batch groups), B = 1 and 2, the losses on the
-    tiles' pixels, bytes = prediction per (layer, term); predict joins the tiles; a classifier's
-    trunk on tiles; two nets under CUDA's device rules."""
+    tiles' pixels, bytes = prediction per (layer, term); a net moving between bands, tiles and
+    batch; predict joins the tiles; a classifier's trunk on tiles; two nets under CUDA's device
+    rules."""
     assert run_ranks(_tiles, P, P, timeout_s=300)[0] == len(_tile_cells(P))
 
 
