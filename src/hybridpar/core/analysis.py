@@ -215,12 +215,11 @@ def _resampling(size, scale, mode: str, align, recompute) -> tuple:
     """(mode, align_corners, height scale, width scale) of an interpolation: the scales torch
     maps rows and columns by (None where it maps by the sizes: a size given, or the scale
     recomputed)."""
-    scales = tuple(scale[:2]) if isinstance(scale, tuple | list) else (scale, scale)
-    if size is not None or scale is None or recompute:
-        scales = (None, None)
-    scales = tuple(None if x is None else float(x) for x in (*scales, scales[-1])[:2])
+    scales = tuple(scale) if isinstance(scale, tuple | list) else (scale, scale)
+    by_size = size is not None or scale is None or recompute
+    h, w = (None, None) if by_size else (float(scales[0]), float(scales[min(1, len(scales) - 1)]))
     linear = mode in ("bilinear", "bicubic", "trilinear")
-    return (mode, bool(align) if linear else None, *scales)
+    return (mode, bool(align) if linear else None, h, w)
 
 
 def _resample_call(args: tuple, kwargs: dict) -> tuple[tuple, str]:

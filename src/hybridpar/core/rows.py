@@ -222,7 +222,7 @@ def function_blocker(func: object, args: tuple, kwargs: dict | None) -> str:
 
 def column_blocker(func: object, args: tuple) -> str:
     """Why a function that keeps rows apart mixes the columns of a 2-d image, ending a claim on
-    tiles only (core.layers.TILED); "" when it does not."""
+    tiles only (core.halo.TILED); "" when it does not."""
     name = getattr(func, "__name__", "")
     if name == "pad" and len(args) > 1 and _ndim(args) == 4 and tuple(args[1])[:2] != (0, 0):
         return f"{TILED}pad of the columns"

@@ -95,6 +95,8 @@ def _domain(layer: CostLayer, s: Style) -> str:
         return (
             f"{layer.name}: {s}: only 2-d images split into tiles; split it by depth (domain(RxC))"
         )
+    if s.pw > 1 and len(layer.cols) != len(layer.windows):  # a layer described by hand
+        return f"{layer.name}: {s}: its column maps are not described; give it bands (domain(RxC))"
     along = ((1, layer.windows, s.ph, "rows", "high"), (2, layer.cols, s.pw, "columns", "wide"))
     for axis, maps, parts, what, size in along:
         if parts == 1:

@@ -25,7 +25,6 @@ Conventions (stated once; docs/cost-model.md repeats them with a worked example)
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, replace
 
@@ -248,10 +247,11 @@ def t_global_bn(
 def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> dict[str, Comm]:
     """The sums over the Pr ranks holding an example's bands, of the layers riding along with
     `layer`: an instance or group norm's statistics per channel or group, as global batch norm's
-    over B/Pc examples' worth of channels (runtime.parallel.batchnorm.BandStatistics); a global
-    pooling's sums per channel in float64, forward (a maximum: each rank's maximum, its count and
-    where it first occurs in a row per rank) and backward (runtime.parallel.domain.SpaceReduction); an instance norm's
-    running statistics over the batch group, where Pc > 1."""
+    over B/Pc examples' worth of channels (runtime.parallel.batchnorm.BandStatistics; a group
+    without examples sends none); a global pooling's sums per channel in float64, forward (a
+    maximum: each rank's maximum, its count and where it first occurs, in a row per rank) and
+    backward (runtime.parallel.domain.SpaceReduction); an instance norm's running statistics
+    over the batch group, where Pc > 1."""
     priced = as_priced(net, s.pr * s.pc)
     net, batch = priced.group("model", s.pr, s.pc), priced.group("batch", s.pr, s.pc)
     out: dict[str, Comm] = {}
@@ -263,7 +263,7 @@ def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> di
         for term in each[0] if each else ():
             c = max((x[term] for x in each), key=lambda c: c.seconds)  # the slowest group's
             mean = math.fsum(x[term].bytes for x in each) / s.pc
-            _merge(out, {term: dataclasses.replace(c, bytes=mean)})
+            _merge(out, {term: replace(c, bytes=mean)})
         if tracked and s.pc > 1:  # the running statistics' sums over the batch group
             _merge(out, {Term.BN_STATS: _small((2 * k + 1) * 8, s.pc, batch)})
     for _, how, c, _, grad, cells, _ in layer.pools:
