@@ -339,9 +339,7 @@ class _Windowed:
             line = list(range(i * pw, (i + 1) * pw))  # its row of tiles
             self.widen = Exchange(cols, group, ledger, layer, dim=3, line=line)
             a, b = bands(cols.h_out, pw)[j]
-            lo, hi = cols.reads(a, b)
-            self.cols = (lo, a, b)
-            self.col_span = (lo, max(lo, hi))
+            self.cols = (cols.reads(a, b)[0], a, b)
         self.exchange = Exchange(window, group, ledger, layer, line=rows)
         w, (a, b) = window, self.exchange.band
         # the output rows whose window reads only this band (and padding): computed while the
@@ -394,7 +392,8 @@ class _Windowed:
             if "entry" in call:
                 call["entry"].seconds = time.perf_counter() - call["t0"]
             parts = [(ex.band[0] - left.shape[3], left), (ex.band[0], x), (ex.band[1], right)]
-        pieces = self._rows(parts, *self.col_span, x, dim=3, joined=False)
+        lo, a, b = self.cols
+        pieces = self._rows(parts, lo, max(lo, ex.window.reads(a, b)[1]), x, dim=3, joined=False)
         return pieces[0] if len(pieces) == 1 else _Strip(pieces)
 
     def _out(self, parts: list, a: int, b: int, like: torch.Tensor) -> torch.Tensor:
@@ -663,10 +662,8 @@ class DomainPool(_Windowed):
         """Per split dim, 1 on its rows (columns) inside the image (`padded`: and its padding),
         0 on the fill, shaped to broadcast along that dim."""
         out = []
-        for dim, ex, first in ((2, self.exchange, lo), (3, getattr(self, "widen", None), None)):
-            if dim == 3 and self.cols is None:
-                break
-            first = self.cols[0] if dim == 3 else first
+        along = [(2, self.exchange, lo)] + ([(3, self.widen, self.cols[0])] if self.cols else [])
+        for dim, ex, first in along:
             window, n = ex.window, rows.shape[dim]
             index = torch.arange(first, first + n, device=rows.device)
             pad = window.padding if padded else 0
