@@ -13,6 +13,9 @@
    the cast to float32 and back around the float32 kernels (the path before them), the float32
    kernels on float32, and torch's batch norm in bf16; forward and backward on resnet20's three
    BN shapes at a per-rank batch of 16, one thread, contenders interleaved, repeated.
+6. the operation swap's own cost, per call and per step, on a net of 50 batch norms: torch's
+   batch norm, the swap's fast path (a forward that is torch's own), and its general path (a
+   TorchFunctionMode around a forward of the module's own).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import statistics
 import time
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
+from hybridpar.core import ops
 from hybridpar.core.config import build
 from hybridpar.runtime.comm import kernels
 from hybridpar.runtime.comm.collectives import Via
@@ -32,7 +37,13 @@ from hybridpar.runtime.train.config import TrainConfig
 from hybridpar.runtime.train.run import run
 
 BASE = build(
-    TrainConfig, model="resnet20", data="digits", progress=False, lr=0.02, schedule="cosine"
+    TrainConfig,
+    model="resnet20",
+    data="digits",
+    progress=False,
+    lr=0.02,
+    schedule="cosine",
+    quiet=True,
 )
 
 
@@ -191,6 +202,60 @@ def bf16_layer(repeat: int) -> None:
         print(f"{shape!s:18s} " + " | ".join(cells))
 
 
+class _OwnForward(nn.BatchNorm2d):
+    """A batch norm with a forward of its own (as timm's and MONAI's are): the swap runs it under
+    a TorchFunctionMode (core.ops.call's general path)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def swap_cost(repeat: int, layers: int = 50) -> None:
+    print(
+        f"\n6. the operation swap (core.ops.call) on a net of {layers} batch norms (each after a 1x1 "
+        "convolution and a ReLU), one process, one thread, batch 8 of 16 x 8 x 8, forward + "
+        "backward; the stand-in is torch's own F.batch_norm, so only the swap is timed; "
+        f"contenders interleaved, {repeat * 5} rounds: median ms per step [min-max]"
+    )
+    torch.set_num_threads(1)
+
+    def net(bn) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            *[m for _ in range(layers) for m in (nn.Conv2d(16, 16, 1), bn(16), nn.ReLU())]
+        )
+
+    nets = {"torch's batch norm": net(nn.BatchNorm2d)}
+    nets["swapped, fast path"] = net(nn.BatchNorm2d)
+    nets["swapped, mode"] = net(_OwnForward)
+    for name in ("swapped, fast path", "swapped, mode"):
+        for i, m in enumerate(nets[name]):
+            if isinstance(m, nn.BatchNorm2d):
+                ops.install(m, F.batch_norm, name=str(i))
+    x = torch.randn(8, 16, 8, 8)
+
+    def step(m: nn.Module) -> None:
+        m(x).sum().backward()
+
+    times: dict[str, list[float]] = {k: [] for k in nets}
+    for _ in range(repeat * 5):
+        for k, m in nets.items():
+            for _ in range(3):
+                step(m)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                step(m)
+            times[k].append((time.perf_counter() - t0) / 20 * 1e3)
+    base = statistics.median(times["torch's batch norm"])
+    print(f"{'contender':<22} {'ms/step':>8} {'range':>15} {'vs torch':>9} {'us per call':>12}")
+    for k, v in times.items():
+        med = statistics.median(v)
+        print(
+            f"{k:<22} {med:8.3f} {f'[{min(v):.3f}-{max(v):.3f}]':>15} {med / base:8.3f}x "
+            f"{(med - base) * 1e3 / layers:12.1f}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--procs", default="2,4")
@@ -211,6 +276,8 @@ def main() -> None:
         whole_run(args.epochs, args.repeat)
     if "5" in parts:
         bf16_layer(args.repeat)
+    if "6" in parts:
+        swap_cost(args.repeat)
 
 
 if __name__ == "__main__":

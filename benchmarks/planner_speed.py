@@ -2,7 +2,7 @@
 
 - `hybridpar plan` for alexnet on cori-knl at P = 512 answers in under 0.2 s from a cold process
   (CLI wall time, warm analysis cache; the median and spread of 7 runs), without importing torch
-  (checked in the same run), and the planning call alone in-process;
+  (checked in the same run), and the planning call alone, a process's first, in under 0.1 s;
 - `hybridpar simulate` over P = 8..4096 (10 values, every scenario, CSV + 3 PNGs) in under 10 s;
 - the per-layer search on a 100-layer model at P = 4096 in under 5 s.
 
@@ -24,6 +24,7 @@ from torch import nn
 from hybridpar.core.analysis import analyze
 from hybridpar.core.cluster import PRESETS
 from hybridpar.core.layers import cost_layers
+from hybridpar.planning.analysis_cache import zoo_cost_layers
 from hybridpar.planning.request import PlanRequest
 from hybridpar.planning.search import make_plan, plan_layers
 
@@ -80,9 +81,10 @@ def main() -> None:
     probe += "except SystemExit:\n    pass\nprint('torch imported:', 'torch' in sys.modules)"
     seen = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True)
     torch_line = seen.stdout.strip().splitlines()[-1]
+    zoo_cost_layers("alexnet")  # read from the cache, as the CLI reads it
     t = time.perf_counter()
-    make_plan("alexnet", 512, 2048, knl)
-    rows.append(("  of which planning, in-process (all 6 scenarios)", time.perf_counter() - t, 1.0))
+    make_plan("alexnet", 512, 2048, knl)  # this process's first plan: nothing memoised yet
+    rows.append(("  of which planning, in-process (all 6 scenarios)", time.perf_counter() - t, 0.1))
 
     procs = ",".join(str(2**k) for k in range(3, 13))
     with tempfile.TemporaryDirectory() as out:

@@ -1,23 +1,55 @@
-"""Fixtures many test files share: a cache of calibrations and profiles of the test's own, and a
-calibration of this machine written with fixed numbers (plans and predictions that repeat,
-nothing measured). The helpers that run code in ranks and the small models stay in
-dist_helpers.py and nets.py, which tests import by name."""
+"""Fixtures many test files share: a cache of calibrations and profiles of each test's own (every
+test has one: none reads or writes the user's ~/.cache/hybridpar, so a test that leans on a
+warm cache fails on a new machine too, in CI as anywhere), and a calibration of this machine
+written with fixed numbers (plans and predictions that repeat, nothing measured). The helpers
+that run code in ranks and the small models stay in dist_helpers.py and nets.py, which tests
+import by name."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+# what the cache holds that no measurement of this machine decides (the compiled kernels, the
+# zoo models' traced layers): built once per session, in a folder the session starts empty
+_BUILT = ("kernels", "analysis")
+_SESSION: list[Path] = []
 
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty HYBRIDPAR_CACHE for this test and every process it starts."""
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's own cache, from before the first fixture: what a fixture wider than one
+    test (a module's run) calibrates or profiles is the session's, never the user's."""
+    path = Path(tempfile.mkdtemp(prefix="hybridpar-tests-"))
+    for name in _BUILT:
+        (path / name).mkdir()
+    os.environ["HYBRIDPAR_CACHE"] = str(path)
+    _SESSION.append(path)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _SESSION:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def _built() -> Path:
+    return _SESSION[0]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _built: Path) -> Path:
+    """An empty HYBRIDPAR_CACHE for this test and every process it starts: no calibration and
+    no compute profile but its own; the session's build products linked in."""
     path = tmp_path / "cache"
     path.mkdir()
+    for name in _BUILT:
+        (path / name).symlink_to(_built / name)
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(path))
     return path
 

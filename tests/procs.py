@@ -39,6 +39,16 @@ def ranks_of(parent: int) -> list[int]:
     return [pid for s in servers for pid, _ in children.get(s, [])]
 
 
+def descendants(parent: int) -> list[int]:
+    """Every process below `parent`: its children, theirs, and so on."""
+    children, out, todo = _children(), [], [parent]
+    while todo:
+        kids = [pid for pid, _ in children.get(todo.pop(), [])]
+        out += kids
+        todo += kids
+    return out
+
+
 def python_prints(code: str, timeout_s: float = 120) -> list[str]:
     """The words a fresh interpreter prints running `code` (which must exit 0)."""
     import subprocess

@@ -49,6 +49,12 @@ def npz(tmp_path, name="d.npz", **arrays):
     return path
 
 
+def seg_npz(tmp_path):
+    """Images of 1 x 8 x 8 with a class per pixel (3 classes)."""
+    y = np.arange(20 * 64).reshape(20, 8, 8) % 3
+    return npz(tmp_path, "seg.npz", y=y)
+
+
 def checkpoint_dir(tmp_path):
     """A folder that looks like it holds a checkpoint (latest -> a step with metadata)."""
     ck = tmp_path / "ck"
@@ -114,6 +120,9 @@ CASES = [
     # (name, argv builder (tmp_path -> argv), the message's telling part)
     ("grid of another P", lambda t: [*TRAIN, "--preset", "grid:3x2", "--nproc", "4"], "has 6 ranks"),
     ("unknown preset", lambda t: [*TRAIN, "--preset", "pipeline"], "unknown preset"),
+    ("a dense net on labels", lambda t: [*TRAIN, "--model", "unet", "--data", "digits", "--nproc", "2"], "--model unet predicts a class per pixel (an output of 10x8x8 per example) but --data digits gives one label per example"),
+    ("a classifier on masks", lambda t: [*TRAIN, "--model", "resnet20", "--data", "digits-seg:64", "--nproc", "2"], "--data digits-seg:64 gives a class per pixel (64 x 64 masks) but --model resnet20 outputs 11 per example"),
+    ("masks of another size", lambda t: [*TRAIN, "--model", "user_models:small_dense", "--data", str(seg_npz(t))], "gives a class per pixel (8 x 8 masks) but --model user_models:small_dense outputs 3x4x4"),
     ("unknown model", lambda t: [*TRAIN, "--model", "gpt5"], "unknown model"),
     ("unknown schedule", lambda t: [*TRAIN, "--schedule", "warp"], "invalid choice"),
     ("unknown codec", lambda t: [*TRAIN, "--codec", "int4"], "invalid choice"),

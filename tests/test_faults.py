@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from procs import TRAIN, assert_all_gone, ranks_of, shm, wait_for_ranks
+from procs import TRAIN, assert_all_gone, descendants, ranks_of, shm, wait_for_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 TIMEOUT = 20
@@ -118,6 +118,38 @@ def test_the_launcher_stopped_or_killed_leaves_nothing_behind(tmp_path, sig, whe
     if when == "mid-run":
         latest = (tmp_path / "ck" / "latest").read_text()
         last_checkpoint_loads(tmp_path, int(latest.split("-")[1]))
+
+
+@pytest.mark.parametrize(
+    "point, hold",
+    [
+        ("server", 60),  # the fork server, before it imports torch (the launch waits for it)
+        ("rank", 3),  # a rank before its parent-death signal: it carries on, then finds out
+        ("unpickle", 60),  # a rank unpickling its job, its parent-death signal set
+    ],
+)
+def test_a_launcher_killed_at_any_moment_of_start_up_leaves_no_process(tmp_path, point, hold):
+    """Issue 70: the launcher killed (SIGKILL: nothing of it runs) while start-up is held at a
+    fault point; every process it started (the fork server, multiprocessing's resource tracker,
+    the ranks) is gone 10 s later. Before, a server killed while importing torch lived on until
+    the import ended (3.5-6 s under load), and a rank still unpickling kept the server alive."""
+    flag = tmp_path / "held"
+    env = {
+        **os.environ,
+        "HYBRIDPAR_FAULT": f"{point}:rank={0 if point == 'server' else 1}:hold={hold}",
+        "HYBRIDPAR_FAULT_FLAG": str(flag),
+    }
+    cmd = [*TRAIN, "--model", "digits-cnn", "--nproc", "2", "--preset", "grid:2x1"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    deadline = time.monotonic() + 60
+    while not flag.exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.02)
+    assert flag.exists(), p.communicate()
+    started = descendants(p.pid)
+    assert int(flag.read_text()) in started
+    p.kill()
+    p.wait()
+    assert_all_gone(started, within_s=10)
 
 
 def test_a_shared_memory_timeout_blames_the_hung_rank_not_the_waiter():

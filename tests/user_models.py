@@ -38,3 +38,10 @@ def returns_a_tensor() -> torch.Tensor:
 
 def needs_arguments(width: int) -> nn.Module:
     return nn.Linear(width, 2)
+
+
+def small_dense(num_classes: int = 3) -> nn.Module:
+    """A dense predictor whose masks are half the image's size (a stride-2 stem)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(4, num_classes, 1)
+    )

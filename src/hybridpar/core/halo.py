@@ -32,6 +32,7 @@ cached per geometry), so the rows a band reads are the rows torch reads, whateve
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 
@@ -94,34 +95,43 @@ class RowMap:
 
     def plan(self, parts: int) -> list[dict[int, tuple[int, int]]]:
         """For each rank: {other rank: [lo, hi) of that rank's input rows it receives}."""
-        ins, outs = self.held(parts), bands(self.h_out, parts)
-        got: list[dict[int, tuple[int, int]]] = []
-        for r, (o0, o1) in enumerate(outs):
-            lo, hi = self.reads(o0, o1) if o0 < o1 else (0, 0)
-            lo, hi = max(lo, 0), min(hi, self.h_in)
-            mine: dict[int, tuple[int, int]] = {}
-            for q, (a, b) in enumerate(ins):
-                x, y = max(lo, a), min(hi, b)
-                if q != r and x < y and ins[r] != (0, self.h_in):
-                    mine[q] = (x, y)
-            got.append(mine)
-        return got
+        return _exchange(self, parts)[0]
 
     def rows_sent(self, parts: int) -> list[int]:
         """Rows each rank sends to the others (forward; their gradients come back backward)."""
-        sent = [0] * parts
-        for receives in self.plan(parts):
-            for q, (a, b) in receives.items():
-                sent[q] += b - a
-        return sent
+        return list(_exchange(self, parts)[1])
 
     def messages(self, parts: int) -> list[int]:
         """Messages each rank sends (one per rank it sends rows to)."""
-        count = [0] * parts
-        for receives in self.plan(parts):
-            for q in receives:
-                count[q] += 1
-        return count
+        return list(_exchange(self, parts)[2])
+
+
+@functools.lru_cache(maxsize=4096)
+def _exchange(m: RowMap, parts: int) -> tuple[list[dict[int, tuple[int, int]]], tuple, tuple]:
+    """(RowMap.plan, rows each rank sends, messages each rank sends) of map `m` over `parts`
+    ranks, once per geometry (the planner asks for the same ones at every grid it weighs). The
+    ranks a band reads from are found by bisection: the bands are sorted and contiguous."""
+    ins, outs = m.held(parts), bands(m.h_out, parts)
+    starts = [a for a, _ in ins]
+    whole = [r for r, band in enumerate(ins) if band == (0, m.h_in)]
+    got: list[dict[int, tuple[int, int]]] = []
+    sent, count = [0] * parts, [0] * parts
+    for r, (o0, o1) in enumerate(outs):
+        lo, hi = m.reads(o0, o1) if o0 < o1 else (0, 0)
+        lo, hi = max(lo, 0), min(hi, m.h_in)
+        mine: dict[int, tuple[int, int]] = {}
+        if lo < hi and r not in whole:
+            for q in range(max(bisect.bisect_right(starts, lo) - 1, 0), parts):
+                a, b = ins[q]
+                if a >= hi:
+                    break
+                x, y = max(lo, a), min(hi, b)
+                if q != r and x < y:
+                    mine[q] = (x, y)
+                    sent[q] += y - x
+                    count[q] += 1
+        got.append(mine)
+    return got, tuple(sent), tuple(count)
 
 
 @dataclass(frozen=True)

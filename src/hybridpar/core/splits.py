@@ -24,16 +24,19 @@ def group_rows(batch: int, pr: int, pc: int) -> list[int]:
     """The examples of each batch group of a Pr x Pc grid: the global batch is dealt over the
     Pr * Pc ranks (`even_split`) and group c holds the blocks of ranks c*Pr .. c*Pr + Pr - 1, so
     that the groups of any two grids whose Pc divide one another are unions of each other's.
-    Unequal where Pc does not divide the batch (docs/runtime.md, "Any batch")."""
-    blocks = even_split(batch, pr * pc)
-    return [sum(blocks[c * pr : (c + 1) * pr]) for c in range(pc)]
+    Unequal where Pc does not divide the batch (docs/runtime.md, "Any batch"). In closed form:
+    the first B mod P ranks hold one example more, so group c has the extra of
+    clamp(B mod P - c Pr, 0, Pr) of its ranks."""
+    q, r = divmod(batch, pr * pc)
+    return [pr * q + min(pr, max(0, r - c * pr)) for c in range(pc)]
 
 
 def slowest_batch(batch: int, pr: int, pc: int) -> int:
     """The global batch whose even share per batch group (B / Pc) is the largest group's: the
     batch the planner times a Pr x Pc layout by (the slowest group sets the step), where the
-    bytes a rank sends on average follow the true batch."""
-    return max(group_rows(batch, pr, pc)) * pc
+    bytes a rank sends on average follow the true batch. Group 0 is the largest (`group_rows`)."""
+    q, r = divmod(batch, pr * pc)
+    return (pr * q + min(pr, r)) * pc
 
 
 def buckets(sizes: list[float], cap: float) -> list[list[int]]:

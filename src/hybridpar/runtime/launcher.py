@@ -5,17 +5,18 @@ GPU per process for a CUDA run), initialises torch.distributed in each with a co
 fn(*args) and returns every rank's result in rank order. It watches the ranks: when one dies (a
 signal, a non-zero exit) or raises, the others are stopped and a RankFailure names it; a rank
 that hangs makes the others time out in their next collective, and the still-running one is named
-as the culprit. No orphans: a rank sets PR_SET_PDEATHSIG and checks that its parent is still
-there (the function to run is passed by name, so unpickling the job imports nothing of it), and
-SIGINT or SIGTERM to the launcher stops every rank and raises Interrupted.
+as the culprit. No orphans: the fork server dies with the launcher and a rank with the server
+(each sets PR_SET_PDEATHSIG as the first thing it runs of ours and checks that its parent is still
+there: `server_guard`, `_Guard`), and SIGINT or SIGTERM to the launcher stops every rank and raises
+Interrupted. The function to run is passed by name, so unpickling the job imports nothing of it.
 
 Ranks are forked from multiprocessing's fork server, which imports torch once, the first time this
 process launches, instead of each rank importing it anew (docs/runtime.md measures it). The server
 is a fresh interpreter that has imported torch and run nothing (no threads, no CUDA), so a fork
 of it is as clean as a spawn. A rank takes the launcher's environment, working directory and
-import path as they are at the launch, not as they were when the server started. The server
-ends with the launcher, and its ranks with it (PR_SET_PDEATHSIG). A command that will launch
-may start the server first (`start_server`), so that it imports torch while the command plans.
+import path as they are at the launch, not as they were when the server started. A command that
+will launch may start the server first (`start_server`), so that it imports torch while the
+command plans.
 
 Under torchrun (WORLD_SIZE is set) it initialises from the environment and runs fn in-process.
 """
@@ -108,12 +109,38 @@ def _warn_shared_store() -> None:
         )
 
 
-def _die_with_parent() -> None:
+def die_with_parent(parent: int | None) -> None:
+    """Be killed when this process's parent dies (PR_SET_PDEATHSIG); exit now if the parent is
+    not `parent` (it died before the signal was set, and this process was handed to another)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+class _Guard:
+    """The first argument a rank unpickles: unpickling it sets the rank's parent-death signal,
+    before the job (the largest part of what the rank reads) is unpickled, and drops the rank's
+    copy of the fork server's "alive" pipe (`_release_server`). Until then only
+    multiprocessing's own start-up has run in the rank."""
+
+    def __init__(self, rank: int, server: int | None) -> None:
+        self.rank, self.server = rank, server
+
+    def __reduce__(self):
+        return _guard, (self.rank, self.server)
+
+
+def _guard(rank: int, server: int | None) -> None:
+    from hybridpar.core import faults
+
+    faults.at("rank", rank)
+    die_with_parent(server)
+    _release_server()
+    faults.at("unpickle", rank)  # the job is unpickled next, as part of this same read
 
 
 def _reference(fn: Callable) -> str:
@@ -131,6 +158,7 @@ def _resolve(ref: str) -> Callable:
 
 
 def _child(
+    _guarded: None,
     rank: int,
     world: int,
     port: int,
@@ -139,13 +167,8 @@ def _child(
     fn: str,
     args: tuple,
     queue: mp.Queue,
-    parent: int | None,
     world_env: tuple[dict, str, list],
 ) -> None:
-    _die_with_parent()
-    if parent is not None and os.getppid() != parent:  # it died before the line above acted
-        os._exit(1)
-    _release_server()
     env, cwd, path = world_env  # the launcher's, at this launch (the server started earlier)
     os.environ.clear()
     os.environ.update(env)
@@ -249,7 +272,7 @@ def launch(
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, nprocs, port, timeout_s, backend, ref, args, queue, server, here),
+            args=(_Guard(r, server), r, nprocs, port, timeout_s, backend, ref, args, queue, here),
             daemon=True,
         )
         for r in range(nprocs)
@@ -271,12 +294,19 @@ def launch(
         restore()
 
 
-# what the fork server imports once for every rank it forks: torch and the runtime (their import
-# reads no environment variable and starts no thread; each rank still reads its settings when it
-# runs, after taking the launcher's environment), and torch._dynamo, which torch imports lazily
+# what the fork server imports once for every rank it forks: first the guard that ties it to the
+# launcher (it reads HYBRIDPAR_LAUNCHER), then torch and the runtime (their import reads no
+# environment variable and starts no thread; each rank still reads its settings when it runs,
+# after taking the launcher's environment), and torch._dynamo, which torch imports lazily
 # on a rank's first optimizer (torch.optim.Optimizer.__init__), in every rank at every launch
 # unless it is preloaded
-PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "hybridpar.runtime.train.run"]
+PRELOAD = [
+    "hybridpar.runtime.server_guard",  # first: the server dies with the launcher
+    "torch",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "hybridpar.runtime.train.run",
+]
 
 
 def _server() -> tuple[Any, int | None]:
@@ -286,11 +316,14 @@ def _server() -> tuple[Any, int | None]:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    main = threading.current_thread() is threading.main_thread()
+    # the server's first import ties it to this process (server_guard), where the parent-death
+    # signal can follow this process: it follows the thread that starts the server
+    os.environ["HYBRIDPAR_LAUNCHER"] = str(os.getpid()) if main else ""
     # the server starts with Ctrl-C ignored (and Python leaves an ignored SIGINT so, in it and
     # in the ranks it forks): a Ctrl-C at the terminal reaches the whole process group, and a
     # server still importing torch printed a 30-line traceback of it; this process stops the
     # server and its ranks itself (stop_on_signals, _watch)
-    main = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         fs.ensure_running()

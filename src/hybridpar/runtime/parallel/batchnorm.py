@@ -72,7 +72,8 @@ def _use_kernels(x: torch.Tensor, weight: torch.Tensor | None, running) -> bool:
 
 class _GlobalBatchNormFn(torch.autograd.Function):
     """Global BN's forward and backward, each around one all-reduce. `running` is (running_mean,
-    running_var) to update with weight `factor`, or None.
+    running_var) to update with weight `factor`, or None. `via` books the forward's all-reduce
+    (as BN_STATS) and `grad_via`, where given, the backward's (else `via` as BN_GRAD).
 
     At a per-rank batch of 8 a BN layer holds a few thousand values, so small ops, not arithmetic,
     set its cost. On CPU, for float32 and bfloat16 activations, four C kernels
@@ -84,7 +85,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
     dy + [the eval-mode batch norm of x whose weight and bias carry the global sums]."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running, factor, eps, via: Via):
+    def forward(ctx, x, weight, bias, running, factor, eps, via: Via, grad_via: Via | None = None):
         c = x.shape[1]
         n, s = (x.shape[0], x.numel() // (x.shape[0] * c)) if x.numel() else (0, 0)
         fast = _use_kernels(x, weight, running)
@@ -93,7 +94,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             kernels.bn(_ELEM[x.dtype]).stats(x.data_ptr(), n, c, s, stats.data_ptr())
         else:
             _stats_torch(x, stats)
-        all_reduce(stats, replace(via, term=Term.BN_STATS))
+        all_reduce(stats, via if via.term == Term.BN_STATS else replace(via, term=Term.BN_STATS))
         m = float(stats[2 * c])
         if m <= 1:
             raise ValueError(
@@ -111,7 +112,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             y, mean, var, invstd = _forward_torch(x, stats, m, weight, bias, running, factor, eps)
         ctx.save_for_backward(x, weight, mean, invstd, var)
         ctx.m, ctx.eps, ctx.fast = m, eps, fast
-        ctx.via = replace(via, term=Term.BN_GRAD)
+        ctx.via = grad_via or replace(via, term=Term.BN_GRAD)
         return y
 
     @staticmethod
@@ -157,7 +158,7 @@ class _GlobalBatchNormFn(torch.autograd.Function):
             dweight = None
         if weight is None or not need[2]:
             dbias = None
-        return dx, dweight, dbias, None, None, None, None
+        return dx, dweight, dbias, None, None, None, None, None
 
 
 def _stats_torch(x: torch.Tensor, stats: torch.Tensor) -> None:
@@ -220,6 +221,7 @@ class GlobalStatistics:
     ) -> None:
         self.module, self.group, self.ledger, self.layer = module, group, ledger, layer
         self.switch = switch
+        self._vias: tuple[object, tuple[Via, Via]] | None = None  # (group, its two Vias)
 
     def _group(self) -> Group | dist.ProcessGroup | None:
         if not dist.is_available() or not dist.is_initialized():
@@ -242,15 +244,20 @@ class GlobalStatistics:
         if not (training and self.module.training and group_size(group) > 1 and use):
             return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
         running = None if running_mean is None else (running_mean, running_var)
+        if self._vias is None or self._vias[0] is not group:  # made once: a call costs microseconds
+            made = (Via(group, self.ledger, t, self.layer) for t in (Term.BN_STATS, Term.BN_GRAD))
+            self._vias = (group, tuple(made))
+        vias, factor = self._vias[1], float(momentum)
+        if not torch.is_autocast_enabled(x.device.type):
+            return _GlobalBatchNormFn.apply(x, weight, bias, running, factor, eps, *vias)
         # under autocast the statistics and the normalisation run in float32 (the kernels read
         # bfloat16 as it is; torch's ops take it cast), and y comes back in x's dtype, as torch's
         # batch norm gives it to the next layer
         dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type) and not _use_kernels(x, weight, running):
+        if not _use_kernels(x, weight, running):
             x = x.float()
         with torch.autocast(x.device.type, enabled=False):
-            via = Via(group, self.ledger, layer=self.layer)
-            y = _GlobalBatchNormFn.apply(x, weight, bias, running, float(momentum), eps, via)
+            y = _GlobalBatchNormFn.apply(x, weight, bias, running, factor, eps, *vias)
         return y.to(dtype)
 
 

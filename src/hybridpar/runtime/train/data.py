@@ -27,6 +27,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,7 +35,15 @@ import torch
 from hybridpar.core.errors import ConfigError
 from hybridpar.runtime.comm.collectives import even_split
 
-__all__ = ["Dataset", "epoch_steps", "load_data", "rows_of", "signature", "validate_data_spec"]
+__all__ = [
+    "Dataset",
+    "Signature",
+    "epoch_steps",
+    "load_data",
+    "rows_of",
+    "signature",
+    "validate_data_spec",
+]
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".ppm", ".pgm"}
 
@@ -215,19 +224,28 @@ def _digits_seg(spec: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def signature(
-    spec: str, model_shape: tuple[int, ...], model_classes: int
-) -> tuple[tuple[int, ...], int]:
-    """(per-example input shape, number of classes) of a data set, without loading images: what the
-    model is built for. Synthetic data takes the model's own shape and classes."""
+class Signature(NamedTuple):
+    """What a data set says of the model that trains on it, read before any process starts."""
+
+    shape: tuple[int, ...]
+    """one example's input"""
+    classes: int
+    target: tuple[int, ...]
+    """one example's target: () a class per example, (H, W) or (D, H, W) a class per pixel"""
+
+
+def signature(spec: str, model_shape: tuple[int, ...], model_classes: int) -> Signature:
+    """(per-example input shape, number of classes, per-example target shape) of a data set,
+    without loading images: what the model is built for. Synthetic data takes the model's own
+    shape and classes."""
     validate_data_spec(spec)
     if spec == "digits":
-        return (1, 8, 8), 10
+        return Signature((1, 8, 8), 10, ())
     if spec.split(":")[0] == "digits-seg":
         side = _canvas(spec)[0]
-        return (1, side, side), 11
+        return Signature((1, side, side), 11, (side, side))
     if spec.split(":")[0] == "synthetic":
-        return tuple(model_shape), model_classes
+        return Signature(tuple(model_shape), model_classes, ())
     p = Path(spec)
     if p.suffix == ".npz":
         with np.load(p) as f:
@@ -237,7 +255,8 @@ def signature(
     if (p / "images").is_dir() and (p / "masks").is_dir():
         return _pairs_signature(spec)
     classes = [d for d in p.iterdir() if d.is_dir()]
-    return (3, *model_shape[1:]) if len(model_shape) == 3 else tuple(model_shape), len(classes)
+    shape = (3, *model_shape[1:]) if len(model_shape) == 3 else tuple(model_shape)
+    return Signature(shape, len(classes), ())
 
 
 class _Files:
@@ -287,7 +306,7 @@ def _pairs(spec: str) -> tuple[list[Path], list[Path]]:
     return [images[k] for k in sorted(images)], [masks[k] for k in sorted(images)]
 
 
-def _pairs_signature(spec: str) -> tuple[tuple[int, ...], int]:
+def _pairs_signature(spec: str) -> Signature:
     """Checks before any process starts (the sizes from the files' headers, the classes from
     the masks one at a time): (input shape, classes)."""
     from PIL import Image
@@ -305,12 +324,12 @@ def _pairs_signature(spec: str) -> tuple[tuple[int, ...], int]:
                     f"every image and mask must be {w} x {h} (the first's)"
                 )
             classes = max(classes, int(np.asarray(b).max()) + 1)
-    return (channels, h, w), classes
+    return Signature((channels, h, w), classes, (h, w))
 
 
 def _pairs_dataset(spec: str, seed: int) -> Dataset:
     """images/ and masks/, decoded as steps use them (a fixed 80/20 split)."""
-    (c, h, w), classes = _pairs_signature(spec)
+    (c, h, w), classes, _ = _pairs_signature(spec)
     images, masks = _pairs(spec)
     x = _Files(images, (c, h, w), "L" if c == 1 else "RGB")
     y = _Files(masks, (h, w), None)
@@ -348,7 +367,7 @@ def _mapped(folder: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def _mapped_signature(spec: str) -> tuple[tuple[int, ...], int]:
+def _mapped_signature(spec: str) -> Signature:
     """The checks a folder of .npy arrays must pass before any process starts: shapes from the
     headers, the labels streamed in chunks; (input shape, classes)."""
     try:
@@ -362,16 +381,17 @@ def _mapped_signature(spec: str) -> tuple[tuple[int, ...], int]:
     return _check_arrays(spec, arrays, read_x=False)
 
 
-def _check_arrays(spec: str, f, read_x: bool = True) -> tuple[tuple[int, ...], int]:
+def _check_arrays(spec: str, f, read_x: bool = True) -> Signature:
     """The checks a .npz must pass before any process starts; (input shape, classes). Without
     `read_x` the examples are not read (memory-mapped: whole images no rank needs)."""
     files = list(f.files) if hasattr(f, "files") else list(f)
     pairs = [("x", "y")] + ([("x_test", "y_test")] if "x_test" in files else [])
     if ("x_test" in files) != ("y_test" in files):
         raise ConfigError(f"data file {spec!r}: give both x_test and y_test, or neither")
-    ys = []
+    ys, targets = [], []
     for xk, yk in pairs:
         x, y = f[xk], f[yk]
+        targets.append(tuple(y.shape[1:]))
         dense = x.ndim in (4, 5) and y.shape[1:] == x.shape[2:]  # a class per pixel (or voxel)
         if x.ndim < 2 or len(x) != len(y) or (y.ndim != 1 and not dense):
             raise ConfigError(
@@ -407,7 +427,7 @@ def _check_arrays(spec: str, f, read_x: bool = True) -> tuple[tuple[int, ...], i
             f"data file {spec!r}: labels run to {classes - 1} but {missing} of the {classes} classes "
             "have no training example; number the classes 0..C-1 (e.g. np.unique(y, return_inverse=True))"
         )
-    return tuple(f["x"].shape[1:]), classes
+    return Signature(tuple(f["x"].shape[1:]), classes, targets[0])
 
 
 def _labels_in_chunks(y: np.ndarray) -> np.ndarray:

@@ -65,9 +65,12 @@ def parent_plan(job: Job) -> ParallelPlan | None:
     return None if search else preset_plan(job, cluster)
 
 
-def request(job: Job, cluster: Cluster, procs: int, batch: int, choices=None) -> PlanRequest:
+def request(
+    job: Job, cluster: Cluster, procs: int, batch: int, choices=None, profiled: bool = True
+) -> PlanRequest:
     """What the job asks of the planner on `cluster` (its runtime's bucket, shared memory and
-    hand-off options, its compute profile)."""
+    hand-off options, its compute profile unless `profiled` is False: the bytes and the checks
+    need none)."""
     cfg = job.cfg
     return PlanRequest(
         procs,
@@ -76,7 +79,7 @@ def request(job: Job, cluster: Cluster, procs: int, batch: int, choices=None) ->
         choices=choices or job.choices,
         model=job.model,
         input_shape=tuple(job.input_shape),
-        compute=settled_compute(job, cluster),
+        compute=settled_compute(job, cluster) if profiled else None,
         grad_bucket=cfg.runtime.bucket_bytes,
         handoff=cfg.handoff or "a",
         rounds=cfg.rounds,
@@ -94,41 +97,51 @@ def checked_file_plan(plan: ParallelPlan, job: Job, styles: dict[str, Style]) ->
     """A plan file must be for this model and data (`styles`: its style of every layer, as
     `resolve` found them). A hand-written one (no predictions) becomes the exact plan it means:
     one style per layer, priced on --cluster; a planned one keeps its styles and is priced
-    again on --cluster (its bytes must be this model's)."""
-    layers, shape = job.layers, tuple(job.input_shape)
+    again on --cluster (its bytes must be this model's). Every check runs on the bytes alone,
+    before anything is measured for the seconds (a compute profile)."""
+    shape = tuple(job.input_shape)
     if plan.input_shape and tuple(plan.input_shape) != shape:
         raise ConfigError(
             f"the plan was made for input {tuple(plan.input_shape)} but the data gives "
             f"{shape}; re-plan with the data's --input-size"
         )
     cluster = pricing_cluster(job, False)
-    chosen = [styles[x.name] for x in layers]
-    asked = request(job, cluster, plan.procs, plan.batch, plan.choices)
+    fresh = _priced_file_plan(plan, job, styles, cluster, profiled=False)
+    if plan.predicted and _bytes(plan) != _bytes(fresh):
+        raise ConfigError(
+            "the plan's predicted bytes do not match this model (different widths or classes?): "
+            "it was made for another model; re-plan for this one"
+        )
+    if cluster.cores is not None:  # seconds by a compute profile
+        fresh = _priced_file_plan(plan, job, styles, cluster)
+    if not plan.predicted:
+        return replace(fresh, scenario=plan.scenario)
+    # its seconds priced again on the cluster it runs on, not the one it was made for (a plan
+    # made for cori-knl would promise a laptop a supercomputer's step)
+    return replace(plan, predicted=fresh.predicted, cluster=fresh.cluster, totals=fresh.totals)
+
+
+def _priced_file_plan(
+    plan: ParallelPlan, job: Job, styles: dict[str, Style], cluster: Cluster, profiled=True
+) -> ParallelPlan:
+    """The plan file's styles priced on `cluster` (its own hand-offs and placement)."""
+    chosen = [styles[x.name] for x in job.layers]
+    asked = request(job, cluster, plan.procs, plan.batch, plan.choices, profiled)
     asked = replace(asked, handoff="a", rounds=None)  # the plan's own schemes, below
     handoffs = {r.layer: Handoff(r.scheme, r.rounds) for r in plan.redistributions}
-    priced = evaluate(layers, chosen, asked, handoffs=handoffs, placement=plan.placement)
+    priced = evaluate(job.layers, chosen, asked, handoffs=handoffs, placement=plan.placement)
     if not priced.feasible:
         raise ConfigError(f"the plan cannot run on {job.model}: {priced.reason}")
-    fresh = export(
+    return export(
         priced,
         procs=plan.procs,
         batch=plan.batch,
         choices=plan.choices,
         model=job.model,
-        input_shape=shape,
+        input_shape=tuple(job.input_shape),
         engine=plan.engine,
         cluster=cluster.name,
     )
-    if not plan.predicted:
-        return replace(fresh, scenario=plan.scenario)
-    if _bytes(plan) != _bytes(fresh):
-        raise ConfigError(
-            "the plan's predicted bytes do not match this model (different widths or classes?): "
-            "it was made for another model; re-plan for this one"
-        )
-    # its seconds priced again on the cluster it runs on, not the one it was made for (a plan
-    # made for cori-knl would promise a laptop a supercomputer's step)
-    return replace(plan, predicted=fresh.predicted, cluster=fresh.cluster, totals=fresh.totals)
 
 
 def _bytes(plan: ParallelPlan) -> dict:

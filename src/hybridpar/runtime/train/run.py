@@ -37,7 +37,7 @@ from hybridpar.runtime.parallel.checkpoint import latest, read_meta
 from hybridpar.runtime.parallel.compute import matching
 from hybridpar.runtime.parallel.layout import Layout, resolve, with_handoff
 from hybridpar.runtime.train.config import DEFAULT_MODEL, DEFAULTS, TrainConfig
-from hybridpar.runtime.train.data import signature
+from hybridpar.runtime.train.data import Signature, signature
 from hybridpar.runtime.train.job import Job
 from hybridpar.runtime.train.loop import train_worker
 from hybridpar.runtime.train.plans import checked_file_plan, parent_plan
@@ -56,9 +56,11 @@ def prepare(cfg: TrainConfig) -> Job:
     P = int(os.environ["WORLD_SIZE"]) if under_torchrun() else nproc
     choices = _device(given.get("choices", cfg.choices), nproc)
     save, resume = _outputs(cfg, name), _resume(cfg)
-    shape, classes = _signature(cfg, name, given)
+    data = _signature(cfg, name, given)
+    shape, classes = data.shape, data.classes
     model = meta_model(name, shape, classes)
     traced = trace(model, shape)  # also the check that the model runs on the data's shape
+    _check_targets(cfg, name, traced.out_shape, data)
     if classes is None:  # a user's model on synthetic data: as many classes as it outputs
         classes = traced.specs[-1].out_shape[-1]
     batch = given.get("batch") or cfg.batch or DEFAULTS["batch"]
@@ -129,10 +131,11 @@ def _check_handoff(scheme: str, rounds: int | None, layout) -> None:
     raise ConfigError(why or f"--handoff {scheme}: the planner kept scheme (a) before {first}")
 
 
-def _signature(cfg: TrainConfig, model: str, given: dict) -> tuple[tuple[int, ...], int | None]:
-    """(one example's shape, classes) of the data the model trains on; for a user's model the
-    shape is --input-shape (or the plan file's) where the data does not fix it (and must agree
-    where it does), and the classes None on synthetic data (then the model's outputs decide)."""
+def _signature(cfg: TrainConfig, model: str, given: dict) -> Signature:
+    """(one example's shape, classes, target shape) of the data the model trains on; for a
+    user's model the shape is --input-shape (or the plan file's) where the data does not fix it
+    (and must agree where it does), and the classes None on synthetic data (then the model's
+    outputs decide)."""
     text = given.get("input_shape", cfg.input_shape)
     if not is_factory(model):
         if text is not None:
@@ -146,11 +149,39 @@ def _signature(cfg: TrainConfig, model: str, given: dict) -> tuple[tuple[int, ..
     synthetic = cfg.data.split(":")[0] == "synthetic"
     if synthetic and wanted is None:
         raise ConfigError(f"--model {model} on synthetic data needs --input-shape C,H,W")
-    shape, classes = signature(cfg.data, wanted or (), None)  # type: ignore[arg-type]
-    if wanted is not None and tuple(shape) != wanted:
-        shown = ",".join(map(str, shape))
+    found = signature(cfg.data, wanted or (), None)  # type: ignore[arg-type]
+    if wanted is not None and tuple(found.shape) != wanted:
+        shown = ",".join(map(str, found.shape))
         raise ConfigError(f"--input-shape {text} but the data's examples are {shown}; drop it")
-    return tuple(shape), classes
+    return found._replace(shape=tuple(found.shape))
+
+
+def _check_targets(cfg: TrainConfig, model: str, out: tuple[int, ...], data: Signature) -> None:
+    """The model's output per example (`out`, from the trace) must be what the loss compares
+    with the data's targets: (classes,) for a class per example, (classes, *mask) for a class
+    per pixel; said in one line before any process starts, not by torch in a rank."""
+    if not out:  # not one tensor (a dict, a tuple): the loss reads it as it was written
+        return
+    shown = "x".join(map(str, out))
+    if len(out) > 1 and not data.target:
+        raise ConfigError(
+            f"--model {model} predicts a class per pixel (an output of {shown} per example) but "
+            f"--data {cfg.data} gives one label per example; train it on masks, e.g. --data "
+            f"digits-seg:64"
+        )
+    if data.target and tuple(out[1:]) != tuple(data.target):
+        mask = " x ".join(map(str, data.target))
+        raise ConfigError(
+            f"--data {cfg.data} gives a class per pixel ({mask} masks) but --model {model} "
+            f"outputs {shown} per example; use a model that predicts a class per pixel of "
+            "that size (e.g. --model unet), or data with one label per example"
+        )
+    if data.classes is not None and out[0] < data.classes:
+        raise ConfigError(
+            f"--data {cfg.data} has {data.classes} classes but --model {model} outputs "
+            f"{out[0]} scores per {'pixel' if data.target else 'example'}; build it for "
+            f"{data.classes} classes"
+        )
 
 
 def device_and_backend(device: str, backend: str, local: int) -> tuple[str, str]:
