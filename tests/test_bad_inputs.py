@@ -30,7 +30,6 @@ def cli(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr("hybridpar.runtime.train.run.launch", tripwire)
     monkeypatch.setattr("hybridpar.runtime.launcher.launch", tripwire)
     monkeypatch.setattr("hybridpar.runtime.train.calibration.launch", tripwire)
-    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
 
     def run(*argv):
         try:

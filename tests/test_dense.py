@@ -601,7 +601,7 @@ def test_an_image_and_mask_folder_is_read_by_bands(tmp_path):
         (tmp_path / d).mkdir()
         for i, a in enumerate(arrays):
             Image.fromarray(a.astype(np.uint8), "L").save(tmp_path / d / f"{i}.png")
-    assert signature(str(tmp_path), (), 0) == ((1, 20, 12), 4)
+    assert signature(str(tmp_path), (), 0) == ((1, 20, 12), 4, (20, 12))
     data = load_data(str(tmp_path))
     pick = data.x_train.index[[2, 0]]
     x = data.x_train[torch.tensor([2, 0])].take_rows(slice(0, 2), (5, 9))

@@ -453,7 +453,7 @@ def test_a_fixed_preset_under_torchrun_is_priced_by_rank_0(tmp_path):
     calibrated host (measuring the compute profile alone: one profile file, not one a rank) and
     sends it; before, each rank priced it with a profile of its own and the ranks' plans
     differed ("hold a different plan than rank 0")."""
-    cache = tmp_path / "cache"
+    cache = tmp_path / "own-cache"
     cache.mkdir()
     (cache / "localhost.json").write_text(
         json.dumps({"name": "localhost", "alpha": 1e-5, "beta": 1e-9, "flops": 1e10, "cores": 2})
