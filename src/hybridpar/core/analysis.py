@@ -603,22 +603,25 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     try:
         floats = (p.dtype for p in model.parameters() if p.is_floating_point())
         dtype = next(floats, torch.get_default_dtype())  # a float64 model reads float64
-        tensors = [*model.named_parameters(), *model.named_buffers()]
+        tensors = [*model.named_parameters(), *model.named_buffers()]  # each tensor once
         device = _trace_device(dtype, input_shape, sum(v.numel() for _, v in tensors))
         meta = device == "meta"  # nothing to fill there; zeros on the CPU (no garbage)
         blank, blank_like = (
             (torch.empty, torch.empty_like) if meta else (torch.zeros, torch.zeros_like)
         )
         x = blank((2, *input_shape), device=device, dtype=dtype)
-        state = {}
-        for k, v in tensors:  # the layouts kept (a channels-last weight stays channels-last)
-            state[k] = blank_like(v, device=device).requires_grad_(v.requires_grad)
-        rec.params = {id(v): k for k, v in state.items() if v.requires_grad}
-        rec.sizes = {k: v.numel() for k, v in state.items() if v.requires_grad}
+        # one blank per tensor, in every slot that holds it (a tied weight's two modules read
+        # one); the layouts kept (a channels-last weight stays channels-last)
+        blanks = {
+            id(v): blank_like(v, device=device).requires_grad_(v.requires_grad) for _, v in tensors
+        }
+        state = {k: blanks[id(v)] for k, v in ops.state_slots(model).items()}
+        rec.params = {id(blanks[id(v)]): k for k, v in tensors if v.requires_grad}
+        rec.sizes = {k: v.numel() for k, v in tensors if v.requires_grad}
         with rec, torch.no_grad():
             try:
-                out = torch.func.functional_call(model, state, (x,))
-            except RuntimeError as exc:
+                out = ops.call_with(model, state, x)
+            except (RuntimeError, ValueError) as exc:  # e.g. a norm left with one pixel
                 raise ConfigError(
                     f"cannot run {type(model).__name__} on input shape {input_shape}: "
                     f"{str(exc).splitlines()[0]}"
@@ -633,7 +636,9 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     sites = [(t, _once(s, counts)) for t, s in rec.sites]
     timed = sorted(hooks.specs + sites, key=lambda ts: ts[0])  # a layer before its children
     unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
-    timed = [(t, replace(s, unsplit=unsplit.get(s.name, ""))) for t, s in timed]
+    tied = _tied(model)
+    unsplit.update({n: why for n, (why, _, _) in tied.items()})
+    timed = [(t, _untied(replace(s, unsplit=unsplit.get(s.name, "")), tied)) for t, s in timed]
     # (N, C, H, W) on bands: rows stay split (not a global pooling's whole value)
     dense = (
         isinstance(out, torch.Tensor)
@@ -653,6 +658,40 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
         for s in traced.specs
     ]
     return traced
+
+
+def _tied(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Module -> (why it cannot be split by output units, weight and bias elements another
+    module holds first) for every module holding a parameter another module holds too (tied
+    weights): a split would untie them, and the parameter is priced once, with its first
+    holder (as `named_parameters` names it)."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    sizes: dict[int, int] = {}
+    for name, m in model.named_modules():  # a module registered twice: one holder
+        for k, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((name, k))
+                sizes[id(p)] = p.numel()
+    out: dict[str, tuple[str, int, int]] = {}
+    for i, held in holders.items():
+        for j, (name, k) in enumerate(held):
+            if len(held) < 2:
+                break
+            other = next(f"{n}.{a}" for n, a in held if n != name)
+            why, w, b = out.get(name, ("", 0, 0))
+            why = why or f"its {k} is also {other} (tied): a split by output units would untie it"
+            if j:  # priced with its first holder
+                w, b = (w, b + sizes[i]) if k == "bias" else (w + sizes[i], b)
+            out[name] = (why, w, b)
+    return out
+
+
+def _untied(spec: LayerSpec, tied: dict[str, tuple[str, int, int]]) -> LayerSpec:
+    """`spec` without the tied elements another layer holds first (`_tied`)."""
+    if spec.name not in tied:
+        return spec
+    _, w, b = tied[spec.name]
+    return replace(spec, weights=spec.weights - w, biases=spec.biases - b)
 
 
 def _saved(model: nn.Module, state: dict, x: torch.Tensor, leaves: set) -> dict[str, float]:
@@ -678,7 +717,7 @@ def _saved(model: nn.Module, state: dict, x: torch.Tensor, leaves: set) -> dict[
     ]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            torch.func.functional_call(model, state, (x,))
+            ops.call_with(model, state, x)
     except Exception:  # a forward that cannot run with gradients here: nothing known
         return {}
     finally:
@@ -716,7 +755,7 @@ def _pinned(
         ]
         try:
             with torch.no_grad():
-                out = torch.func.functional_call(model, state, (x,))
+                out = ops.call_with(model, state, x)
         except Exception as exc:  # what the forward does with another batch: named below
             return (str(exc).splitlines() or [type(exc).__name__])[0]
         finally:

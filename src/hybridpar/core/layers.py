@@ -48,7 +48,9 @@ class CostLayer:
     # global pooling's value): out of it no rows are gathered
     head_in: str | None = None  # the nn.Sequential holding the entry (core.handoff.head)
     input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
-    norms: tuple[tuple[int, bool], ...] = ()  # batch norms riding along: (channels, needs dX)
+    # batch norms riding along: (channels, needs dX, whole: on a global pooling's value, which
+    # every rank of a domain layout holds whole, so its statistics are the batch group's alone)
+    norms: tuple[tuple[int, bool, bool], ...] = ()
     # instance and group norms riding along: (statistics per example, needs dX, running
     # statistics tracked); on bands their statistics are all-reduced over the ranks holding an
     # example's bands, the running ones over the batch group
@@ -188,7 +190,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
         return CostLayer(**{**layer.__dict__, **fields, "unchanged": unchanged})
     norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
     if s.op == "batch_norm":
-        norms = (*norms, (s.in_shape[0], s.input_grad))
+        norms = (*norms, (s.in_shape[0], s.input_grad, s.whole))
     if s.op in ("instance_norm", "group_norm") and not s.whole:
         spatial = (*spatial, (s.groups, s.input_grad, s.tracked))
     if s.op == "global_pool":

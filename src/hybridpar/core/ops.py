@@ -45,6 +45,7 @@ __all__ = [
     "Matcher",
     "Op",
     "call",
+    "call_with",
     "install",
     "install_site",
     "is_plain",
@@ -52,6 +53,7 @@ __all__ = [
     "site_func",
     "site_key",
     "site_name",
+    "state_slots",
     "swapped_parameters",
     "units",
     "why_not_split",
@@ -344,12 +346,14 @@ def _first(exc: Exception) -> str:
 def _rows_apart(module: nn.Module, in_shape: tuple[int, ...], n: int, own: dict) -> str:
     g = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
-    for k, t in [*module.named_parameters(), *module.named_buffers()]:
-        if t.is_floating_point():
+    made: dict[int, torch.Tensor] = {}  # one random copy per tensor, in each slot holding it
+    for k, t in state_slots(module).items():
+        if id(t) not in made and t.is_floating_point():
             v = torch.randn(t.shape, generator=g, dtype=torch.float64)
-            state[k] = v.requires_grad_(isinstance(t, nn.Parameter))
-        else:
-            state[k] = torch.zeros(t.shape, dtype=t.dtype)
+            made[id(t)] = v.requires_grad_(isinstance(t, nn.Parameter))
+        elif id(t) not in made:
+            made[id(t)] = torch.zeros(t.shape, dtype=t.dtype)
+        state[k] = made[id(t)]
     x = torch.randn((1, *in_shape), generator=g, dtype=torch.float64)
     seen: dict[str, torch.Tensor | None] = {}
     op = own_op(module)
@@ -362,7 +366,7 @@ def _rows_apart(module: nn.Module, in_shape: tuple[int, ...], n: int, own: dict)
 
     matcher = Matcher(x, op)
     with _Swap(matcher, to):
-        y = torch.func.functional_call(module, state, (x,))
+        y = call_with(module, state, x)
     why = matcher.why_not()
     if why:
         return why
@@ -394,6 +398,34 @@ def _rows_apart(module: nn.Module, in_shape: tuple[int, ...], n: int, own: dict)
 
 def _rows(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.to(like.dtype).view(-1, *[1] * (like.dim() - 1))
+
+
+def state_slots(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer slot of `model` once, named by its module's first name: a
+    module registered under two names (MONAI's DynUNet registers its encoder twice) is one
+    module with one slot per tensor; a parameter tied into two modules is in two slots."""
+    out = {}
+    for name, m in model.named_modules():  # a module reachable twice: once
+        for k, v in [*m._parameters.items(), *m._buffers.items()]:
+            if v is not None:
+                out[f"{name}.{k}" if name else k] = v
+    return out
+
+
+def swap_module(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """`new` in every place of `model` that holds `old`, under each of its names."""
+    for parent in model.modules():
+        for child, m in list(parent._modules.items()):
+            if m is old:
+                setattr(parent, child, new)
+
+
+def call_with(model: nn.Module, state: dict[str, torch.Tensor], *args):
+    """`model(*args)` with the tensors of `state` (keys: `state_slots`') in its slots, which are
+    put back after. Each slot is swapped once (torch's tie_weights swapped a module's slots once
+    per name it has, and a module registered twice came back holding the stand-in tensors, no
+    longer Parameters, of meta ones: issue 71)."""
+    return torch.func.functional_call(model, state, args, tie_weights=False)
 
 
 @contextlib.contextmanager

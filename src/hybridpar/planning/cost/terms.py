@@ -276,13 +276,15 @@ def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> di
 
 def t_norms(layer: CostLayer, s: Style, net: Cluster | Priced) -> dict[str, Comm]:
     """The global batch norms riding along with `layer`, over the ranks that split the examples
-    of its layout (the batch group: Pc ranks; a domain layout splits the image too: all P)."""
+    of its layout (the batch group: Pc ranks; a domain layout splits the image too: all P, but
+    for a batch norm of a pooled value, whole on every rank of a model group: Pc)."""
     net = as_priced(net, s.pr * s.pc)
-    p = s.pr * s.pc if s.kind == "domain" else s.pc
-    net = net.group("batch", 1, p) if s.kind == "domain" else net.group("batch", s.pr, s.pc)
+    banded = s.kind == "domain"
     out: dict[str, Comm] = {}
-    for channels, grad in layer.norms:
-        _merge(out, t_global_bn(channels, p, net, backward=grad))
+    for channels, grad, whole in layer.norms:
+        p = s.pr * s.pc if banded and not whole else s.pc
+        group = net.group("batch", 1, p) if banded and not whole else net.group("batch", s.pr, s.pc)
+        _merge(out, t_global_bn(channels, p, group, backward=grad))
     return out
 
 

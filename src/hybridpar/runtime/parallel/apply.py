@@ -12,9 +12,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hybridpar.core import handoff
+from hybridpar.core import handoff, ops
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import tile
 from hybridpar.core.plan import ParallelPlan, Style
@@ -63,15 +64,24 @@ def context(
     return BuildContext(grids, plan.choices, options, ledger, codec=codec, device=device)
 
 
-def _set(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
+class _AsTraced:
+    """F.interpolate to the size the trace saw where the call names a size: a size read from a
+    band of rows (torchvision's heads read the input's at the top of their forward) is a
+    band's, and the call runs on a whole image (a layout after the bands)."""
+
+    def __init__(self, size: tuple[int, ...]) -> None:
+        self.size = size
+
+    def __call__(self, x, size=None, *args, **kwargs):
+        return F.interpolate(x, self.size if size is not None else None, *args, **kwargs)
 
 
 def shard(model: nn.Module, layout: Layout, styles: list[ParallelStyle]) -> None:
     """Every module of every layer becomes its style's module for this rank (a split layer its
     shard, a domain convolution or pooling its band's)."""
     done: set[str] = set()
+    banded = any(s.kind == "domain" for s in layout.segments)
+    traced = {s.name: s.out_shape[1:] for s in layout.trace.specs}
     for x in layout.layers:
         for name in x.members:
             if name in done:  # a module called twice (shared weights) is one module
@@ -79,12 +89,16 @@ def shard(model: nn.Module, layout: Layout, styles: list[ParallelStyle]) -> None
             done.add(name)
             owner, site, _ = name.partition(":")  # a function's call in a module's own forward
             if site:
-                styles[x.segment].site(name, model.get_submodule(owner), x)
+                style = styles[x.segment]
+                _, func, k = ops.site_func(name)
+                if banded and style.kind != "domain" and func is F.interpolate:
+                    ops.install_site(model.get_submodule(owner), func, k, _AsTraced(traced[name]))
+                style.site(name, model.get_submodule(owner), x)
                 continue
             old = model.get_submodule(name)
             new = styles[x.segment].shard(name, old, x)
-            if new is not old:
-                _set(model, name, new)
+            if new is not old:  # under every name of the module (a module registered twice)
+                ops.swap_module(model, old, new)
 
 
 def redistributions(model: nn.Module, layout: Layout, ctx: BuildContext) -> list:
@@ -190,12 +204,17 @@ def global_batchnorm(
         for name, m in model.named_modules()
         if isinstance(m, _BatchNorm) and name in layout.module_segment
     ]
-    groups: dict[Style, object] = {}
-    for seg in sorted({seg for _, _, seg in norms}):
-        if layout.segments[seg] not in groups:  # collective: same groups, same order, everywhere
-            groups[layout.segments[seg]] = styles[seg].bn_group()
+    # a batch norm of a pooled value (whole on every rank of a domain layout's model group):
+    # statistics over the ranks holding other examples alone (a batch style's group)
+    whole = {n for x in layout.layers for n in x.unchanged}
+    groups: dict[tuple[Style, bool], object] = {}
+    for name, _, seg in sorted(norms, key=lambda n: n[2]):
+        key = (layout.segments[seg], name in whole)
+        if key not in groups:  # collective: same groups, same order, everywhere
+            st = styles[seg]
+            groups[key] = ParallelStyle.bn_group(st) if key[1] else st.bn_group()
     for name, m, seg in norms:
-        group = groups[layout.segments[seg]]
+        group = groups[layout.segments[seg], name in whole]
         convert_global_batchnorm(
             m, group, ledger=ledger, switch=bn_switch, layer_of=layout.layer_of, prefix=name
         )

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridpar.core import ops
+
 __all__ = ["CounterDropout", "SameRandom", "Where", "counter_dropout", "uniform"]
 
 _M64 = (1 << 64) - 1
@@ -148,8 +150,8 @@ def module_key(name: str) -> int:
 
 
 def replace_dropouts(model: nn.Module, seed: int, where_of: Callable[[str], Where]) -> list[str]:
-    """Every nn.Dropout / nn.Dropout2d of `model` becomes a CounterDropout (in place); returns
-    their names."""
+    """Every nn.Dropout / nn.Dropout2d of `model` becomes a CounterDropout (in place, under
+    every name it has: keyed by its first); returns their names."""
     names = []
     for name, m in list(model.named_modules()):
         if type(m) in (nn.Dropout, nn.Dropout2d):
@@ -157,8 +159,7 @@ def replace_dropouts(model: nn.Module, seed: int, where_of: Callable[[str], Wher
                 m.p, m.inplace, type(m) is nn.Dropout2d, module_key(name), seed, where_of(name)
             )
             new.train(m.training)
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, new)
+            ops.swap_module(model, m, new)
             names.append(name)
     return names
 

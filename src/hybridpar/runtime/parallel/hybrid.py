@@ -155,10 +155,11 @@ class HybridParallel(Engine):
 
     @functools.cached_property
     def _splits(self) -> dict[str, ModelSplit]:
-        """Split parameter name -> its layer's split (fixed once the plan is applied)."""
+        """Split parameter name -> its layer's split (fixed once the plan is applied), under
+        every name of a module registered twice (the state dict has each)."""
         return {
             f"{n}.{k}": m.hybridpar_split
-            for n, m in self.module.named_modules()
+            for n, m in self.module.named_modules(remove_duplicate=False)
             if isinstance(getattr(m, "hybridpar_split", None), ModelSplit)
             for k in m.hybridpar_split.names
         }
@@ -166,8 +167,11 @@ class HybridParallel(Engine):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state_dict, shards gathered (collective: call on every rank)."""
-        splits = {id(s): (n.rpartition(".")[0], s) for n, s in self._splits.items()}
-        full = {f"{n}.{k}": v for n, s in splits.values() for k, v in s.full().items()}
+        gathered: dict[int, dict[str, torch.Tensor]] = {}
+        for s in self._splits.values():  # each split once, in the same order on every rank
+            if id(s) not in gathered:
+                gathered[id(s)] = s.full()
+        full = {n: gathered[id(s)][n.rpartition(".")[2]] for n, s in self._splits.items()}
         return {k: full[k] if k in full else v.clone() for k, v in self.module.state_dict().items()}
 
     def distributed(self, name: str, t: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
@@ -33,7 +34,8 @@ from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import checkpoint, domain, losses, memory, rounds
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.engine import Engine
-from hybridpar.runtime.parallel.layout import Layout
+from hybridpar.runtime.parallel.layout import Layout, resolve
+from hybridpar.runtime.parallel.verify import Checked, check_plan
 
 __all__ = ["HybridTrainer", "StepResult"]
 
@@ -77,7 +79,10 @@ class HybridTrainer:
     options: how the runtime runs (hybridpar.runtime.options.RuntimeOptions).
     layout: the plan already resolved against this model (`hybridpar train` resolves it once).
     head_optimizer: with `options.variable_batch`, the optimizer of the layers after the hand-off
-    sent in rounds (default: `optimizer`); `self.optimizer` is then a rounds.VariableBatch."""
+    sent in rounds (default: `optimizer`); `self.optimizer` is then a rounds.VariableBatch.
+    verify: before anything else, check the plan on a small float64 copy of the model against
+    one process (runtime/parallel/verify.py; `self.checked` says what it found); a plan that
+    computes something else stops here, naming the first module that differs."""
 
     def __init__(
         self,
@@ -91,6 +96,7 @@ class HybridTrainer:
         layout: Layout | None = None,
         input_shape: tuple[int, ...] | None = None,
         head_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        verify: bool = True,
     ) -> None:
         if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -99,6 +105,12 @@ class HybridTrainer:
             )
         self.options = options or RuntimeOptions()
         self.ledger = ledger if ledger is not None else Ledger()
+        self.checked: Checked | None = None
+        """what the plan's check before the first step ran and found (verify.py); None: off"""
+        if verify:
+            if layout is None:
+                layout = resolve(model, plan, input_shape, dist.get_world_size())
+            self.checked = check_plan(model, plan, layout, loss, self.options, type(self))
         self.model: Engine = parallelize(
             model, plan, self.options, ledger=self.ledger, layout=layout, input_shape=input_shape
         )
