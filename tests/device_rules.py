@@ -150,6 +150,9 @@ class DeviceRules(TorchFunctionMode):
         elif isinstance(target, torch.Tensor):
             if host_made(target) and out is not args[0]:
                 _tag(out)
+            elif not host_made(target) and host_made(out):  # onto the inputs' device: a copy
+                out = out.clone() if out is args[0] else out
+                object.__setattr__(out, _TAG, False)
         elif isinstance(target, torch.device):  # onto the inputs' device (a GPU's copy)
             if host_made(out):
                 out = out.clone() if out is args[0] else out

@@ -66,9 +66,10 @@ def test_resume_onto_another_grid_and_p(tmp_path, uninterrupted):
     more = f"--nproc 3 --preset grid:3x1 --epochs 2 --checkpoint-dir {ck} --resume auto"
     train(*more.split(), "--report", str(tmp_path / "r.json"))
     log = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in log] == ["plan", "resume", "epoch"]  # epoch 1 was the first run's
+    # epoch 1 was the first run's; the plan is checked again on resuming
+    assert [e["event"] for e in log] == ["plan", "check", "resume", "epoch"]
     report = json.loads((tmp_path / "r.json").read_text())
-    assert log[1]["step"] == 5 and report["procs"] == 3 and len(report["epochs"]) == 2
+    assert log[2]["step"] == 5 and report["procs"] == 3 and len(report["epochs"]) == 2
     got = torch.load(ck / "final.pt")
     for k, v in uninterrupted.items():
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)

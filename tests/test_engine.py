@@ -54,7 +54,8 @@ def _cli_steps(job):
 
 def test_the_cli_steps_through_hybrid_trainer(tmp_path):
     """Every optimizer step of `hybridpar train` is HybridTrainer.train_step: 2 epochs x 3 steps
-    on each rank. If train/ ran a step of its own this count would be 0."""
+    on each rank, after the plan's check, a step of its own copy's trainer (verify.py). If
+    train/ ran a step of its own this count would be 0."""
     from hybridpar.runtime.train.run import prepare
 
     cfg = build(
@@ -72,7 +73,7 @@ def test_the_cli_steps_through_hybrid_trainer(tmp_path):
     job = prepare(cfg)
     assert job.layout is not None and job.layout.plan is job.plan  # resolved once, in the parent
     for calls in run_ranks(_cli_steps, 2, job, timeout_s=180):
-        assert calls == [32] * 6
+        assert calls[1:] == [32] * 6 and calls[0] < 32, calls
 
 
 def test_train_has_no_step_of_its_own():

@@ -209,6 +209,7 @@ TRAIN_CONCERNS = {
         "rounds",
         "runtime.variable_batch",
         "memory_limit",
+        "verify",
     ),
     "communication": (
         "choices.codec",

@@ -128,8 +128,8 @@ class CounterDropout(nn.Module):
             stride *= shape[d]
         u = uniform(self.seed, w.step(), self.key, examples, index)
         keep = (u >= self.p).to(x.dtype)  # drawn where x lives: no host round trip
-        if self.channels:
-            keep = keep.view(n, -1, *[1] * (x.dim() - 2))
+        if self.channels:  # (n, C): of no examples too (a batch group without any)
+            keep = keep.view(n, x.shape[1], *[1] * (x.dim() - 2))
         return keep / (1 - self.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

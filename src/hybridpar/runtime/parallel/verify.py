@@ -4,8 +4,8 @@ process, which it computes itself.
 
 The copy: the model as given, deep-copied in float64; the batch and the image shrunk to the
 smallest the plan's styles still take (the image halved while the plan re-resolved for that size,
-with the same styles and grids, runs; the batch the largest Pc of the plan); a random batch, its
-targets what the loss compares. The plan runs with its styles, grids, reducer, batch norms and
+with the same styles and grids, runs, and every window stays narrower than what it slides over;
+the batch the largest Pc of the plan); a random batch, its targets what the loss compares. The plan runs with its styles, grids, reducer, batch norms and
 hand-offs; lossy choices (a codec, bf16) are left out, since they are not exact by design, and
 batch norm is global (local statistics are not one process's by design).
 
@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import tile
+from hybridpar.core.halo import bands
 from hybridpar.core.plan import ParallelPlan
+from hybridpar.core.splits import group_rows
 from hybridpar.runtime.comm.collectives import even_split
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import losses
@@ -108,7 +109,12 @@ def _smallest(model: nn.Module, plan: ParallelPlan, layout: Layout, loss, option
     for it, the batch, the one process's outputs and gradients); or why there is none. Every
     rank tries the same sizes in the same order and finds the same one (nothing collective)."""
     choices = plan.choices.with_(codec="none", amp="none", bn="global")
-    least = max(s.pc for s in layout.segments)
+    # the least batch that gives every batch group of every layout an example
+    least = next(
+        b
+        for b in range(max(s.pc for s in layout.segments), plan.batch + 1)
+        if b == plan.batch or all(min(group_rows(b, s.pr, s.pc)) for s in layout.segments)
+    )
     batches = [plan.batch] if layout.handoffs else sorted({least, plan.batch})
     why = "no smaller copy runs"
     for batch in batches:
@@ -122,6 +128,8 @@ def _smallest(model: nn.Module, plan: ParallelPlan, layout: Layout, loss, option
             except ConfigError as exc:
                 why = str(exc)
                 continue
+            if shape != layout.trace.in_shape and not _roomy(small_layout):
+                continue
             try:  # one process's step: a size the model itself cannot take is passed over
                 reference = _reference(model, small_layout, loss, options)
             except (RuntimeError, ValueError) as exc:
@@ -131,6 +139,20 @@ def _smallest(model: nn.Module, plan: ParallelPlan, layout: Layout, loss, option
                 return reference
             return (small, small_layout, *reference)
     return f"the plan does not run on a copy with global batch norm and no codec ({why})"
+
+
+def _roomy(layout: Layout) -> bool:
+    """Whether every window (a convolution's, a pooling's) is narrower than what it slides over:
+    on a smaller copy a window covering all of it gives every pixel the same value, and a batch
+    norm of such a channel normalises a constant (a ReLU after it then flips on rounding)."""
+    for s in layout.trace.specs:
+        if s.kernel is None or s.kind not in ("conv", "pool") or s.rows[:1] == ("transposed",):
+            continue
+        dilation = s.dilation or (1,) * len(s.kernel)
+        sides = zip(s.in_shape[1:], s.kernel, dilation, strict=False)
+        if any(k > 1 and side < d * (k - 1) + 2 for side, k, d in sides):
+            return False
+    return True
 
 
 def _reference(model: nn.Module, layout: Layout, loss, options):
@@ -199,7 +221,7 @@ def _compare(model, plan, layout, data, want, value, grads, loss, trainer, optio
     shape, batch = tuple(layout.trace.in_shape), plan.batch
     x, y = data
     # the plan: a copy of its own, its own ledger and a step that changes nothing
-    quiet = replace(options, compile=False)
+    quiet = replace(options, compile=False, variable_batch=False)
     par = copy.deepcopy(model).to(torch.float64)
     inner = trainer(
         par, plan, _standstill, loss, quiet, layout=layout, input_shape=shape, verify=False
@@ -252,7 +274,8 @@ def _outputs(inner, want: list, got: list, n: int) -> list[tuple]:
 
 def _part(engine, layout: Layout, name: str, full: torch.Tensor, local: torch.Tensor, n: int):
     """(the style of `name`'s layer, the part of the one process's output `full` this rank
-    holds: its examples, and its band or tile where `local` is one)."""
+    holds: its examples, and where `local` is a band (or a tile) of them, its rows and columns
+    (those split: a dimension of another size each, rows first), wherever a permute put them)."""
     layer = layout.layer_of.get(name)
     spec = layout.styles.get(layer) if layer is not None else None
     styles = getattr(engine, "styles", None)
@@ -261,11 +284,14 @@ def _part(engine, layout: Layout, name: str, full: torch.Tensor, local: torch.Te
     seg = next(x.segment for x in layout.layers if x.name == layer)
     grid = styles[seg].grid
     part = full[grid.rows(even_split(n, engine.plan.procs))]
-    if part.shape == local.shape or spec.kind != "domain" or part.dim() not in (4, 5):
+    other = [d for d in range(1, part.dim()) if d < local.dim() and part.shape[d] != local.shape[d]]
+    if spec.kind != "domain" or not other or len(other) > 2 or part.dim() != local.dim():
         return str(spec), part
-    band = tile(tuple(part.shape[2:]), spec.pr, spec.pw, grid.r)
-    for d, (lo, hi) in enumerate(band if isinstance(band[0], tuple) else (band,)):
-        part = part.narrow(2 + d, lo, hi - lo)
+    i, j = divmod(grid.r, spec.pw)
+    cuts = [(k, parts) for k, parts in ((i, spec.pr // spec.pw), (j, spec.pw)) if parts > 1]
+    for d, (k, parts) in zip(other, cuts, strict=False):
+        lo, hi = bands(part.shape[d], parts)[k]
+        part = part.narrow(d, lo, hi - lo)
     return str(spec), part
 
 

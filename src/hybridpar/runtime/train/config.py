@@ -114,6 +114,13 @@ class TrainConfig:
         "a checkpoint (or a --checkpoint-dir) to go on from, on this or another plan and P; "
         "auto: --checkpoint-dir's latest if there is one (what a torchrun restart wants)",
     )
+    verify: bool = meta(
+        True,
+        "before the first step, check the plan on a small float64 copy of the model against one "
+        "process (a plan that computes something else stops, naming the first module that "
+        "differs)",
+        flag="--no-verify",
+    )
     quiet: bool = meta(False, "no live lines on stdout (the log next to --report still has them)")
     progress: bool = meta(True, "a progress bar on a terminal", flag="--no-progress")
     max_steps: int | None = meta(None, "cap the steps per epoch (benchmarks)", positive=True)

@@ -350,6 +350,7 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
         options=cfg.runtime,
         layout=_layout(job, model, plan),
         head_optimizer=head_optimizer,
+        verify=job.cfg.verify,
     )
 
 
@@ -410,6 +411,10 @@ def train_worker(job: Job) -> dict | None:
     plan = job.plan if job.plan is not None and not under_torchrun() else agreed_plan(job)
     log = Progress(cfg, plan) if rank == 0 else None
     trainer = make_trainer(job, plan)
+    if log is not None and trainer.checked is not None:
+        c = trainer.checked
+        record = {"event": "check", "seconds": c.seconds, "skipped": c.skipped}
+        log.write({**record, "batch": c.batch, "shape": list(c.shape)}, str(c))
     data = load_data(cfg.data, job.input_shape, job.num_classes, seed=cfg.runtime.seed)
     data = data.to(trainer.device)
     pos = Position.of(trainer.load(job.resume) if job.resume else None)
