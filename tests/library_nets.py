@@ -181,7 +181,9 @@ class _Basic(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.down = None
         if stride != 1 or cin != cout:
-            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
@@ -193,13 +195,18 @@ class PSPNetish(nn.Module):
 
     def __init__(self, c: int = 4) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU()
+        )
         self.layer1 = _Basic(c, c)
         self.layer2 = _Basic(c, 2 * c, 2)
         self.layer3 = _Basic(2 * c, 2 * c, 2)
         self.stages = nn.ModuleList(
             nn.Sequential(
-                nn.AdaptiveAvgPool2d(b), nn.Conv2d(2 * c, c, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU()
+                nn.AdaptiveAvgPool2d(b),
+                nn.Conv2d(2 * c, c, 1, bias=False),
+                nn.BatchNorm2d(c),
+                nn.ReLU(),
             )
             for b in self.BINS
         )
@@ -222,7 +229,10 @@ class PSPNetish(nn.Module):
 class _ASPPPooling(nn.Sequential):
     def __init__(self, cin: int, cout: int) -> None:
         super().__init__(
-            nn.AdaptiveAvgPool2d(1), nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()
+            nn.AdaptiveAvgPool2d(1),
+            nn.Conv2d(cin, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,7 +247,9 @@ class _Backbone(nn.Module):
 
     def __init__(self, c: int) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU()
+        )
         self.layer1 = _Basic(c, 2 * c, 1)
         self.layer2 = _Basic(2 * c, 2 * c, 1, dilation=2)
 
@@ -257,7 +269,9 @@ class DeepLabish(nn.Module):
                 _ASPPPooling(2 * c, c),
             ]
         )
-        self.project = nn.Sequential(nn.Conv2d(4 * c, c, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.project = nn.Sequential(
+            nn.Conv2d(4 * c, c, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU()
+        )
         self.classifier = nn.Conv2d(c, CLASSES, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -584,9 +584,10 @@ def _trace_device(dtype: torch.dtype, input_shape: tuple[int, ...], state: int) 
     return "cpu" if small and dtype in (torch.float32, torch.float64) else "meta"
 
 
-def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
+def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int], memory: bool = True) -> Trace:
     """Run `model` once for two inputs of `input_shape` (per sample, no batch dim) and return its
-    leaf calls, segments and parameter uses: on meta tensors, where a 100-million-parameter model
+    leaf calls, segments and parameter uses (and, with `memory`, what autograd keeps for
+    backward: one more forward): on meta tensors, where a 100-million-parameter model
     costs nothing, or on zeros on the CPU for a small one (`SMALL_STATE`, `SMALL_INPUT`). The
     model itself is not modified."""
     input_shape = tuple(int(s) for s in input_shape)
@@ -652,7 +653,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int]) -> Trace:
     cuts = [s.entry for s in traced.specs if s.entry]
     batched = isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2
     pinned = _pinned(model, state, x, cuts, batched)
-    saved = _saved(model, state, x, hooks.leaves)
+    saved = _saved(model, state, x, hooks.leaves) if memory else {}
     traced.specs = [
         replace(s, pinned=pinned.get(s.entry or "", ""), saved=saved.get(s.name, 0.0))
         for s in traced.specs

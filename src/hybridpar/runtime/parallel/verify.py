@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.core.analysis import trace
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import bands
 from hybridpar.core.plan import ParallelPlan
@@ -117,14 +118,16 @@ def _smallest(model: nn.Module, plan: ParallelPlan, layout: Layout, loss, option
     )
     batches = [plan.batch] if layout.handoffs else sorted({least, plan.batch})
     why = "no smaller copy runs"
+    full = tuple(layout.trace.in_shape)
     for batch in batches:
-        for shape in _shapes(tuple(layout.trace.in_shape)):
+        for shape in [s for s in _shapes(full) if _high(layout, s[1] / full[1])]:
             small = replace(
                 plan, batch=batch, input_shape=shape, choices=choices, predicted=[], totals={}
             )
             small.memory_bytes = None
             try:
-                small_layout = resolve(model, small, shape, plan.procs)
+                traced = trace(model, shape, memory=False)
+                small_layout = resolve(model, small, shape, plan.procs, traced)
             except ConfigError as exc:
                 why = str(exc)
                 continue
@@ -139,6 +142,19 @@ def _smallest(model: nn.Module, plan: ParallelPlan, layout: Layout, loss, option
                 return reference
             return (small, small_layout, *reference)
     return f"the plan does not run on a copy with global batch norm and no codec ({why})"
+
+
+def _high(layout: Layout, scale: float) -> bool:
+    """Whether the activations of every layer split by height would still have a row per part
+    at `scale` times the height (a quick look before the trace that decides it)."""
+    for x in layout.layers:  # the heights core.rules' domain rule reads
+        s = layout.styles[x.name]
+        whole = x.name in x.unchanged or len(x.x_shape) < 3
+        heights = [] if whole else [x.x_shape[1], x.y_shape[1]]
+        heights += [w[6] for w in x.windows] + [w[5] for w in x.windows if w[9] != "spread"]
+        if s.kind == "domain" and heights and min(heights) * scale < s.pr // s.pw:
+            return False
+    return True
 
 
 def _roomy(layout: Layout) -> bool:
@@ -162,7 +178,7 @@ def _reference(model: nn.Module, layout: Layout, loss, options):
     p = next(model.parameters(), None)
     device = p.device if p is not None else torch.device("cpu")
     x, y = _batch(shape, batch, tuple(layout.trace.out_shape), loss, device)
-    ref = counter_dropout(copy.deepcopy(model).to(torch.float64), options.seed)
+    ref = counter_dropout(_copy64(model), options.seed)
     ref.train()
     seen = _Outputs(ref, _leaves(layout))
     before = torch.get_rng_state()
@@ -176,6 +192,17 @@ def _reference(model: nn.Module, layout: Layout, loss, options):
     grads = {n: q.grad for n, q in ref.named_parameters()}
     grads.update({n: b for n, b in ref.named_buffers() if b.is_floating_point()})
     return (x, y), seen.calls, value.detach(), grads
+
+
+def _copy64(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose floating parameters and buffers are float64 copies (each
+    made once, whatever shares it), the rest copied as it is."""
+    memo: dict[int, object] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point() and id(t) not in memo:
+            new = t.detach().to(torch.float64, copy=True)
+            memo[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+    return copy.deepcopy(model, memo)
 
 
 def _leaves(layout: Layout) -> set[str]:
@@ -222,7 +249,7 @@ def _compare(model, plan, layout, data, want, value, grads, loss, trainer, optio
     x, y = data
     # the plan: a copy of its own, its own ledger and a step that changes nothing
     quiet = replace(options, compile=False, variable_batch=False)
-    par = copy.deepcopy(model).to(torch.float64)
+    par = _copy64(model)
     inner = trainer(
         par, plan, _standstill, loss, quiet, layout=layout, input_shape=shape, verify=False
     )
