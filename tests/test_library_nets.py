@@ -201,7 +201,7 @@ def test_a_tied_weight_is_priced_once_and_never_split():
     layers = {x.name: x for x in cost_layers(analyze(model, (3, 13, 10)))}
     assert layers["dec"].params == model.dec.bias.numel()
     assert layers["enc"].params == model.enc.weight.numel() + model.enc.bias.numel()
-    with pytest.raises(ConfigError, match="enc cannot take model.*tied"):
+    with pytest.raises(ConfigError, match=r"enc cannot take model.*tied"):
         plan_for(model, (3, 13, 10), 2, 1, NET, scenarios=["model"]).export()
 
 
