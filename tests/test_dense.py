@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from device_rules import DeviceRules
-from dist_helpers import run_ranks
+from dist_helpers import bytes_are_predicted, run_ranks
 from nets import (
     AtrousPyramid,
     ChannelsLast,
@@ -186,7 +186,7 @@ def _as_one_process(name, h, b, loss, P, pr, pw, ruled, label, cycle=()) -> Hybr
     for k, v in want.items():
         torch.testing.assert_close(state[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
     torch.testing.assert_close(got, want_losses, rtol=1e-9, atol=0, msg=label)
-    _bytes_are_predicted(t.ledger, plan, label)
+    bytes_are_predicted(t.ledger, plan, label, STEPS)
     return t
 
 
@@ -226,22 +226,8 @@ def _classify(P: int, pw: int = 1) -> int:
         got, label = t.full_state_dict(), f"classifier, head {head}, P={P}, {pw} tile columns"
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{label}: {k}")
-        _bytes_are_predicted(t.ledger, plan, label)
+        bytes_are_predicted(t.ledger, plan, label, STEPS)
     return 2
-
-
-def _bytes_are_predicted(ledger, plan, label: str) -> None:
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, ledger.bytes_by_layer_term())
-    measured: dict = {}
-    for d in every:
-        for k, v in d.items():
-            if k[1] != "metrics":
-                measured[k] = measured.get(k, 0.0) + v / STEPS / len(every)
-    predicted = plan.predicted_bytes(by_layer=True)
-    assert set(measured) == set(predicted), f"{label}: {set(measured) ^ set(predicted)}"
-    for k, v in predicted.items():
-        assert measured[k] == pytest.approx(v, rel=1e-12), f"{label}: {k}"
 
 
 @pytest.mark.parametrize("P", [2, 3, 4])

@@ -17,8 +17,7 @@ Root causes, each with a test that fails on c7baddc:
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_helpers import run_ranks
+from dist_helpers import bytes_are_predicted, run_ranks
 from library_nets import (
     CLASSES,
     DeepLabish,
@@ -99,7 +98,8 @@ def _mixed(name: str, P: int, first: Style, then: Style, k: int):
 
 def _plans(name: str, P: int) -> dict:
     """label -> plan: each scenario's export (those that fit), and bands followed by channel
-    splits and by batch splits, and channel splits followed by bands."""
+    splits and by batch splits, channel splits followed by bands; on an even P, tiles, and tiles
+    followed by channel splits."""
     _, shape, b = NETS[name]
     out = {}
     for scenario in SCENARIOS:
@@ -107,25 +107,15 @@ def _plans(name: str, P: int) -> dict:
         if r.scenario(scenario).feasible:
             out[scenario] = r.export(r.scenario(scenario))
     dom, mod, bat = Style.domain(P, 1), Style.model(P, 1), Style.batch(P)
-    for first, then, k in ((dom, mod, 1), (dom, mod, 3), (dom, bat, 2), (mod, dom, 1)):
+    mixes = [(dom, mod, 1), (dom, mod, 3), (dom, bat, 2), (mod, dom, 1)]
+    if P % 2 == 0 and len(shape) == 3:  # tiles of 2-d images: P/2 x 2
+        tiles = Style.domain(P, 1, 2)
+        mixes += [(tiles, tiles, 99), (tiles, mod, 2)]
+    for first, then, k in mixes:
         plan = _mixed(name, P, first, then, k)
         if plan is not None:
             out[f"{first}>{then}@{k}"] = plan
     return out
-
-
-def _bytes_are_predicted(ledger, plan, label: str) -> None:
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, ledger.bytes_by_layer_term())
-    measured: dict = {}
-    for d in every:
-        for k, v in d.items():
-            if k[1] != "metrics":
-                measured[k] = measured.get(k, 0.0) + v / STEPS / len(every)
-    predicted = plan.predicted_bytes(by_layer=True)
-    assert set(measured) == set(predicted), f"{label}: {set(measured) ^ set(predicted)}"
-    for k, v in predicted.items():
-        assert measured[k] == pytest.approx(v, rel=1e-12), f"{label}: {k}"
 
 
 def _train(P: int, names: list[str]) -> list[str]:
@@ -143,14 +133,19 @@ def _train(P: int, names: list[str]) -> list[str]:
             for k, v in want.items():
                 assert got[k].shape == v.shape, f"{tag}: {k} {tuple(got[k].shape)}"
                 torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{tag}: {k}")
-            _bytes_are_predicted(t.ledger, plan, tag)
+            bytes_are_predicted(t.ledger, plan, tag, STEPS)
             done.append(tag)
     return done
 
 
-@pytest.mark.parametrize("P", [2, 3])
+# every net on 2 ranks; on 3 the 2-d ones but the sliced encoder; on 4 (2 x 2 tiles) three
+WHICH = {2: list(NETS), 3: ["nnunet", "tied", "psp", "deeplab", "sizeread"]}
+WHICH[4] = ["nnunet", "psp", "sizeread"]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
 def test_library_shaped_nets_train_as_one_process_under_every_plan(P):
-    names = list(NETS) if P == 2 else ["nnunet", "tied", "psp", "deeplab", "sizeread"]
+    names = WHICH[P]
     done = run_ranks(_train, P, P, names, timeout_s=600)[0]
     assert {d.split()[0] for d in done} == set(names), done
     assert any(">" in d and d.startswith("psp") for d in done), done  # a size read after bands

@@ -792,7 +792,8 @@ class SpaceReduction:
         adaptive average pooling, or over the whole image or volume (one cell): the regions'
         sums over the bands, (N, C, k, m)."""
         k, m = self.cells if math.prod(self.cells) > 1 else (1, 1)
-        flat = x.reshape(*x.shape[:3], -1)  # a volume's depth slices as rows of H x W
+        # a volume's depth slices as rows of H x W (sized: a batch group may hold no example)
+        flat = x.reshape(*x.shape[:3], math.prod(x.shape[3:]))
         span = self.span or (0, self.rest)
         rows, cols = _regions(self.rows, k, *self.band, x), _regions(self.rest, m, *span, x)
         y = _RegionSum.apply(flat, rows, cols, self.via)
