@@ -4,7 +4,7 @@ from torch import nn
 
 from hybridpar.core.analysis import analyze, trace
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.layers import cost_layers
+from hybridpar.core.layers import Norm, cost_layers
 from hybridpar.core.models import MODELS, build_model, input_shape
 
 
@@ -155,7 +155,7 @@ def test_a_value_alive_to_the_end_joins_everything_after_it():
 def test_batch_norm_rides_with_the_layer_of_its_segment():
     layers = cost_layers(analyze(meta("resnet20", input_size=8), (3, 8, 8)))
     stem, first = layers[0], layers[1]
-    assert stem.members == ("conv1", "bn1", "relu") and stem.norms == ((16, True, False),)
+    assert stem.members == ("conv1", "bn1", "relu") and stem.norms == (Norm(16, True),)
     assert first.name == "layer1.0.conv1" and first.entry == "layer1.0"
     assert {x.segment for x in layers if x.name.startswith("layer2.1.")} == {first.segment + 4}
 

@@ -38,7 +38,7 @@ from hybridpar.core.analysis import analyze
 from hybridpar.core.choices import Choices
 from hybridpar.core.cluster import Cluster, load_cluster
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import Resample, Transposed, Window, bands, tile
+from hybridpar.core.halo import Pooled, Resample, Transposed, Window, bands, tile
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.models import UNet
 from hybridpar.core.plan import Style
@@ -415,7 +415,7 @@ def _ties(pw: int = 1) -> None:
         whole = x.clone().requires_grad_()
         (torch_max(whole) * g).sum().backward()
         band = x[:, :, lo:hi, c0:c1].clone().requires_grad_()
-        pool = ("m", how, 3, 7, True, (1, 1), 4)
+        pool = Pooled("m", how, 3, 7, True, (1, 1), 4)
         y = SpaceReduction(pool, True, group, None, "m", pw)(band)
         torch.testing.assert_close(y, torch_max(x), rtol=0, atol=0)
         (y * g * (dist.get_rank() == 0)).sum().backward()  # the ranks' parts of the gradient

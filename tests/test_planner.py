@@ -238,7 +238,7 @@ def test_global_batch_norm_is_priced_over_each_layouts_batch_group():
     P, B = 4, 16
     r = make_plan("resnet20", P, B, KNL, scenarios=["batch", "fc-grid"], input_size=8)
     batch = r.scenario("batch")
-    channels = [c for x in batch.layers for c, *_ in x.layer.norms]
+    channels = [n.size for x in batch.layers for n in x.layer.norms]
     assert len(channels) == 19
     stats = sum(2 * (P - 1) / P * (2 * c + 1) * 8 for c in channels)
     assert batch.bytes_by_term()["bn_stats"] == pytest.approx(stats)

@@ -16,7 +16,7 @@ from dist_helpers import run_ranks
 from hybridpar.commands import validate as val
 from hybridpar.commands.validate import Candidate, candidates, contested, spearman, summarize
 from hybridpar.core.cluster import PRESETS, Cluster
-from hybridpar.core.layers import CostLayer
+from hybridpar.core.layers import CostLayer, Norm
 from hybridpar.core.plan import Style
 from hybridpar.planning import profile as prof
 from hybridpar.planning.cost.compute import ProfileModel, style_times
@@ -581,7 +581,7 @@ def test_shared_memory_collectives_take_their_share_of_a_crowded_host(cache):
     # a 16-core host runs 4 ranks a core each: as measured
     roomy = _from_mapping({**base, "cores": 16, "by_procs": {"4": four}}, "test")
     assert roomy.priced(4).small_alpha == 5e-5
-    normed = dataclasses.replace(LAYER, norms=((16, True, False),))
+    normed = dataclasses.replace(LAYER, norms=(Norm(16, True),))
     bn = plan_layers([normed], PlanRequest(4, 16, host, scenarios=["batch"], grad_bucket=None))
     assert bn.best.layers[0].terms[Term.BN_STATS].seconds == pytest.approx(1e-4)
 
@@ -634,7 +634,7 @@ def test_a_run_without_shared_memory_is_priced_as_it_runs(cache, train_job):
     assert "shared_memory" not in cluster.to_dict()
     asks = {k: plans.request(jobs[k], cluster, 4, 16) for k in (True, False)}
     assert asks[True].priced().shm_paths and not asks[False].priced().shm_paths
-    normed = dataclasses.replace(LAYER, norms=((16, True, False),))
+    normed = dataclasses.replace(LAYER, norms=(Norm(16, True),))
     bn = {
         k: plan_layers([normed], dataclasses.replace(r, scenarios=("batch",), grad_bucket=None))
         .best.layers[0]

@@ -38,14 +38,15 @@ from dataclasses import dataclass
 
 __all__ = [
     "TILED",
+    "Pooled",
     "Resample",
     "RowMap",
+    "Span",
     "Spread",
     "Transposed",
     "Window",
     "bands",
     "printed_halo_rows",
-    "row_map",
     "tile",
 ]
 
@@ -248,18 +249,55 @@ def _resample_span(mode, align, scale, h_in, h_out) -> tuple[tuple[int, ...], tu
     return tuple(first.tolist()), tuple(last.tolist())
 
 
-def row_map(w: tuple) -> RowMap:
-    """The row map of one entry of CostLayer.windows: (module, kernel, stride, padding,
-    dilation, H in, H out, C in, W in, how, extra) with how "" (a sliding window), "ceil" (a
-    pooling with ceil_mode), "transposed" (extra: the output padding) or "resample" (extra:
-    (mode, align_corners, height scale or None)) or "spread" (the same, of a whole value))."""
-    _, k, s, p, d, h_in, h_out, _, _, how, extra = w
-    if how == "transposed":
-        return Transposed(k, s, p, d, h_in, extra)
-    if how in ("resample", "spread"):
-        mode, align, scale = extra[:3]
-        return (Spread if how == "spread" else Resample)(mode, align, scale, h_in, h_out)
-    return Window(k, s, p, d, h_in, how == "ceil")
+@dataclass(frozen=True)
+class Span:
+    """How one leaf's output reads its input along one split axis (the height; the width for
+    tiles; a volume's depth): its window, the sizes in and out, and what one row holds. What a
+    CostLayer's `windows` (rows) and `cols` (columns) hold, one per leaf that reads other rows:
+    the runtime's halo and the cost model's bytes both come from `row_map()`."""
+
+    member: str  # the leaf (a module's name, or a function call's site: core.ops.site_name)
+    kernel: int
+    stride: int
+    padding: int  # each side
+    dilation: int
+    size_in: int  # rows in (H in)
+    size_out: int  # rows out (H out)
+    channels: int  # C in
+    across: int  # elements of one row of one channel (W in; a volume's H x W)
+    how: str = ""  # "" a sliding window, "ceil" a pooling with ceil_mode, "transposed",
+    # "resample" (an interpolation), "spread" (the same, of a whole value)
+    extra: object = None  # transposed: the output padding; resample/spread: (mode,
+    # align_corners, scale or None)
+
+    def row_map(self) -> RowMap:
+        k, s, p, d, h_in = self.kernel, self.stride, self.padding, self.dilation, self.size_in
+        if self.how == "transposed":
+            return Transposed(k, s, p, d, h_in, self.extra)
+        if self.how in ("resample", "spread"):
+            mode, align, scale = self.extra[:3]
+            cls = Spread if self.how == "spread" else Resample
+            return cls(mode, align, scale, h_in, self.size_out)
+        return Window(k, s, p, d, h_in, self.how == "ceil")
+
+    @property
+    def whole_in(self) -> bool:
+        """Its input is a whole value (every rank holds all its rows)."""
+        return self.how == "spread"
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """A global pooling riding along with a layer (core.rows.global_pool): on bands its sums are
+    all-reduced over the ranks holding an example's bands."""
+
+    member: str
+    how: str  # avg, sum, max, first
+    channels: int
+    rows: int  # the height it pools over
+    grad: bool  # its input needs a gradient
+    cells: tuple[int, ...]  # (1, 1), or (k, l) of an adaptive average pooling
+    rest: int  # elements of one row (W; a volume's H x W)
 
 
 def printed_halo_rows(kernel: int) -> int:

@@ -16,11 +16,32 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hybridpar.core.errors import ConfigError
+from hybridpar.core.halo import Pooled, Span
 
 if TYPE_CHECKING:
     from hybridpar.core.analysis import LayerSpec
 
-__all__ = ["CostLayer", "cost_layers"]
+__all__ = ["CostLayer", "Norm", "Unswapped", "cost_layers"]
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A normalisation riding along with a layer."""
+
+    size: int  # a batch norm's channels; an instance or group norm's statistics per example
+    grad: bool  # its input needs a gradient (dX)
+    whole: bool = False  # a batch norm of a pooled value, which every rank of a domain layout
+    # holds whole: its statistics are the batch group's alone
+    tracked: bool = False  # an instance norm's running statistics
+
+
+@dataclass(frozen=True)
+class Unswapped:
+    """A member whose own operation a style cannot swap (core.ops), and why."""
+
+    member: str
+    op: str
+    why: str
 
 
 @dataclass(frozen=True)
@@ -48,13 +69,10 @@ class CostLayer:
     # global pooling's value): out of it no rows are gathered
     head_in: str | None = None  # the nn.Sequential holding the entry (core.handoff.head)
     input_grad: bool = True  # False for the first layer: nothing is back-propagated into the input
-    # batch norms riding along: (channels, needs dX, whole: on a global pooling's value, which
-    # every rank of a domain layout holds whole, so its statistics are the batch group's alone)
-    norms: tuple[tuple[int, bool, bool], ...] = ()
-    # instance and group norms riding along: (statistics per example, needs dX, running
-    # statistics tracked); on bands their statistics are all-reduced over the ranks holding an
-    # example's bands, the running ones over the batch group
-    spatial_norms: tuple[tuple[int, bool, bool], ...] = ()
+    norms: tuple[Norm, ...] = ()  # batch norms riding along
+    # instance and group norms riding along: on bands their statistics are all-reduced over the
+    # ranks holding an example's bands, the running ones over the batch group
+    spatial_norms: tuple[Norm, ...] = ()
     op: str = ""  # what the weighted module is: linear, conv2d, conv1d, conv3d, conv_transpose
     groups: int = 1  # a convolution's groups
     padding_mode: str = "zeros"
@@ -62,25 +80,20 @@ class CostLayer:
     # what in this layer's segment does not run on a band of rows (core.rows): the domain
     # style needs it empty (on bands: those not starting with core.halo.TILED)
     blockers: tuple[str, ...] = ()
-    # the row maps along the height in this layer (the convolution, poolings and resamplings
-    # riding along), in forward order: (module, kernel, stride, padding, dilation, H in, H out,
-    # C in, W in, how, extra); the domain style's halos follow from them (core.halo.row_map)
-    windows: tuple[tuple, ...] = ()
-    # the same along the width of 2-d images, for tiles: (module, kernel, stride, padding,
-    # dilation, W in, W out, C in, H in, how, extra)
-    cols: tuple[tuple, ...] = ()
+    # how the leaves of this layer that read other rows (the convolution, poolings and
+    # resamplings riding along) read them along the height, in forward order; the domain
+    # style's halos follow from them (core.halo.Span.row_map)
+    windows: tuple[Span, ...] = ()
+    cols: tuple[Span, ...] = ()  # the same along the width of 2-d images, for tiles
     # why the weighted module cannot be split by output units (core.ops.why_not_split), and the
-    # members whose own operation a style cannot swap: (member, operation, why) (core.ops)
+    # members whose own operation a style cannot swap (core.ops)
     unsplit: str = ""
-    own: tuple[tuple[str, str, str], ...] = ()
+    own: tuple[Unswapped, ...] = ()
     pinned: str = ""  # on a segment's first layer: why its batch groups may not change there
     loose: tuple[str, ...] = ()  # parameters no module of the layer holds, priced with it
     # per member, what autograd keeps for backward per sample (elements; core.analysis._saved)
     saved: tuple[tuple[str, float], ...] = ()
-    # global poolings riding along: (member, how (core.rows.global_pool), channels, height,
-    # needs dX, output cells (1, 1) or (k, l), elements of a row); on bands their sums are
-    # all-reduced over the ranks holding an example's bands
-    pools: tuple[tuple[str, str, int, int, bool, tuple[int, ...], int], ...] = ()
+    pools: tuple[Pooled, ...] = ()  # global poolings riding along (core.halo.Pooled)
     # members (the weighted module included) that run unchanged on every rank of a domain
     # layout: on a global pooling's value (whole there), or over the channels of a band a
     # permute made channels-last (its rows kept apart)
@@ -98,10 +111,17 @@ class CostLayer:
 
     @staticmethod
     def from_dict(d: dict) -> CostLayer:
+        """The layer `dataclasses.asdict` (JSON) gave."""
+
         def tup(v):
             return tuple(tup(x) for x in v) if isinstance(v, list) else v
 
-        return CostLayer(**{k: tup(v) for k, v in d.items()})
+        records = {"windows": Span, "cols": Span, "pools": Pooled, "norms": Norm}
+        records.update(spatial_norms=Norm, own=Unswapped)
+        out = {k: tup(v) for k, v in d.items()}
+        for k, cls in records.items():
+            out[k] = tuple(cls(**{a: tup(b) for a, b in r.items()}) for r in d.get(k, ()))
+        return CostLayer(**out)
 
 
 def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
@@ -155,9 +175,9 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
     return out
 
 
-def _window(s: LayerSpec, axis: int = 0) -> tuple[tuple, ...]:
-    """The row map of a 2-d convolution, pooling or resampling leaf, as CostLayer.windows holds
-    it (core.halo.row_map reads it); `axis` 1: its column map (a 2-d leaf's, CostLayer.cols)."""
+def _window(s: LayerSpec, axis: int = 0) -> tuple[Span, ...]:
+    """How a 2-d convolution, pooling or resampling leaf reads rows, as CostLayer.windows holds
+    it; `axis` 1: its columns (a 2-d leaf's, CostLayer.cols)."""
     dims = len(s.in_shape) - 1
     if s.kernel is None or len(s.kernel) != dims or dims not in (2, 3) or s.padding is None:
         return ()
@@ -174,13 +194,13 @@ def _window(s: LayerSpec, axis: int = 0) -> tuple[tuple, ...]:
         extra = h_out - ((h - 1) * st - 2 * p + d * (k - 1) + 1)
     elif how in ("resample", "spread") and axis:
         extra = (*extra[:2], extra[3])  # the width's scale
-    return ((s.name, k, st, p, d, h, h_out, c, w, how, extra),)
+    return (Span(s.name, k, st, p, d, h, h_out, c, w, how, extra),)
 
 
 def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     """`s` folded into `layer` (members in forward order); the weighted layer itself adds its
     name (and its height window)."""
-    own = (*layer.own, (s.name, s.op, s.own)) if s.own else layer.own
+    own = (*layer.own, Unswapped(s.name, s.op, s.own)) if s.own else layer.own
     saved = (*layer.saved, (s.name, s.saved))
     unchanged = (*layer.unchanged, s.name) if s.whole or s.permuted else layer.unchanged
     if weighted:
@@ -190,12 +210,13 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
         return CostLayer(**{**layer.__dict__, **fields, "unchanged": unchanged})
     norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
     if s.op == "batch_norm":
-        norms = (*norms, (s.in_shape[0], s.input_grad, s.whole))
+        norms = (*norms, Norm(s.in_shape[0], s.input_grad, whole=s.whole))
     if s.op in ("instance_norm", "group_norm") and not s.whole:
-        spatial = (*spatial, (s.groups, s.input_grad, s.tracked))
+        spatial = (*spatial, Norm(s.groups, s.input_grad, tracked=s.tracked))
     if s.op == "global_pool":
         rest = math.prod(s.in_shape[2:])
-        pools = (*pools, (s.name, s.rows[1], *s.in_shape[:2], s.input_grad, s.out_shape[1:], rest))
+        pool = Pooled(s.name, s.rows[1], *s.in_shape[:2], s.input_grad, s.out_shape[1:], rest)
+        pools = (*pools, pool)
     loose = sum(n for _, n in s.loose)
     return CostLayer(
         **{

@@ -82,8 +82,8 @@ def _domain(layer: CostLayer, s: Style) -> str:
             "split by height; give it batch or model"
         )
     if layer.own:
-        member, _, why = layer.own[0]
-        return f"{layer.name} cannot take {s}: {member}: {why}; give it batch or model"
+        first = layer.own[0]
+        return f"{layer.name} cannot take {s}: {first.member}: {first.why}; give it batch or model"
     blockers = [b for b in layer.blockers if s.pw > 1 or not b.startswith(TILED)]
     if blockers:
         bands = " or bands of rows (domain(RxC))" if blockers[0].startswith(TILED) else ""
@@ -102,7 +102,7 @@ def _domain(layer: CostLayer, s: Style) -> str:
         if parts == 1:
             continue
         sizes = [] if whole else [layer.x_shape[axis], layer.y_shape[axis]]
-        sizes += [w[6] for w in maps] + [w[5] for w in maps if w[9] != "spread"]
+        sizes += [w.size_out for w in maps] + [w.size_in for w in maps if not w.whole_in]
         least = min(sizes or [parts])  # a layer on a whole value alone: nothing to split
         who = "Pr" if s.pw == 1 else "H" if axis == 1 else "W"
         if parts > least:
@@ -158,10 +158,10 @@ def why_not_choices(
             "(--compress grads) or give the convolutions batch or model"
         )
     if choices.bn != "local":
-        norm = next((o for x in layers for o in x.own if o[1] == "batch_norm"), None)
+        norm = next((o for x in layers for o in x.own if o.op == "batch_norm"), None)
         if norm is not None:
             return (
-                f"{norm[0]}: {norm[2]}, so its statistics cannot be taken over ranks "
+                f"{norm.member}: {norm.why}, so its statistics cannot be taken over ranks "
                 f"(--bn {choices.bn}); use --bn local or make it call F.batch_norm on its input"
             )
     return ""

@@ -9,6 +9,7 @@ HYBRIDPAR_CACHE to move the cache, or HYBRIDPAR_NO_CACHE=1 to bypass it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -61,5 +62,5 @@ def zoo_cost_layers(model: str, input_size: int | None = None) -> list[CostLayer
             pass  # a damaged cache entry is rebuilt below
     layers = _analyse(model, input_size)
     with contextlib.suppress(OSError):  # a read-only home only costs the speed-up
-        cache_write(path, [x.__dict__ for x in layers], indent=None)
+        cache_write(path, [dataclasses.asdict(x) for x in layers], indent=None)
     return layers

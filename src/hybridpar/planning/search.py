@@ -40,7 +40,7 @@ from hybridpar.core.choices import Choices, covered, payload_bytes
 from hybridpar.core.cluster import Cluster, Priced
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.groups import why_not_placement
-from hybridpar.core.halo import bands, row_map
+from hybridpar.core.halo import Span, bands
 from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_handoff
 from hybridpar.core.handoff import fused as handoff_fused
 from hybridpar.core.layers import CostLayer, cost_layers
@@ -509,7 +509,7 @@ def kept(layer: CostLayer, s: Style) -> float:
     if s.kind != "domain":
         return math.fsum(v for _, v in layer.saved)
     windows = {
-        w[0]: (w, c) for w, c in zip(layer.windows, layer.cols or layer.windows, strict=True)
+        w.member: (w, c) for w, c in zip(layer.windows, layer.cols or layer.windows, strict=True)
     }
     h = layer.y_shape[1] if len(layer.y_shape) in (3, 4) else 1
     wide = layer.y_shape[2] if s.pw > 1 and len(layer.y_shape) == 3 else 1
@@ -517,7 +517,7 @@ def kept(layer: CostLayer, s: Style) -> float:
     total = 0.0
     for name, v in layer.saved:
         w, c = windows.get(name, (None, None))
-        if w is None or w[9] not in ("", "ceil"):
+        if w is None or w.how not in ("", "ceil"):
             total += v * share
         else:
             pieces = name == layer.name and layer.op == "conv2d"
@@ -526,17 +526,17 @@ def kept(layer: CostLayer, s: Style) -> float:
 
 
 def _window_kept(
-    w: tuple, v: float, pr: int, pieces: bool, cols: tuple | None = None, pw: int = 1
+    w: Span, v: float, pr: int, pieces: bool, cols: Span | None = None, pw: int = 1
 ) -> list[float]:
     """Per rank of Pr bands (tiles, of `pw` columns: `cols` the column map), what a convolution
     or pooling (CostLayer.windows entry `w`, `v` kept per sample whole) keeps on its band: its
     band's share of `v`, and what its output band reads beyond its band (halo and padding rows,
     on tiles columns too): a convolution keeps those alone (`pieces`,
     runtime.parallel.domain._ConvOfPieces), a pooling a copy of band and beyond."""
-    win = row_map(w)
-    spans = [(w[8], w[8], w[8], w[8])]  # along a row: (own, read, both, whole); on bands all
+    win, row = w.row_map(), w.across
+    spans = [(row, row, row, row)]  # along a row: (own, read, both, whole); on bands all
     if cols is not None:
-        by_cols = row_map(cols)
+        by_cols = cols.row_map()
         spans = []
         for (a, b), (o0, o1) in zip(by_cols.held(pw), bands(by_cols.h_out, pw), strict=True):
             lo, hi = by_cols.reads(o0, o1)
@@ -549,9 +549,10 @@ def _window_kept(
         for mine, read, both, whole in spans:
             own = v * (b - a) / win.h_in * mine / whole
             if pieces:
-                out.append(own + ((hi - lo) * read - rows * both) * w[7])
+                out.append(own + ((hi - lo) * read - rows * both) * w.channels)
             else:
-                out.append(own if (lo, hi, read) == (a, b, mine) else (hi - lo) * w[7] * read)
+                kept = (hi - lo) * w.channels * read
+                out.append(own if (lo, hi, read) == (a, b, mine) else kept)
     return out
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster, Priced, as_priced
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import bands, row_map
+from hybridpar.core.halo import Span, bands
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.splits import group_rows
@@ -258,7 +258,8 @@ def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> di
     n = B / s.pc  # a group's examples (their mean where groups differ: the bytes' mean)
     # a norm's sums per group: 2 N K + 1 numbers, none where a group has no example (B < P)
     groups = group_rows(int(B), s.pr, s.pc) if float(B).is_integer() else [n] * s.pc
-    for k, grad, tracked in layer.spatial_norms:
+    for norm in layer.spatial_norms:
+        k, grad, tracked = norm.size, norm.grad, norm.tracked
         each = [t_global_bn(k * g, s.pr, net, backward=grad) for g in groups if g]
         for term in each[0] if each else ():
             c = max((x[term] for x in each), key=lambda c: c.seconds)  # the slowest group's
@@ -266,10 +267,10 @@ def t_band_sums(layer: CostLayer, s: Style, B: int, net: Cluster | Priced) -> di
             _merge(out, {term: replace(c, bytes=mean)})
         if tracked and s.pc > 1:  # the running statistics' sums over the batch group
             _merge(out, {Term.BN_STATS: _small((2 * k + 1) * 8, s.pc, batch)})
-    for _, how, c, _, grad, cells, _ in layer.pools:
-        sums = c * math.prod(cells) * n * 8  # per example and channel: one sum per output cell
-        back = _small(sums, s.pr, net) if grad else Comm.zero("all_reduce", s.pr)
-        rows = 3 * s.pr if how in ("max", "first") else 1  # maximum, count, first index
+    for p in layer.pools:
+        sums = p.channels * math.prod(p.cells) * n * 8  # per example and channel: per cell
+        back = _small(sums, s.pr, net) if p.grad else Comm.zero("all_reduce", s.pr)
+        rows = 3 * s.pr if p.how in ("max", "first") else 1  # maximum, count, first index
         _merge(out, {Term.BN_STATS: _small(sums * rows, s.pr, net), Term.BN_GRAD: back})
     return out
 
@@ -281,10 +282,11 @@ def t_norms(layer: CostLayer, s: Style, net: Cluster | Priced) -> dict[str, Comm
     net = as_priced(net, s.pr * s.pc)
     banded = s.kind == "domain"
     out: dict[str, Comm] = {}
-    for channels, grad, whole in layer.norms:
-        p = s.pr * s.pc if banded and not whole else s.pc
-        group = net.group("batch", 1, p) if banded and not whole else net.group("batch", s.pr, s.pc)
-        _merge(out, t_global_bn(channels, p, group, backward=grad))
+    for norm in layer.norms:
+        over = banded and not norm.whole  # the model group holds other rows
+        p = s.pr * s.pc if over else s.pc
+        group = net.group("batch", 1, p) if over else net.group("batch", s.pr, s.pc)
+        _merge(out, t_global_bn(norm.size, p, group, backward=norm.grad))
     return out
 
 
@@ -323,7 +325,7 @@ def t_halo(
         return Comm.zero("halo", pr)
     net = net.group("model", pr, pc)
     elem = Wire.of(e).halo
-    names = [w[0] for w in layer.windows]
+    names = [w.member for w in layer.windows]
     no_grad = names.index(layer.name) + 1 if first and layer.name in names else 0
     total = seconds = 0.0
     calls = 0
@@ -334,8 +336,8 @@ def t_halo(
             tiled = _tile_halo(entry, layer.cols[i], pr, pw, B / pc * elem, net)
             total, seconds, calls = total + tiled[0], seconds + tiled[1], calls + tiled[2]
             continue
-        win, c, w = row_map(entry), entry[7], entry[8]
-        row = B / pc * c * w * elem
+        win = entry.row_map()
+        row = B / pc * entry.channels * entry.across * elem
         sent, msgs = win.rows_sent(pr), win.messages(pr)
         if not any(sent):
             continue
@@ -350,15 +352,15 @@ def t_halo(
     return Comm("halo", pr, total, seconds, (0, calls) if backward else (calls, 0))
 
 
-def _tile_halo(rows: tuple, cols: tuple, pr: int, pw: int, n: float, net: Priced):
+def _tile_halo(rows: Span, cols: Span, pr: int, pw: int, n: float, net: Priced):
     """(bytes per rank averaged over the Pr ranks, seconds, calls) of one window's halo on
     (Pr / pw) x pw tiles, as the runtime sends it (runtime.parallel.domain._Windowed): the halo
     columns over each row of tiles, a column being the tile's rows high, then the halo rows of
     the tiles widened by them (and by the padding's columns: the corners) over each column of
     tiles. `n`: bytes of one element of every example of a batch group. Seconds: the busiest
     rank's messages and bytes of each stage, point to point."""
-    ph, c = pr // pw, rows[7]
-    by_rows, by_cols = row_map(rows), row_map(cols)
+    ph, c = pr // pw, rows.channels
+    by_rows, by_cols = rows.row_map(), cols.row_map()
     tall = [b - a for a, b in by_rows.held(ph)]  # a tile's rows
     wide = []  # a tile's widened columns
     for a, b in bands(by_cols.h_out, pw):

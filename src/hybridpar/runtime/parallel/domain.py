@@ -47,7 +47,7 @@ from torch.nn import functional as F
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from hybridpar.core import faults, ops
-from hybridpar.core.halo import RowMap, bands, row_map, tile
+from hybridpar.core.halo import RowMap, bands, tile
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
@@ -780,7 +780,7 @@ class SpaceReduction:
 
     def __init__(self, pool: tuple, adaptive: bool, group: Group, ledger: Ledger | None, layer,
                  pw: int = 1):  # fmt: skip
-        _, self.how, _, self.rows, _, self.cells, self.rest = pool  # CostLayer.pools
+        self.how, self.rows, self.cells, self.rest = pool.how, pool.rows, pool.cells, pool.rest
         self.adaptive = adaptive  # keeps the dims (else the call's keepdim says)
         self.via = Via(group, ledger, Term.BN_STATS, layer)
         i, j = divmod(group.rank, pw)  # on tiles (pw columns of them): a tile's columns
@@ -1012,9 +1012,9 @@ class DomainStyle(ParallelStyle):
     kind = "domain"
 
     def shard(self, name: str, module: nn.Module, layer: CostLayer) -> nn.Module:
-        windows = {w[0]: w for w in layer.windows}
+        windows = {w.member: w for w in layer.windows}
         group, ledger = self.grid.model_group, self.ctx.ledger
-        pool = next((p for p in layer.pools if p[0] == name), None)
+        pool = next((p for p in layer.pools if p.member == name), None)
         if name in layer.unchanged or (self.spec.pr == 1 and pool):
             return module  # a whole value's, or over a band's channels: unchanged
         pw = self.spec.pw
@@ -1030,21 +1030,21 @@ class DomainStyle(ParallelStyle):
             return module
         cls = next(c for t, c in _STAND_INS if isinstance(module, t))
         stand_in = cls(
-            module, row_map(windows[name]), group, ledger, layer.name, **self._tiles(name, layer)
+            module, windows[name].row_map(), group, ledger, layer.name, **self._tiles(name, layer)
         )
         ops.install(module, stand_in, name=name)
         return module
 
     def site(self, name: str, owner: nn.Module, layer: CostLayer) -> None:
         """An F.interpolate or a global pooling in a module's own forward (core.ops.install_site)."""
-        windows = {w[0]: w for w in layer.windows}
-        pool = next((p for p in layer.pools if p[0] == name), None)
+        windows = {w.member: w for w in layer.windows}
+        pool = next((p for p in layer.pools if p.member == name), None)
         _, func, k = ops.site_func(name)
         group, ledger = self.grid.model_group, self.ctx.ledger
         if name in windows:
             tiles = self._tiles(name, layer)
             stand_in = DomainResample(
-                owner, row_map(windows[name]), group, ledger, layer.name, **tiles
+                owner, windows[name].row_map(), group, ledger, layer.name, **tiles
             )
             ops.install_site(owner, func, k, stand_in)
         elif pool and self.spec.pr > 1:
@@ -1056,7 +1056,8 @@ class DomainStyle(ParallelStyle):
         """On tiles: the column map of `name`'s window and the tile columns."""
         if self.spec.pw == 1:
             return {}
-        return {"cols": row_map(next(w for w in layer.cols if w[0] == name)), "pw": self.spec.pw}
+        cols = next(w for w in layer.cols if w.member == name)
+        return {"cols": cols.row_map(), "pw": self.spec.pw}
 
     @property
     def grad_group(self) -> Group:

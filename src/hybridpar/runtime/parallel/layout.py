@@ -70,7 +70,7 @@ class Layout:
         prev = [x for x in self.layers if x.segment == seg - 1 and x.windows]
         if not prev:
             return None
-        return prev[-1].windows[-1][6], prev[-1].cols[-1][6] if prev[-1].cols else 0
+        return prev[-1].windows[-1].size_out, prev[-1].cols[-1].size_out if prev[-1].cols else 0
 
     def head_layers(self, seg: int) -> list[CostLayer]:
         """The layers a hand-off into segment `seg` runs in rounds (core.handoff.head)."""

@@ -151,7 +151,8 @@ def _high(layout: Layout, scale: float) -> bool:
         s = layout.styles[x.name]
         whole = x.name in x.unchanged or len(x.x_shape) < 3
         heights = [] if whole else [x.x_shape[1], x.y_shape[1]]
-        heights += [w[6] for w in x.windows] + [w[5] for w in x.windows if w[9] != "spread"]
+        heights += [w.size_out for w in x.windows]
+        heights += [w.size_in for w in x.windows if not w.whole_in]
         if s.kind == "domain" and heights and min(heights) * scale < s.pr // s.pw:
             return False
     return True
