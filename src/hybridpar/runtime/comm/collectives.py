@@ -1,6 +1,7 @@
 """Logged collectives: every collective hybridpar runs goes through this module (or the host
-reducer) so that the ledger sees it. The autograd pairs built on them live next to the layers that
-use them (hybridpar.runtime.parallel.model, .redistribute, .batchnorm). With one rank each is a no-op.
+reducer) so that the ledger sees it. The autograd pairs built on them are
+hybridpar.runtime.parallel.mappings (and the batch norm's and the halo's, beside their
+arithmetic). With one rank each is a no-op.
 
 With a codec (hybridpar.runtime.comm.codecs) an all-gather sends each rank's encoded piece and every rank,
 the owner included, uses the decoded pieces (so the replicas stay identical); an all-reduce
@@ -33,8 +34,10 @@ __all__ = [
     "Pending",
     "Started",
     "Via",
+    "all_gather_sizes",
     "all_gather_uneven",
     "all_reduce",
+    "all_to_all_uneven",
     "chunk_sizes",
     "compressed_all_reduce",
     "even_split",
@@ -142,6 +145,42 @@ def all_reduce(t: torch.Tensor, via: Via, async_op: bool = False) -> Pending:
     if not async_op:
         pending.wait()
     return pending
+
+
+def all_to_all_uneven(x: torch.Tensor, send, recv, via: Via) -> torch.Tensor:
+    """Uneven all-to-all: this rank's `x` cut into `send.sizes` along `send.dim`, piece q to rank
+    q; what arrives joined along `recv.dim` (`recv.sizes`: each sender's). Flattened on the wire;
+    booked as one all-to-all of this rank's whole buffer."""
+    t0 = time.perf_counter()
+    me, group = via.group.rank, via.group
+    pieces = torch.split(x, list(send.sizes), dim=send.dim)
+    shapes = []
+    for n in recv.sizes:
+        shape = list(x.shape)
+        shape[send.dim], shape[recv.dim] = send.sizes[me], n
+        shapes.append(shape)
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    out = torch.cat([p.reshape(-1) for p in pieces])
+    into = out.new_empty(sum(sizes))
+    dist.all_to_all_single(into, out, sizes, [p.numel() for p in pieces], group=group.pg)
+    nbytes, took = out.numel() * out.element_size(), time.perf_counter() - t0
+    via.book("all_to_all", group.size, nbytes, took, 1)
+    parts = [part.view(s) for part, s in zip(torch.split(into, sizes), shapes, strict=True)]
+    return torch.cat(parts, dim=recv.dim)
+
+
+def all_gather_sizes(n: int, via: Via, device: torch.device | None = None) -> list[int]:
+    """Every rank's `n`, in rank order (one all-gather of an int64 each, on `device`: the one
+    the group's backend carries; booked as `via`)."""
+    p = group_size(via.group)
+    if p == 1:
+        return [n]
+    t0 = time.perf_counter()
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(p)]
+    dist.all_gather(every, mine, group=pg_of(via.group))
+    via.book("all_gather", p, 8 * p, time.perf_counter() - t0, 1)
+    return [int(t) for t in every]
 
 
 @labelled

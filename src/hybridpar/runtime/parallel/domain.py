@@ -56,7 +56,8 @@ from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.batchnorm import BandStatistics
-from hybridpar.runtime.parallel.redistribute import Chain, Move, Pieces, gather, replicated, split
+from hybridpar.runtime.parallel.mappings import Pieces, gather, one_part, split, transpose
+from hybridpar.runtime.parallel.redistribute import Chain, Move, replicated
 from hybridpar.runtime.parallel.styles import ParallelStyle
 
 __all__ = [
@@ -816,43 +817,6 @@ class SpaceReduction:
         return y.view(*y.shape, *[1] * (x.dim() - 2)) if keep else y
 
 
-class _Transposed(torch.autograd.Function):
-    """An all-to-all within the model group, from one cut of the activation to another: this
-    rank's tensor cut into `send`'s pieces, piece q to rank q; what arrives joined along `recv`'s
-    dim. Into the domain layout `send` is the bands and `recv` the examples of each rank in pure
-    batch; out of it the other way round. Backward: the same with the two cuts swapped."""
-
-    @staticmethod
-    def forward(ctx, x, send, recv, via):
-        ctx.args = (recv, send, via)
-        return _all_to_all(x, send, recv, via)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_to_all(g.contiguous(), *ctx.args), None, None, None
-
-
-def _all_to_all(x: torch.Tensor, send: Pieces, recv: Pieces, via: Via) -> torch.Tensor:
-    """Uneven all-to-all (flattened on the wire); booked as one all-to-all of this rank's whole
-    buffer under the redistribution term."""
-    t0 = time.perf_counter()
-    me, group = via.group.rank, via.group
-    pieces = torch.split(x, list(send.sizes), dim=send.dim)
-    shapes = []
-    for n in recv.sizes:
-        shape = list(x.shape)
-        shape[send.dim], shape[recv.dim] = send.sizes[me], n
-        shapes.append(shape)
-    sizes = [int(torch.Size(s).numel()) for s in shapes]
-    out = torch.cat([p.reshape(-1) for p in pieces])
-    into = out.new_empty(sum(sizes))
-    dist.all_to_all_single(into, out, sizes, [p.numel() for p in pieces], group=group.pg)
-    nbytes, took = out.numel() * out.element_size(), time.perf_counter() - t0
-    via.book("all_to_all", group.size, nbytes, took, 1)
-    parts = [part.view(s) for part, s in zip(torch.split(into, sizes), shapes, strict=True)]
-    return torch.cat(parts, dim=recv.dim)
-
-
 def _sizes(shape: tuple[int, ...], pr: int, pw: int) -> tuple[list, Pieces]:
     """Every rank's band (tile) of activations of spatial `shape` over Pr ranks with `pw` tile
     columns, and how they lie on the wire: the rows along dim 2, or the tiles flattened."""
@@ -939,7 +903,7 @@ class _Transpose:
         rows = Pieces(tuple(b - a for a, b in bands(h, self.pr)), 2)
         send, recv = (rows, examples) if self.into else (examples, rows)
         via = Via(self.group, self.m.ledger, Term.REDISTRIBUTE, self.m.layer)
-        return (_Transposed.apply(x, send, recv, via), *rest)
+        return (transpose(x, send, recv, via), *rest)
 
 
 def into_domain(src: Style, dst: Style, m: Move):
@@ -955,21 +919,6 @@ def into_domain(src: Style, dst: Style, m: Move):
     return Chain(replicated(src, Style.model(dst.pr, dst.pc), m), _Rows(dst, m, into=True))
 
 
-class _OnePart(torch.autograd.Function):
-    """Forward: a whole value as it is. Backward: the gradient, which the layout after it holds
-    whole on every rank of the model group, kept on its first rank and zero on the others: the
-    parts a global pooling's backward sums (it counted Pr times otherwise)."""
-
-    @staticmethod
-    def forward(ctx, x, first: bool):
-        ctx.first = first
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return (g if ctx.first else torch.zeros_like(g)), None
-
-
 class _Whole:
     """Forward pre-hook out of the domain layout for a global pooling's value (whole on every
     rank of the model group): no rows to gather; its gradient becomes one rank's part."""
@@ -979,7 +928,7 @@ class _Whole:
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
-        return (_OnePart.apply(x, self.group.rank == 0), *rest)
+        return (one_part(x, self.group.rank == 0), *rest)
 
 
 def out_of_domain(src: Style, dst: Style, m: Move):

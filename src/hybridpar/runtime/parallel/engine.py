@@ -27,7 +27,13 @@ from torch import nn
 
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.plan import ParallelPlan
-from hybridpar.runtime.comm.collectives import even_split
+from hybridpar.core.terms import Term
+from hybridpar.runtime.comm.collectives import (
+    Via,
+    all_gather_sizes,
+    all_gather_uneven,
+    even_split,
+)
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
@@ -115,6 +121,18 @@ class Engine(nn.Module):
         """Whether this rank's outputs count in the metrics (replicas hold the same outputs: one
         of them counts)."""
         return True
+
+    def gather_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The outputs of the whole global batch, on every rank, from this rank's `out`
+        (collective, booked under metrics): the ranks that count their outputs send them."""
+        counted = self._counted(out)
+        via = Via(self.world, term=Term.METRICS)
+        sizes = all_gather_sizes(len(counted), via, out.device)
+        return all_gather_uneven(counted, sizes, 0, via)
+
+    def _counted(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the whole outputs (its examples', or none for a replica)."""
+        return out if self.counts_outputs else out[:0]
 
     def finish_backward(self) -> float:
         """Wait for the gradient sums (and count the step); returns the exposed wait in seconds."""

@@ -23,10 +23,12 @@ import torch
 from torch import nn
 
 from hybridpar.core.halo import tile
-from hybridpar.runtime.comm.collectives import even_split
+from hybridpar.core.terms import Term
+from hybridpar.runtime.comm.collectives import Via, even_split
 from hybridpar.runtime.comm.grid import ProcessGrid
 from hybridpar.runtime.parallel import apply
 from hybridpar.runtime.parallel.batchnorm import BNSwitch
+from hybridpar.runtime.parallel.domain import join
 from hybridpar.runtime.parallel.dropout import SameRandom
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.kinds import runtime_style
@@ -115,6 +117,16 @@ class HybridParallel(Engine):
         if last.kind != "domain" or len(shape) not in (3, 4):
             return None
         return tile(shape[1:], last.pr, last.pw, self.output_grid.r)
+
+    def _counted(self, out: torch.Tensor) -> torch.Tensor:
+        """The bands of a dense prediction joined first, within the model group (its first
+        rank sends the whole images); else as the engine's."""
+        if self.output_band() is None:
+            return super()._counted(out)
+        grid, last = self.output_grid, self.layout.segments[-1]
+        via = Via(grid.model_group, term=Term.METRICS)
+        whole = join(out, self.layout.trace.out_shape[1:], last.pr, last.pw, via)
+        return whole if grid.r == 0 else whole[:0]
 
     @property
     def counts_outputs(self) -> bool:

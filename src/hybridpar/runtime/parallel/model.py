@@ -44,39 +44,14 @@ from hybridpar.runtime.comm.codecs import Codec
 from hybridpar.runtime.comm.collectives import (
     Via,
     all_gather_uneven,
-    all_reduce,
     chunk_sizes,
-    compressed_all_reduce,
 )
 from hybridpar.runtime.comm.group import Group, group_rank, group_size
 from hybridpar.runtime.comm.ledger import Ledger
-from hybridpar.runtime.parallel.redistribute import Pieces, gather, split
+from hybridpar.runtime.parallel.mappings import Pieces, copy_to_group, gather, split
 from hybridpar.runtime.parallel.styles import ParallelStyle
 
 __all__ = ["ModelSplit", "ModelStyle", "copy_to_group", "split_units"]
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce the gradient over the group (dX of a split layer)."""
-
-    @staticmethod
-    def forward(ctx, x, via):
-        ctx.via = via
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        v, grad = ctx.via, grad.contiguous().clone()
-        if v.encoded:
-            compressed_all_reduce(grad, v)
-        else:
-            all_reduce(grad, v)
-        return grad, None
-
-
-def copy_to_group(x: torch.Tensor, via: Via) -> torch.Tensor:
-    """Identity forward; backward sums the gradient over `via.group` (booked under its term)."""
-    return x if group_size(via.group) == 1 else _CopyToGroup.apply(x, via)
 
 
 class ModelSplit:

@@ -7,15 +7,9 @@ rank all-gathers the examples of the m = Pc / Pc' finer groups that make up its 
 a finer layout it keeps its own slice. Backward runs the other way: the gradient of a gathered,
 replicated activation is the same on every rank that gathered it, so each keeps its rows; the
 gradient of a slice is all-gathered. Either direction sends one all-gather, the cost model's
-`redistribute` term.
+`redistribute` term (`gather` and `split`, runtime/parallel/mappings.py).
 
-| function   | forward                                  | backward                            |
-| ---------- | ---------------------------------------- | ----------------------------------- |
-| gather     | all-gather the pieces along `dim`        | keep this rank's piece of the grad, |
-|            |                                          | or reduce-scatter a partial one     |
-| split      | keep this rank's piece along `dim`       | all-gather the pieces of the grad   |
-
-Both are no-ops on a group of one rank. A gather straight into a split layer from a pure batch
+A gather straight into a split layer from a pure batch
 layout takes the layer's partial dX and reduce-scatters it (core/handoff.py, `fused`): each
 example's gradient summed once and sent to its owner, half the bytes of the layer's dX all-reduce.
 This is Krizhevsky's scheme (a), one round; schemes (b) and (c) (K rounds, each overlapped with
@@ -31,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -39,75 +32,20 @@ from hybridpar.core import faults
 from hybridpar.core.plan import Style
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm.codecs import Codec
-from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, reduce_scatter_uneven
+from hybridpar.runtime.comm.collectives import Via
 from hybridpar.runtime.comm.grid import GridSet, rows_of_group
-from hybridpar.runtime.comm.group import group_rank
 from hybridpar.runtime.comm.ledger import Ledger
+from hybridpar.runtime.parallel.mappings import Pieces, gather, split
 
 __all__ = [
     "MOVES",
     "Chain",
     "Move",
-    "Pieces",
     "Redistribute",
     "StepRows",
-    "gather",
     "regroup_place",
     "replicated",
-    "split",
 ]
-
-
-class Pieces(NamedTuple):
-    """How a tensor is cut among the ranks of a group: rank i holds sizes[i] along `dim`."""
-
-    sizes: tuple[int, ...]
-    dim: int
-
-    def mine(self, x: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank `rank`'s piece of the whole `x`."""
-        return x.narrow(self.dim, sum(self.sizes[:rank]), self.sizes[rank]).contiguous()
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: all-gather the pieces. Backward: keep this rank's piece, or, where the gradient
-    is every rank's partial sum (`fused`: core/handoff.py), reduce-scatter it."""
-
-    @staticmethod
-    def forward(ctx, x, pieces, via, fused):
-        ctx.pieces, ctx.via, ctx.fused = pieces, via, fused
-        return all_gather_uneven(x, pieces.sizes, pieces.dim, via)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pieces, via = ctx.pieces, ctx.via
-        if ctx.fused:
-            return reduce_scatter_uneven(grad, pieces.sizes, pieces.dim, via), None, None, None
-        return pieces.mine(grad, group_rank(via.group)), None, None, None
-
-
-class _Split(torch.autograd.Function):
-    """Forward: keep this rank's piece. Backward: all-gather the pieces of the grad."""
-
-    @staticmethod
-    def forward(ctx, x, pieces, via):
-        ctx.pieces, ctx.via = pieces, via
-        return pieces.mine(x, group_rank(via.group))
-
-    @staticmethod
-    def backward(ctx, grad):
-        p = ctx.pieces
-        return all_gather_uneven(grad.contiguous(), p.sizes, p.dim, ctx.via), None, None
-
-
-def gather(x: torch.Tensor, pieces: Pieces, via: Via, fused: bool = False) -> torch.Tensor:
-    """The pieces of every rank of `via.group`, joined."""
-    return x if len(pieces.sizes) == 1 else _Gather.apply(x, pieces, via, fused)
-
-
-def split(x: torch.Tensor, pieces: Pieces, via: Via) -> torch.Tensor:
-    """This rank's piece of the whole `x`."""
-    return x if len(pieces.sizes) == 1 else _Split.apply(x, pieces, via)
 
 
 class StepRows:

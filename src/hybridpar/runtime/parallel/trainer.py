@@ -28,13 +28,14 @@ from hybridpar.core import faults
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
-from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
+from hybridpar.runtime.comm.collectives import Via, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
-from hybridpar.runtime.parallel import checkpoint, domain, losses, memory, rounds
+from hybridpar.runtime.parallel import checkpoint, losses, memory, rounds
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.layout import Layout, resolve
+from hybridpar.runtime.parallel.mappings import summed
 from hybridpar.runtime.parallel.verify import Checked, check_plan
 
 __all__ = ["HybridTrainer", "StepResult"]
@@ -223,7 +224,7 @@ class HybridTrainer:
                 "or domain layer, not a model-parallel one"
             )
         world = m.world.size
-        total = _Summed.apply(self.loss.sums(out, target), Via(m.world, self.ledger, Term.METRICS))
+        total = summed(self.loss.sums(out, target), Via(m.world, self.ledger, Term.METRICS))
         share = torch.full((), 1.0 / world, dtype=torch.float64, device=out.device)
         return self.loss.value(total) * share.to(out.dtype), share
 
@@ -273,18 +274,7 @@ class HybridTrainer:
         m.set_batch(n)
         with self.autocast():
             out = m(_take(x, m.input_rows(n), m.input_band(), _dims(m.layout.trace.in_shape)))
-        counted = out if m.counts_outputs else out[:0]
-        band = m.output_band()
-        if band is not None:  # the bands of a dense prediction joined first, within the group
-            grid, last = m.output_grid, m.layout.segments[-1]
-            via = Via(grid.model_group, term=Term.METRICS)
-            whole = domain.join(out, m.layout.trace.out_shape[1:], last.pr, last.pw, via)
-            counted = whole if grid.r == 0 else whole[:0]
-        mine = torch.tensor([len(counted)], dtype=torch.int64, device=out.device)
-        sizes = [torch.zeros_like(mine) for _ in range(m.world.size)]
-        torch.distributed.all_gather(sizes, mine, group=m.world.pg)
-        every = [int(s) for s in sizes]
-        return all_gather_uneven(counted, every, 0, Via(m.world, term=Term.METRICS))
+        return m.gather_output(out)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state_dict, shards gathered (every rank calls it)."""
@@ -302,21 +292,6 @@ class HybridTrainer:
         meta, same = checkpoint.load(self.model, self.optimizer, path)
         self.resharded = not same
         return meta
-
-
-class _Summed(torch.autograd.Function):
-    """Forward: the sum of every rank's tensor (all-reduce). Backward: the gradient as it is
-    (every rank differentiates the same function of the sum)."""
-
-    @staticmethod
-    def forward(ctx, t, via):
-        t = t.clone()
-        all_reduce(t, via)
-        return t
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
 
 
 def _dims(shape: tuple[int, ...]) -> int:
