@@ -36,16 +36,17 @@ def _optimizer(params):
 
 def _refused(plant: str) -> str:
     """The check's words with a fault planted in this rank's runtime."""
-    from hybridpar.runtime.parallel import domain, sync
+    from hybridpar.runtime.parallel import sync
+    from hybridpar.runtime.parallel.domain import halo
 
     if plant == "halo":  # the rows from the band above arrive as zeros
-        wait = domain._Wait.forward
+        wait = halo._Wait.forward
 
         def lost(ctx, x, exchange, call):
             top, bottom = wait(ctx, x, exchange, call)
             return top * 0, bottom
 
-        domain._Wait.forward = staticmethod(lost)
+        halo._Wait.forward = staticmethod(lost)
     else:  # one parameter's gradient sum is half what it should be
         done = sync.GradSync.wait
 

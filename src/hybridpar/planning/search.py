@@ -532,7 +532,7 @@ def _window_kept(
     or pooling (CostLayer.windows entry `w`, `v` kept per sample whole) keeps on its band: its
     band's share of `v`, and what its output band reads beyond its band (halo and padding rows,
     on tiles columns too): a convolution keeps those alone (`pieces`,
-    runtime.parallel.domain._ConvOfPieces), a pooling a copy of band and beyond."""
+    runtime.parallel.domain.windows._ConvOfPieces), a pooling a copy of band and beyond."""
     win, row = w.row_map(), w.across
     spans = [(row, row, row, row)]  # along a row: (own, read, both, whole); on bands all
     if cols is not None:

@@ -354,7 +354,7 @@ def t_halo(
 
 def _tile_halo(rows: Span, cols: Span, pr: int, pw: int, n: float, net: Priced):
     """(bytes per rank averaged over the Pr ranks, seconds, calls) of one window's halo on
-    (Pr / pw) x pw tiles, as the runtime sends it (runtime.parallel.domain._Windowed): the halo
+    (Pr / pw) x pw tiles, as the runtime sends it (runtime.parallel.domain.windows._Windowed): the halo
     columns over each row of tiles, a column being the tile's rows high, then the halo rows of
     the tiles widened by them (and by the padding's columns: the corners) over each column of
     tiles. `n`: bytes of one element of every example of a batch group. Seconds: the busiest

@@ -18,7 +18,7 @@ the compute of the layers after the hand-off) are runtime/parallel/rounds.py.
 The redistribution between two styles' layouts is looked up by the pair of their layout kinds
 ("rep": split over batch groups, replicated in model groups; "dom": also split by height): this
 file's `MOVES` holds rep -> rep, and a style with a layout of its own holds its moves next to it
-(runtime/parallel/domain.py); runtime/parallel/kinds.py gathers them.
+(runtime/parallel/domain/moves.py); runtime/parallel/kinds.py gathers them.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Move:
     or tile of them alone)"""
     whole: bool = False
     """the activation is a global pooling's value, whole on every rank of the domain layout it
-    leaves (runtime.parallel.domain.out_of_domain)"""
+    leaves (runtime.parallel.domain.moves.out_of_domain)"""
 
 
 class Chain:

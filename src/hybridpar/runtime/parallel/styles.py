@@ -17,7 +17,7 @@ planner and `resolve` both call. The runtime looks the kind up (kinds.py) and ge
 Where two consecutive segments' layouts differ, the move between them is
 `hybridpar.runtime.parallel.redistribute.move` (a registry keyed by the two layouts' kinds).
 
-One file per kind holds its class (batch.py, model.py, domain.py), and
+One file per kind holds its class (batch.py, model.py; domain/, a package of one concern a file), and
 kinds.py lists them. docs/runtime.md, "How to add a style", walks through a new one.
 """
 
