@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "TILED",
+    "Part",
     "Pooled",
     "Resample",
     "RowMap",
@@ -94,6 +95,11 @@ class RowMap:
         """[lo, hi) of the input rows each rank holds."""
         return bands(self.h_in, parts)
 
+    def parts(self, n: int) -> list[Part]:
+        """What each of `n` ranks holds, produces and reads: the one place the runtime's
+        stand-ins, the halo exchange and the cost model take it from."""
+        return _parts(self, n)
+
     def plan(self, parts: int) -> list[dict[int, tuple[int, int]]]:
         """For each rank: {other rank: [lo, hi) of that rank's input rows it receives}."""
         return _exchange(self, parts)[0]
@@ -107,18 +113,35 @@ class RowMap:
         return list(_exchange(self, parts)[2])
 
 
+@dataclass(frozen=True)
+class Part:
+    """One rank's part of a row map over n ranks: the input rows [lo, hi) it holds, the output
+    rows it produces, and the input rows (padding included: outside [0, h_in)) those read."""
+
+    held: tuple[int, int]
+    out: tuple[int, int]
+    reads: tuple[int, int]
+
+
+@functools.lru_cache(maxsize=4096)
+def _parts(m: RowMap, n: int) -> list[Part]:
+    outs = bands(m.h_out, n)
+    return [Part(h, o, m.reads(*o)) for h, o in zip(m.held(n), outs, strict=True)]
+
+
 @functools.lru_cache(maxsize=4096)
 def _exchange(m: RowMap, parts: int) -> tuple[list[dict[int, tuple[int, int]]], tuple, tuple]:
     """(RowMap.plan, rows each rank sends, messages each rank sends) of map `m` over `parts`
     ranks, once per geometry (the planner asks for the same ones at every grid it weighs). The
     ranks a band reads from are found by bisection: the bands are sorted and contiguous."""
-    ins, outs = m.held(parts), bands(m.h_out, parts)
+    each = m.parts(parts)
+    ins = [p.held for p in each]
     starts = [a for a, _ in ins]
     whole = [r for r, band in enumerate(ins) if band == (0, m.h_in)]
     got: list[dict[int, tuple[int, int]]] = []
     sent, count = [0] * parts, [0] * parts
-    for r, (o0, o1) in enumerate(outs):
-        lo, hi = m.reads(o0, o1) if o0 < o1 else (0, 0)
+    for r, p in enumerate(each):
+        lo, hi = p.reads if p.out[0] < p.out[1] else (0, 0)
         lo, hi = max(lo, 0), min(hi, m.h_in)
         mine: dict[int, tuple[int, int]] = {}
         if lo < hi and r not in whole:

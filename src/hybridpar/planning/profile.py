@@ -203,14 +203,11 @@ def _busiest_band(window, pr: int) -> tuple[int, int, int, int, int]:
     """The rows a domain layer's busiest rank computes on (Pr ranks): (padding above, halo rows
     above, its own rows read, halo rows below, padding below), from core.halo's geometry;
     the busiest reads the most rows, then receives the most halo rows."""
-    from hybridpar.core.halo import bands
-
-    ins, outs = bands(window.h_in, pr), bands(window.h_out, pr)
     best = None
-    for (a, b), (o0, o1) in zip(ins, outs, strict=True):
+    for p in window.parts(pr):
+        (a, b), (o0, o1), (lo, hi) = p.held, p.out, p.reads
         if o0 >= o1:
             continue
-        lo, hi = window.reads(o0, o1)
         rows = (
             max(0, -lo),
             max(0, a - max(lo, 0)),

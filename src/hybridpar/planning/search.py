@@ -40,7 +40,7 @@ from hybridpar.core.choices import Choices, covered, payload_bytes
 from hybridpar.core.cluster import Cluster, Priced
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.groups import why_not_placement
-from hybridpar.core.halo import Span, bands
+from hybridpar.core.halo import Span
 from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_handoff
 from hybridpar.core.handoff import fused as handoff_fused
 from hybridpar.core.layers import CostLayer, cost_layers
@@ -538,13 +538,13 @@ def _window_kept(
     if cols is not None:
         by_cols = cols.row_map()
         spans = []
-        for (a, b), (o0, o1) in zip(by_cols.held(pw), bands(by_cols.h_out, pw), strict=True):
-            lo, hi = by_cols.reads(o0, o1)
+        for p in by_cols.parts(pw):
+            (a, b), (lo, hi) = p.held, p.reads
             both = max(min(hi, b) - max(lo, a), 0)
             spans.append((b - a, max(hi - lo, 0), both, by_cols.h_in))
     out = []
-    for (a, b), (o0, o1) in zip(win.held(pr // pw), bands(win.h_out, pr // pw), strict=True):
-        lo, hi = win.reads(o0, o1)
+    for p in win.parts(pr // pw):
+        (a, b), (lo, hi) = p.held, p.reads
         rows = max(min(hi, b) - max(lo, a), 0)  # of its own band
         for mine, read, both, whole in spans:
             own = v * (b - a) / win.h_in * mine / whole

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster, Priced, as_priced
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import Span, bands
+from hybridpar.core.halo import Span
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 from hybridpar.core.splits import group_rows
@@ -362,10 +362,7 @@ def _tile_halo(rows: Span, cols: Span, pr: int, pw: int, n: float, net: Priced):
     ph, c = pr // pw, rows.channels
     by_rows, by_cols = rows.row_map(), cols.row_map()
     tall = [b - a for a, b in by_rows.held(ph)]  # a tile's rows
-    wide = []  # a tile's widened columns
-    for a, b in bands(by_cols.h_out, pw):
-        lo, hi = by_cols.reads(a, b)
-        wide.append(max(hi - lo, 0))
+    wide = [max(p.reads[1] - p.reads[0], 0) for p in by_cols.parts(pw)]  # its widened columns
     total = seconds = 0.0
     calls = 0
     stages = ((by_cols, pw, [[h] * pw for h in tall]), (by_rows, ph, [wide] * ph))

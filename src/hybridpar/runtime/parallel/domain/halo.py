@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.core import faults
-from hybridpar.core.halo import RowMap, bands
+from hybridpar.core.halo import RowMap
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm import p2p
 from hybridpar.runtime.comm.group import Group
@@ -44,8 +44,8 @@ class Exchange:
         pr, me = len(line), line.index(group.rank)
         self.me, self.pr, self.dim = me, pr, dim
         self.ranks = [dist.get_global_rank(group.pg, j) for j in line]
-        self.band = window.held(pr)[me]
-        self.out = bands(window.h_out, pr)[me]
+        part = window.parts(pr)[me]
+        self.band, self.out = part.held, part.out
         plan = window.plan(pr)  # every rank's receives: {rank: [lo, hi)}
         self.receives = plan[me]
         self.sends = {q: plan[q][me] for q in range(pr) if me in plan[q]}

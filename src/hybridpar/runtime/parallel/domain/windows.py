@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.core.halo import RowMap, bands
+from hybridpar.core.halo import RowMap
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.domain.halo import (
@@ -73,8 +73,8 @@ class _Windowed:
             rows = list(range(j, group.size, pw))  # this tile's column of tiles
             line = list(range(i * pw, (i + 1) * pw))  # its row of tiles
             self.widen = Exchange(cols, group, ledger, layer, dim=3, line=line)
-            a, b = bands(cols.h_out, pw)[j]
-            self.cols = (cols.reads(a, b)[0], a, b)
+            part = cols.parts(pw)[j]
+            self.cols = (part.reads[0], *part.out)
         self.exchange = Exchange(window, group, ledger, layer, line=rows)
         w, (a, b) = window, self.exchange.band
         # the output rows whose window reads only this band (and padding): computed while the
