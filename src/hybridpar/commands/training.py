@@ -56,6 +56,32 @@ def _iteration_line(it: dict) -> str:
     )
 
 
+def _print_compute_and_memory(report: dict) -> None:
+    """What was compiled and recomputed, and memory per rank: predicted, counted, peaks."""
+    c, peak = report.get("compute", {}), report.get("memory", {})
+    said = []
+    if c.get("compiled"):
+        first = report["steps"][0]["time_s"] if report["steps"] else 0.0
+        said.append(f"compiled {len(c['compiled'])} parts (first step {first:.1f} s)")
+    if c.get("checkpointed"):
+        said.append(f"recomputed in backward: {', '.join(c['checkpointed'])}")
+    if said:
+        print("; ".join(said))
+    memory = ", ".join(f"{k[5:-3]} peak {v:.0f}" for k, v in peak.items() if k.startswith("peak"))
+    if "counted_mb" in peak:
+        predicted = report["plan"].get("memory_bytes")
+        before = f"predicted {predicted / 2**20:.1f}, " if predicted else ""
+        print(
+            f"memory per rank, MiB (the largest): {before}counted {peak['counted_mb']:.1f} "
+            f"(parameters, gradients, optimizer state, kept for backward); {memory}"
+        )
+    if "read_kib" in peak:
+        print(
+            f"examples read from disk per rank (memory-mapped, the largest): "
+            f"{peak['read_kib']:.1f} KiB an example of its {peak['whole_kib']:.1f} KiB"
+        )
+
+
 def _print_report(report: dict) -> None:
     """The outcome; the plan and the epoch lines were printed live by rank 0."""
     it, b = report["iteration"], report["bytes"]
@@ -81,28 +107,7 @@ def _print_report(report: dict) -> None:
         when = bn["switched_at_step"]
         how = f"global from step {when}: " if when is not None else "local throughout"
         print(f"batch norm: adaptive, {how}{bn['reason']}")
-    c, peak = report.get("compute", {}), report.get("memory", {})
-    said = []
-    if c.get("compiled"):
-        first = report["steps"][0]["time_s"] if report["steps"] else 0.0
-        said.append(f"compiled {len(c['compiled'])} parts (first step {first:.1f} s)")
-    if c.get("checkpointed"):
-        said.append(f"recomputed in backward: {', '.join(c['checkpointed'])}")
-    if said:
-        print("; ".join(said))
-    memory = ", ".join(f"{k[5:-3]} peak {v:.0f}" for k, v in peak.items() if k.startswith("peak"))
-    if "counted_mb" in peak:
-        predicted = report["plan"].get("memory_bytes")
-        before = f"predicted {predicted / 2**20:.1f}, " if predicted else ""
-        print(
-            f"memory per rank, MiB (the largest): {before}counted {peak['counted_mb']:.1f} "
-            f"(parameters, gradients, optimizer state, kept for backward); {memory}"
-        )
-    if "read_kib" in peak:
-        print(
-            f"examples read from disk per rank (memory-mapped, the largest): "
-            f"{peak['read_kib']:.1f} KiB an example of its {peak['whole_kib']:.1f} KiB"
-        )
+    _print_compute_and_memory(report)
     print(f"bytes per iteration per rank: {'term':<14} {'measured':>14} {'predicted':>14}")
     for k in sorted(set(b["measured"]) | set(b["predicted"])):
         if k not in UNSHOWN:

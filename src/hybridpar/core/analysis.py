@@ -602,23 +602,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int], memory: bo
     for m in model.modules():
         handles += [m.register_forward_pre_hook(hooks.pre), m.register_forward_hook(hooks.post)]
     try:
-        floats = (p.dtype for p in model.parameters() if p.is_floating_point())
-        dtype = next(floats, torch.get_default_dtype())  # a float64 model reads float64
-        tensors = [*model.named_parameters(), *model.named_buffers()]  # each tensor once
-        device = _trace_device(dtype, input_shape, sum(v.numel() for _, v in tensors))
-        meta = device == "meta"  # nothing to fill there; zeros on the CPU (no garbage)
-        blank, blank_like = (
-            (torch.empty, torch.empty_like) if meta else (torch.zeros, torch.zeros_like)
-        )
-        x = blank((2, *input_shape), device=device, dtype=dtype)
-        # one blank per tensor, in every slot that holds it (a tied weight's two modules read
-        # one); the layouts kept (a channels-last weight stays channels-last)
-        blanks = {
-            id(v): blank_like(v, device=device).requires_grad_(v.requires_grad) for _, v in tensors
-        }
-        state = {k: blanks[id(v)] for k, v in ops.state_slots(model).items()}
-        rec.params = {id(blanks[id(v)]): k for k, v in tensors if v.requires_grad}
-        rec.sizes = {k: v.numel() for k, v in tensors if v.requires_grad}
+        x, state = _blank(model, input_shape, rec)
         with rec, torch.no_grad():
             try:
                 out = ops.call_with(model, state, x)
@@ -630,24 +614,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int], memory: bo
     finally:
         for h in handles:
             h.remove()
-    seqs = {n for n, m in model.named_modules() if isinstance(m, nn.Sequential)}
-    counts = {c[0]: 0 for c in hooks.calls}
-    for c in hooks.calls:
-        counts[c[0]] += 1
-    sites = [(t, _once(s, counts)) for t, s in rec.sites]
-    timed = sorted(hooks.specs + sites, key=lambda ts: ts[0])  # a layer before its children
-    unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
-    tied = _tied(model)
-    unsplit.update({n: why for n, (why, _, _) in tied.items()})
-    timed = [(t, _untied(replace(s, unsplit=unsplit.get(s.name, "")), tied)) for t, s in timed]
-    # (N, C, H, W) on bands: rows stay split (not a global pooling's whole value)
-    dense = (
-        isinstance(out, torch.Tensor)
-        and out.dim() in (4, 5)
-        and rec.key(out) not in rec.whole
-        and rec.rows_at(out) == 2
-    )
-    traced = _segments(timed, hooks.calls, rec, seqs, dense)
+    traced = _segments(_timed(model, hooks, rec), hooks.calls, rec, _seqs(model), _dense(out, rec))
     traced.out_shape = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else ()
     traced.in_shape = input_shape
     cuts = [s.entry for s in traced.specs if s.entry]
@@ -659,6 +626,53 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int], memory: bo
         for s in traced.specs
     ]
     return traced
+
+
+def _blank(model: nn.Module, input_shape: tuple[int, ...], rec: _Recorder) -> tuple:
+    """(two inputs, the model's state) of the trace: zeros on the CPU or meta tensors, one per
+    tensor in every slot that holds it (a tied weight's two modules read one), in their layouts
+    (a channels-last weight stays channels-last); the recorder told which are parameters."""
+    floats = (p.dtype for p in model.parameters() if p.is_floating_point())
+    dtype = next(floats, torch.get_default_dtype())  # a float64 model reads float64
+    tensors = [*model.named_parameters(), *model.named_buffers()]  # each tensor once
+    device = _trace_device(dtype, input_shape, sum(v.numel() for _, v in tensors))
+    meta = device == "meta"  # nothing to fill there; zeros on the CPU (no garbage)
+    blank, blank_like = (torch.empty, torch.empty_like) if meta else (torch.zeros, torch.zeros_like)
+    x = blank((2, *input_shape), device=device, dtype=dtype)
+    blanks = {
+        id(v): blank_like(v, device=device).requires_grad_(v.requires_grad) for _, v in tensors
+    }
+    rec.params = {id(blanks[id(v)]): k for k, v in tensors if v.requires_grad}
+    rec.sizes = {k: v.numel() for k, v in tensors if v.requires_grad}
+    return x, {k: blanks[id(v)] for k, v in ops.state_slots(model).items()}
+
+
+def _seqs(model: nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, nn.Sequential)}
+
+
+def _timed(model: nn.Module, hooks: _Calls, rec: _Recorder) -> list[tuple[int, LayerSpec]]:
+    """Every leaf's and function call's spec in the order of the forward (a layer before its
+    children), with why it cannot be split by output units and tied weights counted once."""
+    counts = {c[0]: 0 for c in hooks.calls}
+    for c in hooks.calls:
+        counts[c[0]] += 1
+    sites = [(t, _once(s, counts)) for t, s in rec.sites]
+    timed = sorted(hooks.specs + sites, key=lambda ts: ts[0])
+    unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
+    tied = _tied(model)
+    unsplit.update({n: why for n, (why, _, _) in tied.items()})
+    return [(t, _untied(replace(s, unsplit=unsplit.get(s.name, "")), tied)) for t, s in timed]
+
+
+def _dense(out: object, rec: _Recorder) -> bool:
+    """The output is (N, C, H, W) on bands: its rows stay split (not a pooled whole value)."""
+    return (
+        isinstance(out, torch.Tensor)
+        and out.dim() in (4, 5)
+        and rec.key(out) not in rec.whole
+        and rec.rows_at(out) == 2
+    )
 
 
 def _tied(model: nn.Module) -> dict[str, tuple[str, int, int]]:

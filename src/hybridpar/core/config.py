@@ -105,31 +105,37 @@ def add_arguments(
         else:
             into = parser
         names = [flag_of(cls, f.name), *f.metadata.get("aliases", ())]
-        default = _default(f)
-        # argparse %-formats help texts: a literal "%" ("75 %") must be doubled
-        kw: dict[str, Any] = {
-            "dest": prefix + f.name,
-            "help": f.metadata.get("help", "").replace("%", "%%"),
-        }
-        if f.metadata.get("required"):
-            kw["required"] = True
-        if tp is bool:
-            kw["action"] = "store_false" if default else "store_true"
-            if default:  # the flag turns off what the field's help describes
-                kw["help"] = f"turn off (on by default): {kw['help']}"
-        elif typing.get_origin(tp) is Literal:
-            kw.update(choices=list(typing.get_args(tp)), default=default)
-        elif typing.get_origin(tp) is tuple:  # parsed by the dataclass itself (e.g. compress)
-            kw.update(default=default)
-            kw["help"] += f" (default: {f.metadata.get('show', default)})"
-        else:
-            kw.update(type=_parse(tp), default=default)
-            if default is not None:
-                kw["help"] += f" (default: {f.metadata.get('show', default)})"
+        kw = _argument(f, tp, prefix + f.name)
         if "choices" not in kw and "action" not in kw:  # the flag's own name, not the dest
             kw["metavar"] = names[0].lstrip("-").upper().replace("-", "_")
         into.add_argument(*names, **kw)
     return {t: _groups[t] for t in concerns} if concerns and _groups else {}
+
+
+def _argument(f: dataclasses.Field, tp: Any, dest: str) -> dict[str, Any]:
+    """argparse's keywords for field `f` of type `tp`: its default, type or choices, and help."""
+    default = _default(f)
+    # argparse %-formats help texts: a literal "%" ("75 %") must be doubled
+    kw: dict[str, Any] = {
+        "dest": dest,
+        "help": f.metadata.get("help", "").replace("%", "%%"),
+    }
+    if f.metadata.get("required"):
+        kw["required"] = True
+    if tp is bool:
+        kw["action"] = "store_false" if default else "store_true"
+        if default:  # the flag turns off what the field's help describes
+            kw["help"] = f"turn off (on by default): {kw['help']}"
+    elif typing.get_origin(tp) is Literal:
+        kw.update(choices=list(typing.get_args(tp)), default=default)
+    elif typing.get_origin(tp) is tuple:  # parsed by the dataclass itself (e.g. compress)
+        kw.update(default=default)
+        kw["help"] += f" (default: {f.metadata.get('show', default)})"
+    else:
+        kw.update(type=_parse(tp), default=default)
+        if default is not None:
+            kw["help"] += f" (default: {f.metadata.get('show', default)})"
+    return kw
 
 
 def _parse(tp: Any):

@@ -540,8 +540,14 @@ def redistribute(
     if a[0] == "dom" and b[0] == "rep":
         back = redistribute(nxt, prev, d, B, net, e)  # symmetric
         return None if back is None else replace(back, calls=_calls(back)[::-1])
-    # domain -> another domain layout: through the replicated layout of the first
-    mid = Style.model(a[1], a[2])
+    return _between_domains(prev, nxt, d, B, net, e)
+
+
+def _between_domains(
+    prev: Style, nxt: Style, d: int, B: int, net: Priced, e: float | Wire | None
+) -> Comm | None:
+    """Domain -> another domain layout: through the replicated layout of the first."""
+    mid = Style.model(prev.pr, prev.pc)
     x = redistribute(prev, mid, d, B, net, e)
     y = redistribute(mid, nxt, d, B, net, e)
     if x is None or y is None:
