@@ -383,7 +383,7 @@ def _stepper(net):
 
 # the words an element of the optimizer's step moves (v *= mu: 2; v -= lr g, v -= lr wd w,
 # w += v: 3 each) against a copy's 2, and how many times that traffic at the speed of a copy
-# measured beside it a step may take before it is measured again (docs/validate.md)
+# measured beside it a step may take before it is measured again
 STEP_WORDS, STEP_BOUND = 11, 4.0
 
 

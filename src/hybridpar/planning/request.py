@@ -18,6 +18,7 @@ __all__ = ["GRAD_BUCKET_BYTES", "MAX_PROCS", "SCENARIOS", "PlanRequest"]
 SCENARIOS = ("batch", "model", "same-grid", "fc-grid", "domain", "per-layer")
 
 MAX_PROCS = 1 << 24
+"""beyond any machine (16 M ranks): a larger P is a typo, refused at once"""
 
 # the runtime's gradient bucket (RuntimeOptions.bucket_mb's default, 4 MiB): weight-gradient
 # all-reduces are priced fused into buckets of this size (cost.terms.fused)

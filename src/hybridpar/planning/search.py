@@ -586,9 +586,6 @@ def _best(plans: list[Plan], scenario: str, empty_reason: str) -> Plan:
     return Plan(scenario, None, reason=reason)
 
 
-"""beyond any machine (16 M ranks): a larger P is a typo, refused at once"""
-
-
 def _check(P: int, B: int) -> list[tuple[int, int]]:
     all_grids = grids(P, B)
     if not all_grids:

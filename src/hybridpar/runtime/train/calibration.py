@@ -165,8 +165,8 @@ def _time_shm(group=None, piece: int = 1 << 18) -> tuple[float | None, float | N
 def _mean_shm(measured: list[tuple[float | None, float | None]]) -> tuple[float | None, ...]:
     """(small_alpha, shm_beta): the mean of `_time_shm`'s measurements spread over the
     calibration. A small collective of ranks that share cores can cost one of two levels for
-    seconds at a time (docs/validate.md), so one measurement's median is either; a step's many
-    calls see both, in proportion."""
+    seconds at a time, so one measurement's median is either; a step's many calls see both, in
+    proportion."""
     return tuple(
         None if any(x is None for x in xs) else statistics.fmean(xs)
         for xs in zip(*measured, strict=True)

@@ -33,14 +33,12 @@ import numpy as np
 import torch
 
 from hybridpar.core.errors import ConfigError
-from hybridpar.runtime.comm.collectives import even_split
 
 __all__ = [
     "Dataset",
     "Signature",
     "epoch_steps",
     "load_data",
-    "rows_of",
     "signature",
     "validate_data_spec",
 ]
@@ -536,10 +534,3 @@ def epoch_steps(n: int, batch: int, epoch: int, seed: int) -> list[torch.Tensor]
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n, generator=g)
     return [order[i : i + batch] for i in range(0, n, batch)]
-
-
-def rows_of(n: int, parts: int, index: int) -> slice:
-    """The rows of block `index` when n rows split over `parts` (see even_split)."""
-    sizes = even_split(n, parts)
-    lo = sum(sizes[:index])
-    return slice(lo, lo + sizes[index])

@@ -155,7 +155,7 @@ class _Windowed:
         # the interior rows while the halo rows travel, over the network; through shared memory
         # they are there at once, and three pieces (the interior, the rows next to each
         # neighbour, their concatenation, forward and backward) cost more than one call on band
-        # and halo (measured in docs/validate.md)
+        # and halo
         pieces = i0 < i1 and "shm" not in call
         mid = self._out(own, i0, i1, x) if pieces else None
         t_mid = time.perf_counter()
