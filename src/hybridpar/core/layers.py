@@ -19,7 +19,7 @@ from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import Pooled, Span
 
 if TYPE_CHECKING:
-    from hybridpar.core.analysis import LayerSpec
+    from hybridpar.core.leaves import LayerSpec
 
 __all__ = ["CostLayer", "Norm", "Unswapped", "cost_layers"]
 

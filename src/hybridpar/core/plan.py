@@ -238,7 +238,7 @@ class ParallelPlan:
     None: rank = position, model groups on consecutive ranks"""
     memory_bytes: float | None = None
     """predicted bytes a rank holds in a step: parameters, gradients, momentum and what autograd
-    keeps for backward (planning.search.kept); None where not predicted"""
+    keeps for backward (planning.cost.memory.kept); None where not predicted"""
 
     def __post_init__(self) -> None:
         for name in ("procs", "batch"):

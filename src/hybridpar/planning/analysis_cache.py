@@ -29,6 +29,8 @@ def _key(model: str, input_size: int | None) -> str:
         "core/zoo.py",
         "core/models.py",
         "core/analysis.py",
+        "core/leaves.py",
+        "core/halo.py",
         "core/ops.py",
         "core/rows.py",
         "core/layers.py",

@@ -40,7 +40,6 @@ from hybridpar.core.choices import Choices, covered, payload_bytes
 from hybridpar.core.cluster import Cluster, Priced
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.groups import why_not_placement
-from hybridpar.core.halo import Span
 from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_handoff
 from hybridpar.core.handoff import fused as handoff_fused
 from hybridpar.core.layers import CostLayer, cost_layers
@@ -58,6 +57,7 @@ from hybridpar.planning.candidates import (
 )
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import FlopsModel, style_times
+from hybridpar.planning.cost.memory import kept
 from hybridpar.planning.cost.sync import calls, sync_of
 from hybridpar.planning.cost.terms import (
     Wire,
@@ -496,64 +496,6 @@ class _Context:
             if plan.feasible
             else f"no per-layer plan fits the memory limit of {_size(memory_limit)}",
         )
-
-
-def kept(layer: CostLayer, s: Style) -> float:
-    """Elements per sample that autograd keeps for the backward pass of `layer` on the busiest
-    rank under `s` (core.analysis._saved, traced whole): all of them under batch and model (a
-    split layer reads and its riders write the gathered activation); on bands the busiest rank's
-    share of each, and a convolution or pooling that reads rows beyond its band keeps its own
-    copy of band, halo and padding."""
-    if not layer.saved:  # described by hand: its output and that output's gradient
-        return 2.0 * layer.d_out / (s.pr if s.kind == "domain" else 1)
-    if s.kind != "domain":
-        return math.fsum(v for _, v in layer.saved)
-    windows = {
-        w.member: (w, c) for w, c in zip(layer.windows, layer.cols or layer.windows, strict=True)
-    }
-    h = layer.y_shape[1] if len(layer.y_shape) in (3, 4) else 1
-    wide = layer.y_shape[2] if s.pw > 1 and len(layer.y_shape) == 3 else 1
-    share = -(-h // s.ph) / h * (-(-wide // s.pw) / wide)  # the largest band's (tile's)
-    total = 0.0
-    for name, v in layer.saved:
-        w, c = windows.get(name, (None, None))
-        if w is None or w.how not in ("", "ceil"):
-            total += v * share
-        else:
-            pieces = name == layer.name and layer.op == "conv2d"
-            total += max(_window_kept(w, v, s.pr, pieces, c if s.pw > 1 else None, s.pw))
-    return total
-
-
-def _window_kept(
-    w: Span, v: float, pr: int, pieces: bool, cols: Span | None = None, pw: int = 1
-) -> list[float]:
-    """Per rank of Pr bands (tiles, of `pw` columns: `cols` the column map), what a convolution
-    or pooling (CostLayer.windows entry `w`, `v` kept per sample whole) keeps on its band: its
-    band's share of `v`, and what its output band reads beyond its band (halo and padding rows,
-    on tiles columns too): a convolution keeps those alone (`pieces`,
-    runtime.parallel.domain.windows._ConvOfPieces), a pooling a copy of band and beyond."""
-    win, row = w.row_map(), w.across
-    spans = [(row, row, row, row)]  # along a row: (own, read, both, whole); on bands all
-    if cols is not None:
-        by_cols = cols.row_map()
-        spans = []
-        for p in by_cols.parts(pw):
-            (a, b), (lo, hi) = p.held, p.reads
-            both = max(min(hi, b) - max(lo, a), 0)
-            spans.append((b - a, max(hi - lo, 0), both, by_cols.h_in))
-    out = []
-    for p in win.parts(pr // pw):
-        (a, b), (lo, hi) = p.held, p.reads
-        rows = max(min(hi, b) - max(lo, a), 0)  # of its own band
-        for mine, read, both, whole in spans:
-            own = v * (b - a) / win.h_in * mine / whole
-            if pieces:
-                out.append(own + ((hi - lo) * read - rows * both) * w.channels)
-            else:
-                kept = (hi - lo) * w.channels * read
-                out.append(own if (lo, hi, read) == (a, b, mine) else kept)
-    return out
 
 
 def _fits_memory(plan: Plan, limit: float | None) -> Plan:

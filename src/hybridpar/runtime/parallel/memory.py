@@ -1,7 +1,7 @@
 """What a training step holds on one rank, counted from the tensors themselves rather than the
 allocator's pages: its parameters, their gradients, the optimizer's state, and what autograd
 keeps for the backward pass (each storage once, the parameters' aside), counted as the forward
-saves it. The planner predicts the same sum (planning.search.kept: the same tensors, traced
+saves it. The planner predicts the same sum (planning.cost.memory.kept: the same tensors, traced
 whole); the resident peak (VmHWM) or the CUDA allocator's peak, beside it in the report, adds
 the allocator's pages, the libraries and the data."""
 
