@@ -15,7 +15,7 @@ a clean cut and its first convolution is not (the shortcut keeps the input alive
 layout change for the block happens at the block, and the layers inside it share one layout: the
 planner gives a residual block one style. Layers between two clean cuts form a *segment*.
 
-A layer is a leaf module or a module of a class torch knows (hybridpar.core.ops.OPS: a batch norm
+A layer is a leaf module or a module of a class torch knows (hybridpar.core.operations: a batch norm
 that runs activation and dropout children in its own forward is one); its children are traced as
 leaves inside it, and whether its forward applies its own operation to its input (what a style
 swaps) is recorded. A layer subclass whose forward computes its weight (a standardising
@@ -41,26 +41,19 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.core import ops
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import TILED
-from hybridpar.core.leaves import (
-    LayerSpec,
-    layer_kind,
-    leaf_spec,
-    one_row,
-    resample_call,
-)
+from hybridpar.core.leaves import LayerSpec, layer_kind, leaf_spec
+from hybridpar.core.operations import pooling
 from hybridpar.core.rows import (
     DIMS_READ,
     column_blocker,
     function_blocker,
     global_pool,
-    module_pool,
     moved_rows,
     permuted_blocker,
 )
@@ -179,14 +172,15 @@ class _Recorder(TorchFunctionMode):
                 self.produce(outs, t, self.use(ins, t))
                 k = self.count(func)
                 off = [a for a in at if a != 2]  # a permuted band's rows are elsewhere
-                if func is F.interpolate and isinstance(out, torch.Tensor) and not off:
-                    self.sites.append((t, self.site(func, k, args, kwargs, out, all(whole))))
+                op = ops.site_operation(func) if isinstance(out, torch.Tensor) and not off else None
+                if op is not None and (op.bands == "resample" or not (whole and all(whole))):
+                    self.sites.append((t, self.site(func, k, args, kwargs, out, all(whole), op=op)))
                     return out
                 if whole and all(whole):  # a whole value's function: whole too
                     self.made_whole(outs)
                     return out
                 how = global_pool(func, args, kwargs) if not off else ""
-                if how and k is not None and isinstance(out, torch.Tensor):
+                if how and k is not None and isinstance(out, torch.Tensor):  # a global pooling
                     self.sites.append((t, self.site(func, k, args, kwargs, out, how=how)))
                     self.made_whole(outs)
                     return out
@@ -199,7 +193,7 @@ class _Recorder(TorchFunctionMode):
                 if why and whole[:1] == [True] and getattr(func, "__name__", "") == "expand_as":
                     why = ""  # a whole value broadcast to the band
                 name = getattr(func, "__name__", "")
-                if off and (why or name in DIMS_READ or func is F.interpolate):
+                if off and (why or name in DIMS_READ or ops.site_operation(func)):
                     why = f"{name} of a permuted band"  # it would read the rows as dim 2
                 elif off:
                     self.place(outs, off[0])  # element by element: the rows stay where they are
@@ -216,23 +210,22 @@ class _Recorder(TorchFunctionMode):
         k = self.site_counts[at] = self.site_counts.get(at, -1) + 1
         return k
 
-    def site(
-        self, func, k: int, args: tuple, kwargs: dict | None, out, spread=False, how=""
-    ) -> LayerSpec:
-        """An F.interpolate (`spread`: of a whole value) or a global pooling (`how`) in a
-        module's own forward, as a layer of its own (core.ops.site_name: the domain style takes
-        that call)."""
+    def site(self, func, k: int, args: tuple, kwargs: dict | None, out, spread=False, how="",
+             op=None) -> LayerSpec:  # fmt: skip
+        """A call in a module's own forward that is a layer of its own (an F.interpolate,
+        `spread` of a whole value; an F.pixel_shuffle: core.operations' `call`), or a global
+        pooling (`how`): core.ops.site_name, the domain style takes that call."""
         x = args[0] if args else (kwargs or {}).get("input")
         shapes = dict(in_shape=tuple(x.shape[1:]), out_shape=tuple(out.shape[1:]))
         name = ops.site_name(self.owner(), func, k)
         if how:
             return LayerSpec(name, "pool", func.__name__, **shapes, op="global_pool",
                              rows=("global", how))  # fmt: skip
-        geometry, why = resample_call(args, kwargs or {})
-        rows = ("spread" if spread else "resample", geometry) if not why else ()
-        one = one_row(x.dim() - 2)
-        return LayerSpec(name, "other", "interpolate", **shapes, **one, op="interpolate",
-                         blocker=why, rows=rows)  # fmt: skip
+        fields, why = op.call(func, args, kwargs or {}, *shapes.values())
+        if spread and fields.get("rows", ())[:1] == ("resample",):
+            fields["rows"] = ("spread", fields["rows"][1])
+        return LayerSpec(name, op.kind, func.__name__, **shapes, **fields, op=op.name,
+                         blocker=why)  # fmt: skip
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -313,7 +306,11 @@ class _Calls:
 def _whole(spec: LayerSpec, module: nn.Module, whole: bool, rec: _Recorder, outs) -> LayerSpec:
     """A leaf on a whole value runs unchanged (whole, or an upsampling of it to bands: spread);
     a global pooling of bands makes its value whole."""
-    how = module_pool(module)
+    op = ops.operation_of(module)
+    global_ = op is not None and op.bands == "global"
+    how = (
+        pooling(op, module.output_size, getattr(module, "return_indices", False)) if global_ else ""
+    )
     if whole:
         spread = spec.rows[:1] == ("resample",)
         if not spread:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import Pooled, Span
+from hybridpar.core.operations import by_name
 
 if TYPE_CHECKING:
     from hybridpar.core.leaves import LayerSpec
@@ -73,7 +74,7 @@ class CostLayer:
     # instance and group norms riding along: on bands their statistics are all-reduced over the
     # ranks holding an example's bands, the running ones over the batch group
     spatial_norms: tuple[Norm, ...] = ()
-    op: str = ""  # what the weighted module is: linear, conv2d, conv1d, conv3d, conv_transpose
+    op: str = ""  # what the weighted module is (core.operations): linear, conv2d, conv3d, ...
     groups: int = 1  # a convolution's groups
     padding_mode: str = "zeros"
     calls: int = 1  # how often the weighted module runs in one forward
@@ -211,7 +212,8 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
     norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
     if s.op == "batch_norm":
         norms = (*norms, Norm(s.in_shape[0], s.input_grad, whole=s.whole))
-    if s.op in ("instance_norm", "group_norm") and not s.whole:
+    stats = getattr(by_name(s.op), "bands", "") == "stats"  # instance, group, layer norms
+    if stats and not s.whole and not s.permuted:
         spatial = (*spatial, Norm(s.groups, s.input_grad, tracked=s.tracked))
     if s.op == "global_pool":
         rest = math.prod(s.in_shape[2:])

@@ -4,10 +4,10 @@ A layer is a module whose class derives from one torch knows (nn.Conv2d, nn.Line
 a pooling), however its own `forward` is written: timm's BatchNormAct2d runs its activation and
 dropout children after the batch norm, ScaledStdConv2d standardises its weight and scales it by a
 `gain` before the convolution. Each such class has one *own operation*, the torch function it
-applies to its input (`OPS`: F.conv2d, F.linear, F.batch_norm, the poolings, F.conv_transpose2d,
-F.interpolate). A
+applies to its input (core.operations' table: F.conv2d, F.linear, F.batch_norm, the poolings,
+F.conv_transpose2d, F.interpolate, F.layer_norm, F.pixel_shuffle). A
 style stands in for that one call, and only where its first argument is the module's input (or
-what a function in `Op.through` made of it: a convolution pads its input first in padding modes
+what a function in `Operation.through` made of it: a convolution pads its input first in padding modes
 other than zeros); the module's forward, its other parameters and its children run as written,
 and its state dict keeps every key. The standardising convolution's own F.batch_norm, on its
 weight, is not its operation and is left alone.
@@ -30,29 +30,32 @@ different sides of one pair).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from hybridpar.core.operations import OPERATIONS, Operation, of_function
+
 __all__ = [
-    "OPS",
     "SITES",
     "Matcher",
-    "Op",
     "call",
     "call_with",
+    "functions",
     "install",
     "install_site",
     "is_plain",
+    "operation_of",
     "own_op",
     "site_func",
     "site_key",
     "site_name",
+    "site_operation",
     "state_slots",
     "swapped_parameters",
     "units",
@@ -60,44 +63,32 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Op:
-    """A layer's own operation: the torch functions that are it, and those it may apply to its
-    input first (what they return counts as the input)."""
-
-    name: str
-    funcs: tuple[Callable, ...]
-    through: tuple[Callable, ...] = ()
+@functools.cache
+def _classes() -> tuple[tuple[type, Operation], ...]:
+    """(class, operation) for every class core.operations names, resolved below torch.nn."""
+    return tuple(
+        (functools.reduce(getattr, c.split("."), nn), op) for op in OPERATIONS for c in op.modules
+    )
 
 
-_CONV2D = Op("conv2d", (F.conv2d,), (F.pad,))
-OPS: tuple[tuple[type, Op], ...] = (
-    (nn.Conv2d, _CONV2D),
-    (nn.Conv3d, Op("conv3d", (F.conv3d,), (F.pad,))),
-    (nn.ConvTranspose3d, Op("conv_transpose3d", (F.conv_transpose3d,))),
-    (nn.MaxPool3d, Op("max_pool3d", (F.max_pool3d,))),
-    (nn.AvgPool3d, Op("avg_pool3d", (F.avg_pool3d,))),
-    (nn.Linear, Op("linear", (F.linear,))),
-    (nn.modules.batchnorm._BatchNorm, Op("batch_norm", (F.batch_norm,))),
-    (nn.MaxPool2d, Op("max_pool2d", (F.max_pool2d,))),
-    (nn.AvgPool2d, Op("avg_pool2d", (F.avg_pool2d,))),
-    (nn.ConvTranspose2d, Op("conv_transpose2d", (F.conv_transpose2d,))),
-    (nn.Upsample, Op("interpolate", (F.interpolate,))),
-    (nn.modules.instancenorm._InstanceNorm, Op("instance_norm", (F.instance_norm,))),
-    (nn.GroupNorm, Op("group_norm", (F.group_norm,))),
-    (nn.AdaptiveAvgPool2d, Op("adaptive_avg_pool2d", (F.adaptive_avg_pool2d,))),
-    (nn.AdaptiveMaxPool2d, Op("adaptive_max_pool2d", (F.adaptive_max_pool2d,))),
-    (nn.AdaptiveAvgPool3d, Op("adaptive_avg_pool3d", (F.adaptive_avg_pool3d,))),
-    (nn.AdaptiveMaxPool3d, Op("adaptive_max_pool3d", (F.adaptive_max_pool3d,))),
-)
-"""layer class (subclasses included) -> its own operation"""
+def operation_of(module: nn.Module) -> Operation | None:
+    """The operation `module` applies (its class or a base's in the table); None for others."""
+    return next((op for cls, op in _classes() if isinstance(module, cls)), None)
+
+
+def own_op(module: nn.Module) -> Operation | None:
+    """The operation a style may swap in `module`'s forward; None for other modules."""
+    op = operation_of(module)
+    return op if op is not None and op.swap else None
+
+
+@functools.cache
+def functions(names: tuple[str, ...]) -> tuple[Callable, ...]:
+    """torch.nn.functional's functions of these names."""
+    return tuple(getattr(F, f) for f in names)
+
 
 _BASES = (nn.Conv2d, nn.Linear)
-
-
-def own_op(module: nn.Module) -> Op | None:
-    """The operation a style may swap in `module`'s forward; None for other modules."""
-    return next((op for cls, op in OPS if isinstance(module, cls)), None)
 
 
 def units(module: nn.Module) -> int:
@@ -119,8 +110,9 @@ def is_plain(module: nn.Module) -> bool:
 class Matcher:
     """Which calls inside one forward are the layer's operation on its input `x`; counts them."""
 
-    def __init__(self, x: torch.Tensor, op: Op) -> None:
+    def __init__(self, x: torch.Tensor, op: Operation) -> None:
         self.op, self.hits = op, 0
+        self.funcs, self.through = functions(op.functions), functions(op.through)
         self.inputs = {id(x)}
         self._keep = [x]  # ids stay unique while the forward runs
 
@@ -129,7 +121,7 @@ class Matcher:
 
     def is_op(self, func: Callable, args: tuple) -> bool:
         """`func(*args)` is the operation on the input (counted)."""
-        if func in self.op.funcs and self._on_input(args):
+        if func in self.funcs and self._on_input(args):
             self.hits += 1
             return True
         return False
@@ -137,7 +129,7 @@ class Matcher:
     def passed(self, func: Callable, args: tuple, out: object) -> None:
         """After `func(*args)` returned `out`: a function of `through` on the input makes more
         input."""
-        if func in self.op.through and self._on_input(args) and isinstance(out, torch.Tensor):
+        if func in self.through and self._on_input(args) and isinstance(out, torch.Tensor):
             self.inputs.add(id(out))
             self._keep.append(out)
 
@@ -260,20 +252,21 @@ class _Sites(TorchFunctionMode):
 
 
 SITES: dict[str, Callable] = {
-    "interpolate": F.interpolate,
-    "adaptive_avg_pool2d": F.adaptive_avg_pool2d,
-    "adaptive_max_pool2d": F.adaptive_max_pool2d,
-    "adaptive_avg_pool3d": F.adaptive_avg_pool3d,
-    "adaptive_max_pool3d": F.adaptive_max_pool3d,
-    "mean": torch.mean,
-    "sum": torch.sum,
-    "amax": torch.amax,
-    "Tensor.mean": torch.Tensor.mean,
-    "Tensor.sum": torch.Tensor.sum,
-    "Tensor.amax": torch.Tensor.amax,
+    **{f: getattr(F, f) for op in OPERATIONS if op.call for f in op.functions},
+    **{k: getattr(torch, k) for k in ("mean", "sum", "amax")},
+    **{f"Tensor.{k}": getattr(torch.Tensor, k) for k in ("mean", "sum", "amax")},
 }
 """the functions whose calls in a module's own forward a style may take (a resampling, a
 global pooling), by the name a site's name carries"""
+
+
+def site_operation(func: Callable) -> Operation | None:
+    """The operation whose calls of `func` in a forward are layers of their own (an
+    F.interpolate, an F.pixel_shuffle; a global pooling's are found by core.rows.global_pool)."""
+    op = of_function(getattr(func, "__name__", ""))
+    return (
+        op if op is not None and op.bands != "global" and func in functions(op.functions) else None
+    )
 
 
 def site_key(func: Callable) -> str:
@@ -361,7 +354,7 @@ def _rows_apart(module: nn.Module, in_shape: tuple[int, ...], n: int, own: dict)
 
     def to(inp, weight, bias=None, *args, **kwargs):
         seen["weight"], seen["bias"] = weight, bias
-        return op.funcs[0](inp, weight.detach(), None if bias is None else bias.detach(), *args,
+        return functions(op.functions)[0](inp, weight.detach(), None if bias is None else bias.detach(), *args,
                            **kwargs)  # fmt: skip
 
     matcher = Matcher(x, op)

@@ -5,26 +5,13 @@ asks for every leaf module and every torch function a model's `forward` calls, a
 segment, what is not row-local; `core.rules` refuses the domain style for such a segment and
 names the operation.
 
-| row-local                                    | how the domain style runs it                        |
-| -------------------------------------------- | --------------------------------------------------- |
-| Conv2d, ConvTranspose2d (zero padding),      | on the band and the halo rows its window needs       |
-| MaxPool2d, AvgPool2d (ceil_mode too),        | (core.halo: the rows each output row reads)          |
-| Upsample, F.interpolate (nearest, bilinear,  |                                                      |
-| bicubic; a size or a scale); the 3-d ones    |                                                      |
-| (trilinear) of volumes, split by depth       |                                                      |
-| BatchNorm2d, BatchNorm3d                     | statistics over every rank (rows and examples)       |
-| InstanceNorm2d/3d, GroupNorm                 | each example's statistics over its bands' ranks      |
-| AdaptiveAvgPool2d(1), AdaptiveMaxPool2d(1),  | summed (or maxed) over the bands' ranks: the value   |
-| a mean, sum or amax over height and width,   | whole on each of them (`global_pool`)                |
-| AdaptiveAvgPool2d((k, l))                    |                                                      |
-| anything on such a whole value alone         | unchanged on every rank (an upsampling of it: bands) |
-| LocalResponseNorm, element-wise activations, | unchanged                                            |
-| Dropout, Identity; element-wise functions,   |                                                      |
-| cat / chunk / split along batch or channels  |                                                      |
-
-Everything else mixes rows or sees the whole image (flatten or view of rows, other adaptive
-output sizes, Softmax over space, a pooling that returns indices) and ends a domain segment's
-claim.
+Which modules do is core.operations' table (a convolution or pooling on the band and its halo,
+a norm's statistics over the ranks, a global pooling summed over them). This file says it of
+the torch functions a forward calls: element-wise functions, cat / chunk / split along batch or
+channels and a pad of other dimensions keep rows apart; a mean, sum or amax over height and
+width or an adaptive pooling to 1 (or an average to k x l cells) pools globally (`global_pool`),
+and anything on such a whole value alone runs unchanged on every rank. Everything else (flatten
+or view of rows, indexing of rows, Softmax over space) ends a domain segment's claim.
 
 A band may be permuted (a channels-last convnet's permute(0, 2, 3, 1)): the trace follows where
 its rows went (`moved_rows`), and a layer norm or a Linear over the channels keeps them apart
@@ -46,47 +33,17 @@ from __future__ import annotations
 from torch import nn
 
 from hybridpar.core.halo import TILED
+from hybridpar.core.operations import by_name, pooling
+from hybridpar.core.ops import operation_of
 
 __all__ = [
     "DIMS_READ",
-    "ELEMENTWISE_ACTIVATIONS",
-    "RESAMPLED",
     "column_blocker",
     "function_blocker",
     "global_pool",
-    "module_blocker",
-    "module_pool",
     "moved_rows",
     "permuted_blocker",
 ]
-
-RESAMPLED = ("nearest", "nearest-exact", "bilinear", "bicubic", "trilinear")
-"""the interpolation modes a band of rows runs (core.halo.Resample)"""
-ELEMENTWISE_ACTIVATIONS = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.GELU,
-    nn.SiLU,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.Hardtanh,
-    nn.Mish,
-)
-"""activation modules applied element by element (the analysis's activations, softmax aside)"""
-_UNCHANGED = (
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.LocalResponseNorm,
-    *ELEMENTWISE_ACTIVATIONS,
-    nn.Hardswish,
-    nn.Hardsigmoid,
-    nn.Dropout,
-    nn.Dropout2d,
-    nn.Identity,
-    nn.PReLU,
-)
 
 _ELEMENTWISE = {
     "abs",
@@ -158,29 +115,6 @@ DIMS_READ = _ALONG_DIM | {"pad", "__getitem__", "flatten", "view", "reshape", "s
                           "softmax"}  # fmt: skip
 """functions that read an activation's dims as (N, C, H, W), not element by element: on a
 band a permute changed, they would take another dim for the rows"""
-
-
-def module_blocker(module: nn.Module) -> str:
-    """ "" when `module` runs on a band of rows (with halo rows where its window needs them), else
-    why not, in a few words naming it."""
-    name = type(module).__name__
-    if isinstance(module, nn.Conv2d | nn.ConvTranspose2d | nn.Conv3d | nn.ConvTranspose3d):
-        if isinstance(module.padding, str) and module.padding != "valid":
-            return f"{name} with padding='{module.padding}'"
-        if module.padding_mode != "zeros":
-            return f"{name} with padding_mode='{module.padding_mode}'"
-        return ""
-    if isinstance(module, nn.MaxPool2d | nn.AvgPool2d | nn.MaxPool3d | nn.AvgPool3d):
-        return f"{name} with return_indices" if getattr(module, "return_indices", False) else ""
-    if isinstance(module, nn.InstanceNorm2d | nn.InstanceNorm3d | nn.GroupNorm):
-        return ""
-    if isinstance(module, nn.Upsample):
-        return "" if module.mode in RESAMPLED else f"{name} in mode {module.mode!r}"
-    if isinstance(module, nn.Softmax | nn.LogSoftmax):
-        return "" if module.dim in (1, -3) else f"{name} over dim {module.dim}"
-    if isinstance(module, _UNCHANGED):
-        return ""
-    return f"{name} mixes rows"
 
 
 def _dim(args: tuple, kwargs: dict, position: int) -> int | None:
@@ -257,39 +191,15 @@ def permuted_blocker(module: nn.Module, at: int, ndim: int) -> str:
         return "" if inside else f"{name} over the rows"
     if isinstance(module, nn.Linear):
         return "" if at != ndim - 1 else f"{name} over the rows"
-    if isinstance(module, (*ELEMENTWISE_ACTIVATIONS, nn.Dropout, nn.Identity)):
+    if (
+        isinstance(module, nn.Dropout | nn.Identity)
+        or getattr(operation_of(module), "name", "") == "elementwise"
+    ):
         return ""
     return f"{name} on a permuted band"
 
 
 _POOLED = {"mean": "avg", "sum": "sum", "amax": "max"}
-
-
-def _ones(size) -> bool:
-    return size == 1 or (isinstance(size, tuple | list) and set(size) == {1})
-
-
-def _cells(size) -> bool:
-    """An adaptive average pooling of an image to k x l cells (PSPNet's pyramid: 1, 2, 3, 6)."""
-    sizes = tuple(size) if isinstance(size, tuple | list) else (size, size)
-    return len(sizes) == 2 and all(isinstance(s, int) and s >= 1 for s in sizes)
-
-
-def module_pool(module: nn.Module) -> str:
-    """ "avg" or "first" (the first maximum takes the gradient) when `module` pools each channel
-    of an image or a volume to one value (AdaptiveAvgPool2d(1), AdaptiveMaxPool3d(1), ...), or an
-    image to k x l cells by averages (AdaptiveAvgPool2d((k, l)))."""
-    avg, top = (
-        (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
-        (nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d),
-    )
-    if isinstance(module, nn.AdaptiveAvgPool2d) and _cells(module.output_size):
-        return "avg"
-    if isinstance(module, avg) and _ones(module.output_size):
-        return "avg"
-    if isinstance(module, top) and _ones(module.output_size):
-        return "" if module.return_indices else "first"
-    return ""
 
 
 def global_pool(func: object, args: tuple, kwargs: dict | None) -> str:
@@ -307,9 +217,7 @@ def global_pool(func: object, args: tuple, kwargs: dict | None) -> str:
         size = args[1] if len(args) > 1 else kwargs.get("output_size")
         if kwargs.get("return_indices") or (len(args) > 2 and args[2]):
             return ""
-        if name == "adaptive_avg_pool2d" and _cells(size):
-            return "avg"
-        return ("avg" if "avg" in name else "first") if _ones(size) else ""
+        return pooling(by_name(name), size, False)
     if name not in _POOLED or kwargs.get("dtype") is not None:
         return ""
     dim = args[1] if len(args) > 1 else kwargs.get("dim")

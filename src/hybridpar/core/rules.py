@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from hybridpar.core.choices import Choices
 from hybridpar.core.halo import TILED
 from hybridpar.core.layers import CostLayer
+from hybridpar.core.operations import by_name
 from hybridpar.core.plan import Style
 from hybridpar.core.splits import chunk_sizes, group_split, whole_group_prs
 
@@ -41,8 +42,13 @@ def _batch(layer: CostLayer, s: Style) -> str:
     return ""
 
 
+def _takes(layer: CostLayer, kind: str) -> bool:
+    """Whether the layer's operation takes the style `kind` (core.operations)."""
+    return kind in getattr(by_name(layer.op), "styles", ())
+
+
 def _model(layer: CostLayer, s: Style) -> str:
-    if layer.op not in ("linear", "conv2d"):
+    if not _takes(layer, "model"):
         return (
             f"{layer.name} ({layer.op or layer.kind}) cannot take {s}: only Linear and Conv2d "
             "layers split over a model group; give it batch"
@@ -70,8 +76,7 @@ def _model(layer: CostLayer, s: Style) -> str:
 
 def _domain(layer: CostLayer, s: Style) -> str:
     whole = layer.name in layer.unchanged  # a pooled value's, or over a band's channels
-    ops = ("conv2d", "conv3d", "conv_transpose")
-    if not whole and (layer.op not in ops or len(layer.x_shape) not in (3, 4)):
+    if not whole and (not _takes(layer, "domain") or len(layer.x_shape) not in (3, 4)):
         return (
             f"{layer.name} ({layer.op or layer.kind}) cannot be split by height: only 2-d and "
             "3-d convolutions and transposed convolutions take domain; give it batch or model"

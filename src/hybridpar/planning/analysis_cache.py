@@ -32,6 +32,7 @@ def _key(model: str, input_size: int | None) -> str:
         "core/leaves.py",
         "core/halo.py",
         "core/ops.py",
+        "core/operations.py",
         "core/rows.py",
         "core/layers.py",
         "core/plan.py",

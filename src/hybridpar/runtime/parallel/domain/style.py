@@ -5,27 +5,14 @@ parameters whole on every rank, their gradients summed over all P."""
 from __future__ import annotations
 
 from torch import nn
-from torch.nn.modules.instancenorm import _InstanceNorm
 
 from hybridpar.core import ops
 from hybridpar.core.layers import CostLayer
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.parallel.batchnorm import BandStatistics
 from hybridpar.runtime.parallel.domain.reductions import SpaceReduction
-from hybridpar.runtime.parallel.domain.windows import (
-    DomainConv,
-    DomainPool,
-    DomainResample,
-    DomainTransposed,
-)
+from hybridpar.runtime.parallel.domain.windows import STAND_INS
 from hybridpar.runtime.parallel.styles import ParallelStyle
-
-_STAND_INS = (
-    (nn.Conv2d | nn.Conv3d, DomainConv),
-    (nn.ConvTranspose2d | nn.ConvTranspose3d, DomainTransposed),
-    (nn.Upsample, DomainResample),
-    (nn.Module, DomainPool),
-)
 
 
 class DomainStyle(ParallelStyle):
@@ -45,30 +32,30 @@ class DomainStyle(ParallelStyle):
             stand_in = SpaceReduction(pool, True, group, ledger, layer.name, pw)
             ops.install(module, stand_in, name=name)
             return module
-        if isinstance(module, _InstanceNorm | nn.GroupNorm) and self.spec.pr > 1:
+        op = ops.own_op(module)
+        if op is not None and op.stand_in == "stats" and self.spec.pr > 1:
             stats = BandStatistics(module, group, ledger, layer.name, self.grid.batch_group)
             ops.install(module, stats, name=name)
             return module
         if name not in windows:
             return module
-        cls = next(c for t, c in _STAND_INS if isinstance(module, t))
-        stand_in = cls(
+        stand_in = STAND_INS[op.stand_in](
             module, windows[name].row_map(), group, ledger, layer.name, **self._tiles(name, layer)
         )
         ops.install(module, stand_in, name=name)
         return module
 
     def site(self, name: str, owner: nn.Module, layer: CostLayer) -> None:
-        """An F.interpolate or a global pooling in a module's own forward (core.ops.install_site)."""
+        """An F.interpolate, an F.pixel_shuffle or a global pooling in a module's own forward
+        (core.ops.install_site)."""
         windows = {w.member: w for w in layer.windows}
         pool = next((p for p in layer.pools if p.member == name), None)
         _, func, k = ops.site_func(name)
         group, ledger = self.grid.model_group, self.ctx.ledger
         if name in windows:
             tiles = self._tiles(name, layer)
-            stand_in = DomainResample(
-                owner, windows[name].row_map(), group, ledger, layer.name, **tiles
-            )
+            cls = STAND_INS[ops.site_operation(func).stand_in]
+            stand_in = cls(owner, windows[name].row_map(), group, ledger, layer.name, **tiles)
             ops.install_site(owner, func, k, stand_in)
         elif pool and self.spec.pr > 1:
             adaptive = func.__name__.startswith("adaptive")

@@ -432,3 +432,12 @@ class DomainPool(_Windowed):
         mask = math.prod(m for _, m in self._inside(rows, lo, padded=False))
         mask = mask.expand(1, 1, *rows.shape[2:])
         return mean / avg(mask, k, st, pad, ceil, True)
+
+
+STAND_INS = {
+    "conv": DomainConv,
+    "transposed": DomainTransposed,
+    "resample": DomainResample,
+    "pool": DomainPool,
+}
+"""core.operations' stand-in names -> the classes"""
