@@ -199,6 +199,28 @@ def _upsample_mode(m, x: tuple) -> str:
     return "" if m.mode in RESAMPLED else f"{type(m).__name__} in mode {m.mode!r}"
 
 
+def _shuffle_images(m, x: tuple) -> str:
+    return "" if len(x) == 3 else f"{type(m).__name__} of a {len(x) + 1}-d tensor"
+
+
+def _shuffle(r: int, up: bool, dims: int) -> dict:
+    """A pixel shuffle by `r` (`up`) maps output row o to input row o // r, as a transposed
+    window of r taps at stride r does; its inverse reads input rows r*o .. r*o + r - 1, a window
+    of r at stride r."""
+    return dict(kernel=(r,) * dims, stride=(r,) * dims, padding=(0,) * dims,
+                dilation=(1,) * dims, rows=("transposed", 0) if up else ())  # fmt: skip
+
+
+def _shuffle_module(m, x: tuple, y: tuple) -> dict:
+    up = hasattr(m, "upscale_factor")
+    return _shuffle(m.upscale_factor if up else m.downscale_factor, up, len(x) - 1)
+
+
+def _shuffle_call(func, args: tuple, kwargs: dict, x: tuple, y: tuple) -> tuple[dict, str]:
+    r = args[1] if len(args) > 1 else next(iter(kwargs.values()))
+    return _shuffle(int(r), func.__name__ == "pixel_shuffle", len(x) - 1), ""
+
+
 def _conv_record(name: str, dims: str, styles: tuple, transposed: bool = False) -> Operation:
     cls = f"Conv{'Transpose' if transposed else ''}{dims}d"
     if dims == "1":
@@ -254,6 +276,12 @@ OPERATIONS: tuple[Operation, ...] = (
     *(_adaptive_record(k, d) for k in ("Avg", "Max") for d in "231"),
     Operation("interpolate", "other", ("Upsample",), bands="resample", blocker=_upsample_mode,
               geometry=_upsample, call=_interpolate_call, stand_in="resample"),
+    Operation("pixel_shuffle", "other", ("PixelShuffle",), bands="transposed",
+              blocker=_shuffle_images, geometry=_shuffle_module, call=_shuffle_call,
+              stand_in="shuffle"),
+    Operation("pixel_unshuffle", "other", ("PixelUnshuffle",), bands="window",
+              blocker=_shuffle_images, geometry=_shuffle_module, call=_shuffle_call,
+              stand_in="shuffle"),
     Operation("softmax", "activation", ("Softmax", "LogSoftmax"), swap=False, bands="unchanged",
               blocker=_softmax),
     Operation("elementwise", "activation", _ELEMENTWISE, swap=False, bands="unchanged"),

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hybridpar.core.halo import RowMap
+from hybridpar.core.halo import RowMap, Transposed
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.domain.halo import (
@@ -434,10 +434,33 @@ class DomainPool(_Windowed):
         return mean / avg(mask, k, st, pad, ceil, True)
 
 
+class DomainShuffle(_Windowed):
+    """F.pixel_shuffle (F.pixel_unshuffle) by r on this rank's band of rows (or tile): the input
+    rows its output rows come from (core.operations: r taps at stride r, transposed; a window of
+    r at stride r), shuffled whole, the band's rows (the tile's columns) cut out of the result."""
+
+    def __init__(self, module: nn.Module, window: RowMap, group, ledger, layer: str, **tiles):
+        self.up = isinstance(window, Transposed)
+        self.setup(window, group, ledger, layer, **tiles)
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        (self.factor,) = (*args, *kwargs.values())
+        return self.band(x)
+
+    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
+        r = self.factor
+        y = (F.pixel_shuffle if self.up else F.pixel_unshuffle)(rows, r)
+        along = [(2, lo, a, b)] + ([(3, *self.cols)] if self.cols is not None else [])
+        for dim, first, c0, c1 in along:  # y's first row (column) is input row `first`'s
+            y = y.narrow(dim, c0 - (first * r if self.up else first // r), c1 - c0)
+        return y
+
+
 STAND_INS = {
     "conv": DomainConv,
     "transposed": DomainTransposed,
     "resample": DomainResample,
     "pool": DomainPool,
+    "shuffle": DomainShuffle,
 }
 """core.operations' stand-in names -> the classes"""

@@ -1,0 +1,145 @@
+"""Teaching the domain style an operation (issue 72): the worked examples of docs/dense.md, each
+a record in core/operations.py and at most a stand-in. A pixel shuffle and unshuffle (modules and
+F.pixel_shuffle in a forward) and a layer norm over (C, H, W) train on bands and tiles exactly as
+one process does: float64, 3 steps of SGD with momentum, rtol 1e-7, the ledger's bytes per
+(layer, term) the plan's, on 2 and 3 ranks. Band heights that are not multiples of the unshuffle's
+factor fetch the rows their outputs read as a halo (priced); what the table refuses is refused by
+name."""
+
+import pytest
+import torch
+from dist_helpers import bytes_are_predicted, run_ranks
+from torch import nn
+from torch.nn import functional as F
+
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.plan import Style
+from hybridpar.planning.request import PlanRequest
+from hybridpar.planning.search import evaluate, export, plan_for
+from hybridpar.runtime.parallel.trainer import HybridTrainer
+
+NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
+STEPS, CLASSES = 3, 3
+
+
+class Shuffled(nn.Module):
+    """Down by PixelUnshuffle, up by PixelShuffle (modules), then an ESPCN-style sub-pixel head
+    (a convolution to C r^2 channels and F.pixel_shuffle in the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.down = nn.PixelUnshuffle(2)
+        self.mid = nn.Conv2d(16, 16, 3, padding=1)
+        self.up = nn.PixelShuffle(2)
+        self.sub = nn.Conv2d(4, 4 * CLASSES, 3, padding=1, stride=2)
+        self.head = nn.Conv2d(CLASSES, CLASSES, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.stem(x))
+        y = y + self.up(F.relu(self.mid(self.down(y))))
+        return self.head(F.pixel_shuffle(self.sub(y), 2))
+
+
+class LayerNormed(nn.Module):
+    """A layer norm over (C, H, W) between convolutions (each example's statistics over every
+    pixel), its affine weight and bias random."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.LayerNorm((4, *shape))
+        self.head = nn.Conv2d(4, CLASSES, 3, padding=1)
+        with torch.no_grad():
+            self.norm.weight.normal_()
+            self.norm.bias.normal_()
+
+    def forward(self, x):
+        return self.head(F.relu(self.norm(self.stem(x))))
+
+
+# name -> (builder, per-example input, global batch); 10 rows: bands of 5 (or 4, 3, 3) rows of
+# which the unshuffle's outputs read across the cut
+NETS = {
+    "shuffled": (Shuffled, (3, 10, 12), 2),
+}
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return NETS[name][0]().double()
+
+
+def _data(name: str):
+    _, shape, b = NETS[name]
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(b, *shape, generator=g, dtype=torch.float64),
+         torch.randint(0, CLASSES, (b, *shape[1:]), generator=g))
+        for _ in range(STEPS)
+    ]  # fmt: skip
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _plans(name: str, P: int) -> dict:
+    """Bands of P; on P = 2 tiles (1 x 2) too; and the planner's domain scenario."""
+    _, shape, b = NETS[name]
+    layers = cost_layers(analyze(_model(name), shape))
+    out = {}
+    for style in [Style.domain(P, 1)] + ([Style.domain(P, 1, 2)] if P == 2 else []):
+        plan = evaluate(layers, [style] * len(layers), PlanRequest(P, b, NET, elem_bytes=8))
+        assert plan.feasible, (name, style)
+        out[str(style)] = export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape,
+                                 model=name)  # fmt: skip
+    r = plan_for(_model(name), shape, P, b, NET, scenarios=["domain"], elem_bytes=8)
+    out["scenario"] = r.export(r.scenario("domain"))
+    return out
+
+
+def _train(P: int) -> list[str]:
+    done = []
+    for name in NETS:
+        ref = _model(name)
+        opt = _optimizer(ref.parameters())
+        for x, y in _data(name):
+            opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            opt.step()
+        for label, plan in _plans(name, P).items():
+            tag = f"{name} P={P} {label}"
+            t = HybridTrainer(_model(name), plan, _optimizer, input_shape=NETS[name][1],
+                              verify=False)  # fmt: skip
+            for x, y in _data(name):
+                t.step(x, y)
+            got = t.full_state_dict()
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{tag}: {k}")
+            bytes_are_predicted(t.ledger, plan, tag, STEPS)
+            done.append(tag)
+    return done
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_pixel_shuffles_and_a_layer_norm_over_the_image_train_on_bands_as_one_process(P):
+    done = run_ranks(_train, P, P, timeout_s=300)[0]
+    assert len(done) == len(NETS) * (3 if P == 2 else 2), done
+
+
+def test_the_unshuffle_reads_across_a_cut_that_is_not_a_multiple_of_its_factor():
+    """10 rows over 2 ranks (5 and 5), unshuffled by 2 to 5 rows (3 and 2): the first rank's
+    last output row reads input rows 4 and 5, the second rank's first: a halo row, priced (the
+    bytes the test above holds to the ledger). Shuffled back, 5 rows (3 and 2) to 10 (5 and 5):
+    the second rank's first output row comes from input row 2, the first rank's."""
+    layers = {x.name: x for x in cost_layers(analyze(_model("shuffled"), (3, 10, 12)))}
+    spans = {w.member: w for x in layers.values() for w in x.windows}
+    down, up = spans["down"].row_map(), spans["up"].row_map()
+    assert [p.reads for p in down.parts(2)] == [(0, 6), (6, 10)]
+    assert down.rows_sent(2) == [0, 1] and up.rows_sent(2) == [1, 0]
+    assert [p.reads for p in up.parts(2)] == [(0, 3), (2, 5)]
+    assert spans[":pixel_shuffle.0"].row_map().h_out == 10
