@@ -328,10 +328,11 @@ def _permuted(spec: LayerSpec, module: nn.Module, at: int, ndim: int, rec, outs)
     channels runs on it unchanged, the rows staying at `at`; a layer norm or Linear over the rows
     is refused wherever they are."""
     over = isinstance(module, nn.LayerNorm | nn.Linear)  # over its input's last dims
-    if spec.whole or ndim < 3 or (at == 2 and not over):
+    if spec.whole or ndim < 3 or (at == 2 and not (over and spec.blocker)):  # (C, H, W): stats
         return spec
     rec.place(outs, at)
-    why = permuted_blocker(module, at, ndim) or f"{TILED}{spec.type} on a permuted band"
+    where = "over the columns" if at == 2 else "on a permuted band"
+    why = permuted_blocker(module, at, ndim) or f"{TILED}{spec.type} {where}"
     return replace(spec, blocker=why, permuted=at % ndim)
 
 

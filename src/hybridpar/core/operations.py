@@ -144,7 +144,7 @@ def _interpolate_call(func, args: tuple, kwargs: dict, x: tuple, y: tuple) -> tu
 
 
 def _statistics(m, x: tuple, y: tuple) -> dict:
-    groups = getattr(m, "num_groups", x[0])
+    groups = getattr(m, "num_groups", 1 if hasattr(m, "normalized_shape") else x[0])
     return dict(groups=groups, tracked=bool(getattr(m, "track_running_stats", False)))
 
 
@@ -160,6 +160,14 @@ def _batch_norm(m, x: tuple) -> str:
 
     ok = isinstance(m, nn.BatchNorm2d | nn.BatchNorm3d)
     return "" if ok else f"{type(m).__name__} mixes rows"
+
+
+def _layer_norm(m, x: tuple) -> str:
+    """A layer norm over (C, H, W) takes each example's statistics over its bands' ranks; over
+    fewer dims (the width alone) it is refused on bands (a channels-last one on a permuted
+    band: core.rows.permuted_blocker)."""
+    n = len(m.normalized_shape)
+    return "" if n == len(x) else f"{type(m).__name__} over its last {n} dims mixes rows"
 
 
 def _ones(size) -> bool:
@@ -270,6 +278,8 @@ OPERATIONS: tuple[Operation, ...] = (
               blocker=_images, geometry=_statistics, stand_in="stats"),
     Operation("group_norm", "norm", ("GroupNorm",), bands="stats", geometry=_statistics,
               stand_in="stats"),
+    Operation("layer_norm", "norm", ("LayerNorm",), bands="stats", blocker=_layer_norm,
+              geometry=_statistics, stand_in="stats"),
     Operation("local_response_norm", "norm", ("LocalResponseNorm",), swap=False,
               bands="unchanged"),
     *(_pool_record(k, d) for k in ("Max", "Avg") for d in "231"),

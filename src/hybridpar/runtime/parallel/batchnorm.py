@@ -29,6 +29,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from hybridpar.core import ops
+from hybridpar.core.halo import tile
 from hybridpar.core.terms import Term
 from hybridpar.runtime.comm import kernels
 from hybridpar.runtime.comm.collectives import Via, all_reduce
@@ -262,22 +263,26 @@ class GlobalStatistics:
 
 
 class BandStatistics:
-    """What the domain style swaps in for an instance or group norm's own F.instance_norm or
-    F.group_norm on a band of rows: each example's statistics (per channel, or per group of
-    channels) over every rank holding a band of it (`group`, the model group), by global batch
-    norm on the band viewed as one example of N x K channels; the affine per channel after. In
-    evaluation too (a band alone does not hold an example's statistics), unless an instance norm
-    tracks running statistics: those it updates as torch does (each example's copy moved by its
-    statistics, then their mean over the examples of every batch group: `batch`), and in
-    evaluation it normalises each pixel by them alone."""
+    """What the domain style swaps in for an instance, group or layer norm's own F.instance_norm,
+    F.group_norm or F.layer_norm on a band of rows: each example's statistics (per channel, per
+    group of channels, or over all of it) over every rank holding a band of it (`group`, the
+    model group), by global batch norm on the band viewed as one example of N x K channels; the
+    affine after (a layer norm's, over (C, H, W), cut to the band's rows: on tiles to its
+    columns too, `pw`). In evaluation too (a band alone does not hold an example's statistics),
+    unless an instance norm tracks running statistics: those it updates as torch does (each
+    example's copy moved by its statistics, then their mean over the examples of every batch
+    group: `batch`), and in evaluation it normalises each pixel by them alone."""
 
     def __init__(self, module: nn.Module, group: Group, ledger: Ledger | None, layer: str,
-                 batch: Group | None = None):  # fmt: skip
+                 batch: Group | None = None, pw: int = 1):  # fmt: skip
         self.groups = getattr(module, "num_groups", None)  # None: instance norm
-        self.group, self.ledger, self.layer, self.batch = group, ledger, layer, batch
+        self.layer_norm = hasattr(module, "normalized_shape")
+        self.group, self.ledger, self.layer, self.batch, self.pw = group, ledger, layer, batch, pw
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.groups is None:  # F.instance_norm(x, running_mean, running_var, weight, bias,
+        if self.layer_norm:  # F.layer_norm(x, normalized_shape, weight, bias, eps)
+            names = ("normalized_shape", "weight", "bias", "eps")
+        elif self.groups is None:  # F.instance_norm(x, running_mean, running_var, weight, bias,
             names = ("running_mean", "running_var", "weight", "bias", "use", "momentum", "eps")
         else:  # F.group_norm(x, num_groups, weight, bias, eps)
             names = ("num_groups", "weight", "bias", "eps")
@@ -286,7 +291,7 @@ class BandStatistics:
         if not given.get("use", True):  # running statistics: each pixel by itself
             return F.instance_norm(x, *args, **kwargs)
         n, c = x.shape[:2]
-        k = c if self.groups is None else self.groups
+        k = 1 if self.layer_norm else c if self.groups is None else self.groups
         tracked = given.get("running_mean") is not None and self.groups is None
         copies = (
             tuple(given[r].repeat(n) for r in ("running_mean", "running_var")) if tracked else None
@@ -304,10 +309,19 @@ class BandStatistics:
             self._settle(copies, (given["running_mean"], given["running_var"]), n, c)
         y = y.reshape(x.shape).to(dtype)
         if weight is not None:
-            y = y * weight.view(1, c, *[1] * (x.dim() - 2))
+            y = y * self._affine(weight, x)
         if bias is not None:
-            y = y + bias.view(1, c, *[1] * (x.dim() - 2))
+            y = y + self._affine(bias, x)
         return y
+
+    def _affine(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A per-channel weight shaped to broadcast; a layer norm's cut to this rank's band."""
+        if not self.layer_norm:
+            return t.view(1, x.shape[1], *[1] * (x.dim() - 2))
+        held = tile(tuple(t.shape[1:]), self.group.size, self.pw, self.group.rank)
+        for dim, (lo, hi) in enumerate(held if self.pw > 1 else (held,), start=1):
+            t = t.narrow(dim, lo, hi - lo)
+        return t
 
     def _settle(self, copies: tuple, running: tuple, n: int, c: int) -> None:
         """The examples' updated copies of the running statistics averaged into them, over the

@@ -34,7 +34,7 @@ class DomainStyle(ParallelStyle):
             return module
         op = ops.own_op(module)
         if op is not None and op.stand_in == "stats" and self.spec.pr > 1:
-            stats = BandStatistics(module, group, ledger, layer.name, self.grid.batch_group)
+            stats = BandStatistics(module, group, ledger, layer.name, self.grid.batch_group, pw)
             ops.install(module, stats, name=name)
             return module
         if name not in windows:
