@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 from hybridpar.core import ops
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.halo import TILED
-from hybridpar.core.leaves import LayerSpec, layer_kind, leaf_spec
+from hybridpar.core.leaves import LayerSpec, leaf_spec
 from hybridpar.core.operations import pooling
 from hybridpar.core.rows import (
     DIMS_READ,
@@ -58,7 +58,7 @@ from hybridpar.core.rows import (
     permuted_blocker,
 )
 
-__all__ = ["LayerSpec", "Trace", "analyze", "layer_kind", "trace"]
+__all__ = ["LayerSpec", "Trace", "analyze", "trace"]
 
 
 @dataclass

@@ -14,13 +14,7 @@ from torch import nn
 from hybridpar.core.operations import pair
 from hybridpar.core.ops import operation_of
 
-__all__ = ["LayerSpec", "layer_kind", "leaf_spec", "module_blocker"]
-
-
-def layer_kind(module: nn.Module) -> str:
-    """conv | linear | pool | norm | activation | other (core.operations)."""
-    op = operation_of(module)
-    return op.kind if op is not None else "other"
+__all__ = ["LayerSpec", "leaf_spec", "module_blocker"]
 
 
 @dataclass(frozen=True)
