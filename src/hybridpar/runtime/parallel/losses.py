@@ -9,6 +9,12 @@ divides by on the whole global batch, so the gradient summed over the ranks is t
 | cross_entropy with class probabilities                            | the targets (N x H x W)      |
 | mse, l1, smooth L1, Huber, binary cross-entropy                   | the elements                 |
 | any other function                                                | the examples (N)             |
+| any of them with reduction="sum" given                            | 1                            |
+
+torch's loss modules (`nn.CrossEntropyLoss(weight=..., ignore_index=..., label_smoothing=...)`,
+`nn.BCEWithLogitsLoss(pos_weight=...)`, ...) are the functional loss with their attributes
+(`as_function`); a callable that takes no `reduction` is refused when the trainer is built (the
+run on the joined output it needs is issue 73's next step).
 
 Each rank reads the global batch's targets, so the divisor needs no collective.
 
@@ -21,12 +27,22 @@ summed over the ranks anyway.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["Dice", "counted", "divisor", "divisor_by_shape", "mean_iou", "overlaps"]
+__all__ = [
+    "Dice",
+    "as_function",
+    "counted",
+    "divisor",
+    "divisor_by_shape",
+    "mean_iou",
+    "overlaps",
+]
 
 _PER_TARGET = (F.cross_entropy, F.nll_loss)
 _PER_ELEMENT = (
@@ -66,6 +82,56 @@ class Dice:
         return self.value(self.sums(out, target))
 
 
+# torch's loss modules -> their functional form and the attributes it takes
+_MODULES = {
+    nn.CrossEntropyLoss: (F.cross_entropy, ("weight", "ignore_index", "label_smoothing")),
+    nn.NLLLoss: (F.nll_loss, ("weight", "ignore_index")),
+    nn.BCEWithLogitsLoss: (F.binary_cross_entropy_with_logits, ("weight", "pos_weight")),
+    nn.BCELoss: (F.binary_cross_entropy, ("weight",)),
+    nn.MSELoss: (F.mse_loss, ()),
+    nn.L1Loss: (F.l1_loss, ()),
+    nn.SmoothL1Loss: (F.smooth_l1_loss, ("beta",)),
+    nn.HuberLoss: (F.huber_loss, ("delta",)),
+}
+
+
+def as_function(loss: Callable) -> Callable:
+    """The loss as the trainer calls it, `loss(out, target, reduction="sum")`: a torch loss
+    module (its class's own forward) as its functional form with its attributes and its
+    reduction ("mean" divided as torch divides it, "sum" by 1); a function or a Dice as it is.
+    A callable that takes no `reduction` raises ValueError, naming it."""
+    cls = next((c for c in _MODULES if type(loss) is c or (
+        isinstance(loss, c) and type(loss).forward is c.forward)), None)  # fmt: skip
+    if cls is not None:
+        func, names = _MODULES[cls]
+        kwargs = {k: getattr(loss, k) for k in names if getattr(loss, k) is not None}
+        if loss.reduction not in ("mean", "sum"):
+            raise ValueError(f"loss: {type(loss).__name__}(reduction={loss.reduction!r}) returns "
+                             "no number to train on; give reduction='mean' or 'sum'")  # fmt: skip
+        if loss.reduction == "sum":
+            kwargs["reduction"] = "sum"
+        return functools.partial(func, **kwargs)
+    func, kwargs = _parts(loss)
+    if kwargs.get("reduction", "mean") not in ("mean", "sum"):
+        raise ValueError(f"loss: reduction={kwargs['reduction']!r} returns no number to train on")
+    if isinstance(loss, Dice) or _takes_reduction(func):
+        return loss
+    name = getattr(func, "__qualname__", type(func).__name__)
+    raise ValueError(
+        f"loss: {name} takes no reduction=: hybridpar sums a loss over the outputs each rank "
+        "holds; pass a torch loss (a module such as nn.CrossEntropyLoss(), or a function such as "
+        "F.cross_entropy) or hybridpar.runtime.parallel.losses.Dice"
+    )
+
+
+def _takes_reduction(func: Callable) -> bool:
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let it say
+        return True
+    return any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _parts(loss: Callable) -> tuple[Callable, dict]:
     """The function under any functools.partial, and the keywords given to it."""
     kwargs: dict = {}
@@ -83,6 +149,8 @@ def divisor(loss: Callable, y: torch.Tensor) -> torch.Tensor:
     """What `loss` with reduction="mean" divides its sum by over the targets `y` (a float64
     scalar on y's device)."""
     func, kwargs = _parts(loss)
+    if kwargs.get("reduction") == "sum":
+        return torch.ones((), dtype=torch.float64, device=y.device)
     if func not in _PER_TARGET or y.is_floating_point():
         n = divisor_by_shape(loss, tuple(y.shape), y.is_floating_point())
         return torch.tensor(n, dtype=torch.float64, device=y.device)
@@ -98,6 +166,8 @@ def divisor_by_shape(loss: Callable, shape: tuple[int, ...], floating: bool) -> 
     weights, no ignore_index given, and labels that are class ids: no -100); None where they
     do."""
     func, kwargs = _parts(loss)
+    if kwargs.get("reduction") == "sum":
+        return 1
     elements = 1
     for n in shape:
         elements *= n

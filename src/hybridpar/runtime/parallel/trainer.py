@@ -74,9 +74,11 @@ class HybridTrainer:
 
     optimizer: a function of the parameters, e.g. `lambda ps: torch.optim.SGD(ps, lr=0.01)`
     (the model's parameters are this rank's shards, known only after parallelize).
-    loss: a torch.nn.functional-style loss that takes `reduction="sum"`; its sum is divided as
-    torch's `reduction="mean"` divides it on the whole batch (runtime/parallel/losses.py: per
-    pixel for a dense prediction, whose targets y are (B, H, W) or (B, C, H, W)).
+    loss: a torch loss, as a module (nn.CrossEntropyLoss(label_smoothing=0.1), nn.MSELoss(), ...)
+    or a function that takes `reduction="sum"` (F.cross_entropy, a functools.partial of it), or
+    losses.Dice; its sum is divided as torch's `reduction="mean"` divides it on the whole batch
+    (runtime/parallel/losses.py: per pixel for a dense prediction, whose targets y are (B, H, W)
+    or (B, C, H, W)), by 1 where the loss sums.
     options: how the runtime runs (hybridpar.runtime.options.RuntimeOptions).
     layout: the plan already resolved against this model (`hybridpar train` resolves it once).
     head_optimizer: with `options.variable_batch`, the optimizer of the layers after the hand-off
@@ -104,6 +106,7 @@ class HybridTrainer:
                 "optimizer: pass a function of the parameters, e.g. "
                 "lambda params: torch.optim.SGD(params, lr=0.01)"
             )
+        loss = losses.as_function(loss)
         self.options = options or RuntimeOptions()
         self.ledger = ledger if ledger is not None else Ledger()
         self.checked: Checked | None = None

@@ -1,0 +1,112 @@
+"""The loss objects people pass (issue 73, its first part): torch's loss modules, with their
+weight, ignore_index, label_smoothing, pos_weight, beta, delta and reduction, train on bands and
+on batches exactly as one process calling the same module on the whole output does (float64,
+3 steps, rtol 1e-7, P = 2 and 3); a loss that takes no `reduction` is refused by name when the
+trainer is built, not inside the first step."""
+
+import functools
+
+import pytest
+import torch
+from dist_helpers import run_ranks
+from torch import nn
+from torch.nn import functional as F
+
+from hybridpar.core.analysis import analyze
+from hybridpar.core.choices import Choices
+from hybridpar.core.cluster import Cluster
+from hybridpar.core.layers import cost_layers
+from hybridpar.core.plan import Style
+from hybridpar.planning.request import PlanRequest
+from hybridpar.planning.search import evaluate, export
+from hybridpar.runtime.parallel import losses
+from hybridpar.runtime.parallel.trainer import HybridTrainer
+
+NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
+SHAPE, CLASSES, STEPS = (3, 6, 5), 3, 3
+
+
+class Dense(nn.Module):
+    def __init__(self, probabilities: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, CLASSES, 3, padding=1)
+        self.probabilities = probabilities
+
+    def forward(self, x):
+        y = self.b(F.relu(self.a(x)))
+        return y.sigmoid() if self.probabilities else y
+
+
+def _cases() -> dict:
+    """name -> (loss, whether its targets are one-hot floats, whether the net ends in sigmoid)"""
+    w = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    pos = torch.tensor([1.5, 0.5, 3.0], dtype=torch.float64).view(CLASSES, 1, 1)
+    return {
+        "ce": (nn.CrossEntropyLoss(), False, False),
+        "ce weighted smoothed ignoring 0": (
+            nn.CrossEntropyLoss(weight=w, ignore_index=0, label_smoothing=0.1), False, False),
+        "ce sum": (nn.CrossEntropyLoss(reduction="sum"), False, False),
+        "nll weighted": (nn.NLLLoss(weight=w), False, False),
+        "bce logits one-hot": (nn.BCEWithLogitsLoss(pos_weight=pos), True, False),
+        "bce": (nn.BCELoss(), True, True),
+        "mse": (nn.MSELoss(), True, False),
+        "l1 sum": (nn.L1Loss(reduction="sum"), True, False),
+        "smooth l1": (nn.SmoothL1Loss(beta=0.5), True, False),
+        "huber": (nn.HuberLoss(delta=0.5), True, False),
+        "partial ce sum": (functools.partial(F.cross_entropy, reduction="sum"), False, False),
+    }  # fmt: skip
+
+
+def _data(b: int, hot: bool):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randn(b, *SHAPE, generator=g, dtype=torch.float64)
+        y = torch.randint(0, CLASSES, (b, *SHAPE[1:]), generator=g)
+        out.append((x, F.one_hot(y, CLASSES).movedim(-1, 1).double() if hot else y))
+    return out
+
+
+def _model(probabilities: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return Dense(probabilities).double()
+
+
+def _train(P: int) -> list[str]:
+    done = []
+    layers = cost_layers(analyze(Dense(), SHAPE))
+    for style, b in [(Style.domain(P, 1), 2), (Style.batch(P), P)]:
+        plan = evaluate(layers, [style] * len(layers), PlanRequest(P, b, NET, elem_bytes=8))
+        plan = export(plan, procs=P, batch=b, choices=Choices(), input_shape=SHAPE, model="d")
+        for name, (loss, hot, probs) in _cases().items():
+            ref = _model(probs)
+            opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            for x, y in _data(b, hot):
+                opt.zero_grad()
+                loss(ref(x), y).backward()
+                opt.step()
+            sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+            t = HybridTrainer(_model(probs), plan, sgd, loss, input_shape=SHAPE, verify=False)
+            for x, y in _data(b, hot):
+                t.step(x, y)
+            got = t.full_state_dict()
+            for k, v in ref.state_dict().items():
+                msg = f"{name} {style}: {k}"
+                torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=msg)
+            done.append(f"{name} {style}")
+    return done
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_torch_loss_modules_train_as_one_process_calling_them(P):
+    done = run_ranks(_train, P, P, timeout_s=300)[0]
+    assert len(done) == 2 * len(_cases()), done
+
+
+def test_a_loss_without_reduction_is_refused_by_name_before_any_step():
+    with pytest.raises(ValueError, match=r"<lambda> takes no reduction=.*nn.CrossEntropyLoss"):
+        losses.as_function(lambda o, y: F.cross_entropy(o, y))
+    with pytest.raises(ValueError, match=r"MSELoss\(reduction='none'\) returns no number"):
+        losses.as_function(nn.MSELoss(reduction="none"))
+    assert losses.as_function(losses.Dice()).__class__ is losses.Dice
