@@ -12,7 +12,7 @@ layout it runs in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from hybridpar.core.errors import ConfigError
@@ -125,6 +125,31 @@ class CostLayer:
         return CostLayer(**out)
 
 
+# fields a leaf and a layer share that the layer takes from its segment's first leaf, and those
+# it folds from every member (`_ride`) or names otherwise
+_FROM_FIRST = {"entry", "entry_elements", "entry_whole", "head_in", "pinned"}
+_FOLDED = {"loose", "saved", "own", "unsplit"}
+
+
+def _layer(s: LayerSpec, first: LayerSpec) -> CostLayer:
+    """The weighted leaf `s` as a layer of the equations: every field the two records share
+    from it (the segment's entry from its first leaf, `first`), its loose parameters priced
+    with it, its shapes and why a split is not exact."""
+    shared = {f.name for f in fields(CostLayer)} & {f.name for f in fields(s)} - _FOLDED
+    loose = sum(n for _, n in s.loose)
+    return CostLayer(
+        **{k: getattr(first if k in _FROM_FIRST else s, k) for k in shared},
+        params=s.params + loose,
+        extra_params=loose,
+        loose=tuple(k for k, _ in s.loose),
+        d_in=s.d_in,
+        d_out=s.d_out,
+        x_shape=s.in_shape,
+        y_shape=s.out_shape,
+        unsplit=s.own or s.unsplit,
+    )
+
+
 def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
     """Fold the leaf layers into the weighted layers of the equations: an unweighted leaf rides
     along with the weighted layer before it in its segment, or else with the next one."""
@@ -132,35 +157,7 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
     pending: list[LayerSpec] = []
     for s in specs:
         if s.kind in ("conv", "linear") and s.params > 0:
-            first = pending[0] if pending else s
-            loose = sum(n for _, n in s.loose)
-            layer = CostLayer(
-                name=s.name,
-                kind=s.kind,
-                params=s.params + loose,
-                extra_params=loose,
-                loose=tuple(k for k, _ in s.loose),
-                d_in=s.d_in,
-                d_out=s.d_out,
-                x_shape=s.in_shape,
-                y_shape=s.out_shape,
-                kernel=s.kernel,
-                out_units=s.out_units,
-                flops=s.flops,
-                segment=s.segment,
-                entry=first.entry,
-                entry_elements=first.entry_elements,
-                entry_whole=first.entry_whole,
-                head_in=first.head_in,
-                input_grad=s.input_grad,
-                op=s.op,
-                groups=s.groups,
-                padding_mode=s.padding_mode,
-                calls=s.calls,
-                blockers=s.blockers,
-                unsplit=s.own or s.unsplit,
-                pinned=first.pinned,
-            )
+            layer = _layer(s, pending[0] if pending else s)
             for x in pending:
                 layer = _ride(layer, x)
             out.append(_ride(layer, s, weighted=True))
