@@ -36,7 +36,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -45,18 +44,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from hybridpar.core import ops
+from hybridpar.core.bands import Bands
 from hybridpar.core.errors import ConfigError
-from hybridpar.core.halo import TILED
 from hybridpar.core.leaves import LayerSpec, leaf_spec
-from hybridpar.core.operations import pooling
-from hybridpar.core.rows import (
-    DIMS_READ,
-    column_blocker,
-    function_blocker,
-    global_pool,
-    moved_rows,
-    permuted_blocker,
-)
 
 __all__ = ["LayerSpec", "Trace", "analyze", "trace"]
 
@@ -99,13 +89,7 @@ class _Recorder(TorchFunctionMode):
         self.params: dict[int, str] = {}  # id of a parameter tensor -> its name
         self.sizes: dict[str, int] = {}  # parameter name -> its elements
         self.param_times: dict[str, list[int]] = {}
-        self.blocked: list[tuple[int, str]] = []  # (time, why) of functions that mix rows
-        # resamplings and global poolings in a module's own forward
-        self.sites: list[tuple[int, LayerSpec]] = []
-        self.owner: Callable[[], str] = lambda: ""  # the module whose own forward runs now
-        self.site_counts: dict[tuple[str, Callable], int] = {}
-        self.whole: set[tuple[int, int]] = set()  # values a global pooling made whole
-        self.rowdim: dict[tuple[int, int], int] = {}  # bands whose rows a permute moved off dim 2
+        self.bands = Bands(self.key)  # what the domain style needs to know of the values
         self.watches: list[ops.Matcher] = []  # the layers running: their operation on their input
 
     def key(self, x: torch.Tensor) -> tuple[int, int]:
@@ -137,24 +121,6 @@ class _Recorder(TorchFunctionMode):
                 self.grad.add(k)
             self.keep.append(y)
 
-    def wholes(self, xs: list[torch.Tensor]) -> list[bool]:
-        """Per activation among `xs` (parameters aside): whether it is whole."""
-        return [self.key(x) in self.whole for x in xs if id(x) not in self.params]
-
-    def made_whole(self, ys: list[torch.Tensor]) -> None:
-        self.whole.update(self.key(y) for y in ys)
-
-    def rows_at(self, x: torch.Tensor) -> int:
-        """The dim of `x` that holds the image's rows (2 unless a permute moved them)."""
-        return self.rowdim.get(self.key(x), 2)
-
-    def place(self, ys: list[torch.Tensor], at: int) -> None:
-        for y in ys:
-            if at == 2:
-                self.rowdim.pop(self.key(y), None)
-            else:
-                self.rowdim[self.key(y)] = at
-
     def __torch_function__(self, func, types, args=(), kwargs=None):
         for w in self.watches:
             w.is_op(func, args)
@@ -167,65 +133,10 @@ class _Recorder(TorchFunctionMode):
                 t = self.t
                 self.t += 1
                 ins = _tensors((args, kwargs))
-                whole = self.wholes(ins)
-                at = [self.rows_at(x) for x in ins if id(x) not in self.params]
+                seen = self.bands.inputs([x for x in ins if id(x) not in self.params])
                 self.produce(outs, t, self.use(ins, t))
-                k = self.count(func)
-                off = [a for a in at if a != 2]  # a permuted band's rows are elsewhere
-                op = ops.site_operation(func) if isinstance(out, torch.Tensor) and not off else None
-                if op is not None and (op.bands == "resample" or not (whole and all(whole))):
-                    self.sites.append((t, self.site(func, k, args, kwargs, out, all(whole), op=op)))
-                    return out
-                if whole and all(whole):  # a whole value's function: whole too
-                    self.made_whole(outs)
-                    return out
-                how = global_pool(func, args, kwargs) if not off else ""
-                if how and k is not None and isinstance(out, torch.Tensor):  # a global pooling
-                    self.sites.append((t, self.site(func, k, args, kwargs, out, how=how)))
-                    self.made_whole(outs)
-                    return out
-                moved = moved_rows(func, args, kwargs, at[0]) if at else None
-                if moved is not None:  # the rows move to another dim, none mixes with another
-                    self.place(outs, moved)
-                    self.blocked.append((t, column_blocker(func, args)))
-                    return out
-                why = function_blocker(func, args, kwargs) or column_blocker(func, args)
-                if why and whole[:1] == [True] and getattr(func, "__name__", "") == "expand_as":
-                    why = ""  # a whole value broadcast to the band
-                name = getattr(func, "__name__", "")
-                if off and (why or name in DIMS_READ or ops.site_operation(func)):
-                    why = f"{name} of a permuted band"  # it would read the rows as dim 2
-                elif off:
-                    self.place(outs, off[0])  # element by element: the rows stay where they are
-                if why:
-                    self.blocked.append((t, why))
+                self.bands.function(func, args, kwargs, out, outs, seen, t)
         return out
-
-    def count(self, func: Callable) -> int | None:
-        """k of this call of a function a style may take in its owner's forward (core.ops.SITES:
-        every call counts, as install_site counts them); None for other functions."""
-        if not ops.site_key(func):
-            return None
-        at = (self.owner(), func)
-        k = self.site_counts[at] = self.site_counts.get(at, -1) + 1
-        return k
-
-    def site(self, func, k: int, args: tuple, kwargs: dict | None, out, spread=False, how="",
-             op=None) -> LayerSpec:  # fmt: skip
-        """A call in a module's own forward that is a layer of its own (an F.interpolate,
-        `spread` of a whole value; an F.pixel_shuffle: core.operations' `call`), or a global
-        pooling (`how`): core.ops.site_name, the domain style takes that call."""
-        x = args[0] if args else (kwargs or {}).get("input")
-        shapes = dict(in_shape=tuple(x.shape[1:]), out_shape=tuple(out.shape[1:]))
-        name = ops.site_name(self.owner(), func, k)
-        if how:
-            return LayerSpec(name, "pool", func.__name__, **shapes, op="global_pool",
-                             rows=("global", how))  # fmt: skip
-        fields, why = op.call(func, args, kwargs or {}, *shapes.values())
-        if spread and fields.get("rows", ())[:1] == ("resample",):
-            fields["rows"] = ("spread", fields["rows"][1])
-        return LayerSpec(name, op.kind, func.__name__, **shapes, **fields, op=op.name,
-                         blocker=why)  # fmt: skip
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -274,9 +185,8 @@ class _Calls:
             watch = ops.Matcher(first, op) if op is not None and first is not None else None
             if watch is not None:
                 rec.watches.append(watch)
-            whole = first is not None and rec.key(first) in rec.whole
-            at = rec.rows_at(first) if first is not None else 2
-            module._hybridpar_call = (t, grad, own, watch, whole, at)
+            seen = rec.bands.inputs([first] if first is not None else [])
+            module._hybridpar_call = (t, grad, own, watch, seen)
             rec.in_leaf += 1
 
     def post(self, module: nn.Module, args: tuple, output: object) -> None:
@@ -285,15 +195,15 @@ class _Calls:
         outs = _tensors(output)
         if self._leaf(module):
             rec.in_leaf -= 1
-            t, grad, own, watch, whole, at = module.__dict__.pop("_hybridpar_call")
+            t, grad, own, watch, seen = module.__dict__.pop("_hybridpar_call")
             if watch is not None:
                 rec.watches.remove(watch)
             rec.produce(outs, t, grad or own)
             if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
                 shapes = (tuple(args[0].shape[1:]), tuple(output.shape[1:]))
                 name = self.names[module]
-                spec = _whole(leaf_spec(name, module, *shapes), module, whole, rec, outs)
-                spec = _permuted(spec, module, at, len(args[0].shape), rec, outs)
+                spec = rec.bands.leaf(leaf_spec(name, module, *shapes), module, seen,
+                                      len(args[0].shape), outs)  # fmt: skip
                 why = watch.why_not() if watch is not None else ""
                 self.specs.append((t, replace(spec, input_grad=grad, own=why)))
                 if spec.op in ("conv2d", "linear") and not why and not ops.is_plain(module):
@@ -301,39 +211,6 @@ class _Calls:
         if module is self.model:
             rec.use(outs, math.inf)
             rec.on = False
-
-
-def _whole(spec: LayerSpec, module: nn.Module, whole: bool, rec: _Recorder, outs) -> LayerSpec:
-    """A leaf on a whole value runs unchanged (whole, or an upsampling of it to bands: spread);
-    a global pooling of bands makes its value whole."""
-    op = ops.operation_of(module)
-    global_ = op is not None and op.bands == "global"
-    how = (
-        pooling(op, module.output_size, getattr(module, "return_indices", False)) if global_ else ""
-    )
-    if whole:
-        spread = spec.rows[:1] == ("resample",)
-        if not spread:
-            rec.made_whole(outs)
-        rows = ("spread", spec.rows[1]) if spread else spec.rows
-        return replace(spec, blocker="", whole=not spread, rows=rows)
-    if how:
-        rec.made_whole(outs)
-        return replace(spec, blocker="", op="global_pool", rows=("global", how))
-    return spec
-
-
-def _permuted(spec: LayerSpec, module: nn.Module, at: int, ndim: int, rec, outs) -> LayerSpec:
-    """A leaf on a band whose rows a permute moved (dim `at`): a layer norm or a Linear over the
-    channels runs on it unchanged, the rows staying at `at`; a layer norm or Linear over the rows
-    is refused wherever they are."""
-    over = isinstance(module, nn.LayerNorm | nn.Linear)  # over its input's last dims
-    if spec.whole or ndim < 3 or (at == 2 and not (over and spec.blocker)):  # (C, H, W): stats
-        return spec
-    rec.place(outs, at)
-    where = "over the columns" if at == 2 else "on a permuted band"
-    why = permuted_blocker(module, at, ndim) or f"{TILED}{spec.type} {where}"
-    return replace(spec, blocker=why, permuted=at % ndim)
 
 
 # a model with at most this many elements of state and of input per sample is traced on zeros
@@ -360,7 +237,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int], memory: bo
         )
     rec = _Recorder()
     hooks = _Calls(model, rec)
-    rec.owner = lambda: hooks.calls[hooks.stack[-1]][0] if hooks.stack else ""
+    rec.bands.owner = lambda: hooks.calls[hooks.stack[-1]][0] if hooks.stack else ""
     handles = []
     for m in model.modules():
         handles += [m.register_forward_pre_hook(hooks.pre), m.register_forward_hook(hooks.post)]
@@ -420,7 +297,7 @@ def _timed(model: nn.Module, hooks: _Calls, rec: _Recorder) -> list[tuple[int, L
     counts = {c[0]: 0 for c in hooks.calls}
     for c in hooks.calls:
         counts[c[0]] += 1
-    sites = [(t, _once(s, counts)) for t, s in rec.sites]
+    sites = [(t, _once(s, counts)) for t, s in rec.bands.sites]
     timed = sorted(hooks.specs + sites, key=lambda ts: ts[0])
     unsplit = {n: ops.why_not_split(m, shape) for n, (m, shape) in hooks.split.items()}
     tied = _tied(model)
@@ -433,8 +310,8 @@ def _dense(out: object, rec: _Recorder) -> bool:
     return (
         isinstance(out, torch.Tensor)
         and out.dim() in (4, 5)
-        and rec.key(out) not in rec.whole
-        and rec.rows_at(out) == 2
+        and rec.key(out) not in rec.bands.whole
+        and rec.bands.rows_at(out) == 2
     )
 
 
@@ -580,9 +457,9 @@ def _segments(
         window = [c for c in calls if prev < c[1] <= t and _clean(c, rec, counts)]
         if window:  # the latest; among modules entered at the same time, the innermost
             best = max(reversed(window), key=lambda c: c[1])  # max keeps the first of a tie
-            cuts.append((best[1], best[0], best[4], best[3] in rec.whole))
-            if best[3] is not None and rec.rowdim.get(best[3], 2) != 2:
-                rec.blocked.append((best[1] - 1, "a permuted band leaves the segment"))
+            cuts.append((best[1], best[0], best[4], best[3] in rec.bands.whole))
+            if best[3] is not None and rec.bands.rowdim.get(best[3], 2) != 2:
+                rec.bands.blocked.append((best[1] - 1, "a permuted band leaves the segment"))
     times = [c[0] for c in cuts]
     specs: list[LayerSpec] = []
     opened: set[int] = set()
@@ -643,7 +520,7 @@ def _blockers(
     for t, s in timed:
         if s.blocker:
             found.setdefault(bisect.bisect_right(times, t), []).append((t, s.blocker))
-    for t, why in rec.blocked:
+    for t, why in rec.bands.blocked:
         found.setdefault(bisect.bisect_right(times, t), []).append((t, why))
     last = bisect.bisect_right(times, timed[-1][0]) if timed else 0
     if not dense:

@@ -29,6 +29,7 @@ def _key(model: str, input_size: int | None) -> str:
         "core/zoo.py",
         "core/models.py",
         "core/analysis.py",
+        "core/bands.py",
         "core/leaves.py",
         "core/halo.py",
         "core/ops.py",
