@@ -638,7 +638,9 @@ class _PooledLast(nn.Module):
     [
         (lambda: _Supervised(), "the model's output"),
         (
-            lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.LayerNorm([4, 14, 6])),
+            # over (H, W): per channel across the rows (one over (C, H, W) runs on bands since
+            # issue 72: tests/test_operations.py)
+            lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.LayerNorm([14, 6])),
             "LayerNorm over the rows",
         ),
         (lambda: _Transposed(), "a permuted band leaves the segment"),
