@@ -1,8 +1,9 @@
 """The loss objects people pass (issue 73, its first part): torch's loss modules, with their
-weight, ignore_index, label_smoothing, pos_weight, beta, delta and reduction, train on bands and
-on batches exactly as one process calling the same module on the whole output does (float64,
-3 steps, rtol 1e-7, P = 2 and 3); a loss that takes no `reduction` is refused by name when the
-trainer is built, not inside the first step."""
+weight, ignore_index, label_smoothing, pos_weight, beta, delta and reduction, and the losses of
+the whole batch's sums (Dice, Dice + cross-entropy) train on bands and on batches exactly as one
+process calling the same object on the whole output does (float64, 3 steps, rtol 1e-7, P = 2
+and 3); a loss that takes no `reduction` is refused by name when the trainer is built, not
+inside the first step; `train --loss dice+ce` trains Dice plus the cross-entropy."""
 
 import functools
 
@@ -55,6 +56,8 @@ def _cases() -> dict:
         "smooth l1": (nn.SmoothL1Loss(beta=0.5), True, False),
         "huber": (nn.HuberLoss(delta=0.5), True, False),
         "partial ce sum": (functools.partial(F.cross_entropy, reduction="sum"), False, False),
+        "dice": (losses.Dice(), False, False),
+        "dice+ce ignoring 0": (losses.DiceCE(ignore_index=0), False, False),
     }  # fmt: skip
 
 
@@ -110,3 +113,23 @@ def test_a_loss_without_reduction_is_refused_by_name_before_any_step():
     with pytest.raises(ValueError, match=r"MSELoss\(reduction='none'\) returns no number"):
         losses.as_function(nn.MSELoss(reduction="none"))
     assert losses.as_function(losses.Dice()).__class__ is losses.Dice
+
+
+def test_train_loss_dice_ce_from_the_command_line(tmp_path, capsys):
+    """One step of the U-Net on the same images from the same initial weights, with --loss
+    cross-entropy and --loss dice+ce: the epoch's losses differ by the Dice term, in (0, 1)."""
+    import json
+
+    from hybridpar.commands import cli
+
+    got = {}
+    for loss in ("cross-entropy", "dice+ce"):
+        report = tmp_path / f"{loss}.json"
+        argv = ["train", "--model", "unet", "--data", "digits-seg:16:8", "--nproc", "2"]
+        argv += ["--batch", "2", "--epochs", "1", "--max-steps", "1", "--loss", loss, "--quiet"]
+        argv += ["--save", str(tmp_path / "w.pt"), "--report", str(report)]
+        assert cli.main(argv) == 0
+        r = json.loads(report.read_text())
+        assert r["config"]["loss"] == loss
+        got[loss] = r["epochs"][0]["loss"]
+    assert 0 < got["dice+ce"] - got["cross-entropy"] < 1, got

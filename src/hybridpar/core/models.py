@@ -350,29 +350,29 @@ def build_model(
     )
 
 
-def user_factory(spec: str) -> Callable[..., nn.Module]:
+def user_factory(spec: str, flag: str = "--model") -> Callable:
     """The function `package.module:factory` names (the working directory importable, as torchrun
     and uvicorn make it); a one-line ConfigError for what cannot be imported or called."""
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ConfigError(f"--model {spec!r}: write package.module:factory, e.g. mynets:small_cnn")
+        raise ConfigError(f"{flag} {spec!r}: write package.module:factory, e.g. mynets:small_cnn")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # spawned ranks inherit sys.path
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # the user's module: any error ends in one line
         raise ConfigError(
-            f"--model {spec!r}: cannot import {module_name} ({type(e).__name__}: {e}); "
+            f"{flag} {spec!r}: cannot import {module_name} ({type(e).__name__}: {e}); "
             "run from the folder that holds it or put it on PYTHONPATH"
         ) from None
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:
-            raise ConfigError(f"--model {spec!r}: {module_name} has no attribute {attr!r}")
+            raise ConfigError(f"{flag} {spec!r}: {module_name} has no attribute {attr!r}")
     if not callable(fn):
-        raise ConfigError(f"--model {spec!r}: {attr} is a {type(fn).__name__}, not a function")
+        raise ConfigError(f"{flag} {spec!r}: {attr} is a {type(fn).__name__}, not a function")
     return fn
 
 

@@ -21,7 +21,10 @@ Each rank reads the global batch's targets, so the divisor needs no collective.
 `Dice` is not a sum over pixels: its per-class sums over the whole batch (every rank's bands and
 examples) finish with one all-reduce of 2 x classes numbers forward; backward nothing moves, since
 every rank computes the same loss from the same sums and the gradients of the parameters are
-summed over the ranks anyway.
+summed over the ranks anyway. Any loss may take that path: one with `sums(out, target)` (a
+differentiable tensor of sums over the outputs given, which add up over the ranks) and
+`value(total)` (the loss of the whole batch's sums) is computed so (`by_sums`); `DiceCE` is Dice
+plus the mean cross-entropy (its sum and count two more numbers).
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ from torch.nn import functional as F
 
 __all__ = [
     "Dice",
+    "DiceCE",
     "as_function",
+    "by_sums",
     "counted",
     "divisor",
     "divisor_by_shape",
     "mean_iou",
+    "named",
     "overlaps",
 ]
 
@@ -114,7 +120,7 @@ def as_function(loss: Callable) -> Callable:
     func, kwargs = _parts(loss)
     if kwargs.get("reduction", "mean") not in ("mean", "sum"):
         raise ValueError(f"loss: reduction={kwargs['reduction']!r} returns no number to train on")
-    if isinstance(loss, Dice) or _takes_reduction(func):
+    if by_sums(loss) or _takes_reduction(func):
         return loss
     name = getattr(func, "__qualname__", type(func).__name__)
     raise ValueError(
@@ -130,6 +136,39 @@ def _takes_reduction(func: Callable) -> bool:
     except (TypeError, ValueError):  # a builtin without a signature: let it say
         return True
     return any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+class DiceCE(Dice):
+    """Dice plus the mean cross-entropy over the labelled pixels (MONAI's DiceCELoss with both
+    weights 1 and its softmax Dice), from the whole batch's sums: the Dice's per class and, in
+    one more column, the cross-entropy's sum and the labelled pixels."""
+
+    def sums(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(out, target, ignore_index=self.ignore_index, reduction="sum")
+        kept = (target != self.ignore_index).sum().to(out.dtype)
+        return torch.cat([super().sums(out, target), torch.stack([ce, kept]).view(2, 1)], 1)
+
+    def value(self, sums: torch.Tensor) -> torch.Tensor:
+        return super().value(sums[:, :-1]) + sums[0, -1] / sums[1, -1]
+
+
+def named(spec: str, factory: Callable[[], object] | None = None) -> Callable:
+    """The loss `--loss` names (cross-entropy, dice, dice+ce), or what the user's `factory`
+    returns, as the trainer calls it (`as_function`; its error as a ValueError)."""
+    if factory is None:
+        return {"cross-entropy": F.cross_entropy, "dice": Dice(), "dice+ce": DiceCE()}[spec]
+    try:
+        made = factory()
+    except Exception as exc:  # the user's factory: any error in one line
+        raise ValueError(f"calling it failed ({type(exc).__name__}: {exc})") from None
+    if not callable(made):
+        raise ValueError(f"it returned a {type(made).__name__}, not a loss")
+    return as_function(made)
+
+
+def by_sums(loss: Callable) -> bool:
+    """Whether `loss` is computed from the whole batch's sums (`sums` and `value`: Dice)."""
+    return callable(getattr(loss, "sums", None)) and callable(getattr(loss, "value", None))
 
 
 def _parts(loss: Callable) -> tuple[Callable, dict]:
@@ -183,6 +222,8 @@ def counted(loss: Callable, target: torch.Tensor) -> torch.Tensor:
     each in a dense prediction), else the examples (a float64 scalar on target's device, read
     with the step's other numbers)."""
     func, kwargs = _parts(loss)
+    if by_sums(loss) and not target.is_floating_point():  # a Dice's labelled pixels
+        return (target != getattr(loss, "ignore_index", -100)).sum().double()
     if func in _PER_TARGET and not target.is_floating_point():
         return _kept(target, kwargs).sum().double()
     return torch.tensor(len(target), dtype=torch.float64, device=target.device)

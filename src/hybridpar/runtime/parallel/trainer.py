@@ -76,7 +76,7 @@ class HybridTrainer:
     (the model's parameters are this rank's shards, known only after parallelize).
     loss: a torch loss, as a module (nn.CrossEntropyLoss(label_smoothing=0.1), nn.MSELoss(), ...)
     or a function that takes `reduction="sum"` (F.cross_entropy, a functools.partial of it), or
-    losses.Dice; its sum is divided as torch's `reduction="mean"` divides it on the whole batch
+    a loss of the whole batch's sums (losses.Dice, losses.DiceCE); its sum is divided as torch's `reduction="mean"` divides it on the whole batch
     (runtime/parallel/losses.py: per pixel for a dense prediction, whose targets y are (B, H, W)
     or (B, C, H, W)), by 1 where the loss sums.
     options: how the runtime runs (hybridpar.runtime.options.RuntimeOptions).
@@ -167,7 +167,7 @@ class HybridTrainer:
         self.target = target = _mine(y, m)
         with self.autocast(), memory.Kept(m) if count else contextlib.nullcontext() as kept:
             out = m(_take(x, m.input_rows(n), m.input_band(), _dims(m.layout.trace.in_shape)))
-            if isinstance(self.loss, losses.Dice):
+            if losses.by_sums(self.loss):
                 loss_sum, self.divisor = self._whole_batch(out, target)
             else:
                 loss_sum = self.loss(out, target, reduction="sum")
@@ -216,29 +216,35 @@ class HybridTrainer:
         return total[0]
 
     def _whole_batch(self, out: torch.Tensor, target: torch.Tensor):
-        """(this rank's share of the loss, what it is divided by) of a loss over the whole
-        batch's sums (losses.Dice): every rank holds other pixels or examples, its sums are
-        all-reduced (one call, forward only) and every rank computes the loss of the total; the
-        shares add up to it."""
+        """(the loss times this rank's labels, those labels) of a loss over the whole batch's
+        sums (losses.by_sums: Dice): every rank holds other pixels or examples, its sums and
+        labels are all-reduced (one call, forward only) and every rank computes the loss of the
+        total."""
         m = self.model
         if not m.counts_outputs or (self.plan.engine == "hybridpar" and m.styles[-1].replicated):
             raise ConfigError(
-                "the Dice loss needs every rank to hold other outputs: end the plan with a batch "
+                f"the {type(self.loss).__name__} loss needs every rank to hold other outputs: end "
+                "the plan with a batch "
                 "or domain layer, not a model-parallel one"
             )
-        world = m.world.size
-        total = summed(self.loss.sums(out, target), Via(m.world, self.ledger, Term.METRICS))
-        share = torch.full((), 1.0 / world, dtype=torch.float64, device=out.device)
-        return self.loss.value(total) * share.to(out.dtype), share
+        mine = losses.counted(self.loss, target).to(out.device)
+        sums = self.loss.sums(out, target)
+        both = torch.cat([sums.flatten(), mine.to(sums.dtype).view(1)])
+        total = summed(both, Via(m.world, self.ledger, Term.METRICS))
+        value = self.loss.value(total[:-1].view(sums.shape))
+        # reported as a sum over this rank's labels (the epoch's mean weighs steps by them), and
+        # divided by them again: every rank back-propagates the whole value into its own sums
+        return value * mine.to(out.dtype), mine.clamp_min(1)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on the global batch (x, y); returns its mean loss (one small
         all-reduce of the loss sums over the ranks)."""
         r = self.train_step(x, y)
-        total = torch.tensor([r.loss_sum], dtype=torch.float64, device=self.device)
+        total = torch.tensor([r.loss_sum, r.count], dtype=torch.float64, device=self.device)
         all_reduce(total, Via(self.model.world, self.ledger, Term.METRICS))
-        whole = isinstance(self.loss, losses.Dice)  # the shares add up to the loss
-        return float(total) if whole else float(total) / float(self.divisor)
+        if losses.by_sums(self.loss):  # the loss times each rank's labels
+            return float(total[0] / total[1])
+        return float(total[0]) / float(self.divisor)
 
     @torch.no_grad()
     def evaluate(

@@ -16,9 +16,11 @@ from hybridpar.core.zoo import parse_input_shape, shape_option, size_option
 from hybridpar.planning.presets import parse_preset
 from hybridpar.runtime.options import RuntimeOptions
 
-__all__ = ["DEFAULTS", "DEFAULT_MODEL", "TrainConfig"]
+__all__ = ["DEFAULTS", "DEFAULT_MODEL", "LOSSES", "TrainConfig"]
 
 DEFAULT_MODEL = "digits-wide"
+LOSSES = ("cross-entropy", "dice", "dice+ce")
+"""--loss's names (else a user's factory)"""
 DEFAULTS = {"model": DEFAULT_MODEL, "nproc": 4, "batch": 64}
 """what model, nproc and batch are when neither the command line nor a plan file gives them"""
 
@@ -31,6 +33,12 @@ class TrainConfig:
         f"num_classes= passed when it takes it) (default: the plan's, else {DEFAULT_MODEL})",
     )
     data: str = meta("digits", "digits | synthetic[:N] | file.npz | image folder")
+    loss: str = meta(
+        "cross-entropy",
+        "cross-entropy | dice | dice+ce (soft Dice of a class per pixel, plus the cross-entropy) "
+        "| your own, package.module:factory (a function returning a torch loss module or "
+        "function, or one with sums and value: runtime/parallel/losses.py)",
+    )
     nproc: int | None = meta(
         None,
         f"local processes (default: the plan's, else {DEFAULTS['nproc']}; torchrun decides when "
@@ -164,6 +172,11 @@ class TrainConfig:
             raise ConfigError("--resume auto resumes from --checkpoint-dir: give one")
         if self.input_shape is not None:
             parse_input_shape(self.input_shape)
+        if self.loss not in LOSSES and ":" not in self.loss:
+            raise ConfigError(
+                f"--loss {self.loss!r}: give one of {', '.join(LOSSES)} or your own, "
+                "package.module:factory"
+            )
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         why = why_not_choices(self.choices, [])  # what no plan could run with

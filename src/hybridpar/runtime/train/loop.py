@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.core.cluster import rank_threads
-from hybridpar.core.models import build_any
+from hybridpar.core.errors import ConfigError
+from hybridpar.core.models import build_any, user_factory
 from hybridpar.core.optim import KrizhevskySGD, lr_factor, scale_hparams
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.progress import Phase
@@ -351,7 +352,18 @@ def make_trainer(job: Job, plan: ParallelPlan) -> HybridTrainer:
         layout=_layout(job, model, plan),
         head_optimizer=head_optimizer,
         verify=job.cfg.verify,
+        loss=make_loss(cfg.loss),
     )
+
+
+def make_loss(spec: str):
+    """--loss's loss (a user's factory called here, in each rank, as --model's is); a one-line
+    ConfigError for one that cannot train."""
+    factory = user_factory(spec, "--loss") if ":" in spec else None
+    try:
+        return losses.named(spec, factory)
+    except ValueError as exc:
+        raise ConfigError(f"--loss {spec!r}: {str(exc).removeprefix('loss: ')}") from None
 
 
 def _rss_kb(field: str) -> int | None:
