@@ -73,7 +73,12 @@ def _classes() -> tuple[tuple[type, Operation], ...]:
 
 def operation_of(module: nn.Module) -> Operation | None:
     """The operation `module` applies (its class or a base's in the table); None for others."""
-    return next((op for cls, op in _classes() if isinstance(module, cls)), None)
+    return _of_type(type(module))
+
+
+@functools.cache
+def _of_type(kind: type) -> Operation | None:
+    return next((op for cls, op in _classes() if issubclass(kind, cls)), None)
 
 
 def own_op(module: nn.Module) -> Operation | None:
