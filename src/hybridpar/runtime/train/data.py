@@ -8,8 +8,10 @@
 |                      | pixel: 0 background, 1 + the digit where it is drawn (dense prediction)  |
 | path/to/file.npz     | arrays x and y (and optionally x_test, y_test; else a fixed 80/20 split);  |
 |                      | y (N,) a class per example or (N, H, W) a class per pixel of x (N, C, H, W)|
+| file.h5, data.zarr   | the same arrays in an HDF5 file or a Zarr group, read by band (stores.py)  |
 | path/to/folder/      | an image folder: one sub-folder per class; images/ and masks/ (a mask per |
-|                      | image, the same file name: a class per pixel, decoded as steps use them); |
+|                      | image, the same file name: a class per pixel, decoded as steps use them; |
+|                      | TIFF images and NIfTI volumes read by band: stores.py);                   |
 |                      | or a folder of x.npy and y.npy                                            |
 |                      | (and optionally x_test.npy, y_test.npy): memory-mapped, a rank reads the  |
 |                      | examples and, of an image split by height, the rows it holds             |
@@ -33,6 +35,13 @@ import numpy as np
 import torch
 
 from hybridpar.core.errors import ConfigError
+from hybridpar.runtime.train.stores import (
+    ARRAY_SUFFIXES,
+    VOLUME_SUFFIXES,
+    ImageFile,
+    arrays,
+    volume_suffix,
+)
 
 __all__ = [
     "Dataset",
@@ -95,6 +104,8 @@ class Dataset:
     y_test: torch.Tensor
     num_classes: int
     name: str
+    disk: list[int] | None = None
+    """bytes this process read from the files of an HDF5, Zarr, TIFF or NIfTI data set"""
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -104,7 +115,7 @@ class Dataset:
         """The examples on `device` (the data sets here are small: one copy, not one per batch;
         memory-mapped ones are read as they are used)."""
         move = {k: getattr(self, k).to(device) for k in ("x_train", "y_train", "x_test", "y_test")}
-        return Dataset(**move, num_classes=self.num_classes, name=self.name)
+        return Dataset(**move, num_classes=self.num_classes, name=self.name, disk=self.disk)
 
     @property
     def bytes_read(self) -> int:
@@ -146,6 +157,11 @@ def validate_data_spec(spec: str) -> None:
             raise ConfigError(f"data {spec!r}: write synthetic:N with N a number of examples")
         return
     p = Path(spec)
+    if p.suffix in ARRAY_SUFFIXES:
+        if not p.exists():
+            raise ConfigError(f"data {spec!r} does not exist")
+        arrays(p, [0])
+        return
     if p.suffix == ".npz":
         if not p.is_file():
             raise ConfigError(f"data file {spec!r} does not exist")
@@ -245,6 +261,8 @@ def signature(spec: str, model_shape: tuple[int, ...], model_classes: int) -> Si
     if spec.split(":")[0] == "synthetic":
         return Signature(tuple(model_shape), model_classes, ())
     p = Path(spec)
+    if p.suffix in ARRAY_SUFFIXES:
+        return _check_arrays(spec, arrays(p, [0]), read_x=False)
     if p.suffix == ".npz":
         with np.load(p) as f:
             return _check_arrays(spec, f)
@@ -283,14 +301,58 @@ class _Files:
         return np.stack(out)
 
 
+class _Volumes:
+    """TIFF images or NIfTI volumes as a read-only array, (N, C, ...) images or (N, ...) masks:
+    indexing with (examples, ..., rows[, columns]) reads those rows (columns) of each file
+    alone (stores.ImageFile), its bytes from disk counted into `disk`."""
+
+    def __init__(self, files: list[Path], shape: tuple, mask: bool, disk: list[int]) -> None:
+        self.files, self.shape, self.mask, self.disk = files, (len(files), *shape), mask, disk
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, key) -> np.ndarray:
+        index, *rest = key if isinstance(key, tuple) else (key,)
+        spans = [s for s in rest[0 if self.mask else 1 :] if s != slice(None)]
+        out = []
+        for i in np.atleast_1d(index):
+            a = ImageFile(self.files[i], self.disk).read(spans)
+            if self.mask:
+                out.append(a.astype(np.int64))
+                continue
+            a = a / 255.0 if a.dtype == np.uint8 else a
+            lead = a.ndim == self.ndim - 1  # (H, W, C): channels last
+            out.append((np.moveaxis(a, -1, 0) if lead else a[None]).astype(np.float32))
+        return np.stack(out)
+
+
+def _volumes_signature(spec: str, images: list[Path], masks: list[Path]) -> Signature:
+    """Of TIFF or NIfTI pairs, from the headers: every image and mask of the first's size; the
+    classes from the masks, 64 rows at a time."""
+    first = ImageFile(images[0], [0]).shape
+    rgb = images[0].suffix != ".nii" and len(first) == 3 and first[-1] in (3, 4)
+    size, channels = (first[:2], first[-1]) if rgb else (first, 1)
+    classes = 0
+    for img, mask in zip(images, masks, strict=True):
+        a, b = ImageFile(img, [0]), ImageFile(mask, [0])
+        if a.shape[: len(size)] != size or b.shape != size:
+            raise ConfigError(
+                f"image folder {spec!r}: {img.name} and its mask are {a.shape} and {b.shape}; "
+                f"every image and mask must be {size} (the first's)"
+            )
+        for lo in range(0, size[0], 64):
+            classes = max(classes, int(b.read([slice(lo, lo + 64)]).max()) + 1)
+    return Signature((channels, *size), classes, size)
+
+
 def _pairs(spec: str) -> tuple[list[Path], list[Path]]:
     """The images and their masks of an images/ + masks/ folder, matched by file name."""
     root = Path(spec)
 
     def listed(d: str) -> dict[str, Path]:
-        return {
-            f.stem: f for f in sorted((root / d).iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES
-        }
+        files = sorted((root / d).iterdir())
+        volume_suffix(files)  # a .nii.gz: refused, saying why
+        kinds = (*IMAGE_SUFFIXES, *VOLUME_SUFFIXES)
+        return {f.stem: f for f in files if f.suffix.lower() in kinds}
 
     images, masks = listed("images"), listed("masks")
     missing = sorted(set(images) - set(masks))
@@ -310,6 +372,8 @@ def _pairs_signature(spec: str) -> Signature:
     from PIL import Image
 
     images, masks = _pairs(spec)
+    if volume_suffix(images):
+        return _volumes_signature(spec, images, masks)
     with Image.open(images[0]) as first:
         w, h = first.size
         channels = 1 if first.mode in ("L", "I", "F", "1") else 3
@@ -327,8 +391,14 @@ def _pairs_signature(spec: str) -> Signature:
 
 def _pairs_dataset(spec: str, seed: int) -> Dataset:
     """images/ and masks/, decoded as steps use them (a fixed 80/20 split)."""
-    (c, h, w), classes, _ = _pairs_signature(spec)
+    shape, classes, target = _pairs_signature(spec)
     images, masks = _pairs(spec)
+    if volume_suffix(images):
+        disk = [0]
+        x, y = _Volumes(images, shape, False, disk), _Volumes(masks, target, True, disk)
+        train, test = _order(len(images), seed)
+        return _unread(((x, train, y), (x, test, y)), classes, Path(spec).name, disk)
+    c, h, w = shape
     x = _Files(images, (c, h, w), "L" if c == 1 else "RGB")
     y = _Files(masks, (h, w), None)
     train, test = _order(len(images), seed)
@@ -342,7 +412,7 @@ def _order(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return order[n_test:], order[:n_test]
 
 
-def _unread(parts, classes: int, name: str) -> Dataset:
+def _unread(parts, classes: int, name: str, disk: list[int] | None = None) -> Dataset:
     """A data set of examples read as steps use them: ((x, positions, y) of the training and of
     the test examples); the images' bytes read counted together."""
     (xa, tr, ya), (xb, te, yb), counter = *parts, [0, 0, 0]
@@ -353,6 +423,7 @@ def _unread(parts, classes: int, name: str) -> Dataset:
         Mapped(yb, te, torch.long, [0, 0, 0]),
         classes,
         name,
+        disk,
     )
 
 
@@ -391,7 +462,7 @@ def _check_arrays(spec: str, f, read_x: bool = True) -> Signature:
         x, y = f[xk], f[yk]
         targets.append(tuple(y.shape[1:]))
         dense = x.ndim in (4, 5) and y.shape[1:] == x.shape[2:]  # a class per pixel (or voxel)
-        if x.ndim < 2 or len(x) != len(y) or (y.ndim != 1 and not dense):
+        if x.ndim < 2 or x.shape[0] != y.shape[0] or (y.ndim != 1 and not dense):
             raise ConfigError(
                 f"data file {spec!r}: {xk} must be (N, ...) and {yk} (N,) with the same N, or "
                 f"{yk} (N, H, W) a class per pixel of {xk} (N, C, H, W) (of a volume (N, C, D, H, "
@@ -434,7 +505,7 @@ def _labels_in_chunks(y: np.ndarray) -> np.ndarray:
     if not np.issubdtype(y.dtype, np.integer):
         return y
     seen: set[int] = set()
-    for i in range(0, len(y), 64):
+    for i in range(0, y.shape[0], 64):
         seen.update(np.unique(y[i : i + 64]).tolist())
     return np.array(sorted(seen), dtype=y.dtype)
 
@@ -486,25 +557,27 @@ def load_data(
                     p.name, x, y, f["x_test"].astype(np.float32), f["y_test"].astype(np.int64)
                 )
         return _dataset(p.name, *_split(x, y))
-    if (p / "x.npy").exists():
-        return _mapped_dataset(p, seed)
+    if (p / "x.npy").exists() or p.suffix in ARRAY_SUFFIXES:
+        disk = [0]  # bytes the stores read from disk (a .npy folder: the pages mapped)
+        found = arrays(p, disk) if p.suffix in ARRAY_SUFFIXES else _mapped(p)
+        return _mapped_dataset(found, p.name, seed, disk)
     if (p / "images").is_dir() and (p / "masks").is_dir():
         return _pairs_dataset(spec, seed)
     return _image_folder(p, input_shape)
 
 
-def _mapped_dataset(folder: Path, seed: int) -> Dataset:
-    """A folder of .npy arrays, memory-mapped: the examples are read as steps use them."""
-    arrays = _mapped(folder)
-    x, y = arrays["x"], arrays["y"]
-    if "x_test" in arrays:
-        xt, yt = arrays["x_test"], arrays["y_test"]
-        parts = (x, np.arange(len(x)), y), (xt, np.arange(len(xt)), yt)
+def _mapped_dataset(found: dict, name: str, seed: int, disk: list[int]) -> Dataset:
+    """Arrays read as steps use them: a folder of .npy arrays memory-mapped, or an HDF5 file's
+    or a Zarr group's (their bytes from disk counted into `disk`)."""
+    x, y = found["x"], found["y"]
+    if "x_test" in found:
+        xt, yt = found["x_test"], found["y_test"]
+        parts = (x, np.arange(x.shape[0]), y), (xt, np.arange(xt.shape[0]), yt)
     else:
-        train, test = _order(len(x), seed)
+        train, test = _order(x.shape[0], seed)
         parts = (x, train, y), (x, test, y)
     classes = int(max(int(_labels_in_chunks(a).max()) for a in (y, parts[1][2]))) + 1
-    return _unread(parts, classes, folder.name)
+    return _unread(parts, classes, name, disk)
 
 
 def _image_folder(root: Path, input_shape: tuple[int, ...] | None) -> Dataset:
