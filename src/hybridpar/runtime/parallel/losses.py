@@ -43,6 +43,7 @@ __all__ = [
     "as_function",
     "by_sums",
     "counted",
+    "dice_scores",
     "divisor",
     "divisor_by_shape",
     "mean_iou",
@@ -250,3 +251,11 @@ def mean_iou(sums: torch.Tensor | list[float], classes: int) -> float:
     t = torch.as_tensor(sums, dtype=torch.float64).view(2, classes)
     present = t[1] > 0
     return float((t[0][present] / t[1][present]).mean()) if present.any() else float("nan")
+
+
+def dice_scores(sums: torch.Tensor | list[float], classes: int) -> list[float]:
+    """Per class, the Dice score 2 I / (predicted + labelled) = 2 I / (I + U) from `overlaps`
+    summed (nan for a class neither predicted nor labelled); their mean over the classes
+    present is what segmentation papers report beside the mean IoU."""
+    t = torch.as_tensor(sums, dtype=torch.float64).view(2, classes)
+    return (2 * t[0] / (t[0] + t[1])).tolist()

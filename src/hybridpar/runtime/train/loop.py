@@ -133,7 +133,9 @@ class Progress:
         if self.board is not None:
             for key in ("loss", "train_acc", "test_acc", "time_s"):
                 self.board.add_scalar(f"epoch/{key}", e[key], e["epoch"])
-        miou = f"  mean IoU {e['test_miou']:.4f}" if "test_miou" in e else ""
+        miou = ""
+        if "test_miou" in e:
+            miou = f"  mean IoU {e['test_miou']:.4f}  mean Dice {e['test_mean_dice']:.4f}"
         self.write(
             {"event": "epoch", **e},
             f"  epoch {e['epoch']:3d}  loss {e['loss']:.4f}  "
@@ -254,6 +256,9 @@ def _epoch_record(trainer, data: Dataset, batch: int, sums: list, epoch: int, t0
     }
     if dense:
         record["test_miou"] = losses.mean_iou(every[5:], classes)
+        record["test_dice"] = losses.dice_scores(every[5:], classes)
+        present = [d for d in record["test_dice"] if d == d]  # nan: a class absent
+        record["test_mean_dice"] = sum(present) / len(present) if present else float("nan")
     return record
 
 
