@@ -149,6 +149,6 @@ def test_dice_per_class_from_summed_counts_is_the_whole_images():
     pred = out.argmax(1)
     for c in range(3):
         p, lab = pred == c, y == c
-        want = 2 * (p & lab).sum() / (p.sum() + lab.sum())
+        want = 2 * (p & lab).sum().double() / (p.sum() + lab.sum())
         assert got[c] == pytest.approx(float(want), rel=1e-12)
     assert got[3] != got[3]  # nan
