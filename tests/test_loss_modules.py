@@ -152,3 +152,15 @@ def test_dice_per_class_from_summed_counts_is_the_whole_images():
         want = 2 * (p & lab).sum().double() / (p.sum() + lab.sum())
         assert got[c] == pytest.approx(float(want), rel=1e-12)
     assert got[3] != got[3]  # nan
+
+
+def test_a_loss_module_without_reduction_is_refused_by_its_name():
+    """A module's __call__ takes anything: its forward decides (MONAI's DiceCELoss is such a
+    module: forward(input, target))."""
+
+    class MyDice(nn.Module):
+        def forward(self, out, target):
+            return out.mean()
+
+    with pytest.raises(ValueError, match=r"MyDice takes no reduction=.*losses.DiceCE"):
+        losses.as_function(MyDice())

@@ -127,11 +127,14 @@ def as_function(loss: Callable) -> Callable:
     raise ValueError(
         f"loss: {name} takes no reduction=: hybridpar sums a loss over the outputs each rank "
         "holds; pass a torch loss (a module such as nn.CrossEntropyLoss(), or a function such as "
-        "F.cross_entropy) or hybridpar.runtime.parallel.losses.Dice"
+        "F.cross_entropy), or one of the whole batch's sums (losses.Dice; Dice plus the "
+        "cross-entropy: losses.DiceCE)"
     )
 
 
 def _takes_reduction(func: Callable) -> bool:
+    if isinstance(func, nn.Module):  # its __call__ takes anything: its forward says
+        func = func.forward
     try:
         params = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: let it say
