@@ -125,3 +125,153 @@ def test_train_reads_bands_of_an_hdf5_file(tmp_path, capsys):
     out = capsys.readouterr().out
     whole = 32 * 32 * 4 / 2**10  # KiB of one image; a rank reads its 16-row band
     assert f"{whole / 2:.1f} KiB an example of its {whole:.1f} KiB" in out, out
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_each_rank_reads_its_band_and_the_chunks_that_round_it(tmp_path, P):
+    """One 64 x 48 image in each format, read by each of P ranks' bands (halo.bands): the bytes
+    from disk are the band's rows rounded out to whole chunks (8 rows; TIFF tiles of 16 x 16,
+    strips of 8 rows), and nothing else but, per format: the headers read when a TIFF or NIfTI
+    file is opened (counted apart), the one B-tree node of a chunked HDF5 dataset's chunk index
+    (the same bytes for every band), and a Zarr chunk as stored (compressed, its file's size)."""
+    import h5py
+    import nibabel as nib
+    import tifffile
+    import zarr
+
+    from hybridpar.core.halo import bands
+    from hybridpar.runtime.train.stores import ImageFile, arrays
+
+    x = np.random.default_rng(0).standard_normal((1, 1, H, W)).astype(np.float32)
+    img = (x[0, 0] * 40 + 128).clip(0, 255).astype(np.uint8)
+    with h5py.File(tmp_path / "c.h5", "w") as f:
+        f.create_dataset("x", data=x, chunks=(1, 1, 8, W))
+        f.create_dataset("y", data=np.zeros((1, H, W), int))
+    with h5py.File(tmp_path / "p.h5", "w") as f:  # contiguous: no chunks
+        f.create_dataset("x", data=x)
+        f.create_dataset("y", data=np.zeros((1, H, W), int))
+    g = zarr.open_group(tmp_path / "d.zarr", mode="w")
+    g.create_array("x", data=x, chunks=(1, 1, 8, W))
+    g.create_array("y", data=np.zeros((1, H, W), int), chunks=(1, 8, W))
+    tifffile.imwrite(tmp_path / "t.tif", img, tile=(16, 16))
+    tifffile.imwrite(tmp_path / "s.tif", img, rowsperstrip=8)
+    nib.save(nib.Nifti1Image(x[0, 0].T.copy(), np.eye(4)), tmp_path / "n.nii")
+
+    def rounded(lo, hi, k):  # rows [lo, hi) out to whole chunks of k rows
+        return (lo // k) * k, -(-hi // k) * k
+
+    index = set()
+    for lo, hi in bands(H, P):
+        got = {}
+        for name in ("c.h5", "p.h5", "d.zarr"):
+            c = [0]
+            a = arrays(tmp_path / name, c)["x"]
+            opened = c[0]
+            a[(np.array([0]), slice(None), slice(lo, hi))]
+            got[name] = c[0] - opened
+        for name in ("t.tif", "s.tif", "n.nii"):
+            c = [0]
+            f = ImageFile(tmp_path / name, c)
+            opened = c[0]
+            np.testing.assert_array_equal(
+                f.read([slice(lo, hi)]), (x[0, 0] if name == "n.nii" else img)[lo:hi]
+            )
+            got[name] = c[0] - opened
+        a, b = rounded(lo, hi, 8)
+        assert got["p.h5"] == (hi - lo) * W * 4  # contiguous rows: exactly the band
+        index.add(got["c.h5"] - (b - a) * W * 4)  # the chunks and their index node
+        stored = sum(
+            (tmp_path / "d.zarr" / "x" / "c" / "0" / "0" / str(i) / "0").stat().st_size
+            for i in range(a // 8, b // 8)
+        )
+        assert got["d.zarr"] == stored
+        t0, t1 = rounded(lo, hi, 16)
+        assert got["t.tif"] == (t1 - t0) * W  # tiles of 16 rows (3 across the width)
+        assert got["s.tif"] == (b - a) * W  # strips of 8 rows
+        assert got["n.nii"] == (hi - lo) * W * 4  # (z, y, x): rows of y are contiguous
+    assert len(index) == 1 and 0 < index.pop() < 4096  # the chunk index: one node
+
+
+def _train(tmp_path, capsys, spec, model, name) -> dict:
+    import torch
+
+    from hybridpar.commands import cli
+
+    argv = ["train", "--model", model, "--data", str(spec), "--nproc", "2", "--batch", "2"]
+    argv += ["--preset", "domain", "--epochs", "1", "--max-steps", "2", "--quiet"]
+    argv += ["--save", str(tmp_path / f"{name}.pt")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    return torch.load(tmp_path / f"{name}.pt"), out
+
+
+def _write_pairs(root, xs, ys, suffix):
+    import nibabel as nib
+    import tifffile
+
+    for d in ("images", "masks"):
+        os.makedirs(root / d)
+    for i, (a, m) in enumerate(zip(xs, ys, strict=True)):
+        if suffix == ".tif":
+            tifffile.imwrite(root / "images" / f"{i}.tif", a, tile=(16, 16))
+            tifffile.imwrite(root / "masks" / f"{i}.tif", m.astype(np.uint8), rowsperstrip=8)
+        else:  # (D, H, W) or (H, W) as the file's (z, y, x)
+            nib.save(nib.Nifti1Image(a.T.copy(), np.eye(4)), root / "images" / f"{i}.nii")
+            mask = nib.Nifti1Image(m.T.astype(np.int16).copy(), np.eye(4))
+            nib.save(mask, root / "masks" / f"{i}.nii")
+
+
+def test_training_from_each_format_equals_training_from_npy(tmp_path, capsys):
+    """The zoo U-Net on 32 x 32 images split by height over 2 ranks, 2 steps: the weights from
+    an HDF5 file, a Zarr group, TIFF and NIfTI pairs equal, bit for bit, those from the same
+    images as .npy arrays (TIFF holds bytes: the arrays hold them / 255)."""
+    import h5py
+    import torch
+    import zarr
+
+    g = np.random.default_rng(0)
+    img = g.integers(0, 256, (5, 32, 32)).astype(np.uint8)
+    x = (img / 255.0).astype(np.float32)[:, None]
+    y = g.integers(0, 11, (5, 32, 32))
+    y[0, 0, 0] = 10
+    specs = {}
+    (tmp_path / "npy").mkdir()
+    np.save(tmp_path / "npy" / "x.npy", x)
+    np.save(tmp_path / "npy" / "y.npy", y)
+    specs["npy"] = tmp_path / "npy"
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f.create_dataset("x", data=x, chunks=(1, 1, 8, 32))
+        f.create_dataset("y", data=y, chunks=(1, 8, 32))
+    specs["h5"] = tmp_path / "d.h5"
+    z = zarr.open_group(tmp_path / "d.zarr", mode="w")
+    z.create_array("x", data=x, chunks=(1, 1, 8, 32))
+    z.create_array("y", data=y, chunks=(1, 8, 32))
+    specs["zarr"] = tmp_path / "d.zarr"
+    for suffix, data in ((".tif", img), (".nii", x[:, 0])):
+        _write_pairs(tmp_path / suffix[1:], data, y, suffix)
+        specs[suffix[1:]] = tmp_path / suffix[1:]
+    want, _ = _train(tmp_path, capsys, specs.pop("npy"), "unet", "npy")
+    for name, spec in specs.items():
+        got, _ = _train(tmp_path, capsys, spec, "unet", name)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), f"{name}: {k}"
+
+
+def test_a_nifti_volume_trains_by_depth_slices(tmp_path, capsys):
+    """The 3-D U-Net on NIfTI volumes split by depth over 2 ranks: each rank reads half of each
+    volume's slices (printed), and the weights equal those from the same volumes as .npy."""
+    import torch
+
+    g = np.random.default_rng(0)
+    x = g.standard_normal((5, 10, 8, 8)).astype(np.float32)
+    y = g.integers(0, 3, (5, 10, 8, 8))
+    (tmp_path / "npy").mkdir()
+    np.save(tmp_path / "npy" / "x.npy", x[:, None])
+    np.save(tmp_path / "npy" / "y.npy", y)
+    _write_pairs(tmp_path / "nii", x, y, ".nii")
+    want, _ = _train(tmp_path, capsys, tmp_path / "npy", "unet3d", "npy")
+    got, out = _train(tmp_path, capsys, tmp_path / "nii", "unet3d", "nii")
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    whole = 10 * 8 * 8 * 4 / 2**10  # KiB of one volume; a rank reads 5 of its 10 slices
+    assert f"{whole / 2:.1f} KiB an example of its {whole:.1f} KiB" in out, out
