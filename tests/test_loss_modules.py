@@ -136,16 +136,18 @@ def test_train_loss_dice_ce_from_the_command_line(tmp_path, capsys):
 
 
 def test_dice_per_class_from_summed_counts_is_the_whole_images():
-    """Dice per class (2 |P & L| / (|P| + |L|)) from the overlaps of two bands, summed, equals
+    """Dice per class (2 |P & L| / (|P| + |L|)) from the overlaps of three bands, summed, equals
     the Dice computed directly on the whole images; a class neither predicted nor labelled is
     nan and left out of the mean."""
     g = torch.Generator().manual_seed(0)
     out = torch.randn(2, 4, 6, 5, generator=g, dtype=torch.float64)
     out[:, 3] = -100  # class 3 is never predicted
     y = torch.randint(0, 3, (2, 6, 5), generator=g)  # nor labelled
-    parts = [losses.overlaps(out[:, :, a:b], y[:, a:b], 4, F.cross_entropy) for a, b in
-             ((0, 2), (2, 6))]  # fmt: skip
-    got = losses.dice_scores(parts[0] + parts[1], 4)
+    parts = [
+        losses.overlaps(out[:, :, a:b], y[:, a:b], 4, F.cross_entropy)
+        for a, b in ((0, 2), (2, 4), (4, 6))
+    ]  # fmt: skip: three ranks' bands
+    got = losses.dice_scores(sum(parts), 4)
     pred = out.argmax(1)
     for c in range(3):
         p, lab = pred == c, y == c
