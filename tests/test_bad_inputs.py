@@ -124,7 +124,7 @@ CASES = [
     ("masks of another size", lambda t: [*TRAIN, "--model", "user_models:small_dense", "--data", str(seg_npz(t))], "gives a class per pixel (8 x 8 masks) but --model user_models:small_dense outputs 3x4x4"),
     ("a Dice on labels", lambda t: [*TRAIN, "--loss", "dice", "--nproc", "2"], "--loss dice compares a class per pixel but --data digits gives one label per example"),
     ("unknown loss", lambda t: [*TRAIN, "--loss", "focal"], "--loss 'focal': give one of cross-entropy, dice, dice+ce"),
-    ("a loss without reduction", lambda t: [*TRAIN, "--loss", "user_models:mean_loss"], "mean_loss.<locals>.<lambda> takes no reduction="),
+    ("a loss factory that returns no loss", lambda t: [*TRAIN, "--loss", "user_models:returns_a_tensor"], "--loss 'user_models:returns_a_tensor': it returned a Tensor, not a loss"),
     ("a loss factory that is not there", lambda t: [*TRAIN, "--loss", "user_models:nope"], "--loss 'user_models:nope': user_models has no attribute"),
     ("unknown model", lambda t: [*TRAIN, "--model", "gpt5"], "unknown model"),
     ("unknown schedule", lambda t: [*TRAIN, "--schedule", "warp"], "invalid choice"),

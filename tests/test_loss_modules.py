@@ -1,15 +1,16 @@
-"""The loss objects people pass (issue 73, its first part): torch's loss modules, with their
-weight, ignore_index, label_smoothing, pos_weight, beta, delta and reduction, and the losses of
-the whole batch's sums (Dice, Dice + cross-entropy) train on bands and on batches exactly as one
-process calling the same object on the whole output does (float64, 3 steps, rtol 1e-7, P = 2
-and 3); a loss that takes no `reduction` is refused by name when the trainer is built, not
-inside the first step; `train --loss dice+ce` trains Dice plus the cross-entropy."""
+"""The loss objects people pass (issue 73): torch's loss modules, with their weight,
+ignore_index, label_smoothing, pos_weight, beta, delta and reduction, the losses of the whole
+batch's sums (Dice, Dice + cross-entropy), and losses that are not known to split (a lambda that
+returns a mean, a Dice module written by hand: run on the joined outputs) train on bands, tiles
+and batches exactly as one process calling the same object on the whole output does (float64,
+3 steps, rtol 1e-7, P = 2 and 3), the ledger's bytes the plan's (the join's aside: not
+predicted); `train --loss dice+ce` trains Dice plus the cross-entropy."""
 
 import functools
 
 import pytest
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import bytes_are_predicted, run_ranks
 from torch import nn
 from torch.nn import functional as F
 
@@ -25,6 +26,17 @@ from hybridpar.runtime.parallel.trainer import HybridTrainer
 
 NET = Cluster("test-net", alpha=1e-6, beta=1e-9, flops=1e12)
 SHAPE, CLASSES, STEPS = (3, 6, 5), 3, 3
+
+
+class HandDice(nn.Module):
+    """A soft Dice loss as people write one: softmax, one-hot, a mean over the classes."""
+
+    def forward(self, out, target):
+        p = out.softmax(1)
+        hot = F.one_hot(target, out.shape[1]).movedim(-1, 1).to(p)
+        dims = [0, *range(2, out.dim())]
+        inter, total = (p * hot).sum(dims), (p + hot).sum(dims)
+        return 1 - ((2 * inter + 1) / (total + 1)).mean()
 
 
 class Dense(nn.Module):
@@ -57,6 +69,9 @@ def _cases() -> dict:
         "huber": (nn.HuberLoss(delta=0.5), True, False),
         "partial ce sum": (functools.partial(F.cross_entropy, reduction="sum"), False, False),
         "dice": (losses.Dice(), False, False),
+        "lambda mean ce (joined)": (lambda o, y: F.cross_entropy(o, y), False, False),
+        "hand dice (joined)": (HandDice(), False, False),
+        "lambda mse (joined)": (lambda o, y: ((o - y) ** 2).mean(), True, False),
         "dice+ce ignoring 0": (losses.DiceCE(ignore_index=0), False, False),
     }  # fmt: skip
 
@@ -79,7 +94,8 @@ def _model(probabilities: bool) -> nn.Module:
 def _train(P: int) -> list[str]:
     done = []
     layers = cost_layers(analyze(Dense(), SHAPE))
-    for style, b in [(Style.domain(P, 1), 2), (Style.batch(P), P)]:
+    tiles = Style.domain(P, 1, 2 if P == 2 else 3)  # 1 x 2, 1 x 3 tiles
+    for style, b in [(Style.domain(P, 1), 2), (tiles, 1), (Style.batch(P), P)]:
         plan = evaluate(layers, [style] * len(layers), PlanRequest(P, b, NET, elem_bytes=8))
         plan = export(plan, procs=P, batch=b, choices=Choices(), input_shape=SHAPE, model="d")
         for name, (loss, hot, probs) in _cases().items():
@@ -97,6 +113,10 @@ def _train(P: int) -> list[str]:
             for k, v in ref.state_dict().items():
                 msg = f"{name} {style}: {k}"
                 torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=msg)
+            unpredicted = ("metrics", "loss_join")
+            bytes_are_predicted(t.ledger, plan, f"{name} {style}", STEPS, unpredicted)
+            joins = sum(e.bytes for e in t.ledger.entries if e.term == "loss_join")
+            assert (joins > 0) == ("joined" in name), (name, joins)
             done.append(f"{name} {style}")
     return done
 
@@ -104,12 +124,12 @@ def _train(P: int) -> list[str]:
 @pytest.mark.parametrize("P", [2, 3])
 def test_torch_loss_modules_train_as_one_process_calling_them(P):
     done = run_ranks(_train, P, P, timeout_s=300)[0]
-    assert len(done) == 2 * len(_cases()), done
+    assert len(done) == 3 * len(_cases()), done
 
 
-def test_a_loss_without_reduction_is_refused_by_name_before_any_step():
-    with pytest.raises(ValueError, match=r"<lambda> takes no reduction=.*nn.CrossEntropyLoss"):
-        losses.as_function(lambda o, y: F.cross_entropy(o, y))
+def test_what_does_not_split_runs_joined_and_what_returns_no_number_is_refused():
+    assert isinstance(losses.as_function(lambda o, y: F.cross_entropy(o, y)), losses.Joined)
+    assert isinstance(losses.as_function(HandDice()), losses.Joined)  # by its forward
     with pytest.raises(ValueError, match=r"MSELoss\(reduction='none'\) returns no number"):
         losses.as_function(nn.MSELoss(reduction="none"))
     assert losses.as_function(losses.Dice()).__class__ is losses.Dice
@@ -154,15 +174,3 @@ def test_dice_per_class_from_summed_counts_is_the_whole_images():
         want = 2 * (p & lab).sum().double() / (p.sum() + lab.sum())
         assert got[c] == pytest.approx(float(want), rel=1e-12)
     assert got[3] != got[3]  # nan
-
-
-def test_a_loss_module_without_reduction_is_refused_by_its_name():
-    """A module's __call__ takes anything: its forward decides (MONAI's DiceCELoss is such a
-    module: forward(input, target))."""
-
-    class MyDice(nn.Module):
-        def forward(self, out, target):
-            return out.mean()
-
-    with pytest.raises(ValueError, match=r"MyDice takes no reduction=.*losses.DiceCE"):
-        losses.as_function(MyDice())

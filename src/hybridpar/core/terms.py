@@ -27,6 +27,7 @@ class Term(str, Enum):
     PARAM_BROADCAST = "param_broadcast"  # parameters sent once at the start
     STATE = "state"  # gathering shards into a full state dict
     RECOMPUTE = "recompute"  # collectives run again by activation checkpointing: not predicted
+    LOSS_JOIN = "loss_join"  # the outputs joined for a loss that does not split: not predicted
 
     def __str__(self) -> str:
         return self.value

@@ -13,8 +13,8 @@ divides by on the whole global batch, so the gradient summed over the ranks is t
 
 torch's loss modules (`nn.CrossEntropyLoss(weight=..., ignore_index=..., label_smoothing=...)`,
 `nn.BCEWithLogitsLoss(pos_weight=...)`, ...) are the functional loss with their attributes
-(`as_function`); a callable that takes no `reduction` is refused when the trainer is built (the
-run on the joined output it needs is issue 73's next step).
+(`as_function`); any other callable, which may not split (a lambda that returns a mean, a Dice
+of another library), runs on the whole batch's outputs joined on every rank (`Joined`).
 
 Each rank reads the global batch's targets, so the divisor needs no collective.
 
@@ -40,6 +40,7 @@ from torch.nn import functional as F
 __all__ = [
     "Dice",
     "DiceCE",
+    "Joined",
     "as_function",
     "by_sums",
     "counted",
@@ -105,8 +106,9 @@ _MODULES = {
 def as_function(loss: Callable) -> Callable:
     """The loss as the trainer calls it, `loss(out, target, reduction="sum")`: a torch loss
     module (its class's own forward) as its functional form with its attributes and its
-    reduction ("mean" divided as torch divides it, "sum" by 1); a function or a Dice as it is.
-    A callable that takes no `reduction` raises ValueError, naming it."""
+    reduction ("mean" divided as torch divides it, "sum" by 1); a function that takes a
+    reduction or a loss of the whole batch's sums (Dice) as it is; any other callable on the
+    joined outputs (`Joined`). A reduction that returns no number raises ValueError."""
     cls = next((c for c in _MODULES if type(loss) is c or (
         isinstance(loss, c) and type(loss).forward is c.forward)), None)  # fmt: skip
     if cls is not None:
@@ -121,15 +123,9 @@ def as_function(loss: Callable) -> Callable:
     func, kwargs = _parts(loss)
     if kwargs.get("reduction", "mean") not in ("mean", "sum"):
         raise ValueError(f"loss: reduction={kwargs['reduction']!r} returns no number to train on")
-    if by_sums(loss) or _takes_reduction(func):
+    if by_sums(loss) or isinstance(loss, Joined) or _takes_reduction(func):
         return loss
-    name = getattr(func, "__qualname__", type(func).__name__)
-    raise ValueError(
-        f"loss: {name} takes no reduction=: hybridpar sums a loss over the outputs each rank "
-        "holds; pass a torch loss (a module such as nn.CrossEntropyLoss(), or a function such as "
-        "F.cross_entropy), or one of the whole batch's sums (losses.Dice; Dice plus the "
-        "cross-entropy: losses.DiceCE)"
-    )
+    return Joined(loss)
 
 
 def _takes_reduction(func: Callable) -> bool:
@@ -140,6 +136,19 @@ def _takes_reduction(func: Callable) -> bool:
     except (TypeError, ValueError):  # a builtin without a signature: let it say
         return True
     return any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+class Joined:
+    """A loss that is not known to split over the outputs' parts (a lambda that returns a mean,
+    MONAI's or segmentation-models' Dice, a module of the user's): the trainer calls it on the
+    whole global batch's outputs, joined on every rank, against the whole targets; each rank's
+    backward takes the gradient of the outputs it holds."""
+
+    def __init__(self, loss: Callable) -> None:
+        self.loss = loss
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss(out, target)
 
 
 class DiceCE(Dice):
@@ -226,7 +235,8 @@ def counted(loss: Callable, target: torch.Tensor) -> torch.Tensor:
     each in a dense prediction), else the examples (a float64 scalar on target's device, read
     with the step's other numbers)."""
     func, kwargs = _parts(loss)
-    if by_sums(loss) and not target.is_floating_point():  # a Dice's labelled pixels
+    whole = by_sums(loss) or isinstance(loss, Joined)
+    if whole and not target.is_floating_point():  # a Dice's labelled pixels
         return (target != getattr(loss, "ignore_index", -100)).sum().double()
     if func in _PER_TARGET and not target.is_floating_point():
         return _kept(target, kwargs).sum().double()

@@ -15,6 +15,8 @@ runtime/comm/collectives.py's; how a tensor is cut among a group's ranks is one 
 | transpose     | all-to-all from one cut to another         | the same with the two cuts swapped    |
 | one_part      | identity (a value every rank holds whole) | the grad on the group's first rank,   |
 |               |                                           | zero on the others                    |
+| joined        | every rank's part all-gathered and placed | the grad of this rank's own part (the |
+|               | in the whole tensor                       | whole one is every rank's)            |
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from hybridpar.runtime.comm.collectives import (
     Via,
+    all_gather_sizes,
     all_gather_uneven,
     all_reduce,
     all_to_all_uneven,
@@ -33,7 +36,16 @@ from hybridpar.runtime.comm.collectives import (
 )
 from hybridpar.runtime.comm.group import group_rank, group_size
 
-__all__ = ["Pieces", "copy_to_group", "gather", "one_part", "split", "summed", "transpose"]
+__all__ = [
+    "Pieces",
+    "copy_to_group",
+    "gather",
+    "joined",
+    "one_part",
+    "split",
+    "summed",
+    "transpose",
+]
 
 
 class Pieces(NamedTuple):
@@ -171,3 +183,32 @@ def transpose(x: torch.Tensor, send: Pieces, recv: Pieces, via: Via) -> torch.Te
 def one_part(x: torch.Tensor, first: bool) -> torch.Tensor:
     """`x` as it is; its gradient kept where `first`, zero elsewhere."""
     return _OnePart.apply(x, first)
+
+
+class _Joined(torch.autograd.Function):
+    """Forward: every rank's part, flattened, all-gathered and put in its place of the whole
+    tensor (parts held twice, by replicas, land on the same place). Backward: this rank's place
+    of the gradient, which every rank computed alike from the same whole tensor."""
+
+    @staticmethod
+    def forward(ctx, x, places, shape, via):
+        ctx.mine = places[group_rank(via.group)]
+        sizes = all_gather_sizes(x.numel(), via, x.device)
+        flat = all_gather_uneven(x.reshape(-1), sizes, 0, via)
+        whole = x.new_empty(shape)
+        for place, part in zip(places, flat.split(sizes), strict=True):
+            region = whole[place]
+            region.copy_(part.view(region.shape))
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.mine].contiguous(), None, None, None
+
+
+def joined(x: torch.Tensor, places: list[tuple], shape: tuple[int, ...], via: Via) -> torch.Tensor:
+    """The whole tensor of `shape` on every rank of `via.group`, rank q's part `x` being
+    `whole[places[q]]` (an index: its examples, its band or tile)."""
+    if group_size(via.group) == 1:
+        return x
+    return _Joined.apply(x, places, shape, via)

@@ -28,14 +28,14 @@ from hybridpar.core import faults
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.core.terms import Term
-from hybridpar.runtime.comm.collectives import Via, all_reduce
+from hybridpar.runtime.comm.collectives import Via, all_gather_uneven, all_reduce
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.options import RuntimeOptions
 from hybridpar.runtime.parallel import checkpoint, losses, memory, rounds
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.layout import Layout, resolve
-from hybridpar.runtime.parallel.mappings import summed
+from hybridpar.runtime.parallel.mappings import joined, summed
 from hybridpar.runtime.parallel.verify import Checked, check_plan
 
 __all__ = ["HybridTrainer", "StepResult"]
@@ -126,6 +126,8 @@ class HybridTrainer:
         """what the last step run with `count` held: bytes by kind (memory.py)"""
         self.divisor = torch.ones((), dtype=torch.float64)
         """what the last step's loss sum was divided by (losses.divisor)"""
+        self.places: dict[int, list[tuple]] = {}
+        """per batch size, where every rank's outputs lie in the whole batch's (a joined loss)"""
         self.resharded = False
         self.last: StepResult | None = None
 
@@ -167,15 +169,19 @@ class HybridTrainer:
         self.target = target = _mine(y, m)
         with self.autocast(), memory.Kept(m) if count else contextlib.nullcontext() as kept:
             out = m(_take(x, m.input_rows(n), m.input_band(), _dims(m.layout.trace.in_shape)))
-            if losses.by_sums(self.loss):
-                loss_sum, self.divisor = self._whole_batch(out, target)
+            if isinstance(self.loss, losses.Joined):
+                loss_sum, objective = self._joined(out, y, target)
             else:
-                loss_sum = self.loss(out, target, reduction="sum")
-                self.divisor = self._divisor(y, target)
+                if losses.by_sums(self.loss):
+                    loss_sum, self.divisor = self._whole_batch(out, target)
+                else:
+                    loss_sum = self.loss(out, target, reduction="sum")
+                    self.divisor = self._divisor(y, target)
+                objective = loss_sum / self.divisor.to(loss_sum)
         if out.requires_grad:
             out.register_hook(lambda g: faults.at("backward"))
         self.optimizer.zero_grad(set_to_none=True)
-        (loss_sum / self.divisor.to(loss_sum)).backward()
+        objective.backward()
         wait = m.finish_backward()
         # the step's one read of the device, once its backward is queued (on a GPU a read waits
         # for the work before it: read after the forward, it kept the backward from being
@@ -236,13 +242,42 @@ class HybridTrainer:
         # divided by them again: every rank back-propagates the whole value into its own sums
         return value * mine.to(out.dtype), mine.clamp_min(1)
 
+    def _joined(self, out: torch.Tensor, y, target: torch.Tensor):
+        """(the loss times this rank's labels, the loss) of a loss that does not split
+        (losses.Joined): every rank's outputs joined into the whole batch's on every rank (booked
+        as loss_join), the loss of those and the whole targets; backward each rank takes the
+        gradient of its own outputs (a replica's too: it holds the same)."""
+        m, n = self.model, len(y)
+        via = Via(m.world, self.ledger, Term.LOSS_JOIN)
+        whole = joined(out, self._places(n, via), (n, *m.layout.trace.out_shape), via)
+        ys = y.take_rows(slice(None)) if hasattr(y, "take_rows") else y
+        value = self.loss(whole, ys.to(whole.device))
+        mine = losses.counted(self.loss, target).to(out.device)
+        mine = mine if m.counts_outputs else mine * 0
+        self.divisor = mine.clamp_min(1)
+        return value.detach() * mine.to(value.dtype), value
+
+    def _places(self, n: int, via: Via) -> list[tuple]:
+        """Where every rank's outputs lie in the whole batch's (its examples, band or tile):
+        gathered once per batch size."""
+        if n not in self.places:
+            m = self.model
+            rows, band = m.output_rows(n), m.output_band()
+            spans = [] if band is None else list(band if isinstance(band[0], tuple) else (band,))
+            mine = [rows.start, rows.stop] + [v for s in spans for v in s]
+            mine += [-1] * (6 - len(mine))
+            t = torch.tensor(mine, dtype=torch.int64, device=self.device)
+            every = all_gather_uneven(t, [6] * m.world.size, 0, via).view(-1, 6).tolist()
+            self.places[n] = [_place(v) for v in every]
+        return self.places[n]
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on the global batch (x, y); returns its mean loss (one small
         all-reduce of the loss sums over the ranks)."""
         r = self.train_step(x, y)
         total = torch.tensor([r.loss_sum, r.count], dtype=torch.float64, device=self.device)
         all_reduce(total, Via(self.model.world, self.ledger, Term.METRICS))
-        if losses.by_sums(self.loss):  # the loss times each rank's labels
+        if losses.by_sums(self.loss) or isinstance(self.loss, losses.Joined):  # times the labels
             return float(total[0] / total[1])
         return float(total[0]) / float(self.divisor)
 
@@ -301,6 +336,13 @@ class HybridTrainer:
         meta, same = checkpoint.load(self.model, self.optimizer, path)
         self.resharded = not same
         return meta
+
+
+def _place(v: list[int]) -> tuple:
+    """An index of the whole outputs from (first example, last + 1, then per split dim from
+    2 on its first and last + 1; -1 where none)."""
+    spans = [slice(v[i], v[i + 1]) for i in (2, 4) if v[i] >= 0]
+    return (slice(v[0], v[1]), *([slice(None)] + spans if spans else []))
 
 
 def _dims(shape: tuple[int, ...]) -> int:
