@@ -187,7 +187,15 @@ def _measuring_parsers(sub) -> None:
 
 # `hybridpar train --help`, by concern (every option of TrainConfig and the configs in it)
 TRAIN_CONCERNS = {
-    "model and data": ("model", "data", "loss", "input_size", "input_shape", "max_steps"),
+    "model and data": (
+        "model",
+        "data",
+        "loss",
+        "choices.joined_loss",
+        "input_size",
+        "input_shape",
+        "max_steps",
+    ),
     "optimisation": (
         "epochs",
         "batch",

@@ -150,6 +150,13 @@ class Choices:
         "sharing a GPU, staged through pinned host memory), auto (nccl with a GPU per rank)",
     )
 
+    joined_loss: bool = meta(
+        False,
+        "the loss runs on the whole batch's outputs, joined on every rank (one that does not "
+        "split over their parts: a lambda that returns a mean, a Dice of another library); the "
+        "plan prices their all-gather (train sets it from --loss)",
+    )
+
     activation_checkpointing: tuple[str, ...] = meta(
         (),
         "recompute in backward the forward of the modules whose names match these patterns "

@@ -99,6 +99,8 @@ class CostLayer:
     # layout: on a global pooling's value (whole there), or over the channels of a band a
     # permute made channels-last (its rows kept apart)
     unchanged: tuple[str, ...] = ()
+    out: int = 0  # elements per example of what the layer's last member outputs (of the last
+    # layer: the model's output, what a loss on the joined outputs gathers)
 
     def __post_init__(self) -> None:
         if not self.op:  # a layer described by hand: what its kind and input say
@@ -147,6 +149,7 @@ def _layer(s: LayerSpec, first: LayerSpec) -> CostLayer:
         x_shape=s.in_shape,
         y_shape=s.out_shape,
         unsplit=s.own or s.unsplit,
+        out=s.d_out,
     )
 
 
@@ -233,5 +236,6 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "saved": saved,
             "pools": pools,
             "unchanged": unchanged,
+            "out": s.d_out,
         }
     )

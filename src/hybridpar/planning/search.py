@@ -67,6 +67,7 @@ from hybridpar.planning.cost.terms import (
     plus,
     redistribute,
     t_dw_allreduce,
+    t_loss_join,
 )
 from hybridpar.planning.request import GRAD_BUCKET_BYTES, SCENARIOS, PlanRequest
 
@@ -297,9 +298,12 @@ class _Context:
         shard = s.pr if s.kind == "model" else 1
         n = self.slow(s) / s.pc  # the largest group's examples
         acts = x.d_in / (s.pr if s.kind == "domain" else 1) if self.recomputed[i] else kept(x, s)
+        joined = 0.0
         if i == len(self.layers) - 1:  # the loss keeps a tensor of the output's size (log-softmax)
             acts += x.d_out / (s.pr if s.kind == "domain" else 1)
-        return 3 * x.params / shard * w + n * acts * w
+            if self.choices.joined_loss:  # the whole batch's outputs on this rank, and their grad
+                joined = 2 * self.B * (x.out or x.d_out) * w
+        return 3 * x.params / shard * w + n * acts * w + joined
 
     def time(self, i: int, s: Style) -> tuple[float, float, float]:
         """(forward, backward, update) seconds of layer i under s on one rank; the backward
@@ -317,7 +321,10 @@ class _Context:
         choices = (self.choices.bn, bucket_, self.reducer)
 
         def price(B: float) -> dict[str, Comm]:
-            return layer_comms(x, first, s, B / rounds, self.net, self.e, *choices)
+            terms = layer_comms(x, first, s, B / rounds, self.net, self.e, *choices)
+            if self.choices.joined_loss and i == len(self.layers) - 1:  # the outputs joined
+                terms[Term.LOSS_JOIN] = t_loss_join(x, s, B / rounds, self.net, self.e)
+            return terms
 
         return slowest(price, self.B, self.slow(s))
 

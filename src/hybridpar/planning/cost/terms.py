@@ -59,6 +59,7 @@ __all__ = [
     "plus",
     "redistribute",
     "t_halo",
+    "t_loss_join",
     "t_norms",
 ]
 
@@ -141,6 +142,16 @@ def t_allgather(
     n = B / pc * layer.d_out * w.acts
     c = on_host(all_gather(n, pr, net), net, w.acts_compressed, n / pr)
     return plus(c, codec_s(n, pr, w, grads=False, reduce=False))
+
+
+def t_loss_join(layer: CostLayer, s: Style, B: int, net: Cluster | Priced, e) -> Comm:
+    """The model's outputs (the last layer's, `out` elements an example) all-gathered onto every
+    rank for a loss that does not split: every rank sends what it holds (a channel split's
+    replicas their copies: Pr of each example), never encoded."""
+    p = s.pr * s.pc
+    net = as_priced(net, p)
+    n = B * (layer.out or layer.d_out) * (s.pr if s.kind == "model" else 1) * Wire.of(e).halo
+    return on_host(all_gather(n, p, net), net, False, n / p)
 
 
 def t_dx_allreduce(

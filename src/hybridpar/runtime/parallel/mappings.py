@@ -27,7 +27,6 @@ import torch
 
 from hybridpar.runtime.comm.collectives import (
     Via,
-    all_gather_sizes,
     all_gather_uneven,
     all_reduce,
     all_to_all_uneven,
@@ -193,9 +192,9 @@ class _Joined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, places, shape, via):
         ctx.mine = places[group_rank(via.group)]
-        sizes = all_gather_sizes(x.numel(), via, x.device)
-        flat = all_gather_uneven(x.reshape(-1), sizes, 0, via)
         whole = x.new_empty(shape)
+        sizes = [whole[place].numel() for place in places]
+        flat = all_gather_uneven(x.reshape(-1), sizes, 0, via)
         for place, part in zip(places, flat.split(sizes), strict=True):
             region = whole[place]
             region.copy_(part.view(region.shape))

@@ -248,8 +248,9 @@ class HybridTrainer:
         as loss_join), the loss of those and the whole targets; backward each rank takes the
         gradient of its own outputs (a replica's too: it holds the same)."""
         m, n = self.model, len(y)
-        via = Via(m.world, self.ledger, Term.LOSS_JOIN)
-        whole = joined(out, self._places(n, via), (n, *m.layout.trace.out_shape), via)
+        via = Via(m.world, self.ledger, Term.LOSS_JOIN, m.layout.layers[-1].name)
+        places = self._places(n, Via(m.world, self.ledger, Term.METRICS))
+        whole = joined(out, places, (n, *m.layout.trace.out_shape), via)
         ys = y.take_rows(slice(None)) if hasattr(y, "take_rows") else y
         value = self.loss(whole, ys.to(whole.device))
         mine = losses.counted(self.loss, target).to(out.device)

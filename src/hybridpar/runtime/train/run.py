@@ -36,7 +36,7 @@ from hybridpar.runtime.launcher import launch, under_torchrun
 from hybridpar.runtime.parallel.checkpoint import latest, read_meta
 from hybridpar.runtime.parallel.compute import matching
 from hybridpar.runtime.parallel.layout import Layout, resolve, with_handoff
-from hybridpar.runtime.parallel.losses import by_sums
+from hybridpar.runtime.parallel.losses import Joined, by_sums
 from hybridpar.runtime.train.config import DEFAULT_MODEL, DEFAULTS, TrainConfig
 from hybridpar.runtime.train.data import Signature, signature
 from hybridpar.runtime.train.job import Job
@@ -62,7 +62,8 @@ def prepare(cfg: TrainConfig) -> Job:
     model = meta_model(name, shape, classes)
     traced = trace(model, shape)  # also the check that the model runs on the data's shape
     _check_targets(cfg, name, traced.out_shape, data)
-    _check_loss(cfg, data)
+    if isinstance(_check_loss(cfg, data), Joined) and not loaded:  # the plan prices the join
+        choices = choices.with_(joined_loss=True)
     if classes is None:  # a user's model on synthetic data: as many classes as it outputs
         classes = traced.specs[-1].out_shape[-1]
     batch = given.get("batch") or cfg.batch or DEFAULTS["batch"]
@@ -158,15 +159,16 @@ def _signature(cfg: TrainConfig, model: str, given: dict) -> Signature:
     return found._replace(shape=tuple(found.shape))
 
 
-def _check_loss(cfg: TrainConfig, data: Signature) -> None:
-    """--loss builds (a user's factory is called here too) and its targets are the data's: a
-    Dice compares a class per pixel."""
+def _check_loss(cfg: TrainConfig, data: Signature):
+    """--loss's loss: it builds (a user's factory is called here too) and its targets are the
+    data's (a Dice compares a class per pixel)."""
     loss = make_loss(cfg.loss)
     if by_sums(loss) and not data.target:
         raise ConfigError(
             f"--loss {cfg.loss} compares a class per pixel but --data {cfg.data} gives one label "
             "per example; use --loss cross-entropy, or masks (e.g. --data digits-seg:64)"
         )
+    return loss
 
 
 def _check_targets(cfg: TrainConfig, model: str, out: tuple[int, ...], data: Signature) -> None:
