@@ -1,11 +1,11 @@
-"""The loss objects people pass (issue 73): torch's loss modules, with their weight,
-ignore_index, label_smoothing, pos_weight, beta, delta and reduction, the losses of the whole
-batch's sums (Dice, Dice + cross-entropy), and losses that are not known to split (a lambda that
-returns a mean, a Dice module written by hand: run on the joined outputs) train on bands, tiles,
-batches and a channel split's replicated outputs exactly as one process calling the same object
-on the whole output does (float64, 3 steps, rtol 1e-7, P = 2 and 3), the ledger's bytes per
-(layer, term) the plan's, the join's included; `train --loss dice+ce` trains Dice plus the
-cross-entropy."""
+"""The loss objects people pass (issue 73): torch's loss modules and their functions, with
+their weight, ignore_index, label_smoothing, pos_weight, beta, delta and reduction, the losses
+of the whole batch's sums (Dice, Dice + cross-entropy), and losses that are not known to split
+(a lambda that returns a mean, a Dice module written by hand: run on the joined outputs), 24 in
+all, train on bands, tiles, batches and a channel split's replicated outputs exactly as one
+process calling the same object on the whole output does (float64, 3 steps, rtol 1e-7, P = 2
+and 3), the ledger's bytes per (layer, term) the plan's, the join's included; `train --loss
+dice+ce` trains Dice plus the cross-entropy."""
 
 import functools
 
@@ -69,6 +69,16 @@ def _cases() -> dict:
         "smooth l1": (nn.SmoothL1Loss(beta=0.5), True, False),
         "huber": (nn.HuberLoss(delta=0.5), True, False),
         "partial ce sum": (functools.partial(F.cross_entropy, reduction="sum"), False, False),
+        "F.cross_entropy smoothed": (
+            functools.partial(F.cross_entropy, weight=w, label_smoothing=0.1), False, False),
+        "F.nll_loss ignoring 2": (functools.partial(F.nll_loss, ignore_index=2), False, False),
+        "F.bce logits": (
+            functools.partial(F.binary_cross_entropy_with_logits, pos_weight=pos), True, False),
+        "F.bce": (F.binary_cross_entropy, True, True),
+        "F.mse": (F.mse_loss, True, False),
+        "F.l1": (F.l1_loss, True, False),
+        "F.smooth l1": (functools.partial(F.smooth_l1_loss, beta=0.5), True, False),
+        "F.huber": (functools.partial(F.huber_loss, delta=0.5), True, False),
         "dice": (losses.Dice(), False, False),
         "lambda mean ce (joined)": (lambda o, y: F.cross_entropy(o, y), False, False),
         "hand dice (joined)": (HandDice(), False, False),
