@@ -43,6 +43,7 @@ __all__ = [
     "Joined",
     "as_function",
     "by_sums",
+    "compares_values",
     "counted",
     "dice_scores",
     "divisor",
@@ -169,7 +170,8 @@ def named(spec: str, factory: Callable[[], object] | None = None) -> Callable:
     """The loss `--loss` names (cross-entropy, dice, dice+ce), or what the user's `factory`
     returns, as the trainer calls it (`as_function`; its error as a ValueError)."""
     if factory is None:
-        return {"cross-entropy": F.cross_entropy, "dice": Dice(), "dice+ce": DiceCE()}[spec]
+        ours = {"cross-entropy": F.cross_entropy, "dice": Dice(), "dice+ce": DiceCE()}
+        return ours[spec] if spec in ours else getattr(F, spec)
     try:
         made = factory()
     except Exception as exc:  # the user's factory: any error in one line
@@ -177,6 +179,12 @@ def named(spec: str, factory: Callable[[], object] | None = None) -> Callable:
     if not callable(made):
         raise ValueError(f"it returned a {type(made).__name__}, not a loss")
     return as_function(made)
+
+
+def compares_values(loss: Callable) -> bool:
+    """Whether `loss` compares the outputs with targets of their shape (MSE, L1, BCE), not
+    class labels."""
+    return _parts(loss)[0] in _PER_ELEMENT
 
 
 def by_sums(loss: Callable) -> bool:

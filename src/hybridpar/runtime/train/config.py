@@ -19,8 +19,9 @@ from hybridpar.runtime.options import RuntimeOptions
 __all__ = ["DEFAULTS", "DEFAULT_MODEL", "LOSSES", "TrainConfig"]
 
 DEFAULT_MODEL = "digits-wide"
-LOSSES = ("cross-entropy", "dice", "dice+ce")
-"""--loss's names (else a user's factory)"""
+LOSSES = ("cross-entropy", "dice", "dice+ce", "cross_entropy", "nll_loss", "mse_loss", "l1_loss",
+          "smooth_l1_loss", "huber_loss", "binary_cross_entropy_with_logits")  # fmt: skip
+"""--loss's names: ours, and torch.nn.functional's (else a user's factory)"""
 DEFAULTS = {"model": DEFAULT_MODEL, "nproc": 4, "batch": 64}
 """what model, nproc and batch are when neither the command line nor a plan file gives them"""
 
@@ -36,8 +37,9 @@ class TrainConfig:
     loss: str = meta(
         "cross-entropy",
         "cross-entropy | dice | dice+ce (soft Dice of a class per pixel, plus the cross-entropy) "
-        "| your own, package.module:factory (a function returning a torch loss module or "
-        "function, or one with sums and value: runtime/parallel/losses.py)",
+        "| a torch.nn.functional loss by its name (cross_entropy, nll_loss, mse_loss, ...) | "
+        "your own, package.module:factory (a function returning a torch loss module or "
+        "function, or any loss: runtime/parallel/losses.py)",
     )
     nproc: int | None = meta(
         None,
@@ -174,7 +176,8 @@ class TrainConfig:
             parse_input_shape(self.input_shape)
         if self.loss not in LOSSES and ":" not in self.loss:
             raise ConfigError(
-                f"--loss {self.loss!r}: give one of {', '.join(LOSSES)} or your own, "
+                f"--loss {self.loss!r}: give one of {', '.join(LOSSES[:3])}, a "
+                f"torch.nn.functional loss ({', '.join(LOSSES[3:])}) or your own, "
                 "package.module:factory"
             )
         if not 0 <= self.momentum < 1:

@@ -36,7 +36,7 @@ from hybridpar.runtime.launcher import launch, under_torchrun
 from hybridpar.runtime.parallel.checkpoint import latest, read_meta
 from hybridpar.runtime.parallel.compute import matching
 from hybridpar.runtime.parallel.layout import Layout, resolve, with_handoff
-from hybridpar.runtime.parallel.losses import Joined, by_sums
+from hybridpar.runtime.parallel.losses import Joined, by_sums, compares_values
 from hybridpar.runtime.train.config import DEFAULT_MODEL, DEFAULTS, TrainConfig
 from hybridpar.runtime.train.data import Signature, signature
 from hybridpar.runtime.train.job import Job
@@ -163,6 +163,12 @@ def _check_loss(cfg: TrainConfig, data: Signature):
     """--loss's loss: it builds (a user's factory is called here too) and its targets are the
     data's (a Dice compares a class per pixel)."""
     loss = make_loss(cfg.loss)
+    if compares_values(loss):  # every data set here holds class labels
+        raise ConfigError(
+            f"--loss {cfg.loss} compares the outputs with values of their shape but --data "
+            f"{cfg.data} gives class labels; use --loss cross_entropy (or dice, dice+ce), or "
+            "train on one-hot targets in your own loop (HybridTrainer)"
+        )
     if by_sums(loss) and not data.target:
         raise ConfigError(
             f"--loss {cfg.loss} compares a class per pixel but --data {cfg.data} gives one label "
