@@ -75,10 +75,12 @@ class HybridTrainer:
     optimizer: a function of the parameters, e.g. `lambda ps: torch.optim.SGD(ps, lr=0.01)`
     (the model's parameters are this rank's shards, known only after parallelize).
     loss: a torch loss, as a module (nn.CrossEntropyLoss(label_smoothing=0.1), nn.MSELoss(), ...)
-    or a function that takes `reduction="sum"` (F.cross_entropy, a functools.partial of it), or
-    a loss of the whole batch's sums (losses.Dice, losses.DiceCE); its sum is divided as torch's `reduction="mean"` divides it on the whole batch
-    (runtime/parallel/losses.py: per pixel for a dense prediction, whose targets y are (B, H, W)
-    or (B, C, H, W)), by 1 where the loss sums.
+    or a function that takes `reduction="sum"` (F.cross_entropy, a functools.partial of it),
+    whose sum is divided as torch's `reduction="mean"` divides it on the whole batch (per pixel
+    for a dense prediction, whose targets y are (B, H, W) or (B, C, H, W)), by 1 where the loss
+    sums; a loss of the whole batch's sums (losses.Dice, losses.DiceCE); or any other callable
+    (a lambda that returns a mean, another library's Dice), run on the whole batch's outputs
+    joined on every rank (runtime/parallel/losses.py).
     options: how the runtime runs (hybridpar.runtime.options.RuntimeOptions).
     layout: the plan already resolved against this model (`hybridpar train` resolves it once).
     head_optimizer: with `options.variable_batch`, the optimizer of the layers after the hand-off
