@@ -8,13 +8,13 @@ divides by on the whole global batch, so the gradient summed over the ranks is t
 |   ... with `weight`                                               | the summed weights of those  |
 | cross_entropy with class probabilities                            | the targets (N x H x W)      |
 | mse, l1, smooth L1, Huber, binary cross-entropy                   | the elements                 |
-| any other function                                                | the examples (N)             |
 | any of them with reduction="sum" given                            | 1                            |
 
 torch's loss modules (`nn.CrossEntropyLoss(weight=..., ignore_index=..., label_smoothing=...)`,
 `nn.BCEWithLogitsLoss(pos_weight=...)`, ...) are the functional loss with their attributes
 (`as_function`); any other callable, which may not split (a lambda that returns a mean, a Dice
-of another library), runs on the whole batch's outputs joined on every rank (`Joined`).
+of another library, a function of the user's even where it takes a reduction), runs on the whole
+batch's outputs joined on every rank (`Joined`), its value taken as it is.
 
 Each rank reads the global batch's targets, so the divisor needs no collective.
 
@@ -30,7 +30,6 @@ plus the mean cross-entropy (its sum and count two more numbers).
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -107,9 +106,10 @@ _MODULES = {
 def as_function(loss: Callable) -> Callable:
     """The loss as the trainer calls it, `loss(out, target, reduction="sum")`: a torch loss
     module (its class's own forward) as its functional form with its attributes and its
-    reduction ("mean" divided as torch divides it, "sum" by 1); a function that takes a
-    reduction or a loss of the whole batch's sums (Dice) as it is; any other callable on the
-    joined outputs (`Joined`). A reduction that returns no number raises ValueError."""
+    reduction ("mean" divided as torch divides it, "sum" by 1); torch's functional losses (and
+    partials of them) and losses of the whole batch's sums (Dice) as they are; any other
+    callable on the joined outputs (`Joined`). A reduction that returns no number raises
+    ValueError."""
     cls = next((c for c in _MODULES if type(loss) is c or (
         isinstance(loss, c) and type(loss).forward is c.forward)), None)  # fmt: skip
     if cls is not None:
@@ -124,19 +124,9 @@ def as_function(loss: Callable) -> Callable:
     func, kwargs = _parts(loss)
     if kwargs.get("reduction", "mean") not in ("mean", "sum"):
         raise ValueError(f"loss: reduction={kwargs['reduction']!r} returns no number to train on")
-    if by_sums(loss) or isinstance(loss, Joined) or _takes_reduction(func):
+    if by_sums(loss) or isinstance(loss, Joined) or func in (*_PER_TARGET, *_PER_ELEMENT):
         return loss
-    return Joined(loss)
-
-
-def _takes_reduction(func: Callable) -> bool:
-    if isinstance(func, nn.Module):  # its __call__ takes anything: its forward says
-        func = func.forward
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: let it say
-        return True
-    return any(p.name == "reduction" or p.kind is p.VAR_KEYWORD for p in params)
+    return Joined(loss)  # not known to split, even where it takes a reduction: never divided
 
 
 class Joined:
