@@ -558,7 +558,7 @@ def load_data(
                 )
         return _dataset(p.name, *_split(x, y))
     if (p / "x.npy").exists() or p.suffix in ARRAY_SUFFIXES:
-        disk = [0]  # bytes the stores read from disk (a .npy folder: the pages mapped)
+        disk = [0]  # bytes the stores read from disk (of .npy arrays, mapped: not counted)
         found = arrays(p, disk) if p.suffix in ARRAY_SUFFIXES else _mapped(p)
         return _mapped_dataset(found, p.name, seed, disk)
     if (p / "images").is_dir() and (p / "masks").is_dir():
