@@ -275,3 +275,26 @@ def test_a_nifti_volume_trains_by_depth_slices(tmp_path, capsys):
         assert torch.equal(got[k], v), k
     whole = 10 * 8 * 8 * 4 / 2**10  # KiB of one volume; a rank reads 5 of its 10 slices
     assert f"{whole / 2:.1f} KiB an example of its {whole:.1f} KiB" in out, out
+
+
+def test_png_pairs_read_a_tile_by_its_rows_and_columns(tmp_path):
+    """A tile's key is (examples, channels, rows, columns): a PNG pair keeps the tile's rows and
+    columns (it once took the columns' slice as the rows)."""
+    from PIL import Image
+
+    for d in ("images", "masks"):
+        (tmp_path / d).mkdir()
+    g = np.random.default_rng(0)
+    img = g.integers(0, 256, (3, 16, 12)).astype(np.uint8)
+    mask = g.integers(0, 3, (3, 16, 12)).astype(np.uint8)
+    for i in range(3):
+        Image.fromarray(img[i]).save(tmp_path / "images" / f"{i}.png")
+        Image.fromarray(mask[i]).save(tmp_path / "masks" / f"{i}.png")
+    data = load_data(str(tmp_path))
+    order = data.x_train.index[:2]
+    tile = ((8, 16), (0, 6))
+    x = data.x_train[np.arange(2)].take_rows(slice(None), tile).numpy()
+    y = data.y_train[np.arange(2)].take_rows(slice(None), tile).numpy()
+    want = (img[order][:, 8:16, 0:6] / 255.0).astype(np.float32)
+    np.testing.assert_array_equal(x[:, 0], want)
+    np.testing.assert_array_equal(y, mask[order][:, 8:16, 0:6])

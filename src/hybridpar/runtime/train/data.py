@@ -277,8 +277,8 @@ def signature(spec: str, model_shape: tuple[int, ...], model_classes: int) -> Si
 
 class _Files:
     """Image files as a read-only array, (N, C, H, W) images or (N, H, W) masks (`mode` None: a
-    class per pixel, the file's own values): indexing with (examples, ..., rows) decodes the
-    files it names and keeps those rows."""
+    class per pixel, the file's own values): indexing with (examples, [channels,] rows[,
+    columns]) decodes the files it names and keeps those rows (and a tile's columns)."""
 
     def __init__(self, files: list[Path], shape: tuple[int, ...], mode: str | None) -> None:
         self.files, self.shape, self.mode = files, (len(files), *shape), mode
@@ -288,15 +288,15 @@ class _Files:
         from PIL import Image
 
         index, *rest = key if isinstance(key, tuple) else (key,)
-        rows = rest[-1] if rest else slice(None)
+        spans = tuple(rest if self.mode is None else rest[1:])  # past the images' channels
         out = []
         for i in np.atleast_1d(index):
             with Image.open(self.files[i]) as img:
-                a = np.asarray(img.convert(self.mode) if self.mode else img)
+                a = np.asarray(img.convert(self.mode) if self.mode else img)[spans]
             if self.mode is None:
-                out.append(a[rows].astype(np.int64))
+                out.append(a.astype(np.int64))
             else:
-                a = (a[rows] / 255.0).astype(np.float32)
+                a = (a / 255.0).astype(np.float32)
                 out.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
         return np.stack(out)
 
