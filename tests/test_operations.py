@@ -167,3 +167,64 @@ def test_what_the_table_refuses_on_bands_is_refused_by_name():
     layer = cost_layers(analyze(WidthNorm(), (3, 8, 8)))[0]
     assert why_not(layer, Style.domain(2, 1), 2) == ""
     assert "LayerNorm over the columns" in why_not(layer, Style.domain(2, 1, 2), 2)
+    from hybridpar.core.rows import function_blocker
+
+    x = torch.zeros(1, 2, 4, 4)
+    assert function_blocker(torch.Tensor.repeat, (x, 1, 3, 1, 1), {}) == ""  # channels
+    assert function_blocker(torch.Tensor.repeat, (x, [1, 1, 2, 1]), {}) == (
+        "repeat along the rows or columns"
+    )
+
+
+class ChannelOps(nn.Module):
+    """Operations along the channels, as V-Nets and MONAI's residual units write them: the
+    input repeated over the channels (`x.repeat([1, 4, 1, 1, 1])`), and Dropout3d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv3d(1, 4, 3, padding=1)
+        self.drop = nn.Dropout3d(0.5)
+        self.head = nn.Conv3d(4, CLASSES, 1)
+
+    def forward(self, x):
+        y = self.conv(x) + x.repeat([1, 4, 1, 1, 1])
+        return self.head(self.drop(F.relu(y)))
+
+
+def _channel_ops(P: int) -> list[str]:
+    from hybridpar.runtime.options import RuntimeOptions
+    from hybridpar.runtime.parallel.dropout import counter_dropout
+
+    shape, b = (1, 8, 6, 5), 2
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(b, *shape, generator=g, dtype=torch.float64),
+             torch.randint(0, CLASSES, (b, *shape[1:]), generator=g)) for _ in range(STEPS)]  # fmt: skip
+    torch.manual_seed(0)
+    ref = counter_dropout(ChannelOps().double(), 3)
+    opt = _optimizer(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    layers = cost_layers(analyze(ChannelOps().double(), shape))
+    assert all(not x.blockers for x in layers), [x.blockers for x in layers]
+    style = Style.domain(P, 1)
+    plan = evaluate(layers, [style] * len(layers), PlanRequest(P, b, NET, elem_bytes=8))
+    plan = export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape, model="c")
+    torch.manual_seed(0)
+    t = HybridTrainer(ChannelOps().double(), plan, _optimizer, input_shape=shape, verify=False,
+                      options=RuntimeOptions(seed=3))  # fmt: skip
+    for x, y in data:
+        t.step(x, y)
+    got = t.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"P={P}: {k}")
+    bytes_are_predicted(t.ledger, plan, f"P={P}", STEPS)
+    return [f"P={P}"]
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_operations_along_the_channels_run_on_depth_bands(P):
+    """A repeat over the channels and Dropout3d (counter-based masks, whole channels) keep the
+    rows apart: a 3-d net with both trains on depth bands as one process does."""
+    assert run_ranks(_channel_ops, P, P, timeout_s=300)[0] == [f"P={P}"]

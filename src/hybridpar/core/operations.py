@@ -296,8 +296,9 @@ OPERATIONS: tuple[Operation, ...] = (
               blocker=_softmax),
     Operation("elementwise", "activation", _ELEMENTWISE, swap=False, bands="unchanged"),
     Operation("prelu", "activation", ("PReLU",), swap=False, bands="unchanged"),
-    Operation("identity", "other", ("Hardswish", "Hardsigmoid", "Dropout", "Dropout2d",
-                                    "Identity"), swap=False, bands="unchanged"),
+    Operation("identity", "other", ("Hardswish", "Hardsigmoid", "Dropout", "Dropout1d",
+                                    "Dropout2d", "Dropout3d", "Identity"), swap=False,
+              bands="unchanged"),
 )
 # fmt: on
 """every operation hybridpar knows, in the order a module's class is matched (subclasses count)"""

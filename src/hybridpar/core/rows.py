@@ -60,6 +60,9 @@ _ELEMENTWISE = {
     "div_",
     "double",
     "dropout",
+    "dropout1d",
+    "dropout2d",
+    "dropout3d",
     "elu",
     "exp",
     "float",
@@ -140,6 +143,11 @@ def function_blocker(func: object, args: tuple, kwargs: dict | None) -> str:
         if d is not None and d % _ndim(args) in (0, 1):
             return ""
         return f"{name} along dim {d}"
+    if name == "repeat" and len(args) > 1:  # copies along batch or channels keep rows apart
+        times = args[1] if len(args) == 2 and isinstance(args[1], tuple | list) else args[1:]
+        if all(t == 1 for t in tuple(times)[2:]):
+            return ""
+        return "repeat along the rows or columns"
     if name == "__getitem__" and len(args) > 1:
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         if all(i == slice(None) for i in index[2:]) and Ellipsis not in index:

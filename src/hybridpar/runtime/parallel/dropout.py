@@ -1,6 +1,6 @@
 """Dropout masks that do not depend on P or the grid, and the same random streams on replicas.
 
-**Counter-based dropout.** `CounterDropout` replaces `nn.Dropout` and `nn.Dropout2d`: each mask
+**Counter-based dropout.** `CounterDropout` replaces `nn.Dropout` and `nn.Dropout1d/2d/3d`: each mask
 element is a hash (splitmix64's finaliser, in int64 tensor arithmetic) of (seed, step, module,
 global example index, global feature index), so a rank that holds examples 4..7, or rows 3..5 of
 an image split by height, draws exactly the slice of the mask one process draws for the whole
@@ -89,7 +89,8 @@ class Where:
 
 
 class CounterDropout(nn.Module):
-    """nn.Dropout (elements) or nn.Dropout2d (whole channels) with counter-based masks."""
+    """nn.Dropout (elements) or nn.Dropout1d / 2d / 3d (whole channels) with counter-based
+    masks."""
 
     def __init__(self, p: float, inplace: bool, channels: bool, key: int, seed: int, where: Where):
         super().__init__()
@@ -150,14 +151,13 @@ def module_key(name: str) -> int:
 
 
 def replace_dropouts(model: nn.Module, seed: int, where_of: Callable[[str], Where]) -> list[str]:
-    """Every nn.Dropout / nn.Dropout2d of `model` becomes a CounterDropout (in place, under
+    """Every nn.Dropout / Dropout1d / 2d / 3d of `model` becomes a CounterDropout (in place, under
     every name it has: keyed by its first); returns their names."""
     names = []
     for name, m in list(model.named_modules()):
-        if type(m) in (nn.Dropout, nn.Dropout2d):
-            new = CounterDropout(
-                m.p, m.inplace, type(m) is nn.Dropout2d, module_key(name), seed, where_of(name)
-            )
+        if type(m) in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
+            channels = type(m) is not nn.Dropout  # whole channels (of a sequence, image, volume)
+            new = CounterDropout(m.p, m.inplace, channels, module_key(name), seed, where_of(name))
             new.train(m.training)
             ops.swap_module(model, m, new)
             names.append(name)
