@@ -4,7 +4,8 @@ F.pixel_shuffle in a forward) and a layer norm over (C, H, W) train on bands and
 one process does: float64, 3 steps of SGD with momentum, rtol 1e-7, the ledger's bytes per
 (layer, term) the plan's, on 2 and 3 ranks. Band heights that are not multiples of the unshuffle's
 factor fetch the rows their outputs read as a halo (priced); what the table refuses is refused by
-name."""
+name. Operations along the channels (issue 75): a repeat over them, Dropout3d, and a module of no
+state that pads them (MONAI's ChannelPad) keep rows apart and train on bands too."""
 
 import pytest
 import torch
@@ -67,6 +68,7 @@ class LayerNormed(nn.Module):
 NETS = {
     "shuffled": (Shuffled, (3, 10, 12), 2),
     "layernormed": (lambda: LayerNormed((10, 8)), (3, 10, 8), 2),
+    "channelpad": (lambda: ChannelPadded(), (2, 10, 8), 2),
 }
 
 
@@ -130,7 +132,7 @@ def _train(P: int) -> list[str]:
 @pytest.mark.parametrize("P", [2, 3])
 def test_pixel_shuffles_and_a_layer_norm_over_the_image_train_on_bands_as_one_process(P):
     done = run_ranks(_train, P, P, timeout_s=300)[0]
-    assert len(done) == 2 * (3 if P == 2 else 2), done
+    assert len(done) == len(NETS) * (3 if P == 2 else 2), done
 
 
 def test_the_unshuffle_reads_across_a_cut_that_is_not_a_multiple_of_its_factor():
@@ -228,3 +230,50 @@ def test_operations_along_the_channels_run_on_depth_bands(P):
     """A repeat over the channels and Dropout3d (counter-based masks, whole channels) keep the
     rows apart: a 3-d net with both trains on depth bands as one process does."""
     assert run_ranks(_channel_ops, P, P, timeout_s=300)[0] == [f"P={P}"]
+
+
+class ChannelPad(nn.Module):
+    """A parameter-free module that pads the channels, as MONAI's ChannelPad does (a residual
+    unit's shortcut to more channels)."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.pad = [0, 0, 0, 0, 0, extra]
+
+    def forward(self, x):
+        return F.pad(x, self.pad)
+
+
+class PaddedResidual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 5, 3, padding=1)
+        self.shortcut = ChannelPad(3)
+        self.rows = nn.ZeroPad2d((0, 0, 1, 1))  # a module of no state that does pad rows
+        self.head = nn.Conv2d(5, CLASSES, 3)
+
+    def forward(self, x):
+        return self.head(self.rows(F.relu(self.conv(x) + self.shortcut(x))))
+
+
+class ChannelPadded(nn.Module):
+    """A residual unit whose shortcut pads the input's channels (ChannelPad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 5, 3, padding=1)
+        self.shortcut = ChannelPad(3)
+        self.head = nn.Conv2d(5, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(F.relu(self.conv(x) + self.shortcut(x)))
+
+
+def test_a_module_of_no_state_is_judged_by_what_its_functions_do():
+    """A leaf module hybridpar does not know and that holds nothing (MONAI's ChannelPad) keeps
+    rows apart when every function its forward calls does; one that pads rows is refused by
+    its name as before."""
+    layers = cost_layers(analyze(PaddedResidual(), (2, 8, 6)))
+    blockers = {b for x in layers for b in x.blockers}
+    assert not any("ChannelPad" in b for b in blockers), blockers
+    assert "ZeroPad2d mixes rows" in blockers, blockers

@@ -127,6 +127,8 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         for w in self.watches:
             w.passed(func, args, out)
+        if self.on and self.in_leaf and self.bands.inside and self.bands.inside[-1] is not None:
+            self.bands.inner(func, args, kwargs, out)  # a module hybridpar does not know
         if self.on and not self.in_leaf:
             outs = _tensors(out)
             if outs:  # metadata (size, dim, shape) produces no tensor and is no data use
@@ -186,6 +188,7 @@ class _Calls:
             if watch is not None:
                 rec.watches.append(watch)
             seen = rec.bands.inputs([first] if first is not None else [])
+            rec.bands.enter(module)
             module._hybridpar_call = (t, grad, own, watch, seen)
             rec.in_leaf += 1
 
@@ -196,14 +199,17 @@ class _Calls:
         if self._leaf(module):
             rec.in_leaf -= 1
             t, grad, own, watch, seen = module.__dict__.pop("_hybridpar_call")
+            inside = rec.bands.leave()
             if watch is not None:
                 rec.watches.remove(watch)
             rec.produce(outs, t, grad or own)
             if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
                 shapes = (tuple(args[0].shape[1:]), tuple(output.shape[1:]))
                 name = self.names[module]
-                spec = rec.bands.leaf(leaf_spec(name, module, *shapes), module, seen,
-                                      len(args[0].shape), outs)  # fmt: skip
+                spec = leaf_spec(name, module, *shapes)
+                if inside == []:  # no function its forward called mixed rows (or columns)
+                    spec = replace(spec, blocker="")
+                spec = rec.bands.leaf(spec, module, seen, len(args[0].shape), outs)
                 why = watch.why_not() if watch is not None else ""
                 self.specs.append((t, replace(spec, input_grad=grad, own=why)))
                 if spec.op in ("conv2d", "linear") and not why and not ops.is_plain(module):

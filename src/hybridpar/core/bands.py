@@ -27,6 +27,13 @@ from hybridpar.core.rows import (
 
 __all__ = ["Bands"]
 
+
+def _tensors_in(out) -> bool:
+    return isinstance(out, torch.Tensor) or (
+        isinstance(out, tuple | list) and any(isinstance(t, torch.Tensor) for t in out)
+    )
+
+
 Key = tuple[int, int]
 
 
@@ -41,6 +48,24 @@ class Bands:
         self.site_counts: dict[tuple[str, Callable], int] = {}
         self.whole: set[Key] = set()  # values a global pooling made whole
         self.rowdim: dict[Key, int] = {}  # bands whose rows a permute moved off dim 2
+        # per leaf running: None, or for a module of no known operation and no state of its
+        # own (MONAI's ChannelPad), why the functions its forward calls mix rows: none, and it
+        # keeps rows apart
+        self.inside: list[list[str] | None] = []
+
+    def enter(self, module: nn.Module) -> None:
+        stateless = next(iter([*module.parameters(False), *module.buffers(False)]), None) is None
+        self.inside.append([] if stateless and ops.operation_of(module) is None else None)
+
+    def leave(self) -> list[str] | None:
+        return self.inside.pop()
+
+    def inner(self, func, args, kwargs, out) -> None:
+        """A torch function inside such a module: why it mixes rows (or columns), if it does."""
+        if _tensors_in(out):
+            why = function_blocker(func, args, kwargs) or column_blocker(func, args)
+            if why:
+                self.inside[-1].append(why)
 
     def inputs(self, xs: list[torch.Tensor]) -> tuple[list[bool], list[int]]:
         """Per activation of a call (read before the call's outputs get their keys): whether it
