@@ -705,8 +705,13 @@ def test_a_volume_trains_split_by_depth_from_the_command_line(tmp_path, capsys):
     g = np.random.default_rng(0)
     np.save(tmp_path / "x.npy", g.standard_normal((6, 1, 10, 8, 8)).astype(np.float32))
     np.save(tmp_path / "y.npy", g.integers(0, 3, (6, 10, 8, 8)))
+    # priced where bytes cost (the model split of its first convolution, since Conv3d takes
+    # one, sends more than its halo): the domain preset bands the input
+    net = tmp_path / "bytes.json"
+    net.write_text(json.dumps({"name": "bytes", "alpha": 1e-6, "beta": 1e-8, "flops": 1e12}))
     argv = ["train", "--model", "unet3d", "--data", str(tmp_path), "--nproc", "2", "--batch", "2"]
     argv += ["--preset", "domain", "--epochs", "1", "--save", str(tmp_path / "w.pt")]
+    argv += ["--cluster", str(net)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     whole = 10 * 8 * 8 * 4 / 2**10  # KiB of one volume; a rank reads 5 of its 10 depth slices

@@ -277,3 +277,56 @@ def test_a_module_of_no_state_is_judged_by_what_its_functions_do():
     blockers = {b for x in layers for b in x.blockers}
     assert not any("ChannelPad" in b for b in blockers), blockers
     assert "ZeroPad2d mixes rows" in blockers, blockers
+
+
+class Volumes(nn.Module):
+    """A 3-d net for the model style: Conv3d layers split by output channels (issue 75, item 2),
+    a batch norm riding along, after a band of depth slices or by themselves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 6, 3, padding=1)
+        self.norm = nn.BatchNorm3d(6)
+        self.mid = nn.Conv3d(6, 6, 3, padding=1)
+        self.head = nn.Conv3d(6, CLASSES, 1)
+
+    def forward(self, x):
+        return self.head(F.relu(self.mid(F.relu(self.norm(self.stem(x))))))
+
+
+def _volumes(P: int) -> list[str]:
+    shape, b = (1, 6, 5, 4), 2
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(b, *shape, generator=g, dtype=torch.float64),
+             torch.randint(0, CLASSES, (b, *shape[1:]), generator=g)) for _ in range(STEPS)]  # fmt: skip
+    torch.manual_seed(0)
+    ref = Volumes().double()
+    opt = _optimizer(ref.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    layers = cost_layers(analyze(Volumes().double(), shape))
+    done = []
+    for first in (Style.model(P, 1), Style.domain(P, 1)):
+        styles = [first] + [Style.model(P, 1)] * (len(layers) - 1)
+        plan = evaluate(layers, styles, PlanRequest(P, b, NET, elem_bytes=8))
+        assert plan.feasible, (first, plan)
+        plan = export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape, model="v")
+        torch.manual_seed(0)
+        t = HybridTrainer(Volumes().double(), plan, _optimizer, input_shape=shape, verify=False)
+        for x, y in data:
+            t.step(x, y)
+        got = t.full_state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{first}: {k}")
+        bytes_are_predicted(t.ledger, plan, f"P={P} {first}", STEPS)
+        done.append(str(first))
+    return done
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_conv3d_layers_split_by_output_channels(P):
+    """Conv3d in the model style, by itself and after depth bands, trains as one process does
+    (it was refused: "only Linear and Conv2d layers split over a model group")."""
+    assert len(run_ranks(_volumes, P, P, timeout_s=300)[0]) == 2

@@ -265,7 +265,7 @@ _ELEMENTWISE = ("ReLU", "ReLU6", "LeakyReLU", "ELU", "GELU", "SiLU", "Tanh", "Si
                 "Hardtanh", "Mish")
 OPERATIONS: tuple[Operation, ...] = (
     _conv_record("conv2d", "2", ("batch", "model", "domain")),
-    _conv_record("conv3d", "3", ("batch", "domain")),
+    _conv_record("conv3d", "3", ("batch", "model", "domain")),
     _conv_record("conv1d", "1", ("batch",)),
     _conv_record("conv_transpose2d", "2", ("batch", "domain"), transposed=True),
     _conv_record("conv_transpose3d", "3", ("batch", "domain"), transposed=True),

@@ -93,12 +93,13 @@ def functions(names: tuple[str, ...]) -> tuple[Callable, ...]:
     return tuple(getattr(F, f) for f in names)
 
 
-_BASES = (nn.Conv2d, nn.Linear)
+_CONVS = (nn.Conv2d, nn.Conv3d)
+_BASES = (*_CONVS, nn.Linear)
 
 
 def units(module: nn.Module) -> int:
     """The output units of a convolution or linear layer: what a model split splits."""
-    return module.out_channels if isinstance(module, nn.Conv2d) else module.out_features
+    return module.out_channels if isinstance(module, _CONVS) else module.out_features
 
 
 def is_plain(module: nn.Module) -> bool:
@@ -317,8 +318,8 @@ def install_site(module: nn.Module, func: Callable, k: int, to: Callable) -> Non
 
 
 def why_not_split(module: nn.Module, in_shape: tuple[int, ...]) -> str:
-    """ "" when the model style can split `module` (a Conv2d or Linear, any subclass) by output
-    units: every parameter of its own has one row per unit, its forward applies its operation to
+    """ "" when the model style can split `module` (a Conv2d, Conv3d or Linear, any subclass) by
+    output units: every parameter of its own has one row per unit, its forward applies its operation to
     its input once, the weight and bias it hands the operation are row-by-row functions of those
     rows, and nothing else of its forward reads them. Else why not, in a few words. Checked on
     random float64 copies of the parameters on the CPU, with vector-Jacobian products."""

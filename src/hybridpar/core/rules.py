@@ -50,13 +50,13 @@ def _takes(layer: CostLayer, kind: str) -> bool:
 def _model(layer: CostLayer, s: Style) -> str:
     if not _takes(layer, "model"):
         return (
-            f"{layer.name} ({layer.op or layer.kind}) cannot take {s}: only Linear and Conv2d "
-            "layers split over a model group; give it batch"
+            f"{layer.name} ({layer.op or layer.kind}) cannot take {s}: only Linear, Conv2d and "
+            "Conv3d layers split over a model group; give it batch"
         )
     if s.pr > layer.out_units:
         what = "output features" if layer.op == "linear" else "output channels"
         return f"{layer.name} has {layer.out_units} {what}, fewer than Pr={s.pr}; use a smaller Pr"
-    if layer.op == "conv2d" and not group_split(layer.out_units, layer.groups, s.pr):
+    if layer.kind == "conv" and not group_split(layer.out_units, layer.groups, s.pr):
         per = layer.out_units // layer.groups
         ok = whole_group_prs(layer.out_units, layer.groups, s.pr) or [1]
         return (

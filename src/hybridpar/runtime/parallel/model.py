@@ -1,6 +1,7 @@
 """The model style: a weighted layer split over the Pr ranks of a model group, the 1.5D algorithm of
-Gholami et al. (Eq. 8, Fig. 5), for Linear (output features) and Conv2d (output channels), and any
-subclass of them whose forward computes its weight row by row (hybridpar.core.ops).
+Gholami et al. (Eq. 8, Fig. 5), for Linear (output features), Conv2d and Conv3d (output
+channels), and any subclass of them whose forward computes its weight row by row
+(hybridpar.core.ops).
 
 The layer stays the user's module: its parameters with one row per output unit (weight, bias, a
 gain) become this rank's rows, as torch.chunk splits them (ceil(units / Pr) per rank, fewer or none
@@ -55,7 +56,7 @@ __all__ = ["ModelSplit", "ModelStyle", "copy_to_group", "split_units"]
 
 
 class ModelSplit:
-    """This rank's part of a Linear or Conv2d (any subclass; `module`, changed in place) whose
+    """This rank's part of a Linear, Conv2d or Conv3d (any subclass; `module`, changed in place) whose
     output units are split over a model group: the stand-in for its operation on its input, and
     its shards' bookkeeping (gather them whole, cut a whole tensor, view one as a DTensor)."""
 
@@ -73,7 +74,7 @@ class ModelSplit:
             raise ConfigError(
                 f"layer {name} has {units} output units, fewer than Pr={pr}; use a smaller Pr"
             )
-        self.conv = isinstance(module, nn.Conv2d)
+        self.conv = isinstance(module, nn.Conv2d | nn.Conv3d)
         groups = module.groups if self.conv else 1
         if self.conv and not group_split(units, groups, pr):
             ok = whole_group_prs(units, groups, pr) or [1]
@@ -167,14 +168,15 @@ class ModelSplit:
         return copy_to_group(x, self._via(Term.DX_ALLREDUCE))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None, *args, **kwargs):
-        """F.linear or F.conv2d of the layer's forward, on this rank's rows of the weight, the
-        output gathered whole over the model group."""
+        """F.linear, F.conv2d or F.conv3d of the layer's forward, on this rank's rows of the
+        weight, the output gathered whole over the model group."""
         w, b = self._mine(weight), self._mine(bias)
-        y = self._conv2d(x, w, b, *args, **kwargs) if self.conv else F.linear(x, w, b)
+        y = self._conv(x, w, b, *args, **kwargs) if self.conv else F.linear(x, w, b)
         pieces = Pieces(tuple(self.sizes), 1 if self.conv else y.dim() - 1)
         return gather(y, pieces, self._via(Term.ALLGATHER))
 
-    def _conv2d(self, x, w, b, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
+    def _conv(self, x, w, b, stride=1, padding=0, dilation=1, groups=1) -> torch.Tensor:
+        conv = F.conv3d if w.dim() == 5 else F.conv2d
         if not w.shape[0]:
             # an empty shard (torch.chunk gives 5 channels over 4 ranks as 2, 2, 1, 0): conv2d
             # refuses no channels, so compute one zero channel (on zero input channels where a
@@ -185,8 +187,8 @@ class ModelSplit:
             if x.shape[1] < w.shape[1]:
                 fill = x.new_zeros(x.shape[0], w.shape[1] - x.shape[1], *x.shape[2:])
                 x = torch.cat([x, fill], 1)
-            return F.conv2d(x, w, b, stride, padding, dilation)[:, :0]
-        return F.conv2d(x, w, b, stride, padding, dilation, self.my_groups)
+            return conv(x, w, b, stride, padding, dilation)[:, :0]
+        return conv(x, w, b, stride, padding, dilation, self.my_groups)
 
     def _via(self, term: str) -> Via:
         return Via(self.group, self.ledger, term, self.name, self.codec)
@@ -198,7 +200,7 @@ def split_units(
     ledger: Ledger | None = None,
     name: str = "",
 ) -> nn.Module:
-    """`module` (an nn.Linear or nn.Conv2d, any subclass) split by output units over `group`, in
+    """`module` (an nn.Linear, Conv2d or Conv3d, any subclass) split by output units over `group`, in
     place: it keeps this rank's rows and computes its part of the output, gathered whole
     (`module.hybridpar_split` is its ModelSplit). Returns the module."""
     why = ops.why_not_split(module, _input_shape(module))
@@ -210,12 +212,12 @@ def split_units(
 
 def _input_shape(module: nn.Module) -> tuple[int, ...]:
     """A small input a forward can be checked on."""
-    if not isinstance(module, nn.Conv2d):
+    if not isinstance(module, nn.Conv2d | nn.Conv3d):
         return (module.in_features,)
     side = max(
         8, *((k - 1) * d + 1 for k, d in zip(module.kernel_size, module.dilation, strict=True))
     )
-    return (module.in_channels, side, side)
+    return (module.in_channels, *[side] * len(module.kernel_size))
 
 
 class ModelStyle(ParallelStyle):
