@@ -197,9 +197,12 @@ def _train(tmp_path, capsys, spec, model, name) -> dict:
 
     from hybridpar.commands import cli
 
+    # priced where bytes cost: the domain preset bands the input (test_dense's volume run)
+    net = tmp_path / "bytes.json"
+    net.write_text('{"name": "bytes", "alpha": 1e-6, "beta": 1e-8, "flops": 1e12}')
     argv = ["train", "--model", model, "--data", str(spec), "--nproc", "2", "--batch", "2"]
     argv += ["--preset", "domain", "--epochs", "1", "--max-steps", "2", "--quiet"]
-    argv += ["--save", str(tmp_path / f"{name}.pt")]
+    argv += ["--save", str(tmp_path / f"{name}.pt"), "--cluster", str(net)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     return torch.load(tmp_path / f"{name}.pt"), out
