@@ -77,8 +77,8 @@ def _model(name: str) -> nn.Module:
     return NETS[name][0]().double()
 
 
-def _data(name: str):
-    _, shape, b = NETS[name]
+def _batches(shape: tuple[int, ...], b: int):
+    """STEPS batches of b examples of `shape` and a class per pixel (voxel), float64."""
     g = torch.Generator().manual_seed(1)
     return [
         (torch.randn(b, *shape, generator=g, dtype=torch.float64),
@@ -87,8 +87,34 @@ def _data(name: str):
     ]  # fmt: skip
 
 
+def _data(name: str):
+    return _batches(*NETS[name][1:])
+
+
 def _optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _one_process(model: nn.Module, data) -> dict:
+    """The state dict after training `model` on `data` in one process."""
+    opt = _optimizer(model.parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def _matches(t: HybridTrainer, plan, data, want: dict, tag: str) -> str:
+    """(Inside the ranks.) `t` trained on `data` ends with one process's state `want`, at rtol
+    1e-7, its ledger's bytes the plan's."""
+    for x, y in data:
+        t.step(x, y)
+    got = t.full_state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{tag}: {k}")
+    bytes_are_predicted(t.ledger, plan, tag, STEPS)
+    return tag
 
 
 def _plans(name: str, P: int) -> dict:
@@ -109,23 +135,11 @@ def _plans(name: str, P: int) -> dict:
 def _train(P: int) -> list[str]:
     done = []
     for name in NETS:
-        ref = _model(name)
-        opt = _optimizer(ref.parameters())
-        for x, y in _data(name):
-            opt.zero_grad()
-            F.cross_entropy(ref(x), y).backward()
-            opt.step()
+        want = _one_process(_model(name), _data(name))
         for label, plan in _plans(name, P).items():
-            tag = f"{name} P={P} {label}"
             t = HybridTrainer(_model(name), plan, _optimizer, input_shape=NETS[name][1],
                               verify=False)  # fmt: skip
-            for x, y in _data(name):
-                t.step(x, y)
-            got = t.full_state_dict()
-            for k, v in ref.state_dict().items():
-                torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{tag}: {k}")
-            bytes_are_predicted(t.ledger, plan, tag, STEPS)
-            done.append(tag)
+            done.append(_matches(t, plan, _data(name), want, f"{name} P={P} {label}"))
     return done
 
 
@@ -198,16 +212,9 @@ def _channel_ops(P: int) -> list[str]:
     from hybridpar.runtime.parallel.dropout import counter_dropout
 
     shape, b = (1, 8, 6, 5), 2
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(b, *shape, generator=g, dtype=torch.float64),
-             torch.randint(0, CLASSES, (b, *shape[1:]), generator=g)) for _ in range(STEPS)]  # fmt: skip
+    data = _batches(shape, b)
     torch.manual_seed(0)
-    ref = counter_dropout(ChannelOps().double(), 3)
-    opt = _optimizer(ref.parameters())
-    for x, y in data:
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        opt.step()
+    want = _one_process(counter_dropout(ChannelOps().double(), 3), data)
     layers = cost_layers(analyze(ChannelOps().double(), shape))
     assert all(not x.blockers for x in layers), [x.blockers for x in layers]
     style = Style.domain(P, 1)
@@ -216,13 +223,7 @@ def _channel_ops(P: int) -> list[str]:
     torch.manual_seed(0)
     t = HybridTrainer(ChannelOps().double(), plan, _optimizer, input_shape=shape, verify=False,
                       options=RuntimeOptions(seed=3))  # fmt: skip
-    for x, y in data:
-        t.step(x, y)
-    got = t.full_state_dict()
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"P={P}: {k}")
-    bytes_are_predicted(t.ledger, plan, f"P={P}", STEPS)
-    return [f"P={P}"]
+    return [_matches(t, plan, data, want, f"P={P}")]
 
 
 @pytest.mark.parametrize("P", [2, 3])
@@ -296,16 +297,9 @@ class Volumes(nn.Module):
 
 def _volumes(P: int) -> list[str]:
     shape, b = (1, 6, 5, 4), 2
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(b, *shape, generator=g, dtype=torch.float64),
-             torch.randint(0, CLASSES, (b, *shape[1:]), generator=g)) for _ in range(STEPS)]  # fmt: skip
+    data = _batches(shape, b)
     torch.manual_seed(0)
-    ref = Volumes().double()
-    opt = _optimizer(ref.parameters())
-    for x, y in data:
-        opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        opt.step()
+    want = _one_process(Volumes().double(), data)
     layers = cost_layers(analyze(Volumes().double(), shape))
     done = []
     for first in (Style.model(P, 1), Style.domain(P, 1)):
@@ -315,13 +309,7 @@ def _volumes(P: int) -> list[str]:
         plan = export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape, model="v")
         torch.manual_seed(0)
         t = HybridTrainer(Volumes().double(), plan, _optimizer, input_shape=shape, verify=False)
-        for x, y in data:
-            t.step(x, y)
-        got = t.full_state_dict()
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{first}: {k}")
-        bytes_are_predicted(t.ledger, plan, f"P={P} {first}", STEPS)
-        done.append(str(first))
+        done.append(_matches(t, plan, data, want, f"P={P} {first}"))
     return done
 
 

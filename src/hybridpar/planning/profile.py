@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 
 from hybridpar.core.cluster import Cluster, cache_dir, cache_write, contention, rank_threads
+from hybridpar.core.operations import pair
 from hybridpar.core.progress import Phase
 from hybridpar.core.splits import slowest_batch
 from hybridpar.core.timing import Recheck, Settled, clock, settle
@@ -188,15 +189,10 @@ def _windows(model, shape: tuple[int, ...]) -> dict[str, tuple]:
     seen: dict[str, tuple] = {}
     for name, m, x in _calls(model, torch.zeros(1, *shape), pick):
         if len(x) == 4:  # its last call's input
-            k, st = _pair(m.kernel_size), _pair(m.stride or m.kernel_size)
-            pad, dil = _pair(m.padding), _pair(getattr(m, "dilation", 1))
+            k, st = pair(m.kernel_size), pair(m.stride or m.kernel_size)
+            pad, dil = pair(m.padding), pair(getattr(m, "dilation", 1))
             seen[name] = (m, Window(k[0], st[0], pad[0], dil[0], x[2]), x[1], x[3])
     return seen
-
-
-def _pair(v) -> tuple[int, int]:
-    """A module's (height, width) argument from an int or a pair."""
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def _busiest_band(window, pr: int) -> tuple[int, int, int, int, int]:
@@ -284,9 +280,9 @@ def _on_rows(module, window):
         wp = (0, module.padding[1])
         st, dil, g = module.stride, module.dilation, module.groups
         return lambda rows: F.conv2d(rows, module.weight, module.bias, st, wp, dil, g)
-    kw = _pair(module.kernel_size)[1]
-    sw = _pair(module.stride or module.kernel_size)[1]
-    pw = _pair(module.padding)[1]
+    kw = pair(module.kernel_size)[1]
+    sw = pair(module.stride or module.kernel_size)[1]
+    pw = pair(module.padding)[1]
     pool = F.max_pool2d if isinstance(module, nn.MaxPool2d) else F.avg_pool2d
     return lambda rows: pool(rows, (window.kernel, kw), (window.stride, sw), (0, pw))
 
