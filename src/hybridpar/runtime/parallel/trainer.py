@@ -38,7 +38,7 @@ from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.mappings import joined, summed
 from hybridpar.runtime.parallel.verify import Checked, check_plan
 
-__all__ = ["HybridTrainer", "StepResult"]
+__all__ = ["HybridTrainer", "StepResult", "own_outputs"]
 
 # the collectives a rank waits in during its forward and backward (the time split's "comm"): the
 # activations' and the hand-offs', and the global batch norms' and the halos' (they block too:
@@ -265,11 +265,7 @@ class HybridTrainer:
         gathered once per batch size."""
         if n not in self.places:
             m = self.model
-            rows, band = m.output_rows(n), m.output_band()
-            spans = [] if band is None else list(band if isinstance(band[0], tuple) else (band,))
-            mine = [rows.start, rows.stop] + [v for s in spans for v in s]
-            mine += [-1] * (6 - len(mine))
-            t = torch.tensor(mine, dtype=torch.int64, device=self.device)
+            t = torch.tensor(_where(m, n), dtype=torch.int64, device=self.device)
             every = all_gather_uneven(t, [6] * m.world.size, 0, via).view(-1, 6).tolist()
             self.places[n] = [_place(v) for v in every]
         return self.places[n]
@@ -313,15 +309,24 @@ class HybridTrainer:
         return correct, total, overlaps
 
     @torch.no_grad()
-    def predict(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's outputs for the global batch x, on every rank (evaluation mode)."""
-        m = self.model
-        m.eval()
-        n = len(x)
-        m.set_batch(n)
-        with self.autocast():
-            out = m(_take(x, m.input_rows(n), m.input_band(), _dims(m.layout.trace.in_shape)))
-        return m.gather_output(out)
+    def predict(self, x: torch.Tensor, out=None) -> torch.Tensor | None:
+        """The model's outputs for the global batch x (evaluation mode). Without `out` they are
+        joined whole on every rank: for small outputs only (each rank then holds all of them).
+        With `out` nothing is joined: each rank puts the outputs it computed (its examples, its
+        band or tile) in their place of the whole outputs, `out[index] = part` into an array of
+        their shape every rank has open (`np.lib.format.open_memmap(path, mode="r+")`), or
+        `out(index, part)` with a function; a model-group replica writes nothing. Returns None
+        then."""
+        part, index = own_outputs(self.model, x, self.autocast())
+        if out is None:
+            return self.model.gather_output(part)
+        if index is None:
+            return None
+        if callable(out):
+            out(index, part)
+        else:  # a tensor takes the part, an array (numpy's memmap) its values
+            out[index] = part if isinstance(out, torch.Tensor) else part.cpu().numpy()
+        return None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The original model's state_dict, shards gathered (every rank calls it)."""
@@ -339,6 +344,27 @@ class HybridTrainer:
         meta, same = checkpoint.load(self.model, self.optimizer, path)
         self.resharded = not same
         return meta
+
+
+def own_outputs(m: Engine, x, autocast=None) -> tuple[torch.Tensor, tuple | None]:
+    """(this rank's outputs of the global batch x in evaluation mode, their index in the whole
+    outputs: its examples and of them its band or tile; None for a model-group replica, whose
+    outputs another rank holds). Of x a rank reads only its own examples, rows and columns."""
+    m.eval()
+    n = len(x)
+    m.set_batch(n)
+    with autocast or contextlib.nullcontext():
+        out = m(_take(x, m.input_rows(n), m.input_band(), _dims(m.layout.trace.in_shape)))
+    return out, _place(_where(m, n)) if m.counts_outputs else None
+
+
+def _where(m: Engine, n: int) -> list[int]:
+    """Where this rank's outputs of a batch of n lie in the whole batch's, as six integers
+    (`_place` reads them)."""
+    rows, band = m.output_rows(n), m.output_band()
+    spans = [] if band is None else list(band if isinstance(band[0], tuple) else (band,))
+    mine = [rows.start, rows.stop] + [v for s in spans for v in s]
+    return mine + [-1] * (6 - len(mine))
 
 
 def _place(v: list[int]) -> tuple:
