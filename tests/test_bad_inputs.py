@@ -230,8 +230,29 @@ CASES = [
     ("hand-off scheme unknown", lambda t: [*TRAIN, "--handoff", "d"], "invalid choice: 'd'"),
     ("plan: rounds without scheme c", lambda t: ["plan", "--model", "mlp", "--procs", "2", "--batch", "8", "--rounds", "2"], "--rounds is for --handoff c"),
     ("variable batch without rounds", lambda t: [*TRAIN, "--variable-batch"], "--handoff b or c"),
+    ("predict: weights of another net", lambda t: [*PREDICT, _state(t, x=torch.zeros(3))], "are not of --model unet for 3 classes and 1 input channels (Missing key(s)"),
+    ("predict: weights not a state dict", lambda t: [*PREDICT, _state(t, text="no")], "cannot be read"),
+    ("predict: no such images", lambda t: ["predict", "--model", "unet", "--data", t / "none", "--weights", _state(t)], "none: no such file or folder"),
+    ("predict: a classifier", lambda t: ["predict", "--model", "resnet20", "--data", "digits-seg:32:2", "--weights", _state(t, "resnet20")], "predict writes a class per pixel"),
+    ("predict: a plan and a preset", lambda t: [*PREDICT, _state(t), "--preset", "batch", "--plan", "p.json"], "give --plan or --preset, not both"),
     ("variable batch on a 2x2 head", lambda t: [*TRAIN, "--preset", "grid:2x2", "--handoff", "c", "--variable-batch"], "on one model group (grid Px1)"),
 ]  # fmt: skip
+
+
+PREDICT = ["predict", "--model", "unet", "--data", "digits-seg:32:2", "--weights"]
+
+
+def _state(t, model="unet", text=None, **tensors):
+    """A weights file: a zoo model's state_dict for 1 x 32 x 32 and 11 classes, `tensors`, or
+    `text`."""
+    from hybridpar.core.models import build_any
+
+    path = t / "w.pt"
+    if text is not None:
+        path.write_text(text)
+        return path
+    torch.save(tensors or build_any(model, (1, 32, 32), 11).state_dict(), path)
+    return path
 
 
 def _np_without_y(t):

@@ -107,3 +107,63 @@ def test_predict_writes_every_rank_s_band_into_one_file_as_one_process(P, tmp_pa
     outputs one process's whole-image inference (float64, rtol 1e-9), the class masks equal,
     every rank's largest tensor within its band and halo."""
     assert run_ranks(_predict, P, P, str(tmp_path), timeout_s=120)[0] == len(_cells(P))
+
+
+def _weights(path, size=32) -> torch.nn.Module:
+    """A U-Net of the zoo for 11 classes with random weights, saved as `train --save` does."""
+    from hybridpar.core.models import build_any
+
+    torch.manual_seed(1)
+    model = build_any("unet", (1, size, size), 11)
+    torch.save(model.state_dict(), path)
+    return model.eval()
+
+
+def test_predict_from_the_command_line_writes_one_process_s_masks(tmp_path, capfd):
+    """`train --save` then `predict --weights` on 2 ranks (bands): every image's mask one
+    process's argmax and its float64 probabilities one process's softmax; images of two sizes
+    in one folder each get their own plan."""
+    from PIL import Image
+
+    from hybridpar.commands.cli import main
+
+    weights = tmp_path / "w.pt"
+    assert main(["train", "--model", "unet", "--data", "digits-seg:32:20", "--epochs", "1",
+                 "--max-steps", "1", "--batch", "4", "--nproc", "2", "--preset", "batch",
+                 "--save", str(weights), "--quiet", "--no-verify"]) == 0  # fmt: skip
+    from hybridpar.core.models import build_any
+    from hybridpar.runtime.train.data import digits_seg
+
+    model = build_any("unet", (1, 32, 32), 11).double().eval()
+    model.load_state_dict(torch.load(weights))
+    out = tmp_path / "out"
+    args = ["predict", "--model", "unet", "--weights", str(weights), "--nproc", "2",
+            "--out", str(out), "--probabilities", "--dtype", "float64"]  # fmt: skip
+    assert main([*args, "--data", "digits-seg:32:3"]) == 0
+    x = torch.from_numpy(digits_seg("digits-seg:32:3", 0)[0]).double()
+    with torch.no_grad():
+        want = model(x)
+    for i in range(3):
+        mask = np.load(out / f"{i:05d}.mask.npy")
+        assert mask.dtype == np.uint8 and np.array_equal(mask, want[i].argmax(0).numpy())
+        probs = torch.from_numpy(np.load(out / f"{i:05d}.probabilities.npy"))
+        torch.testing.assert_close(probs, want[i].softmax(0), rtol=1e-9, atol=1e-12)
+    said = capfd.readouterr().out
+    assert "[3/3] 00002 (32 x 32) on domain(2x1)" in said, said
+    # a folder of images of two sizes: a plan each, float16 probabilities by default
+    folder = tmp_path / "images"
+    folder.mkdir()
+    g = np.random.default_rng(0)
+    for name, (h, w) in (("a", (32, 32)), ("b", (48, 32))):
+        Image.fromarray(g.integers(0, 255, (h, w), dtype=np.uint8)).save(folder / f"{name}.png")
+    assert main([*args[:-2], "--data", str(folder)]) == 0
+    for name, (h, w) in (("a", (32, 32)), ("b", (48, 32))):
+        img = np.asarray(Image.open(folder / f"{name}.png"), dtype=np.float32) / 255
+        one = build_any("unet", (1, h, w), 11).eval()
+        one.load_state_dict(torch.load(weights))
+        with torch.no_grad():
+            want = one(torch.from_numpy(img)[None, None])[0]
+        assert np.array_equal(np.load(out / f"{name}.mask.npy"), want.argmax(0).numpy()), name
+        probs = np.load(out / f"{name}.probabilities.npy")
+        assert probs.dtype == np.float16 and probs.shape == (11, h, w)
+    assert "(48 x 32) on domain(2x1)" in capfd.readouterr().out

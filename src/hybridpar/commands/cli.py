@@ -1,4 +1,5 @@
-"""Command line: `hybridpar plan | simulate | train | validate | profile | codecs | calibrate`.
+"""Command line: `hybridpar plan | simulate | train | predict | validate | profile | codecs |
+calibrate`.
 
 Every bad input ends in one line on stderr, `hybridpar <command>: error: <what to change>`, and
 exit code 2, before any work (or process) starts. The options of plan, simulate and train are
@@ -14,7 +15,7 @@ import sys
 
 from hybridpar.commands.plans import cmd_plan, cmd_simulate
 from hybridpar.commands.tools import cmd_calibrate, cmd_codecs, cmd_profile
-from hybridpar.commands.training import cmd_train
+from hybridpar.commands.training import cmd_predict, cmd_train
 from hybridpar.commands.validate import cmd_validate
 from hybridpar.core.cluster import CALIBRATED
 from hybridpar.core.config import add_arguments, dump_toml, load_toml
@@ -338,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_options(t)
     t.set_defaults(func=cmd_train)
+    from hybridpar.runtime.train.predict import PredictConfig
+
+    r = sub.add_parser("predict", help="a trained net's masks of whole images, written by band")
+    add_arguments(r, PredictConfig)
+    r.set_defaults(func=cmd_predict)
     _validate_parser(sub)
     _measuring_parsers(sub)
     return parser

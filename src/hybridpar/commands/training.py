@@ -7,7 +7,7 @@ import sys
 
 from hybridpar.core.config import from_namespace
 
-__all__ = ["cmd_train"]
+__all__ = ["cmd_predict", "cmd_train"]
 
 UNSHOWN = ("metrics", "codec_overhead", "bn_switch", "param_broadcast", "state")
 
@@ -127,3 +127,22 @@ def _print_report(report: dict) -> None:
         )
     for w in report.get("written", []):
         print(f"wrote {w}")
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """`hybridpar predict`: each image's class mask (and probabilities) written by band."""
+    from hybridpar.runtime.launcher import RankFailure, launch, start_server
+
+    start_server()
+    from hybridpar.runtime.train.predict import PredictConfig, predict_worker, prepare_predict
+
+    cfg = from_namespace(PredictConfig, args)
+    job = prepare_predict(cfg)
+    try:
+        records = launch(predict_worker, job.procs, job, backend="gloo")[0]
+    except RankFailure as exc:
+        print(f"hybridpar predict: error: {exc}", file=sys.stderr)
+        return 1
+    seconds = sum(r["seconds"] for r in records)
+    print(f"{len(records)} images in {seconds:.1f} s on {job.procs} processes; wrote {cfg.out}")
+    return 0

@@ -346,6 +346,7 @@ class HybridTrainer:
         return meta
 
 
+@torch.no_grad()
 def own_outputs(m: Engine, x, autocast=None) -> tuple[torch.Tensor, tuple | None]:
     """(this rank's outputs of the global batch x in evaluation mode, their index in the whole
     outputs: its examples and of them its band or tile; None for a model-group replica, whose

@@ -215,7 +215,7 @@ def _canvas(spec: str) -> tuple[int, int]:
     return int(parts[0]), n
 
 
-def _digits_seg(spec: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def digits_seg(spec: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """N canvases of S x S pixels, each with (S // 12k)^2 // 2 digits of scikit-learn's set
     drawn at random places (may overlap: the later one wins), scaled up k = S // 128 + 1 times
     (nearest); a pixel's class is 0 (background) or 1 + the digit drawn there (its value above
@@ -275,7 +275,7 @@ def signature(spec: str, model_shape: tuple[int, ...], model_classes: int) -> Si
     return Signature(shape, len(classes), ())
 
 
-class _Files:
+class Files:
     """Image files as a read-only array, (N, C, H, W) images or (N, H, W) masks (`mode` None: a
     class per pixel, the file's own values): indexing with (examples, [channels,] rows[,
     columns]) decodes the files it names and keeps those rows (and a tile's columns)."""
@@ -301,7 +301,7 @@ class _Files:
         return np.stack(out)
 
 
-class _Volumes:
+class Volumes:
     """TIFF images or NIfTI volumes as a read-only array, (N, C, ...) images or (N, ...) masks:
     indexing with (examples, ..., rows[, columns]) reads those rows (columns) of each file
     alone (stores.ImageFile), its bytes from disk counted into `disk`."""
@@ -395,12 +395,12 @@ def _pairs_dataset(spec: str, seed: int) -> Dataset:
     images, masks = _pairs(spec)
     if volume_suffix(images):
         disk = [0]
-        x, y = _Volumes(images, shape, False, disk), _Volumes(masks, target, True, disk)
+        x, y = Volumes(images, shape, False, disk), Volumes(masks, target, True, disk)
         train, test = _order(len(images), seed)
         return _unread(((x, train, y), (x, test, y)), classes, Path(spec).name, disk)
     c, h, w = shape
-    x = _Files(images, (c, h, w), "L" if c == 1 else "RGB")
-    y = _Files(masks, (h, w), None)
+    x = Files(images, (c, h, w), "L" if c == 1 else "RGB")
+    y = Files(masks, (h, w), None)
     train, test = _order(len(images), seed)
     return _unread(((x, train, y), (x, test, y)), classes, Path(spec).name)
 
@@ -535,7 +535,7 @@ def load_data(
         x, y = _digits()
         return _dataset("digits", *_split(x, y))
     if spec.split(":")[0] == "digits-seg":
-        return _dataset(spec, *_split(*_digits_seg(spec, seed)))
+        return _dataset(spec, *_split(*digits_seg(spec, seed)))
     if spec.split(":")[0] == "synthetic":
         n = int(spec.split(":")[1]) if ":" in spec else 512
         shape = input_shape or (1, 8, 8)
