@@ -144,5 +144,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"hybridpar predict: error: {exc}", file=sys.stderr)
         return 1
     seconds = sum(r["seconds"] for r in records)
-    print(f"{len(records)} images in {seconds:.1f} s on {job.procs} processes; wrote {cfg.out}")
+    plans = "; ".join(
+        f"{' x '.join(map(str, g.shape[1:]))}: {g.layout.segments[0].label}" for g in job.groups
+    )
+    print(f"{len(records)} images in {seconds:.1f} s on {job.procs} processes ({plans}); "
+          f"wrote {cfg.out}")  # fmt: skip
     return 0
