@@ -79,6 +79,19 @@ def _plan_parser(sub) -> None:
         choices=["all", *SCENARIOS],
         help="the scenario to show and export (default: all, the best of them)",
     )
+    p.add_argument(
+        "--mode",
+        default="train",
+        choices=["train", "predict"],
+        help="plan a training step, or inference (`hybridpar predict`: a forward in evaluation, "
+        "no gradients or optimizer state; the memory the activations alive at once)",
+    )
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="with --memory-limit: the largest image (of --input-size's or --input-shape's "
+        "aspect, a volume's depth scaled too) a plan on P ranks runs under it, and that plan",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--out", default=None, help="write the chosen plan for `hybridpar train --plan`")
     p.add_argument(

@@ -15,7 +15,7 @@ from hybridpar.core.errors import ConfigError
 from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import PlanResult, best_of
 from hybridpar.planning.config import PlanConfig
-from hybridpar.planning.search import SCENARIOS, make_plan
+from hybridpar.planning.search import SCENARIOS, largest_fitting, make_plan
 
 __all__ = ["cmd_plan", "cmd_simulate", "plan_kwargs"]
 
@@ -129,8 +129,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.scenario != "all" and "batch" not in scenarios:
         scenarios.insert(0, "batch")  # the baseline every speedup refers to
     cluster = job_cluster(cfg)
-    kwargs = plan_kwargs(cfg, cluster, args.procs)
-    result = make_plan(cfg.model, args.procs, cfg.batch, cluster, scenarios=scenarios, **kwargs)
+    if args.fit:
+        result = _fit(cfg, args, cluster, scenarios)
+    else:
+        kwargs = {**plan_kwargs(cfg, cluster, args.procs), "mode": args.mode}
+        result = make_plan(cfg.model, args.procs, cfg.batch, cluster, scenarios=scenarios, **kwargs)
     result.best  # noqa: B018  raises the one-line error when nothing fits
     shown = [p for p in result.scenarios if args.scenario in ("all", p.scenario)]
     best = best_of(shown)
@@ -149,6 +152,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
         where = sys.stderr if args.json else sys.stdout
         print(f"wrote the {best.scenario} plan to {path}", file=where)
     return 0
+
+
+def _fit(cfg: PlanConfig, args: argparse.Namespace, cluster, scenarios: list[str]) -> PlanResult:
+    """The plan of the largest image under --memory-limit on P ranks (search.largest_fitting),
+    said in a line before it."""
+    from hybridpar.core.zoo import input_shape, is_factory, parse_input_shape
+
+    if cfg.memory_limit is None:
+        raise ConfigError("--fit finds the largest image under --memory-limit: give one (GiB)")
+    if is_factory(cfg.model) and not cfg.input_shape:
+        raise ConfigError(f"--fit with --model {cfg.model} needs --input-shape C,H,W: its aspect")
+    shape = (
+        parse_input_shape(cfg.input_shape)
+        if cfg.input_shape
+        else input_shape(cfg.model, cfg.input_size)
+    )
+    kwargs = {**cfg.plan_kwargs(), "mode": args.mode, "scenarios": scenarios}
+    kwargs.pop("input_size"), kwargs.pop("input_shape")
+    found, refused = largest_fitting(
+        cfg.model, tuple(shape), args.procs, cfg.batch, cluster, **kwargs
+    )
+    size = " x ".join(map(str, found.input_shape[1:]))
+    over = " x ".join(map(str, refused[0][1:]))
+    verb = "predicts" if args.mode == "predict" else "trains"
+    where = sys.stderr if args.json else sys.stdout
+    print(f"the largest image a plan on {args.procs} ranks {verb} under {cfg.memory_limit:g} GiB "
+          f"a rank: {size} (peak {best_of(found.scenarios).memory_bytes / 2**30:.3f} GiB); "
+          f"{over} fits no plan ({refused[1]})", file=where)  # fmt: skip
+    return found
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ from hybridpar.core import ops
 from hybridpar.core.bands import Bands
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.leaves import LayerSpec, leaf_spec
+from hybridpar.core.live import held_at_once
 
 __all__ = ["LayerSpec", "Trace", "analyze", "trace"]
 
@@ -268,8 +269,14 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int], memory: bo
     batched = isinstance(out, torch.Tensor) and out.dim() > 0 and out.shape[0] == 2
     pinned = _pinned(model, state, x, cuts, batched)
     saved = _saved(model, state, x, hooks.leaves) if memory else {}
+    live = held_at_once(model, state, x, hooks.leaves) if memory else {}
     traced.specs = [
-        replace(s, pinned=pinned.get(s.entry or "", ""), saved=saved.get(s.name, 0.0))
+        replace(
+            s,
+            pinned=pinned.get(s.entry or "", ""),
+            saved=saved.get(s.name, 0.0),
+            live=live.get(s.name, 0.0),
+        )
         for s in traced.specs
     ]
     return traced

@@ -94,6 +94,7 @@ class CostLayer:
     loose: tuple[str, ...] = ()  # parameters no module of the layer holds, priced with it
     # per member, what autograd keeps for backward per sample (elements; core.analysis._saved)
     saved: tuple[tuple[str, float], ...] = ()
+    live: float = 0.0  # the most an evaluation holds while a member runs, per sample (core.live)
     pools: tuple[Pooled, ...] = ()  # global poolings riding along (core.halo.Pooled)
     # members (the weighted module included) that run unchanged on every rank of a domain
     # layout: on a global pooling's value (whole there), or over the channels of a band a
@@ -208,6 +209,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
         cols = (*layer.cols, *_window(s, 1))
         fields = {"members": members, "windows": windows, "cols": cols, "own": own, "saved": saved}
+        fields["live"] = max(layer.live, s.live)
         return CostLayer(**{**layer.__dict__, **fields, "unchanged": unchanged})
     norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
     if s.op == "batch_norm":
@@ -234,6 +236,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "cols": (*layer.cols, *_window(s, 1)),
             "own": own,
             "saved": saved,
+            "live": max(layer.live, s.live),
             "pools": pools,
             "unchanged": unchanged,
             "out": s.d_out,

@@ -54,6 +54,7 @@ class LayerSpec:
     loose: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no layer holds (a
     # position embedding of the model's own) used in this leaf's segment next after it
     saved: float = 0.0  # what autograd keeps for backward in this leaf, per sample (elements)
+    live: float = 0.0  # the most an evaluation holds while it runs, per sample (core.live)
     rows: tuple = ()  # how its output rows read its input rows, where not a sliding window:
     # ("ceil",), ("transposed", output padding), ("resample", (mode, align_corners, scale)),
     # ("spread", the same) from a whole input, ("global", how) (core.rows.global_pool)

@@ -237,8 +237,10 @@ class ParallelPlan:
     """grid (Pr, Pc) whose batch groups sit on consecutive ranks (hybridpar.core.groups);
     None: rank = position, model groups on consecutive ranks"""
     memory_bytes: float | None = None
-    """predicted bytes a rank holds in a step: parameters, gradients, momentum and what autograd
-    keeps for backward (planning.cost.memory.kept); None where not predicted"""
+    """the busiest rank's predicted peak in a step: parameters, gradients, momentum and what
+    autograd keeps for backward (planning.cost.memory.kept), and the gradients in flight at the
+    worst layer's backward; of a plan for inference the weights and the activations alive at
+    the worst point of the forward (cost.memory.at_worst); None where not predicted"""
 
     def __post_init__(self) -> None:
         for name in ("procs", "batch"):

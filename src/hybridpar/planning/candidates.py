@@ -35,6 +35,8 @@ class LayerPlan:
     memory_bytes: float
     update_s: float = 0.0  # the optimizer's step on this layer's parameters of one rank
     handoff: Handoff | None = None  # the scheme of the batch -> model hand-off into this layer
+    peak_bytes: float = 0.0  # held beyond memory_bytes at the layer's worst moment (the plan's
+    # peak: its layers' memory_bytes and the largest of these)
 
     @property
     def comm_s(self) -> float:
@@ -122,8 +124,15 @@ class Plan:
         }
 
     @property
-    def memory_bytes(self) -> float:
+    def saved_bytes(self) -> float:
+        """Bytes the busiest rank holds throughout a step: states and what backward keeps."""
         return math.fsum(x.memory_bytes for x in self.layers)
+
+    @property
+    def memory_bytes(self) -> float:
+        """The busiest rank's predicted peak: `saved_bytes` and the largest layer's worst
+        moment beyond it (gradients in flight; in evaluation, the activations alive)."""
+        return self.saved_bytes + max((x.peak_bytes for x in self.layers), default=0.0)
 
     def bytes_by_term(self) -> dict[str, float]:
         out: dict[str, float] = {}

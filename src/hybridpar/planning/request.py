@@ -57,6 +57,9 @@ class PlanRequest:
     layer's dX all-reduced, each rank keeping its rows) instead of the runtime's reduce-scatter"""
     shared_memory: bool = True
     """the job's groups take the host's shared-memory paths (`train --no-shared-memory`: no)"""
+    mode: str = "train"
+    """train, or predict: a forward in evaluation (no backward, gradients or optimizer state;
+    the memory the activations alive at once, core.live)"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scenarios", tuple(self.scenarios))
@@ -72,6 +75,8 @@ class PlanRequest:
             raise ConfigError(
                 f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)} or all"
             )
+        if self.mode not in ("train", "predict"):
+            raise ConfigError(f"unknown mode {self.mode!r}; choose train or predict")
         if self.handoff not in ("a", "b", "c", "auto"):
             raise ConfigError(f"unknown hand-off {self.handoff!r}; choose a, b, c or auto")
         if self.rounds is not None and (self.handoff != "c" or self.rounds < 1):

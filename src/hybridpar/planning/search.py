@@ -57,7 +57,7 @@ from hybridpar.planning.candidates import (
 )
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import FlopsModel, style_times
-from hybridpar.planning.cost.memory import kept
+from hybridpar.planning.cost.memory import at_worst, kept
 from hybridpar.planning.cost.sync import calls, sync_of
 from hybridpar.planning.cost.terms import (
     Wire,
@@ -81,6 +81,7 @@ __all__ = [
     "evaluate",
     "export",
     "grids",
+    "largest_fitting",
     "make_plan",
     "plan_for",
     "plan_layers",
@@ -129,6 +130,7 @@ class _Context:
         self.overlap, self.bucket = r.overlap, r.grad_bucket
         self.handoff, self.rounds, self.fixed = r.handoff, r.rounds, fixed
         self.fuse_handoff = r.fuse_handoff
+        self.predict = r.mode == "predict"  # a forward in evaluation: no backward, no states
         self._moves: dict[tuple, tuple | None] = {}
         self._heads: dict[str, dict[str, Comm]] = {}  # the terms the hand-offs' rounds change
         self._layouts: list[tuple] | None = None  # every layer's, while a plan is evaluated
@@ -291,11 +293,14 @@ class _Context:
         return dataclasses.replace(comm, seconds=cost)
 
     def memory(self, i: int, s: Style) -> float:
-        """Bytes of layer i on the busiest rank under s: weights, gradients and momentum (a
-        model split's shard), and what autograd keeps for the backward pass (`kept`; where the
-        layer is recomputed, only its input)."""
+        """Bytes of layer i on the busiest rank under s, held throughout a step: weights,
+        gradients and momentum (a model split's shard), and what autograd keeps for the backward
+        pass (`kept`; where the layer is recomputed, only its input); in evaluation its weights
+        alone."""
         x, w = self.layers[i], self.net.word_bytes
         shard = s.pr if s.kind == "model" else 1
+        if self.predict:
+            return x.params / shard * w
         n = self.slow(s) / s.pc  # the largest group's examples
         acts = x.d_in / (s.pr if s.kind == "domain" else 1) if self.recomputed[i] else kept(x, s)
         joined = 0.0
@@ -305,13 +310,20 @@ class _Context:
                 joined = 2 * self.B * (x.out or x.d_out) * w
         return 3 * x.params / shard * w + n * acts * w + joined
 
+    def peak(self, i: int, s: Style) -> float:
+        """Bytes the busiest rank holds beyond `memory` at layer i's worst moment under s
+        (cost.memory.at_worst): the plan's peak is its layers' `memory` and the largest of
+        these."""
+        n = self.slow(s) / s.pc
+        return n * at_worst(self.layers[i], s, self.predict) * self.net.word_bytes
+
     def time(self, i: int, s: Style) -> tuple[float, float, float]:
         """(forward, backward, update) seconds of layer i under s on one rank; the backward
         computes the forward again where it is recomputed (activation checkpointing)."""
         key = (i, s)
         if key not in self._time:
             f, b, u = style_times(self.compute_model, self.layers[i], s, self.slow(s), self.P)
-            self._time[key] = (f, b + f * self.recomputed[i], u)
+            self._time[key] = (f, 0.0, 0.0) if self.predict else (f, b + f * self.recomputed[i], u)
         return self._time[key]
 
     def terms(self, i: int, s: Style, rounds: int = 1, bucket: bool = True) -> dict[str, Comm]:
@@ -324,6 +336,8 @@ class _Context:
             terms = layer_comms(x, first, s, B / rounds, self.net, self.e, *choices)
             if self.choices.joined_loss and i == len(self.layers) - 1:  # the outputs joined
                 terms[Term.LOSS_JOIN] = t_loss_join(x, s, B / rounds, self.net, self.e)
+            if self.predict:  # the forward's (batch norms use their running statistics)
+                return {k: c for k, c in terms.items() if k in (Term.ALLGATHER, Term.HALO_FWD)}
             return terms
 
         return slowest(price, self.B, self.slow(s))
@@ -340,7 +354,7 @@ class _Context:
             hide = hide if self.overlap else 0.0
             comm = math.fsum(c.seconds for c in terms.values())
             work = math.fsum(self.time(i, s))
-            self._own[key] = (comm - hide + work, hide, self.memory(i, s))
+            self._own[key] = (comm - hide + work, hide, self.memory(i, s) + self.peak(i, s))
         return self._own[key]
 
     def layer_plan(self, i: int, s: Style, prev: Style | None) -> LayerPlan | str:
@@ -378,10 +392,11 @@ class _Context:
             self._heads |= heads  # a layer is in one hand-off's head at most
             h = h if is_gather(prev, s) else None
         terms = dict(self._heads.get(x.name) or self.terms(i, s))
-        if i > 0:
-            terms[Term.REDISTRIBUTE] = r
+        if i > 0:  # in evaluation its forward half (a move's backward mirrors it)
+            half = Comm(r.kind, r.group, r.bytes / 2, r.seconds / 2, r.calls and (r.calls[0], 0))
+            terms[Term.REDISTRIBUTE] = half if self.predict else r
         fwd, bwd, update = self.time(i, s)
-        return LayerPlan(x, s, terms, fwd, bwd, self.memory(i, s), update, h)
+        return LayerPlan(x, s, terms, fwd, bwd, self.memory(i, s), update, h, self.peak(i, s))
 
     def evaluate(self, scenario: str, grid: tuple[int, int] | None, styles: list[Style]) -> Plan:
         plan = Plan(scenario, grid, overlap=self.overlap)
@@ -681,6 +696,49 @@ def make_plan(
     layers, shape = model_layers(model, input_size, input_shape)
     request = PlanRequest(P, B, cluster, model=model, input_shape=shape, **options)  # type: ignore[arg-type]
     return plan_layers(layers, request)
+
+
+def largest_fitting(
+    model: str, shape: tuple[int, ...], P: int, B: int, cluster: Cluster, **options: object
+) -> tuple[PlanResult, tuple[tuple[int, ...], str]]:
+    """(the plans of the largest image of `shape`'s aspect (of a zoo model, square or a cube)
+    whose best plan fits the request's memory limit, (the next size up, why it fits none)): sizes in steps of 16 pixels along the
+    first spatial dimension (of its size where smaller), the others scaled alike; doubled
+    until nothing fits, then halved in between."""
+    step = min(16, shape[1])
+
+    def sized(k: int) -> tuple[int, ...]:
+        return (shape[0], *(max(1, round(k * step * d / shape[1])) for d in shape[1:]))
+
+    from hybridpar.core.zoo import is_factory
+
+    def tried(k: int) -> tuple[PlanResult | None, str]:
+        # a zoo model is built for a side (its images square, its volumes cubes)
+        given = {"input_shape": sized(k)} if is_factory(model) else {"input_size": sized(k)[-1]}
+        try:
+            result = make_plan(model, P, B, cluster, **given, **options)
+        except ConfigError as exc:
+            return None, str(exc)
+        best = best_of(result.scenarios)
+        return (result, "") if best is not None else (None, result.scenarios[-1].reason)
+
+    lo = max(1, shape[1] // step)
+    found, why = tried(lo)
+    if found is None:
+        size = " x ".join(map(str, shape[1:]))
+        raise ConfigError(f"no plan fits even {size} under the memory limit ({why})")
+    hi = lo * 2
+    while (got := tried(hi))[0] is not None:
+        lo, found, hi = hi, got[0], hi * 2
+    refused = got[1]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        result, reason = tried(mid)
+        if result is None:
+            hi, refused = mid, reason
+        else:
+            lo, found = mid, result
+    return found, (sized(hi), refused)
 
 
 def model_layers(

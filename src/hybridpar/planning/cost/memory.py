@@ -10,7 +10,7 @@ from hybridpar.core.halo import Span
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 
-__all__ = ["kept"]
+__all__ = ["at_worst", "kept"]
 
 
 def kept(layer: CostLayer, s: Style) -> float:
@@ -26,10 +26,7 @@ def kept(layer: CostLayer, s: Style) -> float:
     windows = {
         w.member: (w, c) for w, c in zip(layer.windows, layer.cols or layer.windows, strict=True)
     }
-    h = layer.y_shape[1] if len(layer.y_shape) in (3, 4) else 1
-    wide = layer.y_shape[2] if s.pw > 1 and len(layer.y_shape) == 3 else 1
-    share = -(-h // s.ph) / h * (-(-wide // s.pw) / wide)  # the largest band's (tile's)
-    total = 0.0
+    share, total = _share(layer, s), 0.0
     for name, v in layer.saved:
         w, c = windows.get(name, (None, None))
         if w is None or w.how not in ("", "ceil"):
@@ -38,6 +35,26 @@ def kept(layer: CostLayer, s: Style) -> float:
             pieces = name == layer.name and layer.op == "conv2d"
             total += max(_window_kept(w, v, s.pr, pieces, c if s.pw > 1 else None, s.pw))
     return total
+
+
+def _share(layer: CostLayer, s: Style) -> float:
+    """The busiest rank's part of a layer's activations per example under `s`: its band's (or
+    tile's) rows and columns on a domain layout, all of them otherwise (a model split gathers
+    them)."""
+    if s.kind != "domain":
+        return 1.0
+    h = layer.y_shape[1] if len(layer.y_shape) in (3, 4) else 1
+    wide = layer.y_shape[2] if s.pw > 1 and len(layer.y_shape) == 3 else 1
+    return -(-h // s.ph) / h * (-(-wide // s.pw) / wide)  # the largest band's (tile's)
+
+
+def at_worst(layer: CostLayer, s: Style, predict: bool) -> float:
+    """Elements per sample the busiest rank holds at the layer's worst moment beyond what it
+    holds throughout (`kept`, the states): in training, the gradients in flight in its backward
+    (of its input and its output); in evaluation, everything alive while it runs (core.live:
+    its input and output, and what earlier layers hand on, a U-Net's skips)."""
+    whole = layer.live if predict and layer.live else layer.d_in + layer.d_out
+    return whole * _share(layer, s)
 
 
 def _window_kept(
