@@ -275,7 +275,7 @@ def trace(model: nn.Module, input_shape: tuple[int, ...] | list[int], memory: bo
             s,
             pinned=pinned.get(s.entry or "", ""),
             saved=saved.get(s.name, 0.0),
-            live=live.get(s.name, 0.0),
+            live=live.get(s.name, (0.0, 0.0)),
         )
         for s in traced.specs
     ]

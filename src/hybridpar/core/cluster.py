@@ -43,6 +43,7 @@ __all__ = [
     "CALIBRATED",
     "PRESETS",
     "SHM_MAX_BYTES",
+    "SHM_MIN_BYTES",
     "Cluster",
     "Priced",
     "as_priced",
@@ -59,6 +60,9 @@ CALIBRATED = (2, 3, 4)
 # the largest collective, per rank, that the runtime sends through host shared memory (comm.small);
 # larger ones go on torch.distributed, and the cost model prices them there
 SHM_MAX_BYTES = 1 << 24
+# what a group's shared segment holds per rank and call to start with (it grows to the largest
+# call, in powers of two): 8192 float64, a batch norm of 4096 channels
+SHM_MIN_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,9 @@ class CostLayer:
     loose: tuple[str, ...] = ()  # parameters no module of the layer holds, priced with it
     # per member, what autograd keeps for backward per sample (elements; core.analysis._saved)
     saved: tuple[tuple[str, float], ...] = ()
-    live: float = 0.0  # the most an evaluation holds while a member runs, per sample (core.live)
+    # what an evaluation holds as the weighted module starts, and the most while any member
+    # runs, per sample (elements; core.live)
+    live: tuple[float, float] = (0.0, 0.0)
     pools: tuple[Pooled, ...] = ()  # global poolings riding along (core.halo.Pooled)
     # members (the weighted module included) that run unchanged on every rank of a domain
     # layout: on a global pooling's value (whole there), or over the channels of a band a
@@ -209,7 +211,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
         cols = (*layer.cols, *_window(s, 1))
         fields = {"members": members, "windows": windows, "cols": cols, "own": own, "saved": saved}
-        fields["live"] = max(layer.live, s.live)
+        fields["live"] = (s.live[0], max(layer.live[1], s.live[1]))
         return CostLayer(**{**layer.__dict__, **fields, "unchanged": unchanged})
     norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
     if s.op == "batch_norm":
@@ -236,7 +238,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "cols": (*layer.cols, *_window(s, 1)),
             "own": own,
             "saved": saved,
-            "live": max(layer.live, s.live),
+            "live": (layer.live[0], max(layer.live[1], s.live[1])),
             "pools": pools,
             "unchanged": unchanged,
             "out": s.d_out,

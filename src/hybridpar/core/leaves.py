@@ -54,7 +54,9 @@ class LayerSpec:
     loose: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no layer holds (a
     # position embedding of the model's own) used in this leaf's segment next after it
     saved: float = 0.0  # what autograd keeps for backward in this leaf, per sample (elements)
-    live: float = 0.0  # the most an evaluation holds while it runs, per sample (core.live)
+    # what an evaluation holds as this leaf starts and the most while it runs, per sample
+    # (elements; core.live)
+    live: tuple[float, float] = (0.0, 0.0)
     rows: tuple = ()  # how its output rows read its input rows, where not a sliding window:
     # ("ceil",), ("transposed", output padding), ("resample", (mode, align_corners, scale)),
     # ("spread", the same) from a whole input, ("global", how) (core.rows.global_pool)

@@ -26,6 +26,7 @@ class _Held(TorchDispatchMode):
         super().__init__()
         self.now, self.current = start, ""
         self.per: dict[str, int] = {}
+        self.before: dict[str, int] = {}  # held as the leaf starts (its input among it)
         self.storages: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it]
         self.tensors: set[int] = set()
 
@@ -42,6 +43,10 @@ class _Held(TorchDispatchMode):
         self.per[self.current] = max(self.per.get(self.current, 0), self.now)
         return out
 
+    def enter(self, leaf: str) -> None:
+        self.current = leaf
+        self.before.setdefault(leaf, self.now)
+
     def _gone(self, tensor: int, key: int) -> None:
         self.tensors.discard(tensor)
         entry = self.storages[key]
@@ -51,16 +56,16 @@ class _Held(TorchDispatchMode):
             del self.storages[key]
 
 
-def held_at_once(model: nn.Module, state: dict, x: torch.Tensor, leaves: set) -> dict[str, float]:
-    """Leaf -> the most a forward in evaluation mode holds while it runs, per sample, in elements
-    of the input's type (the model's modules put in evaluation mode for it, then back)."""
+def held_at_once(
+    model: nn.Module, state: dict, x: torch.Tensor, leaves: set
+) -> dict[str, tuple[float, float]]:
+    """Leaf -> (what a forward in evaluation mode holds as it starts, the most it holds while it
+    runs), per sample, in elements of the input's type (the model's modules put in evaluation
+    mode for it, then back)."""
     names = {m: n for n, m in model.named_modules()}
     modes = {m: m.training for m in model.modules()}
     track = _Held(x.untyped_storage().nbytes())
-    handles = [
-        m.register_forward_pre_hook(lambda m, a: setattr(track, "current", names[m]))
-        for m in leaves
-    ]
+    handles = [m.register_forward_pre_hook(lambda m, a: track.enter(names[m])) for m in leaves]
     try:
         model.eval()
         with torch.no_grad(), track:
@@ -72,4 +77,5 @@ def held_at_once(model: nn.Module, state: dict, x: torch.Tensor, leaves: set) ->
             h.remove()
         for m, training in modes.items():
             m.training = training
-    return {k: v / x.element_size() / len(x) for k, v in track.per.items() if k}
+    n = x.element_size() * len(x)
+    return {k: (track.before.get(k, v) / n, v / n) for k, v in track.per.items() if k}

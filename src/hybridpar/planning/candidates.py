@@ -75,6 +75,7 @@ class Plan:
     reason: str = ""  # why it is infeasible; empty when feasible
     placement: tuple[int, int] | None = None  # how its positions sit on ranks (core.groups)
     sync: Sync = field(default_factory=Sync)  # where the ranks meet (planning.cost.sync)
+    shared_bytes: float = 0.0  # of the host shared segments a rank writes (cost.memory.segment)
 
     @property
     def feasible(self) -> bool:
@@ -130,9 +131,11 @@ class Plan:
 
     @property
     def memory_bytes(self) -> float:
-        """The busiest rank's predicted peak: `saved_bytes` and the largest layer's worst
-        moment beyond it (gradients in flight; in evaluation, the activations alive)."""
-        return self.saved_bytes + max((x.peak_bytes for x in self.layers), default=0.0)
+        """The busiest rank's predicted peak: `saved_bytes`, the largest layer's worst moment
+        beyond it (gradients in flight; in evaluation, the activations alive) and the shared
+        segments it writes."""
+        worst = max((x.peak_bytes for x in self.layers), default=0.0)
+        return self.saved_bytes + worst + self.shared_bytes
 
     def bytes_by_term(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -37,7 +37,7 @@ import math
 from functools import lru_cache
 
 from hybridpar.core.choices import Choices, covered, payload_bytes
-from hybridpar.core.cluster import Cluster, Priced
+from hybridpar.core.cluster import SHM_MAX_BYTES, Cluster, Priced
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.groups import why_not_placement
 from hybridpar.core.handoff import Handoff, exposed, head, is_gather, why_not_handoff
@@ -57,11 +57,12 @@ from hybridpar.planning.candidates import (
 )
 from hybridpar.planning.cost.collectives import Comm, all_gather, broadcast, reduce_scatter
 from hybridpar.planning.cost.compute import FlopsModel, style_times
-from hybridpar.planning.cost.memory import at_worst, kept
+from hybridpar.planning.cost.memory import at_worst, kept, segment
 from hybridpar.planning.cost.sync import calls, sync_of
 from hybridpar.planning.cost.terms import (
     Wire,
     codec_s,
+    largest_halo,
     layer_comms,
     on_host,
     plus,
@@ -413,7 +414,28 @@ class _Context:
         if self.bucket is not None:
             self._by_buckets(plan.layers)
         plan.sync = sync_of(plan.layers, self.net.meeting_s())
+        plan.shared_bytes = self.shared(plan.layers)
         return plan
+
+    def shared(self, chosen: list[LayerPlan]) -> float:
+        """Bytes of the host shared segments a rank writes in a step (cost.memory.segment),
+        where its ranks share one CPU host: its model group's, where the halos of bands travel
+        through it (tiles send theirs point to point), and in training the world's, which
+        carries the step's metrics."""
+        net = self.net
+        if self.P == 1 or not net.shared_memory or net.two_level or self.choices.device == "cuda":
+            return 0.0
+        bands = [lp for lp in chosen if lp.style.kind == "domain" and lp.style.pw == 1]
+        most = max(
+            (
+                largest_halo(x.layer, x.style.pr, x.style.pc, self.slow(x.style), self.e)
+                for x in bands
+            ),
+            default=0.0,
+        )
+        group = max((x.style.pr for x in bands), default=1)
+        total = segment(group, most) if 0 < most <= SHM_MAX_BYTES else 0.0
+        return total if self.predict else total + segment(self.P, 0.0)
 
     def _by_buckets(self, chosen: list[LayerPlan]) -> None:
         """The weight-gradient sums priced by the buckets the runtime fills: per group, in

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 
+from hybridpar.core.cluster import SHM_MIN_BYTES
 from hybridpar.core.halo import Span
 from hybridpar.core.layers import CostLayer
 from hybridpar.core.plan import Style
 
-__all__ = ["at_worst", "kept"]
+__all__ = ["at_worst", "kept", "segment"]
 
 
 def kept(layer: CostLayer, s: Style) -> float:
@@ -52,9 +53,40 @@ def at_worst(layer: CostLayer, s: Style, predict: bool) -> float:
     """Elements per sample the busiest rank holds at the layer's worst moment beyond what it
     holds throughout (`kept`, the states): in training, the gradients in flight in its backward
     (of its input and its output); in evaluation, everything alive while it runs (core.live:
-    its input and output, and what earlier layers hand on, a U-Net's skips)."""
-    whole = layer.live if predict and layer.live else layer.d_in + layer.d_out
-    return whole * _share(layer, s)
+    its input and output, and what earlier layers hand on, a U-Net's skips); on bands also the
+    band and halo a window reads joined."""
+    share, (before, most) = _share(layer, s), layer.live
+    # on bands a convolution reads its input band and halo joined in one tensor (backward: its
+    # gradient), held with its input and output (in evaluation: with what was held as it began)
+    joined = _joined(layer, s) if s.kind == "domain" else 0.0
+    if not predict or not most:
+        return (layer.d_in + layer.d_out) * share + joined
+    return max(most * share, (before + layer.d_out) * share + joined)
+
+
+def _joined(layer: CostLayer, s: Style) -> float:
+    """Elements per sample of the largest input a window of the layer (its convolution, a
+    pooling) reads on one rank: its band's (tile's) rows and those beyond it, halo and padding,
+    joined into one tensor before it runs (runtime.parallel.domain.windows)."""
+    most = 0.0
+    for w, c in zip(layer.windows, layer.cols or layer.windows, strict=True):
+        if w.how not in ("", "ceil"):
+            continue
+        rows = max(p.reads[1] - p.reads[0] for p in w.row_map().parts(s.ph))
+        across = w.across
+        if s.pw > 1:
+            cols = c.row_map()
+            across *= max(p.reads[1] - p.reads[0] for p in cols.parts(s.pw)) / cols.h_in
+        most = max(most, rows * across * w.channels)
+    return most
+
+
+def segment(group: int, most: float) -> float:
+    """Bytes a rank maps of a group's shared segment on one host (runtime.comm.small): 2
+    parities x (the group's ranks + 1 sum) slots, each the largest call's bytes rounded up to a
+    power of two and at least SHM_MIN_BYTES."""
+    slot = max(SHM_MIN_BYTES, 1 << math.ceil(math.log2(most)) if most > 1 else 1)
+    return 2 * (group + 1) * slot
 
 
 def _window_kept(

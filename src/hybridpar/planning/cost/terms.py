@@ -54,6 +54,7 @@ __all__ = [
     "eq7_domain",
     "eq8_integrated",
     "eq9_integrated_domain",
+    "largest_halo",
     "layer_comms",
     "on_host",
     "plus",
@@ -400,6 +401,18 @@ def _halo_rows(layer: CostLayer, axis: int) -> int:
             f"layer {layer.name} is not a 2-d convolution: it cannot be domain-parallel"
         )
     return layer.kernel[axis] // 2
+
+
+def largest_halo(layer: CostLayer, pr: int, pc: int, B: float, e: float | Wire) -> float:
+    """The most bytes one rank sends in one forward exchange of `layer`'s windows on Pr bands
+    (B/Pc examples): what a shared segment's slot must hold for it."""
+    if pr <= 1:
+        return 0.0
+    row = B / pc * Wire.of(e).halo
+    return max(
+        (max(w.row_map().rows_sent(pr)) * row * w.channels * w.across for w in layer.windows),
+        default=0.0,
+    )
 
 
 def t_halo_fwd(

@@ -33,13 +33,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from hybridpar.core.cluster import SHM_MAX_BYTES
+from hybridpar.core.cluster import SHM_MAX_BYTES, SHM_MIN_BYTES
 from hybridpar.runtime.comm.group import Group
 from hybridpar.runtime.comm.host import HostReducer, sum_in_order
 
 __all__ = ["SmallReducer", "shared_memory"]
 
-CAPACITY = 1 << 16  # bytes per rank and call to start with: 8192 float64 (BN of 4096 channels)
+CAPACITY = SHM_MIN_BYTES  # bytes per rank and call to start with
 MAX_BYTES = SHM_MAX_BYTES  # per rank and call: larger tensors stay on torch.distributed
 
 

@@ -3,14 +3,15 @@ allocator's pages: its parameters, their gradients, the optimizer's state, and w
 keeps for the backward pass (each storage once, the parameters' aside), counted as the forward
 saves it. The planner predicts the same sum (planning.cost.memory.kept: the same tensors, traced
 whole); the resident peak (VmHWM) or the CUDA allocator's peak, beside it in the report, adds
-the allocator's pages, the libraries and the data."""
+the allocator's pages, the libraries and the data. `peak_bytes` measures a call's peak as torch's
+own MemTracker does: what the planner's peak (plan.memory_bytes) predicts."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["Kept", "state_bytes"]
+__all__ = ["Kept", "peak_bytes", "state_bytes"]
 
 
 class Kept:
@@ -49,3 +50,16 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
         ),
         "optimizer": sum(v.numel() * v.element_size() for v in state),
     }
+
+
+def peak_bytes(fn, *tracked) -> int:
+    """The most bytes of tensors held at once while `fn()` runs (on its busiest device), as
+    torch.distributed._tools.mem_tracker.MemTracker counts them: each storage once, `tracked`
+    modules' and optimizers' parameters, gradients and states included."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*tracked)
+    with tracker:
+        fn()
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
