@@ -66,10 +66,10 @@ def measure(cells) -> list[tuple[str, str, float, float]]:
                     build_any(net, shape, 11), plan, opt, input_shape=shape, verify=False
                 )
                 t.train_step(x, y)
-                got = peak_bytes(lambda t=t: t.train_step(x, y), t.model, t.optimizer)
+                got = peak_bytes(lambda t=t, x=x, y=y: t.train_step(x, y), t.model, t.optimizer)
             else:
                 engine = parallelize(build_any(net, shape, 11), plan, input_shape=shape)
-                got = peak_bytes(lambda e=engine: own_outputs(e, x), engine)
+                got = peak_bytes(lambda e=engine, x=x: own_outputs(e, x), engine)
             every = [None] * P
             dist.all_gather_object(every, got)
             out.append((label, mode, plan.memory_bytes, max(every)))
