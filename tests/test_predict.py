@@ -5,6 +5,9 @@ rank's largest tensor is more than its band and halo of the one process's larges
 The oracle: float64, every written value one process's whole-image inference at rtol 1e-9, the
 class masks (argmax) equal exactly. One spawn per P runs every cell."""
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.core.analysis import analyze
 from hybridpar.core.choices import Choices
-from hybridpar.core.cluster import Cluster
+from hybridpar.core.cluster import Cluster, load_cluster
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.models import UNet
 from hybridpar.core.plan import Style
@@ -149,7 +152,7 @@ def test_predict_from_the_command_line_writes_one_process_s_masks(tmp_path, capf
         probs = torch.from_numpy(np.load(out / f"{i:05d}.probabilities.npy"))
         torch.testing.assert_close(probs, want[i].softmax(0), rtol=1e-9, atol=1e-12)
     said = capfd.readouterr().out
-    assert "3 images in" in said and "(32 x 32: domain(2x1))" in said, said
+    assert "3 images in" in said and "(32 x 32: domain(2x1), peak " in said, said
     # a folder of images of two sizes: a plan each, float16 probabilities by default
     folder = tmp_path / "images"
     folder.mkdir()
@@ -166,4 +169,79 @@ def test_predict_from_the_command_line_writes_one_process_s_masks(tmp_path, capf
         assert np.array_equal(np.load(out / f"{name}.mask.npy"), want.argmax(0).numpy()), name
         probs = np.load(out / f"{name}.probabilities.npy")
         assert probs.dtype == np.float16 and probs.shape == (11, h, w)
-    assert "(32 x 32: domain(2x1); 48 x 32: domain(2x1))" in capfd.readouterr().out
+    assert re.search(
+        r"\(32 x 32: domain\(2x1\), peak \S+ MiB; 48 x 32: domain\(2x1\)", capfd.readouterr().out
+    )
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_the_predicted_peak_is_what_torch_s_memtracker_measures(monkeypatch):
+    """The planner's peak per rank (plan.memory_bytes) against the peak torch's MemTracker
+    measures, for a training step and an inference of a U-Net at 128^2 and 256^2 and a 3-d
+    U-Net at 32^3 on bands, P = 1, 2, 4 (benchmarks/peak_memory.py prints the table): within
+    10 %."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from peak_memory import CELLS, measure
+
+    for P in (1, 2, 4):
+        for label, mode, want, got in run_ranks(measure, P, CELLS, timeout_s=300)[0]:
+            assert want == pytest.approx(got, rel=0.10), (label, P, mode, want, got)
+
+
+def _fitted(size: int, mode: str, limit: float, path: str) -> float:
+    """The busiest rank's peak (MemTracker's) over `limit`, of the zoo U-Net at size x size, one
+    image, a training step (its second) or an inference, under the plan `plan --fit` wrote."""
+    from hybridpar.core.models import build_any
+    from hybridpar.core.plan import ParallelPlan
+    from hybridpar.runtime.parallel.api import parallelize
+    from hybridpar.runtime.parallel.memory import peak_bytes
+    from hybridpar.runtime.parallel.trainer import own_outputs
+
+    P, shape = dist.get_world_size(), (1, size, size)
+    plan = ParallelPlan.load(path)
+    assert tuple(plan.input_shape) == shape, plan.input_shape
+    x, y = torch.randn(1, *shape), torch.randint(0, 11, (1, size, size))
+    if mode == "predict":
+        engine = parallelize(build_any("unet", shape, 11), plan, input_shape=shape)
+        got = peak_bytes(lambda: own_outputs(engine, x), engine)
+    else:
+        opt = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
+        t = HybridTrainer(build_any("unet", shape, 11), plan, opt, input_shape=shape, verify=False)
+        t.train_step(x, y)
+        got = peak_bytes(lambda: t.train_step(x, y), t.model, t.optimizer)
+    every = [None] * P
+    dist.all_gather_object(every, got)
+    return max(every) / limit
+
+
+@pytest.mark.parametrize("mode, limit_mib", [("predict", 3.0), ("train", 8.0)])
+def test_plan_fit_finds_the_largest_image_that_runs_under_the_limit(
+    mode, limit_mib, tmp_path, capsys
+):
+    """`plan --fit` on 2 ranks: its size runs (on bands, MemTracker's peak within the model's 10
+    % of the limit), and 10 % larger fits no plan under the limit."""
+    import re
+
+    from hybridpar.commands.cli import main
+    from hybridpar.planning.search import make_plan
+
+    net = tmp_path / "bytes.json"
+    net.write_text('{"name": "bytes", "alpha": 1e-6, "beta": 1e-9, "flops": 1e12}')
+    limit = limit_mib / 1024
+    args = ["plan", "--model", "unet", "--input-size", "64", "--batch", "1", "--procs", "2",
+            "--mode", mode, "--fit", "--memory-limit", str(limit), "--cluster", str(net),
+            "--scenario", "domain", "--bytes-per-element", "4", "--out", tmp_path / "p.json"]  # fmt: skip
+    assert main([str(a) for a in args]) == 0
+    said = capsys.readouterr().out
+    found = re.search(r"under \S+ GiB a rank: (\d+) x \1 \(peak ([\d.]+) GiB\); (\d+) x", said)
+    assert found, said
+    size, bigger = int(found[1]), int(found[3])
+    assert size > 64 and bigger == size + 16, said
+    ratio = run_ranks(_fitted, 2, size, mode, limit * 2**30, str(tmp_path / "p.json"))[0]
+    assert ratio <= 1.10, (size, ratio)
+    larger = make_plan("unet", 2, 1, load_cluster(str(net)), input_size=-(-size * 11 // 10),
+                       scenarios=("domain",), mode=mode, memory_limit=limit * 2**30,
+                       elem_bytes=4)  # fmt: skip
+    assert not larger.scenario("domain").feasible, larger.scenario("domain")

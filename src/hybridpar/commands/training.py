@@ -145,7 +145,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
         return 1
     seconds = sum(r["seconds"] for r in records)
     plans = "; ".join(
-        f"{' x '.join(map(str, g.shape[1:]))}: {g.layout.segments[0].label}" for g in job.groups
+        f"{' x '.join(map(str, g.shape[1:]))}: {g.layout.segments[0].label}"
+        + (
+            f", peak {g.layout.plan.memory_bytes / 2**20:.1f} MiB"
+            if g.layout.plan.memory_bytes
+            else ""
+        )
+        for g in job.groups
     )
     print(f"{len(records)} images in {seconds:.1f} s on {job.procs} processes ({plans}); "
           f"wrote {cfg.out}")  # fmt: skip

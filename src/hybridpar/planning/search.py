@@ -556,8 +556,9 @@ def _fits_memory(plan: Plan, limit: float | None) -> Plan:
 
 def _largest(plan: Plan) -> str:
     """The layer of a plan that holds the most bytes, in words."""
-    x = max(plan.layers, key=lambda x: x.memory_bytes)
-    return f"the largest layer is {x.layer.name}, {_size(x.memory_bytes)} under {x.style}"
+    x = max(plan.layers, key=lambda x: x.memory_bytes + x.peak_bytes)
+    held = x.memory_bytes + x.peak_bytes
+    return f"the largest layer is {x.layer.name}, {_size(held)} under {x.style}"
 
 
 def _size(n: float) -> str:

@@ -226,7 +226,9 @@ def _plan(cfg: PredictConfig, P: int, shape: tuple, layers, name: str) -> Parall
     else:
         cluster = load_cluster(cfg.cluster, device)
     limit = cfg.memory_limit * 2**30 if cfg.memory_limit else None
-    request = PlanRequest(P, 1, cluster, model=cfg.model, input_shape=shape, memory_limit=limit)
+    request = PlanRequest(
+        P, 1, cluster, model=cfg.model, input_shape=shape, memory_limit=limit, mode="predict"
+    )
     return plan_preset(cfg.preset if P > 1 else "batch", layers, request)  # one: whole
 
 
