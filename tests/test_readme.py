@@ -150,6 +150,10 @@ def test_every_readme_example_does_what_its_comment_says(tmp_path, monkeypatch, 
         assert code == 0, f"{command}: {err}"
         if into:
             Path(into).write_text(out)
+        if name == "predict":  # a mask per image, written by the ranks
+            assert len(list(Path("masks").glob("*.mask.npy"))) == 4, out
+        if "--fit" in argv:  # the largest image, and the next size refused
+            assert re.search(r"predicts under 0.05 GiB a rank: \d+ x \d+", out), out
         if name == "train" and "--print-config" not in argv:
             job = jobs[-1]
             plan = job.plan or preset_plan(job, BYTES_ONLY)

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from hybridpar.core import ops
 
-__all__ = ["held_at_once"]
+__all__ = ["held_at_once", "peak_of"]
 
 
 class _Held(TorchDispatchMode):
@@ -79,3 +79,13 @@ def held_at_once(
             m.training = training
     n = x.element_size() * len(x)
     return {k: (track.before.get(k, v) / n, v / n) for k, v in track.per.items() if k}
+
+
+def peak_of(fn) -> int:
+    """The most bytes the tensors operations return while `fn()` runs hold at once (each storage
+    once; what existed before, parameters included, left out). Unlike torch's MemTracker it
+    takes a module called more than once in a call (a sliding window's)."""
+    track = _Held(0)
+    with torch.no_grad(), track:
+        fn()
+    return max(track.per.values(), default=0)
