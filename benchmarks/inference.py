@@ -36,8 +36,9 @@ from hybridpar.core.cluster import Cluster
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.live import peak_of
 from hybridpar.core.models import build_any
+from hybridpar.planning.fit import largest_fitting
 from hybridpar.planning.request import PlanRequest
-from hybridpar.planning.search import largest_fitting, plan_layers
+from hybridpar.planning.search import plan_layers
 from hybridpar.runtime.launcher import launch
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.trainer import own_outputs

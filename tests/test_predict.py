@@ -245,3 +245,48 @@ def test_plan_fit_finds_the_largest_image_that_runs_under_the_limit(
                        scenarios=("domain",), mode=mode, memory_limit=limit * 2**30,
                        elem_bytes=4)  # fmt: skip
     assert not larger.scenario("domain").feasible, larger.scenario("domain")
+
+
+def _priced(P: int) -> int:
+    """Inference under plans made for it (mode predict): bands; and bands, batch and tiles in
+    turn (every move between them): the bytes each rank sends equal the plan's per (layer,
+    term), the outputs one process's."""
+    from dist_helpers import bytes_are_predicted
+
+    size, b, shape = (29, 12), 4, (3, 29, 12)
+    layers = cost_layers(analyze(_model(size), shape))
+    cycles = [(Style.domain(P, 1),)]
+    if P == 4:
+        cycles.append(
+            (Style.domain(4, 1), Style.batch(4), Style.domain(4, 1, 2), Style.domain(2, 2))
+        )
+    x = torch.randn(b, *shape, generator=torch.Generator().manual_seed(P), dtype=torch.float64)
+    with torch.no_grad():
+        want = _model(size).eval()(x)
+    for cycle in cycles:
+        moves = [0]  # a style per segment, in turn (a segment's layers share one layout)
+        for a, z in zip(layers, layers[1:]):
+            moves.append(moves[-1] + (z.segment is None or z.segment != a.segment))
+        styles = [cycle[k % len(cycle)] for k in moves]
+        request = PlanRequest(P, b, NET, elem_bytes=8, mode="predict")
+        plan = evaluate(layers, styles, request)
+        assert plan.feasible, plan.reason
+        plan = export(plan, procs=P, batch=b, choices=Choices(), input_shape=shape)
+        moved = sum(p.bytes for p in plan.predicted if p.term == "redistribute")
+        assert (moved > 0) == (len(cycle) > 1), moved
+        opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+        t = HybridTrainer(_model(size), plan, opt, input_shape=shape, verify=False)
+        first = len(t.ledger.entries)
+        got = t.predict(x)
+        del t.ledger.entries[:first]  # the parameters' broadcast at the start
+        label = f"predict P={P} {[s.label for s in cycle]}"
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=label)
+        bytes_are_predicted(t.ledger, plan, label, 1, unpredicted=("metrics", "param_broadcast"))
+    return len(cycles)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_an_inference_sends_the_bytes_its_plan_predicts(P):
+    """A plan for inference prices the forward alone: its halos, and of a move its forward half;
+    the bytes measured equal it per (layer, term)."""
+    assert run_ranks(_priced, P, P, timeout_s=120)[0] == (2 if P == 4 else 1)

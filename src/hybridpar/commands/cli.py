@@ -23,7 +23,7 @@ from hybridpar.core.errors import ConfigError, Interrupted
 from hybridpar.planning.config import PlanConfig
 from hybridpar.planning.search import SCENARIOS
 from hybridpar.runtime.launcher import stop_on_signals, under_torchrun
-from hybridpar.runtime.train.config import TrainConfig
+from hybridpar.runtime.train.config import PredictConfig, TrainConfig
 
 __all__ = ["build_parser", "entry", "main"]
 
@@ -352,8 +352,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_options(t)
     t.set_defaults(func=cmd_train)
-    from hybridpar.runtime.train.predict import PredictConfig
-
     r = sub.add_parser("predict", help="a trained net's masks of whole images, written by band")
     add_arguments(r, PredictConfig)
     r.set_defaults(func=cmd_predict)

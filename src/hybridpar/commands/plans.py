@@ -15,7 +15,8 @@ from hybridpar.core.errors import ConfigError
 from hybridpar.core.terms import Term
 from hybridpar.planning.candidates import PlanResult, best_of
 from hybridpar.planning.config import PlanConfig
-from hybridpar.planning.search import SCENARIOS, largest_fitting, make_plan
+from hybridpar.planning.fit import largest_fitting
+from hybridpar.planning.search import SCENARIOS, make_plan
 
 __all__ = ["cmd_plan", "cmd_simulate", "plan_kwargs"]
 

@@ -134,7 +134,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from hybridpar.runtime.launcher import RankFailure, launch, start_server
 
     start_server()
-    from hybridpar.runtime.train.predict import PredictConfig, predict_worker, prepare_predict
+    from hybridpar.runtime.train.config import PredictConfig
+    from hybridpar.runtime.train.predict import predict_worker, prepare_predict
 
     cfg = from_namespace(PredictConfig, args)
     job = prepare_predict(cfg)

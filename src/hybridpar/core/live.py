@@ -1,6 +1,7 @@
 """What a forward pass in evaluation holds at once (core.analysis's last run of the model): every
-tensor an operation returns is counted by its storage from its birth until the last tensor on
-that storage is gone, the input included, parameters and buffers left out; per leaf module, the
+tensor a torch function returns is counted by its storage from its birth until the last tensor on
+that storage is gone, the input included, parameters and buffers left out (a function mode, as
+the trace's own: a dispatch mode would import torch._dynamo, seconds of every plan); per leaf module, the
 most held while it runs (and the functions after it, before the next leaf). It is what an
 inference's peak is made of: the skip connections a U-Net keeps for its decoder, an output and
 the input it is computed from. On the meta device it costs nothing at any size."""
@@ -11,7 +12,7 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from hybridpar.core import ops
@@ -19,7 +20,7 @@ from hybridpar.core import ops
 __all__ = ["held_at_once", "peak_of"]
 
 
-class _Held(TorchDispatchMode):
+class _Held(TorchFunctionMode):
     """Bytes held by the tensors operations returned, now and at most per leaf (`per`)."""
 
     def __init__(self, start: int) -> None:
@@ -30,7 +31,7 @@ class _Held(TorchDispatchMode):
         self.storages: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it]
         self.tensors: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(t) not in self.tensors:

@@ -82,7 +82,6 @@ __all__ = [
     "evaluate",
     "export",
     "grids",
-    "largest_fitting",
     "make_plan",
     "plan_for",
     "plan_layers",
@@ -425,15 +424,9 @@ class _Context:
         net = self.net
         if self.P == 1 or not net.shared_memory or net.two_level or self.choices.device == "cuda":
             return 0.0
-        bands = [lp for lp in chosen if lp.style.kind == "domain" and lp.style.pw == 1]
-        most = max(
-            (
-                largest_halo(x.layer, x.style.pr, x.style.pc, self.slow(x.style), self.e)
-                for x in bands
-            ),
-            default=0.0,
-        )
-        group = max((x.style.pr for x in bands), default=1)
+        bands = [(x.layer, x.style) for x in chosen if x.style.kind == "domain" and x.style.pw == 1]
+        halos = [largest_halo(x, s.pr, s.pc, self.slow(s), self.e) for x, s in bands]
+        most, group = max(halos, default=0.0), max((s.pr for _, s in bands), default=1)
         total = segment(group, most) if 0 < most <= SHM_MAX_BYTES else 0.0
         return total if self.predict else total + segment(self.P, 0.0)
 
@@ -719,49 +712,6 @@ def make_plan(
     layers, shape = model_layers(model, input_size, input_shape)
     request = PlanRequest(P, B, cluster, model=model, input_shape=shape, **options)  # type: ignore[arg-type]
     return plan_layers(layers, request)
-
-
-def largest_fitting(
-    model: str, shape: tuple[int, ...], P: int, B: int, cluster: Cluster, **options: object
-) -> tuple[PlanResult, tuple[tuple[int, ...], str]]:
-    """(the plans of the largest image of `shape`'s aspect (of a zoo model, square or a cube)
-    whose best plan fits the request's memory limit, (the next size up, why it fits none)): sizes in steps of 16 pixels along the
-    first spatial dimension (of its size where smaller), the others scaled alike; doubled
-    until nothing fits, then halved in between."""
-    step = min(16, shape[1])
-
-    def sized(k: int) -> tuple[int, ...]:
-        return (shape[0], *(max(1, round(k * step * d / shape[1])) for d in shape[1:]))
-
-    from hybridpar.core.zoo import is_factory
-
-    def tried(k: int) -> tuple[PlanResult | None, str]:
-        # a zoo model is built for a side (its images square, its volumes cubes)
-        given = {"input_shape": sized(k)} if is_factory(model) else {"input_size": sized(k)[-1]}
-        try:
-            result = make_plan(model, P, B, cluster, **given, **options)
-        except ConfigError as exc:
-            return None, str(exc)
-        best = best_of(result.scenarios)
-        return (result, "") if best is not None else (None, result.scenarios[-1].reason)
-
-    lo = max(1, shape[1] // step)
-    found, why = tried(lo)
-    if found is None:
-        size = " x ".join(map(str, shape[1:]))
-        raise ConfigError(f"no plan fits even {size} under the memory limit ({why})")
-    hi = lo * 2
-    while (got := tried(hi))[0] is not None:
-        lo, found, hi = hi, got[0], hi * 2
-    refused = got[1]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        result, reason = tried(mid)
-        if result is None:
-            hi, refused = mid, reason
-        else:
-            lo, found = mid, result
-    return found, (sized(hi), refused)
 
 
 def model_layers(

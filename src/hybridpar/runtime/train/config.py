@@ -16,7 +16,7 @@ from hybridpar.core.zoo import parse_input_shape, shape_option, size_option
 from hybridpar.planning.presets import parse_preset
 from hybridpar.runtime.options import RuntimeOptions
 
-__all__ = ["DEFAULTS", "DEFAULT_MODEL", "LOSSES", "TrainConfig"]
+__all__ = ["DEFAULTS", "DEFAULT_MODEL", "LOSSES", "PredictConfig", "TrainConfig"]
 
 DEFAULT_MODEL = "digits-wide"
 LOSSES = ("cross-entropy", "dice", "dice+ce", "cross_entropy", "nll_loss", "mse_loss", "l1_loss",
@@ -195,3 +195,43 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class PredictConfig:
+    model: str = meta(
+        None, "the zoo model or package.module:factory the weights are of", required=True
+    )
+    weights: str = meta(
+        None, "the trained weights: a state_dict `hybridpar train --save` wrote", required=True
+    )
+    data: str = meta(
+        None,
+        "the images: file.npz, .h5, .zarr or a folder of x.npy (their x), digits-seg:S[:N], or "
+        "a folder of images (PNG, TIFF, NIfTI; its images/ where it has one) of any sizes; "
+        "labels are not read",
+        required=True,
+    )
+    out: str = meta("predictions", "folder for NAME.mask.npy (and NAME.probabilities.npy)")
+    nproc: int = meta(1, "local processes", aliases=["--procs"], positive=True)
+    preset: str = meta(
+        "domain",
+        "the plan of each image size: a planner scenario (domain: bands or tiles; per-layer, "
+        "batch, model, ...) or a fixed preset (ddp, grid:RxC), planned for one image at a time",
+    )
+    plan: str | None = meta(None, "a plan file for the images' one size (instead of --preset)")
+    cluster: str = meta("localhost", "cluster the plans are made for (bytes only uncalibrated)")
+    memory_limit: float | None = meta(
+        None, "GiB per process the plans keep each rank's predicted bytes under", positive=True
+    )
+    probabilities: bool = meta(False, "also write every class's probability (softmax) per pixel")
+    dtype: Literal["float16", "float32", "float64"] = meta(
+        "float16", "the probabilities' type; float64 also runs the net in float64"
+    )
+    quiet: bool = meta(False, "no line per image")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        parse_preset(self.preset, self.nproc, check_procs=False)
+        if self.plan is not None and self.preset != "domain":
+            raise ConfigError("give --plan or --preset, not both")

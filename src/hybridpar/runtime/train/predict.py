@@ -16,7 +16,6 @@ import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -24,60 +23,21 @@ import torch.distributed as dist
 
 from hybridpar.core.analysis import trace
 from hybridpar.core.cluster import BYTES_ONLY, load_cluster, localhost_path, rank_threads
-from hybridpar.core.config import check_fields, meta, writable
+from hybridpar.core.config import writable
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import cost_layers
 from hybridpar.core.models import build_any
 from hybridpar.core.plan import ParallelPlan
-from hybridpar.planning.presets import parse_preset, plan_preset
+from hybridpar.planning.presets import plan_preset
 from hybridpar.planning.request import PlanRequest
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.trainer import own_outputs
+from hybridpar.runtime.train.config import PredictConfig
 from hybridpar.runtime.train.data import IMAGE_SUFFIXES, Files, Mapped, Volumes, digits_seg
 from hybridpar.runtime.train.stores import ARRAY_SUFFIXES, VOLUME_SUFFIXES, ImageFile, arrays
 
-__all__ = ["PredictConfig", "predict_worker", "prepare_predict"]
-
-
-@dataclass(frozen=True)
-class PredictConfig:
-    model: str = meta(
-        None, "the zoo model or package.module:factory the weights are of", required=True
-    )
-    weights: str = meta(
-        None, "the trained weights: a state_dict `hybridpar train --save` wrote", required=True
-    )
-    data: str = meta(
-        None,
-        "the images: file.npz, .h5, .zarr or a folder of x.npy (their x), digits-seg:S[:N], or "
-        "a folder of images (PNG, TIFF, NIfTI; its images/ where it has one) of any sizes; "
-        "labels are not read",
-        required=True,
-    )
-    out: str = meta("predictions", "folder for NAME.mask.npy (and NAME.probabilities.npy)")
-    nproc: int = meta(1, "local processes", aliases=["--procs"], positive=True)
-    preset: str = meta(
-        "domain",
-        "the plan of each image size: a planner scenario (domain: bands or tiles; per-layer, "
-        "batch, model, ...) or a fixed preset (ddp, grid:RxC), planned for one image at a time",
-    )
-    plan: str | None = meta(None, "a plan file for the images' one size (instead of --preset)")
-    cluster: str = meta("localhost", "cluster the plans are made for (bytes only uncalibrated)")
-    memory_limit: float | None = meta(
-        None, "GiB per process the plans keep each rank's predicted bytes under", positive=True
-    )
-    probabilities: bool = meta(False, "also write every class's probability (softmax) per pixel")
-    dtype: Literal["float16", "float32", "float64"] = meta(
-        "float16", "the probabilities' type; float64 also runs the net in float64"
-    )
-    quiet: bool = meta(False, "no line per image")
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        parse_preset(self.preset, self.nproc, check_procs=False)
-        if self.plan is not None and self.preset != "domain":
-            raise ConfigError("give --plan or --preset, not both")
+__all__ = ["predict_worker", "prepare_predict"]
 
 
 @dataclass(frozen=True)
