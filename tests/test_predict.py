@@ -5,6 +5,7 @@ rank's largest tensor is more than its band and halo of the one process's larges
 The oracle: float64, every written value one process's whole-image inference at rtol 1e-9, the
 class masks (argmax) equal exactly. One spawn per P runs every cell."""
 
+import itertools
 import re
 from pathlib import Path
 
@@ -265,7 +266,7 @@ def _priced(P: int) -> int:
         want = _model(size).eval()(x)
     for cycle in cycles:
         moves = [0]  # a style per segment, in turn (a segment's layers share one layout)
-        for a, z in zip(layers, layers[1:]):
+        for a, z in itertools.pairwise(layers):
             moves.append(moves[-1] + (z.segment is None or z.segment != a.segment))
         styles = [cycle[k % len(cycle)] for k in moves]
         request = PlanRequest(P, b, NET, elem_bytes=8, mode="predict")
