@@ -318,3 +318,61 @@ def test_conv3d_layers_split_by_output_channels(P):
     """Conv3d in the model style, by itself and after depth bands, trains as one process does
     (it was refused: "only Linear and Conv2d layers split over a model group")."""
     assert len(run_ranks(_volumes, P, P, timeout_s=300)[0]) == 2
+
+
+class Upsampling(nn.Module):
+    """Transposed convolutions split by output channels (issue 75, item 2): a 2-d one (5
+    channels: an empty shard on 4 ranks... and uneven ones) after a stem, and a 3-d one."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        conv, up = (nn.Conv2d, nn.ConvTranspose2d) if dims == 2 else (nn.Conv3d, nn.ConvTranspose3d)
+        self.stem = conv(1, 4, 3, padding=1)
+        self.up = up(4, 5, 2, stride=2)
+        self.smooth = up(5, 5, 3, padding=1)
+        self.head = conv(5, CLASSES, 1)
+
+    def forward(self, x):
+        return self.head(F.relu(self.smooth(F.relu(self.up(F.relu(self.stem(x)))))))
+
+
+def _upsampling(P: int, folder: str) -> list[str]:
+    done = []
+    for dims, shape in ((2, (1, 5, 4)), (3, (1, 4, 2, 2))):
+        g = torch.Generator().manual_seed(1)  # the outputs twice the input's size
+        data = [(torch.randn(2, *shape, generator=g, dtype=torch.float64),
+                 torch.randint(0, CLASSES, (2, *[2 * d for d in shape[1:]]), generator=g))
+                for _ in range(STEPS)]  # fmt: skip
+        torch.manual_seed(0)
+        want = _one_process(Upsampling(dims).double(), data)
+        layers = cost_layers(analyze(Upsampling(dims).double(), shape))
+        last = Style.model(P, 1) if P <= CLASSES else Style.domain(P, 1)  # 3 classes
+        for first in (Style.model(P, 1), Style.domain(P, 1)):
+            styles = [first] + [Style.model(P, 1)] * (len(layers) - 2) + [last]
+            plan = evaluate(layers, styles, PlanRequest(P, 2, NET, elem_bytes=8))
+            assert plan.feasible, (first, plan.reason)
+            plan = export(plan, procs=P, batch=2, choices=Choices(), input_shape=shape, model="u")
+            torch.manual_seed(0)
+            t = HybridTrainer(Upsampling(dims).double(), plan, _optimizer, input_shape=shape,
+                              verify=False)  # fmt: skip
+            done.append(_matches(t, plan, data, want, f"{dims}-d P={P} {first}"))
+        # its shards (Shard(1) of the weights) checkpointed and loaded onto bands (replicas)
+        t.save(f"{folder}/{dims}")
+        batch = evaluate(
+            layers, [Style.domain(P, 1)] * len(layers), PlanRequest(P, 2, NET, elem_bytes=8)
+        )
+        batch = export(batch, procs=P, batch=2, choices=Choices(), input_shape=shape, model="u")
+        other = HybridTrainer(Upsampling(dims).double(), batch, _optimizer, input_shape=shape,
+                              verify=False)  # fmt: skip
+        other.load(f"{folder}/{dims}")
+        for k, v in t.full_state_dict().items():
+            torch.testing.assert_close(other.full_state_dict()[k], v, rtol=0, atol=0, msg=k)
+    return done
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_transposed_convolutions_split_by_output_channels(P, tmp_path):
+    """ConvTranspose2d and ConvTranspose3d in the model style, by themselves and after bands,
+    train as one process does (they were refused: "only Linear and Conv2d layers split over a
+    model group"), bytes = prediction; their shards checkpoint and load onto bands."""
+    assert len(run_ranks(_upsampling, P, P, str(tmp_path), timeout_s=300)[0]) == 4

@@ -213,7 +213,7 @@ class _Calls:
                 spec = rec.bands.leaf(spec, module, seen, len(args[0].shape), outs)
                 why = watch.why_not() if watch is not None else ""
                 self.specs.append((t, replace(spec, input_grad=grad, own=why)))
-                splits = ("conv2d", "conv3d", "linear")
+                splits = ("conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d", "linear")
                 if spec.op in splits and not why and not ops.is_plain(module):
                     self.split[name] = (module, shapes[0])
         if module is self.model:

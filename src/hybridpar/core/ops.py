@@ -93,7 +93,8 @@ def functions(names: tuple[str, ...]) -> tuple[Callable, ...]:
     return tuple(getattr(F, f) for f in names)
 
 
-_CONVS = (nn.Conv2d, nn.Conv3d)
+TRANSPOSED = (nn.ConvTranspose2d, nn.ConvTranspose3d)  # their weight: (in, out / groups, ...)
+_CONVS = (nn.Conv2d, nn.Conv3d, *TRANSPOSED)
 _BASES = (*_CONVS, nn.Linear)
 
 
@@ -318,13 +319,16 @@ def install_site(module: nn.Module, func: Callable, k: int, to: Callable) -> Non
 
 
 def why_not_split(module: nn.Module, in_shape: tuple[int, ...]) -> str:
-    """ "" when the model style can split `module` (a Conv2d, Conv3d or Linear, any subclass) by
+    """ "" when the model style can split `module` (a Conv2d, Conv3d or Linear, any subclass; a
+    transposed convolution as torch's own) by
     output units: every parameter of its own has one row per unit, its forward applies its operation to
     its input once, the weight and bias it hands the operation are row-by-row functions of those
     rows, and nothing else of its forward reads them. Else why not, in a few words. Checked on
     random float64 copies of the parameters on the CPU, with vector-Jacobian products."""
     if is_plain(module):
         return ""
+    if isinstance(module, TRANSPOSED):  # its units are its weight's columns: not checked here
+        return "a transposed convolution whose forward computes its weight does not split"
     n = units(module)
     own = dict(module.named_parameters(recurse=False))
     odd = [k for k, p in own.items() if tuple(p.shape[:1]) != (n,)]

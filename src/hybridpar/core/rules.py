@@ -50,8 +50,13 @@ def _takes(layer: CostLayer, kind: str) -> bool:
 def _model(layer: CostLayer, s: Style) -> str:
     if not _takes(layer, "model"):
         return (
-            f"{layer.name} ({layer.op or layer.kind}) cannot take {s}: only Linear, Conv2d and "
-            "Conv3d layers split over a model group; give it batch"
+            f"{layer.name} ({layer.op or layer.kind}) cannot take {s}: only Linear and 2-d and "
+            "3-d convolutions (transposed too) split over a model group; give it batch"
+        )
+    if layer.op.startswith("conv_transpose") and layer.groups > 1 and s.pr > 1:
+        return (
+            f"{layer.name}: a transposed convolution of {layer.groups} groups does not split over "
+            "a model group (groups=1 does); give it batch"
         )
     if s.pr > layer.out_units:
         what = "output features" if layer.op == "linear" else "output channels"

@@ -1,7 +1,8 @@
 """The model style: a weighted layer split over the Pr ranks of a model group, the 1.5D algorithm of
 Gholami et al. (Eq. 8, Fig. 5), for Linear (output features), Conv2d and Conv3d (output
 channels), and any subclass of them whose forward computes its weight row by row
-(hybridpar.core.ops).
+(hybridpar.core.ops); ConvTranspose2d and 3d (groups=1, as torch's own), whose weight holds the
+output channels in its second dimension (`ModelSplit.dim`).
 
 The layer stays the user's module: its parameters with one row per output unit (weight, bias, a
 gain) become this rank's rows, as torch.chunk splits them (ceil(units / Pr) per rank, fewer or none
@@ -74,8 +75,14 @@ class ModelSplit:
             raise ConfigError(
                 f"layer {name} has {units} output units, fewer than Pr={pr}; use a smaller Pr"
             )
-        self.conv = isinstance(module, nn.Conv2d | nn.Conv3d)
+        self.transposed = isinstance(module, ops.TRANSPOSED)
+        self.conv = isinstance(module, nn.Conv2d | nn.Conv3d) or self.transposed
         groups = module.groups if self.conv else 1
+        if self.transposed and groups > 1:
+            raise ConfigError(
+                f"layer {name}: a transposed convolution of {groups} groups does not split over "
+                "a model group (groups=1 does); give it batch"
+            )
         if self.conv and not group_split(units, groups, pr):
             ok = whole_group_prs(units, groups, pr) or [1]
             raise ConfigError(
@@ -93,7 +100,7 @@ class ModelSplit:
         self.r = group_rank(group)
         self.start = sum(self.sizes[: self.r])
         own = dict(module.named_parameters(recurse=False))
-        self.names = [k for k, p in own.items() if tuple(p.shape[:1]) == (units,)]
+        self.names = [k for k, p in own.items() if p.dim() and p.shape[self.dim(p)] == units]
         odd = sorted(set(own) - set(self.names))
         if odd:
             raise ConfigError(f"layer {name}: its parameter {odd[0]} has no row per output unit")
@@ -117,30 +124,34 @@ class ModelSplit:
     """set where the hand-off into this layer reduce-scatters its input's gradient
     (core/handoff.py: fused): dX is left partial here, and the hand-off sums it"""
 
+    def dim(self, t: torch.Tensor) -> int:
+        """The dimension of a parameter-shaped tensor that holds the output units: 0, but 1 of a
+        transposed convolution's weight (in, out, ...)."""
+        return 1 if self.transposed and t.dim() > 1 else 0
+
     def as_dtensor(self, local: torch.Tensor):
         """`local` (this rank's shard of a weight-shaped tensor: the weight, its gradient, an
-        optimizer buffer) as a DTensor: Shard(0) over the model group, replicated over the batch
-        group. A view, not a copy: torch.distributed.checkpoint loads into it in place."""
+        optimizer buffer) as a DTensor: Shard(dim) over the model group, replicated over the
+        batch group. A view, not a copy: torch.distributed.checkpoint loads into it in place."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        shape = (sum(self.sizes), *local.shape[1:])
+        d = self.dim(local)
+        shape = (*local.shape[:d], sum(self.sizes), *local.shape[d + 1 :])
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(
-            local, self.mesh, [Replicate(), Shard(0)], run_check=False, shape=shape, stride=stride
+            local, self.mesh, [Replicate(), Shard(d)], run_check=False, shape=shape, stride=stride
         )
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole weight-shaped tensor."""
-        return full.narrow(0, self.start, self.sizes[self.r])
+        return full.narrow(self.dim(full), self.start, self.sizes[self.r])
 
     @torch.no_grad()
     def full(self) -> dict[str, torch.Tensor]:
         """The whole split parameters by name, gathered over the model group (collective)."""
         via = Via(self.group, term=Term.STATE)
-        return {
-            k: all_gather_uneven(getattr(self.module, k).detach(), self.sizes, 0, via)
-            for k in self.names
-        }
+        mine = {k: getattr(self.module, k).detach() for k in self.names}
+        return {k: all_gather_uneven(t, self.sizes, self.dim(t), via) for k, t in mine.items()}
 
     def _whole(self) -> dict[str, torch.Tensor]:
         """Each split parameter whole-shaped: this rank's rows, zeros elsewhere."""
@@ -153,9 +164,7 @@ class ModelSplit:
         return out
 
     def _mine(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or not self.whole:
-            return t
-        return t.narrow(0, self.start, self.sizes[self.r])
+        return t if t is None or not self.whole else self.shard(t)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input this rank computes on; its backward completes dX over the model group
@@ -171,7 +180,10 @@ class ModelSplit:
         """F.linear, F.conv2d or F.conv3d of the layer's forward, on this rank's rows of the
         weight, the output gathered whole over the model group."""
         w, b = self._mine(weight), self._mine(bias)
-        y = self._conv(x, w, b, *args, **kwargs) if self.conv else F.linear(x, w, b)
+        if self.transposed:
+            y = self._transposed(x, w, b, *args, **kwargs)
+        else:
+            y = self._conv(x, w, b, *args, **kwargs) if self.conv else F.linear(x, w, b)
         pieces = Pieces(tuple(self.sizes), 1 if self.conv else y.dim() - 1)
         return gather(y, pieces, self._via(Term.ALLGATHER))
 
@@ -189,6 +201,16 @@ class ModelSplit:
                 x = torch.cat([x, fill], 1)
             return conv(x, w, b, stride, padding, dilation)[:, :0]
         return conv(x, w, b, stride, padding, dilation, self.my_groups)
+
+    def _transposed(self, x, w, b, *args, **kwargs) -> torch.Tensor:
+        """F.conv_transpose2d or 3d on this rank's output channels (w: (in, mine, ...)); an
+        empty shard computes one zero channel and drops it, as `_conv` does."""
+        conv = F.conv_transpose3d if w.dim() == 5 else F.conv_transpose2d
+        if w.shape[1]:
+            return conv(x, w, b, *args, **kwargs)
+        w = torch.cat([w, w.new_zeros(w.shape[0], 1, *w.shape[2:])], 1)
+        b = None if b is None else torch.cat([b, b.new_zeros(1)])
+        return conv(x, w, b, *args, **kwargs)[:, :0]
 
     def _via(self, term: str) -> Via:
         return Via(self.group, self.ledger, term, self.name, self.codec)
@@ -212,7 +234,7 @@ def split_units(
 
 def _input_shape(module: nn.Module) -> tuple[int, ...]:
     """A small input a forward can be checked on."""
-    if not isinstance(module, nn.Conv2d | nn.Conv3d):
+    if not isinstance(module, nn.Conv2d | nn.Conv3d | ops.TRANSPOSED):
         return (module.in_features,)
     side = max(
         8, *((k - 1) * d + 1 for k, d in zip(module.kernel_size, module.dilation, strict=True))
