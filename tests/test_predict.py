@@ -6,6 +6,7 @@ The oracle: float64, every written value one process's whole-image inference at 
 class masks (argmax) equal exactly. One spawn per P runs every cell."""
 
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -291,3 +292,43 @@ def test_an_inference_sends_the_bytes_its_plan_predicts(P):
     """A plan for inference prices the forward alone: its halos, and of a move its forward half;
     the bytes measured equal it per (layer, term)."""
     assert run_ranks(_priced, P, P, timeout_s=120)[0] == (2 if P == 4 else 1)
+
+
+def test_predict_takes_a_plan_file_and_volumes(tmp_path, capfd):
+    """`plan --mode predict --out` then `predict --plan`: the plan file's layout (1 x 2 tiles, by
+    hand) runs; a folder of x.npy volumes on depth bands (the 3-d U-Net): masks one
+    process's."""
+    from hybridpar.commands.cli import main
+    from hybridpar.core.models import build_any
+
+    net = tmp_path / "bytes.json"
+    net.write_text('{"name": "bytes", "alpha": 1e-6, "beta": 1e-9, "flops": 1e12}')
+    cases = (("unet", (1, 32, 32), "1x2x1"), ("unet3d", (1, 16, 16, 16), None))
+    for name, shape, tiles in cases:
+        torch.manual_seed(2)
+        model = build_any(name, shape, 3).eval()
+        torch.save(model.state_dict(), tmp_path / f"{name}.pt")
+        data = tmp_path / name
+        data.mkdir()
+        x = np.random.default_rng(0).standard_normal((2, *shape)).astype(np.float32)
+        np.save(data / "x.npy", x)
+        args = ["predict", "--model", name, "--weights", tmp_path / f"{name}.pt", "--data", data,
+                "--nproc", "2", "--out", tmp_path / f"{name}-out"]  # fmt: skip
+        if tiles:
+            side = str(shape[-1])
+            assert main(["plan", "--model", name, "--input-size", side, "--procs", "2",
+                         "--batch", "1", "--mode", "predict", "--scenario", "domain",
+                         "--cluster", str(net), "--out", str(tmp_path / "p.json")]) == 0  # fmt: skip
+            plan = json.loads((tmp_path / "p.json").read_text())
+            plan["styles"] = {k: "domain(1x2x1)" for k in plan["styles"]}  # columns, by hand
+            plan.pop("predicted")
+            (tmp_path / "p.json").write_text(json.dumps(plan))
+            args += ["--plan", tmp_path / "p.json"]
+        assert main([str(a) for a in args]) == 0
+        with torch.no_grad():
+            want = model(torch.from_numpy(x)).argmax(1).numpy()
+        for i in range(2):
+            got = np.load(tmp_path / f"{name}-out" / f"{i:05d}.mask.npy")
+            assert np.array_equal(got, want[i]), (name, i)
+        said = capfd.readouterr().out
+        assert ("domain(1x2x1)" if tiles else "domain(2x1)") in said, said

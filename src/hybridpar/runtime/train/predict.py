@@ -214,7 +214,8 @@ def prepare_predict(cfg: PredictConfig) -> PredictJob:
         plan = _plan(cfg, P, shape, cost_layers(traced.specs), mine[0].name)
         layout = resolve(model, plan, shape, P, traced)
         groups.append(Group(shape, layout, mine))
-    for g in groups:  # every check passed: nothing is written before
+    creates = os.environ.get("RANK", "0") == "0"  # under torchrun every rank prepares: one writes
+    for g in groups if creates else ():  # every check passed: nothing is written before
         for im in g.images:
             _create(cfg, im, (classes, *g.shape[1:]))
     return PredictJob(cfg, P, classes, tuple(groups))
@@ -240,6 +241,7 @@ def predict_worker(job: PredictJob) -> list[dict]:
     torch.set_num_threads(rank_threads(os.cpu_count() or 1, job.procs))
     dtype = torch.float64 if cfg.dtype == "float64" else torch.float32
     state, cache, records = _weights(cfg), {}, []
+    dist.barrier()  # under torchrun: rank 0 has created the files
     total, done = sum(len(g.images) for g in job.groups), 0
     for g in job.groups:
         model = _model(cfg, g.shape, job.classes, state, "cpu").to(dtype)
