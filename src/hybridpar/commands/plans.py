@@ -178,9 +178,12 @@ def _fit(cfg: PlanConfig, args: argparse.Namespace, cluster, scenarios: list[str
     over = " x ".join(map(str, refused[0][1:]))
     verb = "predicts" if args.mode == "predict" else "trains"
     where = sys.stderr if args.json else sys.stdout
-    print(f"the largest image a plan on {args.procs} ranks {verb} under {cfg.memory_limit:g} GiB "
-          f"a rank: {size} (peak {best_of(found.scenarios).memory_bytes / 2**30:.3f} GiB); "
-          f"{over} fits no plan ({refused[1]})", file=where)  # fmt: skip
+    print(
+        f"the largest image a plan on {args.procs} ranks {verb} under {cfg.memory_limit:g} GiB "
+        f"a rank: {size} (peak {best_of(found.scenarios).memory_bytes / 2**30:.3f} GiB); "
+        f"{over} fits no plan ({refused[1]})",
+        file=where,
+    )
     return found
 
 

@@ -154,6 +154,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         )
         for g in job.groups
     )
-    print(f"{len(records)} images in {seconds:.1f} s on {job.procs} processes ({plans}); "
-          f"wrote {cfg.out}")  # fmt: skip
+    print(
+        f"{len(records)} images in {seconds:.1f} s on {job.procs} processes ({plans}); "
+        f"wrote {cfg.out}"
+    )
     return 0

@@ -257,8 +257,11 @@ def predict_worker(job: PredictJob) -> list[dict]:
             records.append({"image": image.name, "shape": list(image.shape), "seconds": seconds})
             if rank == 0 and not cfg.quiet:
                 size = " x ".join(map(str, image.shape[1:]))
-                print(f"[{done}/{total}] {image.name} ({size}) on {g.layout.segments[0].label} "
-                      f"in {seconds:.2f} s -> {_files(cfg, image)[0]}", flush=True)  # fmt: skip
+                print(
+                    f"[{done}/{total}] {image.name} ({size}) on {g.layout.segments[0].label} "
+                    f"in {seconds:.2f} s -> {_files(cfg, image)[0]}",
+                    flush=True,
+                )
     return records
 
 
