@@ -234,7 +234,7 @@ def split_units(
 
 def _input_shape(module: nn.Module) -> tuple[int, ...]:
     """A small input a forward can be checked on."""
-    if not isinstance(module, nn.Conv2d | nn.Conv3d | ops.TRANSPOSED):
+    if not isinstance(module, (nn.Conv2d, nn.Conv3d, *ops.TRANSPOSED)):
         return (module.in_features,)
     side = max(
         8, *((k - 1) * d + 1 for k, d in zip(module.kernel_size, module.dilation, strict=True))
