@@ -140,7 +140,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     cfg = from_namespace(PredictConfig, args)
     job = prepare_predict(cfg)
     try:
-        records = launch(predict_worker, job.procs, job, backend="gloo")[0]
+        records = launch(predict_worker, job.procs, job, backend=job.backend)[0]
     except RankFailure as exc:
         print(f"hybridpar predict: error: {exc}", file=sys.stderr)
         return 1

@@ -30,11 +30,13 @@ from hybridpar.core.models import build_any
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.planning.presets import plan_preset
 from hybridpar.planning.request import PlanRequest
+from hybridpar.runtime.comm.devices import local_gpu
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.trainer import own_outputs
 from hybridpar.runtime.train.config import PredictConfig
 from hybridpar.runtime.train.data import IMAGE_SUFFIXES, Files, Mapped, Volumes, digits_seg
+from hybridpar.runtime.train.run import device_and_backend
 from hybridpar.runtime.train.stores import ARRAY_SUFFIXES, VOLUME_SUFFIXES, ImageFile, arrays
 
 __all__ = ["predict_worker", "prepare_predict"]
@@ -65,6 +67,8 @@ class PredictJob:
     procs: int
     classes: int
     groups: tuple[Group, ...]
+    device: str = "cpu"  # and the backend: a GPU per rank where there are enough (run.py's rule)
+    backend: str = "gloo"
 
 
 def images_of(spec: str) -> list[Image]:
@@ -218,7 +222,8 @@ def prepare_predict(cfg: PredictConfig) -> PredictJob:
     for g in groups if creates else ():  # every check passed: nothing is written before
         for im in g.images:
             _create(cfg, im, (classes, *g.shape[1:]))
-    return PredictJob(cfg, P, classes, tuple(groups))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", P))
+    return PredictJob(cfg, P, classes, tuple(groups), *device_and_backend("auto", "auto", local))
 
 
 def _files(cfg: PredictConfig, image: Image) -> tuple[Path, Path]:
@@ -243,12 +248,15 @@ def predict_worker(job: PredictJob) -> list[dict]:
     state, cache, records = _weights(cfg), {}, []
     dist.barrier()  # under torchrun: rank 0 has created the files
     total, done = sum(len(g.images) for g in job.groups), 0
+    device = torch.device(job.device, local_gpu() if job.device == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     for g in job.groups:
-        model = _model(cfg, g.shape, job.classes, state, "cpu").to(dtype)
+        model = _model(cfg, g.shape, job.classes, state, "cpu").to(device, dtype)
         engine = parallelize(model, g.layout.plan, layout=g.layout, input_shape=g.shape)
         for image in g.images:
             t0 = time.perf_counter()
-            part, index = own_outputs(engine, open_image(image, dtype, cache))
+            part, index = own_outputs(engine, open_image(image, dtype, cache).to(device))
             if index is not None:
                 _write(cfg, image, part, index)
             dist.barrier()  # the image is whole in its files
