@@ -154,7 +154,7 @@ def test_predict_from_the_command_line_writes_one_process_s_masks(tmp_path, capf
         probs = torch.from_numpy(np.load(out / f"{i:05d}.probabilities.npy"))
         torch.testing.assert_close(probs, want[i].softmax(0), rtol=1e-9, atol=1e-12)
     said = capfd.readouterr().out
-    assert "3 images in" in said and "(32 x 32: domain(2x1), peak " in said, said
+    assert "3 images in" in said and "(32 x 32: domain(2x1), peak per rank predicted " in said
     # a folder of images of two sizes: a plan each, float16 probabilities by default
     folder = tmp_path / "images"
     folder.mkdir()
@@ -172,7 +172,9 @@ def test_predict_from_the_command_line_writes_one_process_s_masks(tmp_path, capf
         probs = np.load(out / f"{name}.probabilities.npy")
         assert probs.dtype == np.float16 and probs.shape == (11, h, w)
     assert re.search(
-        r"\(32 x 32: domain\(2x1\), peak \S+ MiB; 48 x 32: domain\(2x1\)", capfd.readouterr().out
+        r"\(32 x 32: domain\(2x1\), peak per rank predicted \S+ MiB, measured \S+ MiB; "
+        r"48 x 32: domain\(2x1\)",
+        capfd.readouterr().out,
     )
 
 

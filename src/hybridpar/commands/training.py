@@ -145,17 +145,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
         print(f"hybridpar predict: error: {exc}", file=sys.stderr)
         return 1
     seconds = sum(r["seconds"] for r in records)
-    plans = "; ".join(
-        f"{' x '.join(map(str, g.shape[1:]))}: {g.layout.segments[0].label}"
-        + (
-            f", peak {g.layout.plan.memory_bytes / 2**20:.1f} MiB"
-            if g.layout.plan.memory_bytes
-            else ""
+    plans = []
+    for g in job.groups:  # each size's plan, its predicted peak next to the one measured
+        measured = max(r["peak"] for r in records if tuple(r["shape"]) == g.shape)
+        predicted = g.layout.plan.memory_bytes
+        said = f"predicted {predicted / 2**20:.1f} MiB, " if predicted else ""
+        plans.append(
+            f"{' x '.join(map(str, g.shape[1:]))}: {g.layout.segments[0].label}, peak per rank "
+            f"{said}measured {measured / 2**20:.1f} MiB"
         )
-        for g in job.groups
-    )
+    shown = "; ".join(plans)
     print(
-        f"{len(records)} images in {seconds:.1f} s on {job.procs} processes ({plans}); "
-        f"wrote {cfg.out}"
+        f"{len(records)} images in {seconds:.1f} s on {job.procs} processes ({shown}); wrote {cfg.out}"
     )
     return 0

@@ -26,6 +26,7 @@ from hybridpar.core.cluster import BYTES_ONLY, load_cluster, localhost_path, ran
 from hybridpar.core.config import writable
 from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import cost_layers
+from hybridpar.core.live import peak_of
 from hybridpar.core.models import build_any
 from hybridpar.core.plan import ParallelPlan
 from hybridpar.planning.presets import plan_preset
@@ -254,15 +255,21 @@ def predict_worker(job: PredictJob) -> list[dict]:
     for g in job.groups:
         model = _model(cfg, g.shape, job.classes, state, "cpu").to(device, dtype)
         engine = parallelize(model, g.layout.plan, layout=g.layout, input_shape=g.shape)
+        weights = sum(p.numel() * p.element_size() for p in engine.parameters())
         for image in g.images:
-            t0 = time.perf_counter()
-            part, index = own_outputs(engine, open_image(image, dtype, cache).to(device))
+            t0, got = time.perf_counter(), {}
+            x = open_image(image, dtype, cache).to(device)
+            held = peak_of(lambda e=engine, x=x, got=got: got.update(out=own_outputs(e, x)))
+            part, index = got["out"]
             if index is not None:
                 _write(cfg, image, part, index)
             dist.barrier()  # the image is whole in its files
             done += 1
             seconds = time.perf_counter() - t0
-            records.append({"image": image.name, "shape": list(image.shape), "seconds": seconds})
+            every = [0] * job.procs
+            dist.all_gather_object(every, held + weights)  # the busiest rank's tensors
+            records.append({"image": image.name, "shape": list(image.shape), "seconds": seconds,
+                            "peak": max(every)})  # fmt: skip
             if rank == 0 and not cfg.quiet:
                 size = " x ".join(map(str, image.shape[1:]))
                 print(
