@@ -34,6 +34,7 @@ from hybridpar.planning.request import PlanRequest
 from hybridpar.runtime.comm.devices import local_gpu
 from hybridpar.runtime.parallel.api import parallelize
 from hybridpar.runtime.parallel.layout import Layout, resolve
+from hybridpar.runtime.parallel.memory import peak_bytes
 from hybridpar.runtime.parallel.trainer import own_outputs
 from hybridpar.runtime.train.config import PredictConfig
 from hybridpar.runtime.train.data import IMAGE_SUFFIXES, Files, Mapped, Volumes, digits_seg
@@ -255,11 +256,12 @@ def predict_worker(job: PredictJob) -> list[dict]:
     for g in job.groups:
         model = _model(cfg, g.shape, job.classes, state, "cpu").to(device, dtype)
         engine = parallelize(model, g.layout.plan, layout=g.layout, input_shape=g.shape)
-        weights = sum(p.numel() * p.element_size() for p in engine.parameters())
         for image in g.images:
             t0, got = time.perf_counter(), {}
             x = open_image(image, dtype, cache).to(device)
-            held = peak_of(lambda e=engine, x=x, got=got: got.update(out=own_outputs(e, x)))
+            held = _measured(
+                lambda e=engine, x=x, got=got: got.update(out=own_outputs(e, x)), engine
+            )
             part, index = got["out"]
             if index is not None:
                 _write(cfg, image, part, index)
@@ -267,7 +269,7 @@ def predict_worker(job: PredictJob) -> list[dict]:
             done += 1
             seconds = time.perf_counter() - t0
             every = [0] * job.procs
-            dist.all_gather_object(every, held + weights)  # the busiest rank's tensors
+            dist.all_gather_object(every, held)  # the busiest rank's
             records.append({"image": image.name, "shape": list(image.shape), "seconds": seconds,
                             "peak": max(every)})  # fmt: skip
             if rank == 0 and not cfg.quiet:
@@ -278,6 +280,17 @@ def predict_worker(job: PredictJob) -> list[dict]:
                     flush=True,
                 )
     return records
+
+
+def _measured(fn, engine) -> int:
+    """The peak of `fn()` as torch's MemTracker measures it (memory.peak_bytes); where it
+    refuses the model (a module called twice in one forward), the tensors held at once and the
+    weights (core.live.peak_of)."""
+    try:
+        return peak_bytes(fn, engine)
+    except NotImplementedError:
+        weights = sum(p.numel() * p.element_size() for p in engine.parameters())
+        return peak_of(fn) + weights
 
 
 def _write(cfg: PredictConfig, image: Image, part: torch.Tensor, index: tuple) -> None:
