@@ -69,8 +69,10 @@ def _print_compute_and_memory(report: dict) -> None:
         print("; ".join(said))
     memory = ", ".join(f"{k[5:-3]} peak {v:.0f}" for k, v in peak.items() if k.startswith("peak"))
     if "counted_mb" in peak:
-        predicted = report["plan"].get("memory_bytes")
+        plan = report["plan"]
+        predicted, held = plan.get("memory_bytes"), plan.get("held_bytes")
         before = f"predicted peak {predicted / 2**20:.1f}, " if predicted else ""
+        before += f"held throughout {held / 2**20:.1f}, " if held else ""
         print(
             f"memory per rank, MiB (the largest): {before}counted {peak['counted_mb']:.1f} "
             f"(parameters, gradients, optimizer state, kept for backward); {memory}"

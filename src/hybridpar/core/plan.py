@@ -241,6 +241,9 @@ class ParallelPlan:
     autograd keeps for backward (planning.cost.memory.kept), and the gradients in flight at the
     worst layer's backward; of a plan for inference the weights and the activations alive at
     the worst point of the forward (cost.memory.at_worst); None where not predicted"""
+    held_bytes: float | None = None
+    """of `memory_bytes`, what a rank holds throughout a step (states and what backward keeps:
+    what `HybridTrainer.train_step(count=True)` counts)"""
 
     def __post_init__(self) -> None:
         for name in ("procs", "batch"):
@@ -301,6 +304,7 @@ class ParallelPlan:
             "totals": self.totals,
             **({"placement": list(self.placement)} if self.placement else {}),
             **({"memory_bytes": self.memory_bytes} if self.memory_bytes is not None else {}),
+            **({"held_bytes": self.held_bytes} if self.held_bytes is not None else {}),
             "predicted": [
                 {"layer": p.layer, "term": p.term, "bytes": p.bytes, "seconds": p.seconds}
                 | ({"calls": p.calls} if p.calls else {})
@@ -348,6 +352,7 @@ class ParallelPlan:
                 totals={str(k): float(v) for k, v in d.get("totals", {}).items()},
                 placement=_placement(d.get("placement")),
                 memory_bytes=float(d["memory_bytes"]) if "memory_bytes" in d else None,
+                held_bytes=float(d["held_bytes"]) if "held_bytes" in d else None,
             )
         except ConfigError as exc:
             raise ConfigError(f"{origin}: {str(exc).replace('--', '')}") from None

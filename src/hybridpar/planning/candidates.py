@@ -293,6 +293,7 @@ def export(
         cluster=cluster,
         placement=chosen.placement if engine == "hybridpar" else None,
         memory_bytes=chosen.memory_bytes,
+        held_bytes=chosen.saved_bytes,
         totals={} if cluster == BYTES_ONLY.name else priced_totals(chosen, cluster),
     )
 

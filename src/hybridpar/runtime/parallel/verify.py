@@ -127,7 +127,7 @@ def _smallest(model: nn.Module, plan: ParallelPlan, layout: Layout, loss, option
             small = replace(
                 plan, batch=batch, input_shape=shape, choices=choices, predicted=[], totals={}
             )
-            small.memory_bytes = None
+            small.memory_bytes = small.held_bytes = None
             try:
                 traced = trace(model, shape, memory=False)
                 small_layout = resolve(model, small, shape, plan.procs, traced)
