@@ -31,6 +31,7 @@ def _key(model: str, input_size: int | None) -> str:
         "core/analysis.py",
         "core/bands.py",
         "core/leaves.py",
+        "core/live.py",
         "core/halo.py",
         "core/ops.py",
         "core/operations.py",
