@@ -1,10 +1,10 @@
 """What a forward pass in evaluation holds at once (core.analysis's last run of the model): every
-tensor a torch function returns is counted by its storage from its birth until the last tensor on
-that storage is gone, the input included, parameters and buffers left out (a function mode, as
-the trace's own: a dispatch mode would import torch._dynamo, seconds of every plan); per leaf module, the
-most held while it runs (and the functions after it, before the next leaf). It is what an
-inference's peak is made of: the skip connections a U-Net keeps for its decoder, an output and
-the input it is computed from. On the meta device it costs nothing at any size."""
+tensor a torch function returns is counted by its storage from its birth until the last tensor
+on that storage is gone, the input included, parameters and buffers left out (a function mode,
+as the trace's own: a dispatch mode would import torch._dynamo, seconds of every plan); per leaf
+module, the most held while it runs (and the functions after it, before the next leaf). It is
+what an inference's peak is made of: the skip connections a U-Net keeps for its decoder, an
+output and the input it is computed from. On the meta device it costs nothing at any size."""
 
 from __future__ import annotations
 

@@ -320,10 +320,10 @@ def install_site(module: nn.Module, func: Callable, k: int, to: Callable) -> Non
 
 def why_not_split(module: nn.Module, in_shape: tuple[int, ...]) -> str:
     """ "" when the model style can split `module` (a Conv2d, Conv3d or Linear, any subclass; a
-    transposed convolution as torch's own) by
-    output units: every parameter of its own has one row per unit, its forward applies its operation to
-    its input once, the weight and bias it hands the operation are row-by-row functions of those
-    rows, and nothing else of its forward reads them. Else why not, in a few words. Checked on
+    transposed convolution as torch's own) by output units: every parameter of its own has one
+    row per unit, its forward applies its operation to its input once, the weight and bias it
+    hands the operation are row-by-row functions of those rows, and nothing else of its forward
+    reads them. Else why not, in a few words. Checked on
     random float64 copies of the parameters on the CPU, with vector-Jacobian products."""
     if is_plain(module):
         return ""
