@@ -157,7 +157,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
             f"{said}measured {measured / 2**20:.1f} MiB"
         )
     shown = "; ".join(plans)
+    n, P = len(records), job.procs
     print(
-        f"{len(records)} images in {seconds:.1f} s on {job.procs} processes ({shown}); wrote {cfg.out}"
+        f"{n} image{'s' * (n > 1)} in {seconds:.1f} s on {P} process{'es' * (P > 1)} "
+        f"({shown}); wrote {cfg.out}"
     )
     return 0
