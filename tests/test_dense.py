@@ -473,7 +473,7 @@ def _memory(P: int) -> list[tuple[str, float, float]]:
         t.train_step(x, y, count=True)
         every = [None] * P
         dist.all_gather_object(every, sum(t.counted.values()))
-        out.append((label, plan.saved_bytes, max(every), t.counted))
+        out.append((label, plan.held_bytes, max(every), t.counted))
     return out
 
 

@@ -125,17 +125,17 @@ class Plan:
         }
 
     @property
-    def saved_bytes(self) -> float:
+    def held_bytes(self) -> float:
         """Bytes the busiest rank holds throughout a step: states and what backward keeps."""
         return math.fsum(x.memory_bytes for x in self.layers)
 
     @property
     def memory_bytes(self) -> float:
-        """The busiest rank's predicted peak: `saved_bytes`, the largest layer's worst moment
+        """The busiest rank's predicted peak: `held_bytes`, the largest layer's worst moment
         beyond it (gradients in flight; in evaluation, the activations alive) and the shared
         segments it writes."""
         worst = max((x.peak_bytes for x in self.layers), default=0.0)
-        return self.saved_bytes + worst + self.shared_bytes
+        return self.held_bytes + worst + self.shared_bytes
 
     def bytes_by_term(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -293,7 +293,7 @@ def export(
         cluster=cluster,
         placement=chosen.placement if engine == "hybridpar" else None,
         memory_bytes=chosen.memory_bytes,
-        held_bytes=chosen.saved_bytes,
+        held_bytes=chosen.held_bytes,
         totals={} if cluster == BYTES_ONLY.name else priced_totals(chosen, cluster),
     )
 

@@ -325,13 +325,25 @@ class Volumes:
         return np.stack(out)
 
 
+def image_shape(f: Path) -> tuple[int, ...]:
+    """(C, *size) of an image or volume file, from its header: an RGB(A) TIFF's channels, one of
+    a grey image or a volume."""
+    if f.suffix.lower() in VOLUME_SUFFIXES:
+        shape = ImageFile(f, [0]).shape
+        rgb = f.suffix != ".nii" and len(shape) == 3 and shape[-1] in (3, 4)
+        return (shape[-1], *shape[:2]) if rgb else (1, *shape)
+    from PIL import Image
+
+    with Image.open(f) as img:
+        w, h = img.size
+        return (1 if img.mode in ("L", "I", "F", "1") else 3, h, w)
+
+
 def _volumes_signature(spec: str, images: list[Path], masks: list[Path]) -> Signature:
     """Of TIFF or NIfTI pairs, from the headers: every image and mask of the first's size; the
     classes from the masks, 64 rows at a time."""
-    first = ImageFile(images[0], [0]).shape
-    rgb = images[0].suffix != ".nii" and len(first) == 3 and first[-1] in (3, 4)
-    size, channels = (first[:2], first[-1]) if rgb else (first, 1)
-    classes = 0
+    channels, *dims = image_shape(images[0])
+    size, classes = tuple(dims), 0
     for img, mask in zip(images, masks, strict=True):
         a, b = ImageFile(img, [0]), ImageFile(mask, [0])
         if a.shape[: len(size)] != size or b.shape != size:
@@ -374,9 +386,7 @@ def _pairs_signature(spec: str) -> Signature:
     images, masks = _pairs(spec)
     if volume_suffix(images):
         return _volumes_signature(spec, images, masks)
-    with Image.open(images[0]) as first:
-        w, h = first.size
-        channels = 1 if first.mode in ("L", "I", "F", "1") else 3
+    channels, h, w = image_shape(images[0])
     classes = 0
     for img, mask in zip(images, masks, strict=True):
         with Image.open(img) as a, Image.open(mask) as b:

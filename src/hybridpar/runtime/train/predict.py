@@ -37,9 +37,16 @@ from hybridpar.runtime.parallel.layout import Layout, resolve
 from hybridpar.runtime.parallel.memory import peak_bytes
 from hybridpar.runtime.parallel.trainer import own_outputs
 from hybridpar.runtime.train.config import PredictConfig
-from hybridpar.runtime.train.data import IMAGE_SUFFIXES, Files, Mapped, Volumes, digits_seg
+from hybridpar.runtime.train.data import (
+    IMAGE_SUFFIXES,
+    Files,
+    Mapped,
+    Volumes,
+    digits_seg,
+    image_shape,
+)
 from hybridpar.runtime.train.run import device_and_backend
-from hybridpar.runtime.train.stores import ARRAY_SUFFIXES, VOLUME_SUFFIXES, ImageFile, arrays
+from hybridpar.runtime.train.stores import ARRAY_SUFFIXES, VOLUME_SUFFIXES, arrays
 
 __all__ = ["predict_worker", "prepare_predict"]
 
@@ -92,7 +99,7 @@ def images_of(spec: str) -> list[Image]:
     )
     if not files:
         raise ConfigError(f"--data {spec}: no images there (PNG, JPEG, TIFF or NIfTI files)")
-    return [Image(f.stem, _file_shape(f), ("file", str(f))) for f in files]
+    return [Image(f.stem, image_shape(f), ("file", str(f))) for f in files]
 
 
 def _array(spec: str):
@@ -109,19 +116,6 @@ def _array(spec: str):
     if "x" not in found:
         raise ConfigError(f"--data {spec}: no array x of images")
     return found["x"]
-
-
-def _file_shape(f: Path) -> tuple[int, ...]:
-    """(C, *size) of an image file, from its header."""
-    if f.suffix.lower() in VOLUME_SUFFIXES:
-        shape = ImageFile(f, [0]).shape
-        rgb = f.suffix != ".nii" and len(shape) == 3 and shape[-1] in (3, 4)
-        return (shape[-1], *shape[:2]) if rgb else (1, *shape)
-    from PIL import Image as PIL
-
-    with PIL.open(f) as img:
-        w, h = img.size
-        return (1 if img.mode in ("L", "I", "F", "1") else 3, h, w)
 
 
 def open_image(image: Image, dtype: torch.dtype, cache: dict) -> Mapped:
