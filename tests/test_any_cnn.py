@@ -158,8 +158,9 @@ def test_a_depthwise_split_is_planned_and_accepted():
     assert "would cut one of its 2 groups" in why and "[2]" in why, why
 
 
-@pytest.mark.parametrize("pad", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("pad", ["reflect", "replicate"])
 def test_other_padding_modes_cannot_take_domain(pad):
+    """(A circular padding wraps around: tests/test_operations.py.)"""
     from hybridpar.core.plan import Style
     from hybridpar.core.rules import why_not
 

@@ -191,21 +191,46 @@ def test_input_gradients_through_a_domain_first_layer(P):
     run_ranks(_input_gradient, P, P)
 
 
+def _got(w, parts: int) -> list[dict]:
+    """{sender: [lo, hi)} of the rows each rank receives (one piece per sender without wrap)."""
+    return [{p.rank: (p.lo, p.hi) for p in mine} for mine in w.plan(parts)]
+
+
 def test_halo_rows_follow_stride_dilation_and_bands():
     """The rows each band reads from the others (core.halo): a middle band has two
     neighbours and the end bands one; stride and dilation change the rows, not floor(k/2); a
     band thinner than the halo is crossed; a 1x1 window moves nothing."""
     assert bands(13, 4) == [(0, 4), (4, 7), (7, 10), (10, 13)]
     w = Window(3, 1, 1, 1, 12)  # 3x3 pad 1 over 3 bands of 4 rows
-    assert w.plan(3) == [{1: (4, 5)}, {0: (3, 4), 2: (8, 9)}, {1: (7, 8)}]
+    assert _got(w, 3) == [{1: (4, 5)}, {0: (3, 4), 2: (8, 9)}, {1: (7, 8)}]
     assert w.rows_sent(3) == [1, 2, 1] and w.messages(3) == [1, 2, 1]
     dil = Window(3, 1, 2, 2, 12)  # dilation 2: two rows each side
     assert dil.rows_sent(3) == [2, 4, 2]
     alex = Window(11, 4, 2, 1, 53)  # output bands [0,3) [3,6) [6,9) [9,12) over 4 ranks
-    assert alex.h_out == 12 and alex.plan(4)[1] == {0: (10, 14), 2: (27, 29)}
+    assert alex.h_out == 12 and _got(alex, 4)[1] == {0: (10, 14), 2: (27, 29)}
     thin = Window(5, 1, 2, 1, 5)  # 5 rows over 4 ranks: [2, 1, 1, 1]; row 3 reads rows 1..4
-    assert thin.plan(4)[2] == {0: (1, 2), 1: (2, 3), 3: (4, 5)}
+    assert _got(thin, 4)[2] == {0: (1, 2), 1: (2, 3), 3: (4, 5)}
     assert Window(1, 1, 0, 1, 12).rows_sent(4) == [0, 0, 0, 0]
+
+
+def test_a_periodic_dimension_wraps_its_halo_around_the_edges():
+    """A circular padding (core.halo.RowMap.wrap): the first band reads the last band's rows
+    above it and the last the first's below; on 2 bands each reads two pieces of the other in
+    one message; one band (or a band reading its own rows from across the edge) sends
+    nothing; an F.pad of the rows maps output row o to input row o - top."""
+    from hybridpar.core.halo import Pad, Piece
+
+    w = Window(3, 1, 1, 1, 12, wrap=True)
+    assert w.plan(3)[0] == (Piece(2, 11, 12, -1), Piece(1, 4, 5, 4))
+    assert w.plan(3)[2] == (Piece(1, 7, 8, 7), Piece(0, 0, 1, 12))
+    assert w.rows_sent(3) == [2, 2, 2] and w.messages(3) == [2, 2, 2]
+    assert w.plan(2)[0] == (Piece(1, 11, 12, -1), Piece(1, 6, 7, 6))
+    assert w.rows_sent(2) == [2, 2] and w.messages(2) == [1, 1]
+    assert w.plan(1) == [(Piece(0, 11, 12, -1), Piece(0, 0, 1, 12))] and w.rows_sent(1) == [0]
+    assert Window(3, 1, 1, 1, 12).rows_sent(3) == [1, 2, 1]  # zero padding: the ends send less
+    pad = Pad(2, -1, 8, wrap=False)  # two rows of fill above, the last row cut off
+    assert pad.h_out == 9 and pad.reads(0, 3) == (-2, 1) and _got(pad, 2) == [{}, {0: (3, 4)}]
+    assert Pad(2, 1, 8, wrap=True).plan(2)[0] == (Piece(1, 6, 8, -2),)
 
 
 def test_the_domain_rule_refuses_with_the_reason():

@@ -63,12 +63,36 @@ class LayerNormed(nn.Module):
         return self.head(F.relu(self.norm(self.stem(x))))
 
 
+class Periodic(nn.Module):
+    """A latitude x longitude net: convolutions with padding_mode="circular" (a 3 x 5 one after a
+    pooling), a CircularPad2d before an unpadded convolution, a constant pad of the rows (a crop
+    back after it), a ZeroPad2d and an asymmetric circular F.pad before the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular")
+        self.wrap = nn.CircularPad2d(1)
+        self.mid = nn.Conv2d(4, 4, 3)
+        self.pool = nn.MaxPool2d(2)
+        self.deep = nn.Conv2d(4, 4, (3, 5), padding=(1, 2), padding_mode="circular")
+        self.up = nn.Upsample(scale_factor=2)
+        self.zero = nn.ZeroPad2d((0, 0, 1, 0))
+        self.head = nn.Conv2d(4, CLASSES, 3)
+
+    def forward(self, x):
+        y = F.relu(self.mid(self.wrap(F.relu(self.stem(x)))))
+        y = self.up(F.relu(self.deep(self.pool(y))))
+        y = F.pad(F.pad(y, (0, 0, 2, 1), value=0.5), (0, 0, -1, -2))
+        return self.head(F.pad(self.zero(y), (2, 0, 0, 1), mode="circular"))
+
+
 # name -> (builder, per-example input, global batch); 10 rows: bands of 5 (or 4, 3, 3) rows of
 # which the unshuffle's outputs read across the cut
 NETS = {
     "shuffled": (Shuffled, (3, 10, 12), 2),
     "layernormed": (lambda: LayerNormed((10, 8)), (3, 10, 8), 2),
     "channelpad": (lambda: ChannelPadded(), (2, 10, 8), 2),
+    "periodic": (Periodic, (3, 10, 8), 2),
 }
 
 
@@ -147,6 +171,48 @@ def _train(P: int) -> list[str]:
 def test_pixel_shuffles_and_a_layer_norm_over_the_image_train_on_bands_as_one_process(P):
     done = run_ranks(_train, P, P, timeout_s=300)[0]
     assert len(done) == len(NETS) * (3 if P == 2 else 2), done
+
+
+class PeriodicVolume(nn.Module):
+    """A 3-d net periodic along its depth: a Conv3d with padding_mode="circular", and a circular
+    F.pad of depth, height and width before an unpadded one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv3d(1, 4, 3, padding=1, padding_mode="circular")
+        self.head = nn.Conv3d(4, CLASSES, 3)
+
+    def forward(self, x):
+        return self.head(F.pad(F.relu(self.stem(x)), (1, 1, 1, 1, 1, 1), mode="circular"))
+
+
+def _wrapping(P: int) -> list[str]:
+    from hybridpar.runtime.options import RuntimeOptions
+
+    done = []
+    cases = [("periodic", Style.domain(P, 1, 2), True), ("periodic", Style.domain(P, 1), False),
+             ("volume", Style.domain(P, 1), True)]  # fmt: skip
+    for name, style, shm in cases:
+        build, shape = (PeriodicVolume, (1, 8, 5, 4)) if name == "volume" else NETS[name][:2]
+        data = _batches(shape, 2)
+        torch.manual_seed(0)
+        want = _one_process(build().double(), data)
+        layers = cost_layers(analyze(build().double(), shape))
+        plan = evaluate(layers, [style] * len(layers), PlanRequest(P, 2, NET, elem_bytes=8))
+        plan = export(plan, procs=P, batch=2, choices=Choices(), input_shape=shape, model=name)
+        torch.manual_seed(0)
+        t = HybridTrainer(build().double(), plan, _optimizer, input_shape=shape, verify=False,
+                          options=RuntimeOptions(shared_memory=shm))  # fmt: skip
+        done.append(_matches(t, plan, data, want, f"{name} {style} shm={shm}"))
+    return done
+
+
+def test_circular_padding_wraps_around_on_tiles_bands_and_depth_bands():
+    """Issue 75 item 4 on 4 ranks (the 2 and 3 of `periodic` run above): the periodic net on
+    2 x 2 tiles (the corners from across both edges), on 4 bands point to point (the first and
+    last band send each other rows), and a volume periodic in depth on 4 depth bands."""
+    done = run_ranks(_wrapping, 4, 4, timeout_s=300)[0]
+    assert len(done) == 3, done
 
 
 def test_the_unshuffle_reads_across_a_cut_that_is_not_a_multiple_of_its_factor():
@@ -250,7 +316,7 @@ class PaddedResidual(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(2, 5, 3, padding=1)
         self.shortcut = ChannelPad(3)
-        self.rows = nn.ZeroPad2d((0, 0, 1, 1))  # a module of no state that does pad rows
+        self.rows = nn.ReflectionPad2d((0, 0, 1, 1))  # a module of no state that mixes rows
         self.head = nn.Conv2d(5, CLASSES, 3)
 
     def forward(self, x):
@@ -272,12 +338,12 @@ class ChannelPadded(nn.Module):
 
 def test_a_module_of_no_state_is_judged_by_what_its_functions_do():
     """A leaf module hybridpar does not know and that holds nothing (MONAI's ChannelPad) keeps
-    rows apart when every function its forward calls does; one that pads rows is refused by
-    its name as before."""
+    rows apart when every function its forward calls does; one that mixes rows (a reflection
+    pad) is refused by its name as before (a ZeroPad2d is a window: core.operations' "pad")."""
     layers = cost_layers(analyze(PaddedResidual(), (2, 8, 6)))
     blockers = {b for x in layers for b in x.blockers}
     assert not any("ChannelPad" in b for b in blockers), blockers
-    assert "ZeroPad2d mixes rows" in blockers, blockers
+    assert "ReflectionPad2d mixes rows" in blockers, blockers
 
 
 class Volumes(nn.Module):

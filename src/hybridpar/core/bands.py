@@ -93,8 +93,11 @@ class Bands:
         k = self.count(func)
         off = [a for a in at if a != 2]  # a permuted band's rows are elsewhere
         op = ops.site_operation(func) if isinstance(out, torch.Tensor) and not off else None
+        spec = None
         if op is not None and (op.bands == "resample" or not (whole and all(whole))):
-            self.sites.append((t, self.site(func, k, args, kwargs, out, all(whole), op=op)))
+            spec = self.site(func, k, args, kwargs, out, all(whole), op=op)
+        if spec is not None:  # a layer of its own (not a pad of other dims than the rows)
+            self.sites.append((t, spec))
             return
         if whole and all(whole):  # a whole value's function: whole too
             self.made_whole(outs)
@@ -130,7 +133,7 @@ class Bands:
         return k
 
     def site(self, func, k: int, args: tuple, kwargs: dict | None, out, spread=False, how="",
-             op=None) -> LayerSpec:  # fmt: skip
+             op=None) -> LayerSpec | None:  # fmt: skip
         """A call in a module's own forward that is a layer of its own (an F.interpolate,
         `spread` of a whole value; an F.pixel_shuffle: core.operations' `call`), or a global
         pooling (`how`): core.ops.site_name, the domain style takes that call."""
@@ -141,6 +144,8 @@ class Bands:
             return LayerSpec(name, "pool", func.__name__, **shapes, op="global_pool",
                              rows=("global", how))  # fmt: skip
         fields, why = op.call(func, args, kwargs or {}, *shapes.values())
+        if fields is None:
+            return None
         if spread and fields.get("rows", ())[:1] == ("resample",):
             fields["rows"] = ("spread", fields["rows"][1])
         return LayerSpec(name, op.kind, func.__name__, **shapes, **fields, op=op.name,

@@ -21,6 +21,7 @@ reads (`RowMap.reads`); the halo and its bytes follow from that alone:
 | ------------ | ---------------------------------------- | ------------------------------------------- |
 | `Window`     | Conv2d, MaxPool2d, AvgPool2d (ceil_mode) | s*o0 - p .. s*(o1-1) - p + d*(k-1), padded   |
 | `Transposed` | ConvTranspose2d                          | the inputs whose taps land in the band      |
+| `Pad`        | F.pad (constant or circular)             | o0 - top .. o1 - 1 - top                    |
 | `Resample`   | Upsample / F.interpolate                 | the source rows of torch's own weights      |
 | `Spread`     | the same, of a whole value (a global     | every row, held by every rank: none moves   |
 |              | pooling's) to the image's rows           |                                             |
@@ -28,6 +29,13 @@ reads (`RowMap.reads`); the halo and its bytes follow from that alone:
 A resampling's source rows are read off torch itself (the identity interpolated along the height,
 cached per geometry), so the rows a band reads are the rows torch reads, whatever the mode
 (nearest, nearest-exact, bilinear, bicubic), align_corners or scale.
+
+Wrap-around. A circular padding (`padding_mode="circular"`, `F.pad(..., mode="circular")`) makes
+a dimension periodic (`RowMap.wrap`): the rows a band reads above row 0 are the image's last
+rows, those below its last row its first. The exchange then cuts what a band reads at the edges
+(`Piece`: which rows of whose band, and where they go): the first and last bands send each other
+rows, and a band that reads its own rows from across the edge (one rank; or a band of a tile
+row) copies them itself.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from dataclasses import dataclass
 
 __all__ = [
     "TILED",
+    "Pad",
     "Part",
+    "Piece",
     "Pooled",
     "Resample",
     "RowMap",
@@ -78,9 +88,12 @@ def tile(shape: tuple[int, ...], pr: int, pw: int, r: int) -> tuple:
 
 
 class RowMap:
-    """Which input rows an operation's output rows read, along the height (`h_in` -> `h_out`)."""
+    """Which input rows an operation's output rows read, along the height (`h_in` -> `h_out`).
+    Where `wrap` is set the dimension is periodic: rows read beyond an edge are the image's rows
+    from the other edge (a circular padding), which the first and last bands exchange."""
 
     h_in: int
+    wrap: bool = False
 
     @property
     def h_out(self) -> int:
@@ -88,7 +101,7 @@ class RowMap:
 
     def reads(self, o0: int, o1: int) -> tuple[int, int]:
         """[lo, hi) of the input rows the output rows [o0, o1) read (rows outside [0, h_in)
-        are padding; lo >= hi: none)."""
+        are padding, or wrap around; lo >= hi: none)."""
         raise NotImplementedError
 
     def held(self, parts: int) -> list[tuple[int, int]]:
@@ -100,8 +113,9 @@ class RowMap:
         stand-ins, the halo exchange and the cost model take it from."""
         return _parts(self, n)
 
-    def plan(self, parts: int) -> list[dict[int, tuple[int, int]]]:
-        """For each rank: {other rank: [lo, hi) of that rank's input rows it receives}."""
+    def plan(self, parts: int) -> list[tuple[Piece, ...]]:
+        """For each rank: the pieces of other ranks' rows it receives, in row order (its own rows
+        wrapped around a periodic dimension among them: `Piece.rank` its own)."""
         return _exchange(self, parts)[0]
 
     def rows_sent(self, parts: int) -> list[int]:
@@ -109,8 +123,19 @@ class RowMap:
         return list(_exchange(self, parts)[1])
 
     def messages(self, parts: int) -> list[int]:
-        """Messages each rank sends (one per rank it sends rows to)."""
+        """Messages each rank sends (one per rank it sends rows to: its pieces go together)."""
         return list(_exchange(self, parts)[2])
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Input rows [lo, hi) held by rank `rank` that a rank reads, at row `at` of the padded image
+    (lo + a multiple of the height: wrapped around a periodic dimension, `RowMap.wrap`)."""
+
+    rank: int
+    lo: int
+    hi: int
+    at: int
 
 
 @dataclass(frozen=True)
@@ -130,31 +155,34 @@ def _parts(m: RowMap, n: int) -> list[Part]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _exchange(m: RowMap, parts: int) -> tuple[list[dict[int, tuple[int, int]]], tuple, tuple]:
+def _exchange(m: RowMap, parts: int) -> tuple[list[tuple[Piece, ...]], tuple, tuple]:
     """(RowMap.plan, rows each rank sends, messages each rank sends) of map `m` over `parts`
     ranks, once per geometry (the planner asks for the same ones at every grid it weighs). The
-    ranks a band reads from are found by bisection: the bands are sorted and contiguous."""
-    each = m.parts(parts)
+    rows a band reads are cut at the image's edges (a periodic dimension's rows beyond them are
+    its rows from the other side, else padding) and their holders found by bisection: the bands
+    are sorted and contiguous."""
+    each, h = m.parts(parts), m.h_in
     ins = [p.held for p in each]
     starts = [a for a, _ in ins]
-    whole = [r for r, band in enumerate(ins) if band == (0, m.h_in)]
-    got: list[dict[int, tuple[int, int]]] = []
-    sent, count = [0] * parts, [0] * parts
+    got: list[tuple[Piece, ...]] = []
+    sent, pairs = [0] * parts, set()
     for r, p in enumerate(each):
-        lo, hi = p.reads if p.out[0] < p.out[1] else (0, 0)
-        lo, hi = max(lo, 0), min(hi, m.h_in)
-        mine: dict[int, tuple[int, int]] = {}
-        if lo < hi and r not in whole:
-            for q in range(max(bisect.bisect_right(starts, lo) - 1, 0), parts):
+        lo, hi = p.reads if p.out[0] < p.out[1] and (m.wrap or p.held != (0, h)) else (0, 0)
+        mine = []
+        for turn in range(lo // h, -(-hi // h)) if m.wrap and lo < hi else [0]:
+            x0, x1 = max(lo - turn * h, 0), min(hi - turn * h, h)
+            for q in range(max(bisect.bisect_right(starts, x0) - 1, 0), parts) if x0 < x1 else ():
                 a, b = ins[q]
-                if a >= hi:
+                if a >= x1:
                     break
-                x, y = max(lo, a), min(hi, b)
-                if q != r and x < y:
-                    mine[q] = (x, y)
-                    sent[q] += y - x
-                    count[q] += 1
-        got.append(mine)
+                x, y = max(x0, a), min(x1, b)
+                if x < y and (q != r or turn):
+                    mine.append(Piece(q, x, y, x + turn * h))
+                    if q != r:
+                        sent[q] += y - x
+                        pairs.add((q, r))
+        got.append(tuple(mine))
+    count = [sum(1 for q, _ in pairs if q == s) for s in range(parts)]
     return got, tuple(sent), tuple(count)
 
 
@@ -170,6 +198,7 @@ class Window(RowMap):
     dilation: int
     h_in: int
     ceil: bool = False
+    wrap: bool = False  # padding_mode="circular": the rows beyond the edges wrap around
 
     @property
     def span(self) -> int:
@@ -210,6 +239,24 @@ class Transposed(RowMap):
         reach = self.dilation * (self.kernel - 1)
         lo = -(-(o0 + self.padding - reach) // self.stride)
         return max(lo, 0), min((o1 - 1 + self.padding) // self.stride + 1, self.h_in)
+
+
+@dataclass(frozen=True)
+class Pad(RowMap):
+    """F.pad along the height: `top` rows before the image and `bottom` after (negative: rows
+    cut off), constant or (`wrap`) circular."""
+
+    top: int
+    bottom: int
+    h_in: int
+    wrap: bool = False
+
+    @property
+    def h_out(self) -> int:
+        return self.h_in + self.top + self.bottom
+
+    def reads(self, o0: int, o1: int) -> tuple[int, int]:
+        return o0 - self.top, o1 - self.top
 
 
 @dataclass(frozen=True)
@@ -288,20 +335,23 @@ class Span:
     size_out: int  # rows out (H out)
     channels: int  # C in
     across: int  # elements of one row of one channel (W in; a volume's H x W)
-    how: str = ""  # "" a sliding window, "ceil" a pooling with ceil_mode, "transposed",
-    # "resample" (an interpolation), "spread" (the same, of a whole value)
+    how: str = ""  # "" a sliding window, "ceil" a pooling with ceil_mode, "circular" a window
+    # on a periodic dimension, "transposed", "resample" (an interpolation), "spread" (the same,
+    # of a whole value), "pad" (F.pad: `padding` rows before)
     extra: object = None  # transposed: the output padding; resample/spread: (mode,
-    # align_corners, scale or None)
+    # align_corners, scale or None); pad: (rows after, circular)
 
     def row_map(self) -> RowMap:
         k, s, p, d, h_in = self.kernel, self.stride, self.padding, self.dilation, self.size_in
         if self.how == "transposed":
             return Transposed(k, s, p, d, h_in, self.extra)
+        if self.how == "pad":
+            return Pad(p, self.extra[0], h_in, self.extra[1])
         if self.how in ("resample", "spread"):
             mode, align, scale = self.extra[:3]
             cls = Spread if self.how == "spread" else Resample
             return cls(mode, align, scale, h_in, self.size_out)
-        return Window(k, s, p, d, h_in, self.how == "ceil")
+        return Window(k, s, p, d, h_in, self.how == "ceil", self.how == "circular")
 
     @property
     def whole_in(self) -> bool:

@@ -198,6 +198,10 @@ def _window(s: LayerSpec, axis: int = 0) -> tuple[Span, ...]:
         extra = h_out - ((h - 1) * st - 2 * p + d * (k - 1) + 1)
     elif how in ("resample", "spread") and axis:
         extra = (*extra[:2], extra[3])  # the width's scale
+    elif how == "pad":
+        extra = (extra[0][axis], extra[1])  # the rows after, circular
+    if s.padding_mode == "circular":
+        how = "circular"
     return (Span(s.name, k, st, p, d, h, h_out, c, w, how, extra),)
 
 

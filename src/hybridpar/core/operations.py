@@ -12,7 +12,7 @@ resolved by core.ops where torch runs; a record's functions read a module's attr
 
 | bands         | how the domain style runs it on a band of rows (or a tile)                    |
 | ------------- | ----------------------------------------------------------------------------- |
-| "window"      | on the band and the halo rows its window reads (core.halo.Window)             |
+| "window"      | on the band and the halo rows its window reads (core.halo.Window, Pad)        |
 | "transposed"  | on the input rows whose taps land in the band (core.halo.Transposed)          |
 | "resample"    | on the source rows of torch's own weights (core.halo.Resample)                |
 | "stats"       | each example's statistics over the ranks holding its bands                    |
@@ -96,7 +96,8 @@ def _padded(m, x: tuple) -> str:
     name = type(m).__name__
     if isinstance(m.padding, str) and m.padding != "valid":
         return f"{name} with padding='{m.padding}'"
-    return f"{name} with padding_mode='{m.padding_mode}'" if m.padding_mode != "zeros" else ""
+    ok = ("zeros", "circular")  # a circular padding wraps around: core.halo.RowMap.wrap
+    return f"{name} with padding_mode='{m.padding_mode}'" if m.padding_mode not in ok else ""
 
 
 def _pool(m, x: tuple, y: tuple) -> dict:
@@ -229,6 +230,47 @@ def _shuffle_call(func, args: tuple, kwargs: dict, x: tuple, y: tuple) -> tuple[
     return _shuffle(int(r), func.__name__ == "pixel_shuffle", len(x) - 1), ""
 
 
+def _pad_fields(pad: tuple, mode: str, dims: int) -> tuple[dict, str]:
+    """A pad (F.pad's `pad`, last dim first) of `dims` spatial dims as a window of one row whose
+    padding is its rows before (core.halo.Pad), and why it cannot run on a band ("": it can)."""
+    pairs = [tuple(pad[2 * i : 2 * i + 2]) if 2 * i < len(pad) else (0, 0) for i in range(dims)]
+    pairs = pairs[::-1]  # the rows first
+    why = "" if mode in ("constant", "circular") else f"pad in mode {mode!r} of the rows"
+    if mode == "circular" and min(pad) < 0:
+        why = "circular pad by a negative amount"
+    rows = ("pad", (tuple(b for _, b in pairs), mode == "circular"))
+    return dict(one_row(dims), padding=tuple(t for t, _ in pairs), rows=rows), why
+
+
+def _pad_call(func, args: tuple, kwargs: dict, x: tuple, y: tuple) -> tuple[dict | None, str]:
+    """F.pad in a forward of the rows (the height; a volume's depth) or of a 2-d image's
+    columns: a layer of its own; None where it pads neither (it keeps the rows apart:
+    core.rows.function_blocker), or the columns only in a mode a window does not take
+    (core.rows.column_blocker refuses it on tiles)."""
+    pad = tuple(args[1] if len(args) > 1 else kwargs["pad"])
+    mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+    fields, why = _pad_fields(pad, mode, len(x) - 1)
+    tops, (bottoms, _) = fields["padding"], fields["rows"][1]
+    cols = len(x) == 3 and (tops[1] or bottoms[1])  # a 2-d image's (x: C, H, W)
+    if not (tops[0] or bottoms[0]) and not (cols and not why):
+        return None, ""
+    return fields, why
+
+
+def _pad_module(m, x: tuple, y: tuple) -> dict:
+    return _pad_fields(m.padding, "circular" if _circular(m) else "constant", len(x) - 1)[0]
+
+
+def _pad_blocker(m, x: tuple) -> str:
+    return _pad_fields(m.padding, "circular" if _circular(m) else "constant", len(x) - 1)[1]
+
+
+def _circular(m) -> bool:
+    from torch import nn
+
+    return isinstance(m, nn.modules.padding._CircularPadNd)
+
+
 def _conv_record(name: str, dims: str, styles: tuple, transposed: bool = False) -> Operation:
     cls = f"Conv{'Transpose' if transposed else ''}{dims}d"
     if dims == "1":
@@ -292,6 +334,9 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("pixel_unshuffle", "other", ("PixelUnshuffle",), bands="window",
               blocker=_shuffle_images, geometry=_shuffle_module, call=_shuffle_call,
               stand_in="shuffle"),
+    Operation("pad", "other", ("modules.padding._ConstantPadNd", "modules.padding._CircularPadNd"),
+              bands="window", blocker=_pad_blocker, geometry=_pad_module, call=_pad_call,
+              stand_in="pad"),
     Operation("softmax", "activation", ("Softmax", "LogSoftmax"), swap=False, bands="unchanged",
               blocker=_softmax),
     Operation("elementwise", "activation", _ELEMENTWISE, swap=False, bands="unchanged"),

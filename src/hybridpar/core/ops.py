@@ -123,12 +123,12 @@ class Matcher:
         self.inputs = {id(x)}
         self._keep = [x]  # ids stay unique while the forward runs
 
-    def _on_input(self, args: tuple) -> bool:
+    def on_input(self, args: tuple) -> bool:
         return bool(args) and isinstance(args[0], torch.Tensor) and id(args[0]) in self.inputs
 
     def is_op(self, func: Callable, args: tuple) -> bool:
         """`func(*args)` is the operation on the input (counted)."""
-        if func in self.funcs and self._on_input(args):
+        if func in self.funcs and self.on_input(args):
             self.hits += 1
             return True
         return False
@@ -136,7 +136,7 @@ class Matcher:
     def passed(self, func: Callable, args: tuple, out: object) -> None:
         """After `func(*args)` returned `out`: a function of `through` on the input makes more
         input."""
-        if func in self.through and self._on_input(args) and isinstance(out, torch.Tensor):
+        if func in self.through and self.on_input(args) and isinstance(out, torch.Tensor):
             self.inputs.add(id(out))
             self._keep.append(out)
 
@@ -156,7 +156,10 @@ class _Swap(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.matcher.is_op(func, args):
             return self.to(*args, **kwargs)
-        out = func(*args, **kwargs)
+        through = getattr(self.to, "through", None)  # a stand-in that pads the input itself
+        if through is None or func not in self.matcher.through or not self.matcher.on_input(args):
+            through = func
+        out = through(*args, **kwargs)
         self.matcher.passed(func, args, out)
         return out
 

@@ -8,7 +8,8 @@ names the operation.
 Which modules do is core.operations' table (a convolution or pooling on the band and its halo,
 a norm's statistics over the ranks, a global pooling summed over them). This file says it of
 the torch functions a forward calls: element-wise functions, cat / chunk / split along batch or
-channels and a pad of other dimensions keep rows apart; a mean, sum or amax over height and
+channels and a pad of other dimensions keep rows apart (a constant or circular pad of the rows is
+a layer of its own: core.operations' "pad"); a mean, sum or amax over height and
 width or an adaptive pooling to 1 (or an average to k x l cells) pools globally (`global_pool`),
 and anything on such a whole value alone runs unchanged on every rank. Everything else (flatten
 or view of rows, indexing of rows, Softmax over space) ends a domain segment's claim.
@@ -19,7 +20,7 @@ there (`permuted_blocker`); anything else on a permuted band, or a permuted band
 cut or as the model's output, ends the claim.
 
 Tiles (a 2-d image split by rows and columns) need the columns kept apart too: everything above
-does, except a pad of the columns and a permuted band, whose columns the trace does not follow
+does, except a pad of the columns in another mode and a permuted band, whose columns the trace does not follow
 (`column_blocker`: blockers of tiles alone).
 
 A whole value (a global pooling's) meets the bands only by broadcasting (x * s, x + s,

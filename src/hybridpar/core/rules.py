@@ -86,10 +86,10 @@ def _domain(layer: CostLayer, s: Style) -> str:
             f"{layer.name} ({layer.op or layer.kind}) cannot be split by height: only 2-d and "
             "3-d convolutions and transposed convolutions take domain; give it batch or model"
         )
-    if layer.padding_mode != "zeros":
+    if layer.padding_mode not in ("zeros", "circular"):
         return (
-            f"{layer.name} pads with {layer.padding_mode!r}: only zero-padded convolutions are "
-            "split by height; give it batch or model"
+            f"{layer.name} pads with {layer.padding_mode!r}: only zero-padded and circular "
+            "convolutions are split by height; give it batch or model"
         )
     if layer.own:
         first = layer.own[0]

@@ -46,22 +46,29 @@ class Exchange:
         self.ranks = [dist.get_global_rank(group.pg, j) for j in line]
         part = window.parts(pr)[me]
         self.band, self.out = part.held, part.out
-        plan = window.plan(pr)  # every rank's receives: {rank: [lo, hi)}
-        self.receives = plan[me]
-        self.sends = {q: plan[q][me] for q in range(pr) if me in plan[q]}
-        self.needed = any(plan)  # no rank reads another's rows (1x1, aligned pools): nothing moves
-        # through shared memory each rank's slot holds its pieces in rank order (forward: the rows
-        # it sends, by receiver; backward: the gradients of the rows it got, by sender): the most
-        # rows a slot holds, and where this rank's piece starts in another's
-        sent = [{q: plan[q][r] for q in range(pr) if r in plan[q]} for r in range(pr)]
-        self.most = max(sum(b - a for a, b in s.values()) for s in sent)
-        self.most_back = max(sum(b - a for a, b in got.values()) for got in plan)
-        self.read_at = {q: _rows_before(sent[q], me) for q in self.receives}
-        self.back_at = {q: _rows_before(plan[q], me) for q in self.sends}
+        plan = window.plan(pr)  # every rank's pieces, in row order
+        # what this rank receives, in row order; by sender; and its own rows from across an edge
+        self.pieces = [p for p in plan[me] if p.rank != me]
+        self.selfs = [p for p in plan[me] if p.rank == me]
+        self.receives: dict[int, list] = {}  # by sender, in row order
+        for p in self.pieces:
+            self.receives.setdefault(p.rank, []).append(p)
+        self.sends = {r: [p for p in plan[r] if p.rank == me] for r in range(pr) if r != me}
+        self.sends = {r: ps for r, ps in self.sends.items() if ps}  # by receiver, in row order
+        self.needed = any(p.rank != r for r in range(pr) for p in plan[r])  # else nothing moves
+        # through shared memory each rank's slot holds its pieces by receiver in rank order
+        # (forward: the rows it sends; backward: the gradients of the rows it got, by sender):
+        # the most rows a slot holds, and where this rank's piece starts in another's
+        sent = [{r: _rows(plan[r], q) for r in range(pr) if r != q} for q in range(pr)]
+        got = [{q: _rows(plan[r], q) for q in range(pr) if q != r} for r in range(pr)]
+        self.most = max(sum(s.values()) for s in sent)
+        self.most_back = max(sum(g.values()) for g in got)
+        self.read_at = {q: _before(sent[q], me) for q in self.receives}
+        self.back_at = {r: _before(got[r], me) for r in self.sends}
         self.hidden: list[tuple[float, float]] = []  # per forward: (halo seconds, exposed seconds)
 
-    def _shape(self, like: torch.Tensor, rows: tuple[int, int]) -> tuple[int, ...]:
-        return _rows_like(like, rows[1] - rows[0], self.dim)
+    def _shape(self, like: torch.Tensor, rows: int) -> tuple[int, ...]:
+        return _rows_like(like, rows, self.dim)
 
     def _row_bytes(self, like: torch.Tensor) -> int:
         return math.prod(_rows_like(like, 1, self.dim)) * like.element_size()
@@ -82,10 +89,8 @@ class Exchange:
         call["t0"] = time.perf_counter()
         call["width"] = sum(t.shape[3] for t in xs) if len(xs) > 1 else None  # a strip's
         pieces = [
-            torch.cat([t.narrow(self.dim, a - lo, b - a) for t in xs], dim=3)
-            if len(xs) > 1
-            else x.narrow(self.dim, a - lo, b - a)
-            for _, (a, b) in sorted(self.sends.items())
+            _cat([self._piece(xs, p.lo - lo, p.hi - p.lo) for p in ps], self.dim)
+            for _, ps in sorted(self.sends.items())
         ]
         sent = sum(t.numel() * t.element_size() for t in pieces)
         shm = self._shm(x, self.most)
@@ -95,27 +100,37 @@ class Exchange:
             works, bufs = [], {}
             for (q, _), piece in zip(sorted(self.sends.items()), pieces, strict=True):
                 works.append(p2p.isend(piece.contiguous(), self.ranks[q], self.group.pg))
-            for q, rows in self.receives.items():
-                bufs[q] = x.new_empty(_wide(self._shape(x, rows), call["width"]))
+            for q, ps in self.receives.items():
+                bufs[q] = x.new_empty(_wide(self._shape(x, _rows(ps)), call["width"]))
                 works.append(p2p.irecv(bufs[q], self.ranks[q], self.group.pg))
             call["works"], call["bufs"] = works, bufs
         if self.ledger is not None:
             layers = {self.layer: 1.0}
             call["entry"] = self.ledger.record("halo", self.pr, sent, 0.0, Term.HALO_FWD, layers)
 
-    def arrived(self, call: dict) -> dict[int, torch.Tensor]:
-        """Wait for the rows this rank reads: {rank: rows}."""
+    def _piece(self, xs: list[torch.Tensor], start: int, rows: int) -> torch.Tensor:
+        """Rows [start, start + rows) of the band (of a strip's pieces, joined along the width)."""
+        return _cat([t.narrow(self.dim, start, rows) for t in xs], 3)
+
+    def arrived(self, call: dict) -> list[torch.Tensor]:
+        """Wait for the rows this rank reads: one tensor per piece, in row order."""
         if "shm" not in call:
             for w in call["works"]:
                 w.wait()
-            return call["bufs"]
-        shm, posted, x = call["shm"]
-        slots = shm.finish(posted, "send the halo rows of")
-        row, out = self._row_bytes(x), {}
-        for q, rows in self.receives.items():
-            off = self.read_at[q] * row
-            n = (rows[1] - rows[0]) * row
-            out[q] = slots[q][off : off + n].view(x.dtype).view(self._shape(x, rows)).clone()
+            bufs = call["bufs"]
+        else:
+            shm, posted, x = call["shm"]
+            slots = shm.finish(posted, "send the halo rows of")
+            row, bufs = self._row_bytes(x), {}
+            for q, ps in self.receives.items():
+                off, n = self.read_at[q] * row, _rows(ps) * row
+                shape = self._shape(x, _rows(ps))
+                bufs[q] = slots[q][off : off + n].view(x.dtype).view(shape).clone()
+        at = {q: 0 for q in bufs}
+        out = []
+        for p in self.pieces:  # each sender's pieces lie in row order in its message
+            out.append(bufs[p.rank].narrow(self.dim, at[p.rank], p.hi - p.lo))
+            at[p.rank] += p.hi - p.lo
         return out
 
     def send_back(self, grads: dict[int, torch.Tensor], call: dict) -> None:
@@ -141,25 +156,28 @@ class Exchange:
             pieces = [grads[q] for q in sorted(grads)]
             row = self._row_bytes(g)
             slots = shm.finish(shm.begin(pieces, self.most_back * row), "send halo gradients of")
-            for q, rows in self.sends.items():
-                off = self.back_at[q] * row
-                n = (rows[1] - rows[0]) * row
-                inbound[q] = slots[q][off : off + n].view(g.dtype).view(self._shape(g, rows))
+            for r, ps in self.sends.items():
+                off, n = self.back_at[r] * row, _rows(ps) * row
+                inbound[r] = slots[r][off : off + n].view(g.dtype).view(self._shape(g, _rows(ps)))
         else:
             works = []
-            for q, rows in self.sends.items():
-                inbound[q] = g.new_empty(_wide(self._shape(g, rows), call["width"]))
-                works.append(p2p.irecv(inbound[q], self.ranks[q], self.group.pg))
+            for r, ps in self.sends.items():
+                inbound[r] = g.new_empty(_wide(self._shape(g, _rows(ps)), call["width"]))
+                works.append(p2p.irecv(inbound[r], self.ranks[r], self.group.pg))
             for w in [*call.get("back", []), *works]:
                 w.wait()
         if inbound:
             gs = [t.clone() for t in gs]
-            for q, (a, b) in self.sends.items():
-                at = 0
-                for t in gs:  # a strip's pieces, side by side along the width
-                    part = inbound[q].narrow(3, at, t.shape[3]) if len(gs) > 1 else inbound[q]
-                    t.narrow(self.dim, a - lo, b - a).add_(part)
-                    at += t.shape[-1]
+            for r, ps in self.sends.items():
+                first = 0
+                for p in ps:  # the receiver's pieces of this band, in row order
+                    rows, at = p.hi - p.lo, 0
+                    back = inbound[r].narrow(self.dim, first, rows)
+                    for t in gs:  # a strip's pieces, side by side along the width
+                        part = back.narrow(3, at, t.shape[3]) if len(gs) > 1 else back
+                        t.narrow(self.dim, p.lo - lo, rows).add_(part)
+                        at += t.shape[-1]
+                    first += rows
         if self.ledger is not None:
             took, sent = time.perf_counter() - t0, call.get("back_bytes", 0)
             self.ledger.record("halo", self.pr, sent, took, Term.HALO_BWD, {self.layer: 1.0})
@@ -176,9 +194,18 @@ def _rows_like(like: torch.Tensor, rows: int, dim: int = 2) -> tuple[int, ...]:
     return (*like.shape[:dim], rows, *like.shape[dim + 1 :])
 
 
-def _rows_before(pieces: dict[int, tuple[int, int]], me: int) -> int:
-    """Rows of the pieces {rank: [lo, hi)} of ranks below `me` (a slot's pieces in rank order)."""
-    return sum(b - a for q, (a, b) in pieces.items() if q < me)
+def _rows(pieces, rank: int | None = None) -> int:
+    """Rows of the pieces (of rank `rank`'s rows only)."""
+    return sum(p.hi - p.lo for p in pieces if rank is None or p.rank == rank)
+
+
+def _before(rows: dict[int, int], me: int) -> int:
+    """Rows of a slot's chunks {rank: rows} of ranks below `me` (a slot's chunks in rank order)."""
+    return sum(n for q, n in rows.items() if q < me)
+
+
+def _cat(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return torch.cat(ts, dim=dim) if len(ts) > 1 else ts[0]
 
 
 class _Post(torch.autograd.Function):
@@ -209,30 +236,21 @@ class _Post(torch.autograd.Function):
 
 
 class _Wait(torch.autograd.Function):
-    """Forward: wait for the rows posted by _Post; they come back as the rows above and below
-    this rank's band. Backward: their gradients go back to their owners (_Post's backward, which
-    runs after this one on every rank, completes the exchange)."""
+    """Forward: wait for the rows posted by _Post; they come back as one tensor per piece the
+    band reads (`Exchange.pieces`, in row order: above it, below it, and from across an edge).
+    Backward: their gradients go back to their owners (_Post's backward, which runs after this
+    one on every rank, completes the exchange)."""
 
     @staticmethod
     def forward(ctx, x, exchange, call):
-        bufs = exchange.arrived(call)
         ctx.exchange, ctx.call = exchange, call
-        below = [bufs[q] for q in sorted(bufs) if q < exchange.me]
-        above = [bufs[q] for q in sorted(bufs) if q > exchange.me]
-        d = exchange.dim
-        empty = x.new_empty(_wide(_rows_like(x, 0, d), call["width"]))
-        top = torch.cat(below, dim=d) if below else empty
-        bottom = torch.cat(above, dim=d) if above else empty.clone()
-        return top, bottom
+        return (*exchange.arrived(call), x.new_empty(0))  # one more: never none
 
     @staticmethod
-    def backward(ctx, g_top, g_bottom):
+    def backward(ctx, *gs):
         ex: Exchange = ctx.exchange
-        grads, at = {}, {"top": 0, "bottom": 0}
-        for q in sorted(ex.receives):
-            a, b = ex.receives[q]
-            side, g = ("top", g_top) if q < ex.me else ("bottom", g_bottom)
-            grads[q] = g.narrow(ex.dim, at[side], b - a)
-            at[side] += b - a
-        ex.send_back(grads, ctx.call)
+        grads: dict = {}
+        for p, g in zip(ex.pieces, gs[:-1], strict=True):  # by sender, in row order
+            grads.setdefault(p.rank, []).append(g)
+        ex.send_back({q: _cat(g, ex.dim) for q, g in grads.items()}, ctx.call)
         return None, None, None

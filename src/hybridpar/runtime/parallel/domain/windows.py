@@ -79,10 +79,11 @@ class _Windowed:
         w, (a, b) = window, self.exchange.band
         # the output rows whose window reads only this band (and padding): computed while the
         # halo rows travel
+        edge = (-math.inf, math.inf) if w.wrap else (0, w.h_in)  # periodic: no padding
         inside = [
             o
             for o in range(*self.exchange.out)
-            if max(w.reads(o, o + 1)[0], 0) >= a and min(w.reads(o, o + 1)[1], w.h_in) <= b
+            if max(w.reads(o, o + 1)[0], edge[0]) >= a and min(w.reads(o, o + 1)[1], edge[1]) <= b
         ]
         self.interior = (inside[0], inside[-1] + 1) if inside else (0, 0)
 
@@ -98,15 +99,15 @@ class _Windowed:
         """Padded input rows (dim 3: columns) [lo, hi) from the pieces (first image row, rows)
         and the fill: one tensor, or where `joined` is off the list of pieces (the band's a view
         of it)."""
-        h = (self.exchange if dim == 2 else self.widen).window.h_in
-        out = []
-        if lo < 0:
+        window = (self.exchange if dim == 2 else self.widen).window
+        h, out = window.h_in, []
+        if lo < 0 and not window.wrap:
             out.append(like.new_full(_rows_like(like, -lo, dim), self.fill))
-        for first, t in parts:
+        for first, t in sorted(parts, key=lambda p: p[0]):
             a, b = max(lo, first), min(hi, first + t.shape[dim])
             if a < b:
                 out.append(t.narrow(dim, a - first, b - a))
-        if hi > h:
+        if hi > h and not window.wrap:
             out.append(like.new_full(_rows_like(like, hi - h, dim), self.fill))
         if not out:  # output rows no input row reaches (a transposed convolution's gaps)
             out.append(like.new_zeros(_rows_like(like, 0, dim)))
@@ -119,14 +120,14 @@ class _Windowed:
         """On tiles: the tile with the halo columns its output columns read, and the padding's,
         as its column pieces (no copy of the tile)."""
         ex = self.widen
-        parts = [(ex.band[0], x)]
+        got = []
         if ex.needed:
             call: dict = {}
             (x,) = _Post.apply(ex, call, x)
-            left, right = _Wait.apply(x, ex, call)
+            got = [(p.at, t) for p, t in zip(ex.pieces, _Wait.apply(x, ex, call), strict=False)]
             if "entry" in call:
                 call["entry"].seconds = time.perf_counter() - call["t0"]
-            parts = [(ex.band[0] - left.shape[3], left), (ex.band[0], x), (ex.band[1], right)]
+        parts = [*_own(ex, x), *got]
         lo, a, b = self.cols
         pieces = self._rows(parts, lo, max(lo, ex.window.reads(a, b)[1]), x, dim=3, joined=False)
         return pieces[0] if len(pieces) == 1 else _Strip(pieces)
@@ -144,14 +145,14 @@ class _Windowed:
         ex, call = self.exchange, {}
         (o0, o1), (i0, i1) = ex.out, self.interior
         if not ex.needed:
-            return self._out([(ex.band[0], x)], o0, o1, x)
+            return self._out(_own(ex, x), o0, o1, x)
         if isinstance(x, _Strip):  # its rows go joined along the width, corners with them
             x = _Strip(list(_Post.apply(ex, call, *x.pieces)))
             like = x.pieces[0]
         else:
             (x,) = _Post.apply(ex, call, x)
             like = x
-        own = [(ex.band[0], x)]
+        own = [(ex.band[0], x)]  # (the band's rows from across an edge: with the halo's)
         # the interior rows while the halo rows travel, over the network; through shared memory
         # they are there at once, and three pieces (the interior, the rows next to each
         # neighbour, their concatenation, forward and backward) cost more than one call on band
@@ -159,12 +160,12 @@ class _Windowed:
         pieces = i0 < i1 and "shm" not in call
         mid = self._out(own, i0, i1, x) if pieces else None
         t_mid = time.perf_counter()
-        top, bottom = _Wait.apply(like, ex, call)
+        got = _Wait.apply(like, ex, call)
         t_end = time.perf_counter()
         ex.hidden.append((t_end - call["t0"], t_end - t_mid))
         if "entry" in call:
             call["entry"].seconds = t_end - call["t0"]
-        parts = [(ex.band[0] - top.shape[2], top), *own, (ex.band[1], bottom)]
+        parts = [*_own(ex, x), *((p.at, t) for p, t in zip(ex.pieces, got, strict=False))]
         if mid is None:
             return self._out(parts, o0, o1, x)
         pieces = [mid]
@@ -175,6 +176,12 @@ class _Windowed:
         return torch.cat(pieces, dim=2) if len(pieces) > 1 else mid
 
 
+def _own(ex: Exchange, x) -> list[tuple[int, object]]:
+    """(first row, rows) of the band `x` and of its rows a window reads from across an edge."""
+    lo = ex.band[0]
+    return [(lo, x), *((p.at, x.narrow(ex.dim, p.lo - lo, p.hi - p.lo)) for p in ex.selfs)]
+
+
 class DomainConv(_Windowed):
     """F.conv2d (a volume's F.conv3d) on this rank's band of rows (of depth slices), with the
     weight and bias the module's forward hands it (whole on every rank): the height padding
@@ -183,7 +190,19 @@ class DomainConv(_Windowed):
     def __init__(self, conv: nn.Module, window: RowMap, group, ledger, layer: str, **tiles):
         self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
         self.setup(window, group, ledger, layer, **tiles)
-        self.width_padding = (0, 0) if self.cols else (0, *conv.padding[1:])
+        circular = getattr(conv, "padding_mode", "zeros") == "circular"  # padded by `compute`
+        zeros = (0,) * len(conv.padding)
+        self.width_padding = zeros if self.cols or circular else (0, *conv.padding[1:])
+        self.wrap: list[int] = []  # what `compute` pads circularly: the dims a rank holds whole
+
+    def through(self, x: torch.Tensor, pad, mode="constant", *args, **kwargs) -> torch.Tensor:
+        """The module's circular F.pad of its input before its convolution: the split dims
+        wrap around by the rows (columns) the exchange brings from across the edges
+        (core.halo.RowMap.wrap), the others are padded by `compute` (their rows travel
+        unpadded, as the cost model prices them)."""
+        split = 2 * (x.dim() - 3) - (2 if self.cols is not None else 0)  # F.pad: last dim first
+        self.wrap = [*pad[:split], *[0] * (len(pad) - split)] if any(pad[:split]) else []
+        return x
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None, *args, **kwargs):
         self.weight, self.bias = weight, bias
@@ -196,6 +215,12 @@ class DomainConv(_Windowed):
 
     def compute(self, rows: list, lo: int, a: int, b: int) -> torch.Tensor:
         conf = (self.stride, self.width_padding, self.dilation, self.groups)
+        if self.wrap and rows[0].dim() == 5:  # a volume's height and width wrap: padded whole
+            x = torch.cat(rows, dim=2)
+            return _CONV[5][0](F.pad(x, self.wrap, "circular"), self.weight, self.bias, *conf)
+        if self.wrap:  # the width wraps: its last and first columns as pieces (views) of a strip
+            a, b = self.wrap[:2]
+            rows = [_Strip([r.narrow(3, r.shape[3] - a, a), r, r.narrow(3, 0, b)]) for r in rows]
         if len(rows) == 1 and not isinstance(rows[0], _Strip):  # the band alone (a 1x1
             return _CONV[rows[0].dim()][0](rows[0], self.weight, self.bias, *conf)  # conv)
         layout = tuple(len(r.pieces) if isinstance(r, _Strip) else 1 for r in rows)
@@ -456,7 +481,32 @@ class DomainShuffle(_Windowed):
         return y
 
 
+class DomainPad(_Windowed):
+    """F.pad on this rank's band of rows (or tile): the rows (columns) beyond the image's edges
+    are the fill or, circular, the image's rows from across the edge (the exchange brings them);
+    the dimensions a rank holds whole are padded as torch pads them."""
+
+    def __init__(self, module: nn.Module, window: RowMap, group, ledger, layer: str, **tiles):
+        self.setup(window, group, ledger, layer, **tiles)
+
+    def __call__(self, x: torch.Tensor, pad, mode: str = "constant", value=None) -> torch.Tensor:
+        self.pad, self.mode, self.value = list(pad), mode, value
+        self.fill = 0.0 if value is None else float(value)
+        return self.band(x)
+
+    def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
+        pad = list(self.pad)
+        for d in range(2, 3 + (self.cols is not None)):  # the rows (columns) padded already
+            at = 2 * (rows.dim() - 1 - d)
+            pad[at : at + 2] = [0, 0][: max(len(pad) - at, 0)]
+        if not any(pad):
+            return rows
+        value = {"value": self.value} if self.value is not None else {}
+        return F.pad(rows, pad, self.mode, **value)
+
+
 STAND_INS = {
+    "pad": DomainPad,
     "conv": DomainConv,
     "transposed": DomainTransposed,
     "resample": DomainResample,
