@@ -10,6 +10,7 @@ planner, `export`, the presets and both command-line configs share, with one def
 | `amp`      | none, bf16 autocast (activations travel as bf16)               | none                |
 | `device`   | auto (cuda where every local rank has a GPU), cpu, cuda        | auto                |
 | `backend`  | auto (nccl with a GPU per rank, else gloo), gloo, nccl         | auto                |
+| `shard_states` | the domain segments' parameters, gradients and optimizer state sharded (FSDP2) | off |
 | `activation_checkpointing` | module globs or Sequential segments `A..B` recomputed in backward | none |
 
 `bn` defaults to global because it is the one that keeps DESIGN.md invariant 1: batch norm over
@@ -155,6 +156,12 @@ class Choices:
         "the loss runs on the whole batch's outputs, joined on every rank (one that does not "
         "split over their parts: a lambda that returns a mean, a Dice of another library); the "
         "plan prices their all-gather (train sets it from --loss)",
+    )
+
+    shard_states: bool = meta(
+        False,
+        "shard the parameters, gradients and optimizer state of the layers split by height over "
+        "their model group (torch's FSDP2): each rank keeps 1/Pr of them, all-gathered per layer",
     )
 
     activation_checkpointing: tuple[str, ...] = meta(

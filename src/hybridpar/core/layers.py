@@ -98,6 +98,8 @@ class CostLayer:
     # runs, per sample (elements; core.live)
     live: tuple[float, float] = (0.0, 0.0)
     pools: tuple[Pooled, ...] = ()  # global poolings riding along (core.halo.Pooled)
+    shards: tuple[tuple[tuple[int, int], ...], ...] = ()  # per member with parameters, their
+    # (first dim, elements per index of it): what sharded states gather and scatter (FSDP2)
     # members (the weighted module included) that run unchanged on every rank of a domain
     # layout: on a global pooling's value (whole there), or over the channels of a band a
     # permute made channels-last (its rows kept apart)
@@ -215,6 +217,7 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
         members, windows = (*layer.members, s.name), (*layer.windows, *_window(s))
         cols = (*layer.cols, *_window(s, 1))
         fields = {"members": members, "windows": windows, "cols": cols, "own": own, "saved": saved}
+        fields["shards"] = (*layer.shards, s.shapes) if s.shapes else layer.shards
         fields["live"] = (s.live[0], max(layer.live[1], s.live[1]))
         return CostLayer(**{**layer.__dict__, **fields, "unchanged": unchanged})
     norms, spatial, pools = layer.norms, layer.spatial_norms, layer.pools
@@ -246,5 +249,6 @@ def _ride(layer: CostLayer, s: LayerSpec, weighted: bool = False) -> CostLayer:
             "pools": pools,
             "unchanged": unchanged,
             "out": s.d_out,
+            "shards": (*layer.shards, s.shapes) if s.shapes else layer.shards,
         }
     )

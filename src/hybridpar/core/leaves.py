@@ -65,6 +65,8 @@ class LayerSpec:
     # whole on every rank that holds bands of the image, where it runs unchanged
     permuted: int = 0  # where a permute moved its input's rows (0: dim 2, as they come): a
     # channels-last layer norm or Linear, unchanged on a band
+    shapes: tuple[tuple[int, int], ...] = ()  # per parameter of its own: (its first dim, the
+    # elements of one index of it), what sharding by the first dim splits (FSDP2)
 
     @property
     def params(self) -> int:
@@ -139,6 +141,7 @@ def leaf_spec(
         weights=weights,
         biases=biases,
         flops=_flops(module, kind, in_shape, out_shape),
+        shapes=tuple((len(p), p[0].numel()) for p in module.parameters(recurse=False) if p.dim()),
         op=op.name if op is not None else kind,
         blocker=module_blocker(module, in_shape),
         **extra,

@@ -380,13 +380,15 @@ class ParallelPlan:
             per.setdefault(p.layer, {})[p.term] = p
         named = dict(self.styles)
         width = max([len(k) for k in [*per, *named]] + [5])
-        head = f"{'layer':<{width}}  {'style':<12}" + "".join(f"{t:>14}" for t in terms)
+        wide = {t: max(14, len(str(t)) + 2) for t in terms}
+        head = f"{'layer':<{width}}  {'style':<12}" + "".join(f"{t:>{wide[t]}}" for t in terms)
         c = self.choices
         lines = [
             f"plan {self.scenario} for {self.model or 'a model'}: P={self.procs}, B={self.batch}, "
             f"engine {self.engine}, bn {c.bn}, codec {c.codec}"
             + (f" on {'+'.join(c.compress)}" if c.codec != "none" else "")
             + f", reducer {c.reducer}"
+            + (", states sharded" if c.shard_states else "")
             + (
                 f", recomputed {','.join(c.activation_checkpointing)}"
                 if c.activation_checkpointing
@@ -400,7 +402,7 @@ class ParallelPlan:
             style = named.get(layer)
             row = per.get(layer, {})
             cells = "".join(
-                f"{row[t].bytes / 1e3:14.1f}" if t in row and row[t].bytes else f"{'':14}"
+                f"{row[t].bytes / 1e3:{wide[t]}.1f}" if t in row and row[t].bytes else " " * wide[t]
                 for t in terms
             )
             lines.append(f"{layer:<{width}}  {style.label if style else '':<12}{cells}")

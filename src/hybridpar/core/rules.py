@@ -157,22 +157,45 @@ def why_not(layer: CostLayer, s: Style, batch: int) -> str:
 
 
 def why_not_choices(
-    choices: Choices, styles: Iterable[Style], layers: Iterable[CostLayer] = ()
+    choices: Choices, styles: Iterable[Style], layers: Iterable[CostLayer] = (), whole=False
 ) -> str:
-    """Why a plan with these styles (of these layers) cannot run with these choices; "" when it
-    can."""
+    """Why a plan with these styles (of these layers; `whole`: all of them) cannot run with
+    these choices; "" when it can."""
     styles = list(styles)
+    if whole and choices.shard_states and not any(s.kind == "domain" for s in styles):
+        return "--shard-states shards the layers split by height: this plan splits none (domain)"
     if choices.activations_encoded and any(s.layout[0] == "dom" for s in styles):
         return (
             "the domain style's halo rows and row moves travel unencoded: compress grads only "
             "(--compress grads) or give the convolutions batch or model"
         )
+    if choices.shard_states:
+        why = _why_not_sharded(styles, list(layers))
+        if why:
+            return why
     if choices.bn != "local":
         norm = next((o for x in layers for o in x.own if o.op == "batch_norm"), None)
         if norm is not None:
             return (
                 f"{norm.member}: {norm.why}, so its statistics cannot be taken over ranks "
                 f"(--bn {choices.bn}); use --bn local or make it call F.batch_norm on its input"
+            )
+    return ""
+
+
+def _why_not_sharded(styles: list[Style], layers: list[CostLayer]) -> str:
+    """Why sharded states (runtime.parallel.sharded) cannot run with these styles; "" if they can:
+    they shard the layers split by height over one batch group, each module's own parameters."""
+    if any(s.pc > 1 for s in styles if s.kind == "domain"):
+        return (
+            "sharded states take one batch group (domain(Px1)): give the batch groups' ranks to "
+            "the bands or drop --shard-states"
+        )
+    for x, s in zip(layers, styles, strict=False):
+        if s.kind == "domain" and "(tied)" in x.unsplit:
+            return (
+                f"{x.name}: {x.unsplit.partition(':')[0]}; sharded states shard each module's own "
+                "parameters: drop --shard-states"
             )
     return ""
 

@@ -16,6 +16,8 @@ class Term(str, Enum):
     DX_ALLREDUCE = "dx_allreduce"  # backward all-reduce of dX over the model group
     DX_ALLGATHER = "dx_allgather"  # backward all-gather of a grouped conv's dX slices
     DW_ALLREDUCE = "dw_allreduce"  # weight-gradient sum over the ranks that replicate a weight
+    PARAM_ALLGATHER = "param_allgather"  # sharded states: a layer's parameters gathered (FSDP2)
+    DW_REDUCE_SCATTER = "dw_reduce_scatter"  # sharded states: its gradient sums, scattered
     REDISTRIBUTE = "redistribute"  # layout change between layers (Eq. 6, hand-off schemes)
     HALO_FWD = "halo_fwd"
     HALO_BWD = "halo_bwd"

@@ -262,7 +262,7 @@ def export(
     if unrun:
         raise ConfigError(f"style {unrun[0]} is not executed by the runtime; re-plan without it")
     why = why_not_choices(
-        choices, [x.style for x in chosen.layers], [x.layer for x in chosen.layers]
+        choices, [x.style for x in chosen.layers], [x.layer for x in chosen.layers], whole=True
     )
     if why:
         raise ConfigError(why)

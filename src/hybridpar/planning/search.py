@@ -65,8 +65,10 @@ from hybridpar.planning.cost.terms import (
     largest_halo,
     layer_comms,
     on_host,
+    padded,
     plus,
     redistribute,
+    sharded_elements,
     t_dw_allreduce,
     t_loss_join,
 )
@@ -298,9 +300,12 @@ class _Context:
         pass (`kept`; where the layer is recomputed, only its input); in evaluation its weights
         alone."""
         x, w = self.layers[i], self.net.word_bytes
-        shard = s.pr if s.kind == "model" else 1
+        held = x.params / (s.pr if s.kind == "model" else 1)
+        if self._sharded(s):  # each rank 1/Pr of the padded parameters its members hold
+            whole = sum(d0 * rest for leaf in x.shards for d0, rest in leaf)
+            held = sharded_elements(x, s.pr) / s.pr + x.params - whole
         if self.predict:
-            return x.params / shard * w
+            return held * w
         n = self.slow(s) / s.pc  # the largest group's examples
         acts = x.d_in / (s.pr if s.kind == "domain" else 1) if self.recomputed[i] else kept(x, s)
         joined = 0.0
@@ -308,14 +313,20 @@ class _Context:
             acts += x.d_out / (s.pr if s.kind == "domain" else 1)
             if self.choices.joined_loss:  # the whole batch's outputs on this rank, and their grad
                 joined = 2 * self.B * (x.out or x.d_out) * w
-        return 3 * x.params / shard * w + n * acts * w + joined
+        return 3 * held * w + n * acts * w + joined
 
     def peak(self, i: int, s: Style) -> float:
         """Bytes the busiest rank holds beyond `memory` at layer i's worst moment under s
         (cost.memory.at_worst): the plan's peak is its layers' `memory` and the largest of
         these."""
-        n = self.slow(s) / s.pc
-        return n * at_worst(self.layers[i], s, self.predict) * self.net.word_bytes
+        n, x = self.slow(s) / s.pc, self.layers[i]
+        # sharded states: a member's parameters gathered whole while it runs, and its gradients
+        most = max((padded(m, s.pr) for m in x.shards), default=0)
+        gathered = 2 * most if self._sharded(s) else 0
+        return (n * at_worst(x, s, self.predict) + gathered) * self.net.word_bytes
+
+    def _sharded(self, s: Style) -> bool:
+        return self.choices.shard_states and s.kind == "domain" and s.pr > 1 and not self.predict
 
     def time(self, i: int, s: Style) -> tuple[float, float, float]:
         """(forward, backward, update) seconds of layer i under s on one rank; the backward
@@ -330,7 +341,7 @@ class _Context:
         """Layer i's terms under s (on 1/rounds of the batch: a hand-off's round): the bytes a
         rank sends on average, the seconds of the slowest group."""
         x, first, bucket_ = self.layers[i], i == 0, self.bucket if bucket else None
-        choices = (self.choices.bn, bucket_, self.reducer)
+        choices = (self.choices.bn, bucket_, self.reducer, self.choices.shard_states)
 
         def price(B: float) -> dict[str, Comm]:
             terms = layer_comms(x, first, s, B / rounds, self.net, self.e, *choices)

@@ -30,7 +30,7 @@ def kept(layer: CostLayer, s: Style) -> float:
     share, total = _share(layer, s), 0.0
     for name, v in layer.saved:
         w, c = windows.get(name, (None, None))
-        if w is None or w.how not in ("", "ceil"):
+        if w is None or w.how not in ("", "ceil", "circular"):
             total += v * share
         else:
             pieces = name == layer.name and layer.op == "conv2d"
@@ -70,7 +70,7 @@ def _joined(layer: CostLayer, s: Style) -> float:
     joined into one tensor before it runs (runtime.parallel.domain.windows)."""
     most = 0.0
     for w, c in zip(layer.windows, layer.cols or layer.windows, strict=True):
-        if w.how not in ("", "ceil"):
+        if w.how not in ("", "ceil", "circular"):
             continue
         rows = max(p.reads[1] - p.reads[0] for p in w.row_map().parts(s.ph))
         across = w.across

@@ -42,6 +42,7 @@ from hybridpar.planning.cost.collectives import (
     all_to_all,
     compressed_all_reduce,
     halo,
+    reduce_scatter,
 )
 
 __all__ = [
@@ -57,11 +58,14 @@ __all__ = [
     "largest_halo",
     "layer_comms",
     "on_host",
+    "padded",
     "plus",
     "redistribute",
+    "sharded_elements",
     "t_halo",
     "t_loss_join",
     "t_norms",
+    "t_sharded",
 ]
 
 
@@ -456,6 +460,35 @@ def fused(c: Comm, net: Cluster | Priced, bucket: float | None) -> Comm:
     return Comm(c.kind, c.group, c.bytes, net.beta * c.bytes + latency * min(1.0, n / bucket))
 
 
+def padded(member: tuple[tuple[int, int], ...], pr: int) -> int:
+    """Elements of a member's parameters ((first dim, elements per index) each) as sharded
+    states gather them: each first dim padded to a multiple of Pr (FSDP2's equal shards)."""
+    return sum(-(-d0 // pr) * pr * rest for d0, rest in member)
+
+
+def sharded_elements(layer: CostLayer, pr: int) -> int:
+    """Elements of a layer's parameters as sharded states hold them whole (`padded`)."""
+    return sum(padded(leaf, pr) for leaf in layer.shards)
+
+
+def t_sharded(layer: CostLayer, pr: int, net: Cluster | Priced, e: float | Wire) -> dict:
+    """Sharded states (runtime.parallel.sharded): per member with parameters, its parameters
+    all-gathered over the Pr ranks before its forward and again before its backward, and their
+    gradient sums reduce-scattered after it, each member's parameters one flat buffer of the
+    tensors' own elements (never encoded)."""
+    net, m = as_priced(net, pr), sum(1 for leaf in layer.shards if leaf)
+    gather, scatter = Comm.zero("all_gather", pr), Comm.zero("reduce_scatter", pr)
+    for leaf in layer.shards:
+        n = padded(leaf, pr) * Wire.of(e).halo
+        g, r = all_gather(n, pr, net), reduce_scatter(n, pr, net)
+        gather = Comm(g.kind, pr, gather.bytes + 2 * g.bytes, gather.seconds + 2 * g.seconds)
+        scatter = Comm(r.kind, pr, scatter.bytes + r.bytes, scatter.seconds + r.seconds)
+    return {
+        Term.PARAM_ALLGATHER: replace(gather, calls=(m, m)),
+        Term.DW_REDUCE_SCATTER: replace(scatter, calls=(0, m)),
+    }
+
+
 def layer_comms(
     layer: CostLayer,
     first: bool,
@@ -466,11 +499,13 @@ def layer_comms(
     bn: str = "local",
     bucket: float | None = None,
     reducer: str = "process-group",
+    shard: bool = False,
 ) -> dict[str, Comm]:
     """The communication terms of one layer under style `s` (first: nothing is back-propagated
     into its input, so no dX); with bn global or adaptive, its batch norms' all-reduces too;
     with a `bucket` size the weight-gradient all-reduce's latency fused (`fused`); `reducer`
-    host: the gradient sums as the host reducer takes them (`t_host_reduce`)."""
+    host: the gradient sums as the host reducer takes them (`t_host_reduce`); `shard`: a domain
+    layer's states sharded over its model group (`t_sharded`)."""
     net = as_priced(net, s.pr * s.pc)
     e = net.word_bytes if e is None else e
     p = s.pr * s.pc
@@ -479,8 +514,11 @@ def layer_comms(
         terms = {
             Term.HALO_FWD: t_halo(layer, s.pr, s.pc, B, net, e, pw=s.pw),
             Term.HALO_BWD: t_halo(layer, s.pr, s.pc, B, net, e, True, first, s.pw),
-            Term.DW_ALLREDUCE: t_dw_allreduce(layer, p, 1, net, e, reducer, bucket),
         }
+        if shard and s.pr > 1:
+            terms.update(t_sharded(layer, s.pr, net, e))
+        else:
+            terms[Term.DW_ALLREDUCE] = t_dw_allreduce(layer, p, 1, net, e, reducer, bucket)
     else:
         grouped = layer.groups > 1 and s.pr > 1
         dx = Term.DX_ALLGATHER if grouped else Term.DX_ALLREDUCE

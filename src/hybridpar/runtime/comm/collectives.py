@@ -41,6 +41,8 @@ __all__ = [
     "chunk_sizes",
     "compressed_all_reduce",
     "even_split",
+    "flat_all_gather",
+    "flat_reduce_scatter",
     "group_size",
     "reduce_scatter_uneven",
     "start_all_gather",
@@ -145,6 +147,24 @@ def all_reduce(t: torch.Tensor, via: Via, async_op: bool = False) -> Pending:
     if not async_op:
         pending.wait()
     return pending
+
+
+def flat_all_gather(out: torch.Tensor, mine: torch.Tensor, via: Via, async_op: bool = False):
+    """`out` (P times `mine`'s elements) := every rank's `mine`, in rank order (torch's
+    all_gather_single; FSDP2's parameters: runtime.parallel.sharded)."""
+    t0, p = time.perf_counter(), group_size(via.group)
+    work = dist.all_gather_single(out, mine, group=pg_of(via.group), async_op=async_op)
+    via.book("all_gather", p, out.numel() * out.element_size(), time.perf_counter() - t0, 1)
+    return work
+
+
+def flat_reduce_scatter(out: torch.Tensor, whole: torch.Tensor, via: Via, op, async_op=False):
+    """`out` := this rank's 1/P of `whole` summed over the group (reduce_scatter_single; FSDP2's
+    gradient sums)."""
+    t0, p = time.perf_counter(), group_size(via.group)
+    work = dist.reduce_scatter_single(out, whole, op=op, group=pg_of(via.group), async_op=async_op)
+    via.book("reduce_scatter", p, whole.numel() * whole.element_size(), time.perf_counter() - t0, 1)
+    return work
 
 
 def all_to_all_uneven(x: torch.Tensor, send, recv, via: Via) -> torch.Tensor:

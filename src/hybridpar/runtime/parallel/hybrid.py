@@ -21,6 +21,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridpar.core.halo import tile
 from hybridpar.core.terms import Term
@@ -34,6 +35,7 @@ from hybridpar.runtime.parallel.engine import Engine
 from hybridpar.runtime.parallel.kinds import runtime_style
 from hybridpar.runtime.parallel.model import ModelSplit
 from hybridpar.runtime.parallel.reducers import make_reducer
+from hybridpar.runtime.parallel.sharded import shard_states
 
 __all__ = ["HybridParallel"]
 
@@ -66,10 +68,12 @@ class HybridParallel(Engine):
         self.rounds = apply.handoff_rounds(model, layout, self.ctx)  # every module is final
         self.variable = next((r for r in self.rounds if r.variable), None)
         """the hand-off whose head steps per round (variable batch), if any"""
-        skip = frozenset(id(p) for p in self.variable.head_params) if self.variable else None
+        skip = {id(p) for p in self.variable.head_params} if self.variable else set()
+        if plan.choices.shard_states:  # their sums are FSDP2's
+            skip |= shard_states(model, layout, self.styles, ledger)
         self.reducer = make_reducer(plan.choices, options)
         self.sync = apply.grad_sync(
-            model, layout, self.styles, self.reducer, self.ctx, skip or frozenset()
+            model, layout, self.styles, self.reducer, self.ctx, frozenset(skip)
         )
         if self.reducer.host:  # Sekiyama's Algorithm 5: parameters sent once, at the start
             apply.broadcast_parameters(model, ledger, self.sync)
@@ -184,7 +188,7 @@ class HybridParallel(Engine):
             if id(s) not in gathered:
                 gathered[id(s)] = s.full()
         full = {n: gathered[id(s)][n.rpartition(".")[2]] for n, s in self._splits.items()}
-        return {k: full[k] if k in full else v.clone() for k, v in self.module.state_dict().items()}
+        return {k: full[k] if k in full else _whole(v) for k, v in self.module.state_dict().items()}
 
     def distributed(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A split layer's shard as a DTensor view (Shard(0) over its model group, replicated
@@ -198,7 +202,15 @@ class HybridParallel(Engine):
         local = dict(state)
         for k, split in self._splits.items():
             local[k] = split.shard(state[k])
+        for k, v in self.module.state_dict().items():  # sharded states: this rank's shards
+            if isinstance(v, DTensor):
+                local[k] = distribute_tensor(state[k].to(v.dtype), v.device_mesh, v.placements)
         self.module.load_state_dict(local)
 
     def reducer_states(self) -> dict[int, object]:
         return {b.index(): st for st, b in self.sync.buckets}
+
+
+def _whole(v: torch.Tensor) -> torch.Tensor:
+    """A copy of a state tensor, whole (a sharded state's shards gathered: collective)."""
+    return v.full_tensor() if isinstance(v, DTensor) else v.clone()

@@ -188,7 +188,7 @@ def _checked_styles(
         why = why_not(x, styles[x.name], plan.batch)
         if why:
             raise ConfigError(why)
-    why = why_not_choices(plan.choices, styles.values(), layers)
+    why = why_not_choices(plan.choices, [styles[x.name] for x in layers], layers, whole=True)
     if why:
         raise ConfigError(why)
     return styles

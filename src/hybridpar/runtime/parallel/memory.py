@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Kept", "peak_bytes", "state_bytes"]
 
@@ -18,12 +19,14 @@ class Kept:
     """While entered, counts the bytes of every storage a forward saves for backward."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.skip = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.seen: set[int] = set()
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter):  # a sharded one gathered for its layer (FSDP2)
+            return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self.seen and ptr not in self.skip:
@@ -41,15 +44,19 @@ class Kept:
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of this rank's parameters, their gradients and the optimizer's state."""
-    params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    params = [_local(p) for p in model.parameters()]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    state = [_local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return {
         "parameters": sum(p.numel() * p.element_size() for p in params),
-        "gradients": sum(
-            p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None
-        ),
+        "gradients": sum(g.numel() * g.element_size() for g in grads),
         "optimizer": sum(v.numel() * v.element_size() for v in state),
     }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t` (a sharded state's DTensor: its shard)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def peak_bytes(fn, *tracked) -> int:

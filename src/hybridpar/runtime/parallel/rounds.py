@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hybridpar.core import faults
 from hybridpar.core.errors import ConfigError
@@ -303,7 +304,13 @@ def optimizer_for(trainer, optimizer: Callable, head_optimizer: Callable | None 
     runs a variable batch (`engine.variable`) a VariableBatch of the two."""
     v = trainer.model.variable
     if v is None:
-        return optimizer(trainer.model.parameters())
+        params = list(trainer.model.parameters())
+        sharded = [p for p in params if isinstance(p, DTensor)]  # states sharded (FSDP2)
+        if not sharded or len(sharded) == len(params):
+            return optimizer(params)
+        # two param groups: a foreach step takes the DTensors and the tensors apart
+        return optimizer([{"params": [p for p in params if not isinstance(p, DTensor)]},
+                          {"params": sharded}])  # fmt: skip
     return VariableBatch(v, trainer, optimizer, head_optimizer or optimizer)
 
 

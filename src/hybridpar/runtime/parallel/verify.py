@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hybridpar.core.analysis import trace
 from hybridpar.core.errors import ConfigError
@@ -338,7 +339,8 @@ def _grads(inner, want: dict[str, torch.Tensor | None]) -> list[tuple]:
             full = splits[name].shard(full)
         layer = layout.layer_of_param(name)
         style = str(layout.styles.get(layer, ""))
-        items.append((f"the gradient of {name}", style, q.grad, full))
+        grad = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad  # sharded states
+        items.append((f"the gradient of {name}", style, grad, full))
     for name, b in engine.module.named_buffers():
         if name in want:
             layer = layout.layer_of_param(name)
