@@ -1,9 +1,18 @@
 """States sharded beside bands (issue 75, item 3): the domain style's parameters, gradients and
-optimizer state sharded over the model group by torch's FSDP2."""
+optimizer state sharded over the model group by torch's FSDP2 (`--shard-states`). A 2-d and a
+3-d U-Net train as one process does (float64, rtol 1e-7, SGD with momentum and Adam, P = 2 and
+3), each rank holding 1/Pr of every parameter and of its optimizer state, the ledger's bytes the
+plan's per (layer, term); a checkpoint written sharded goes on at another P, sharded or not, and
+loads into a plain module; the planner's peak is what torch's MemTracker measures (P = 2, 4);
+what sharded states cannot run is refused by name."""
+
+from pathlib import Path
 
 import pytest
 import torch
 from dist_helpers import bytes_are_predicted, run_ranks
+from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from hybridpar.core.analysis import analyze
@@ -47,27 +56,133 @@ def _one_process(model, data, opt) -> dict:
     return model.state_dict()
 
 
-def _sharded(P: int, shape, opt: str) -> str:
-    b = 1
-    data = _batches(shape, b)
-    want = _one_process(_model(shape), data, opt)
+def _plan(shape, P: int, shard: bool = True):
     layers = cost_layers(analyze(_model(shape), shape))
-    style = Style.domain(P, 1)
-    choices = Choices(shard_states=True)
-    req = PlanRequest(P, b, NET, elem_bytes=8, choices=choices)
-    plan = evaluate(layers, [style] * len(layers), req)
-    plan = export(plan, procs=P, batch=b, choices=choices, input_shape=shape, model="unet")
-    t = HybridTrainer(_model(shape), plan, OPTIMIZERS[opt], input_shape=shape)
-    for x, y in data:
-        t.step(x, y)
-    got = t.full_state_dict()
-    for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{opt}: {k}")
-    bytes_are_predicted(t.ledger, plan, f"P={P} {opt}", STEPS)
-    return opt
+    choices = Choices(shard_states=shard)
+    req = PlanRequest(P, 1, NET, elem_bytes=8, choices=choices)
+    plan = evaluate(layers, [Style.domain(P, 1)] * len(layers), req)
+    return export(plan, procs=P, batch=1, choices=choices, input_shape=shape, model="unet")
+
+
+def _is_sharded(t: HybridTrainer, P: int) -> None:
+    """Every parameter a DTensor of which this rank holds its chunk of the first dim (FSDP2:
+    ceil(d0 / P) rows, the last ranks fewer), its optimizer state alike."""
+    for p in t.model.parameters():
+        assert isinstance(p, DTensor), p.shape
+        chunk = -(-p.shape[0] // P)
+        assert p.to_local().shape[0] <= chunk and p.to_local().shape[1:] == p.shape[1:]
+        for v in t.optimizer.state[p].values():
+            if v.dim():
+                assert isinstance(v, DTensor) and v.to_local().shape == p.to_local().shape
+
+
+def _sharded(P: int, shapes, opt: str) -> list[str]:
+    done = []
+    for shape in shapes:
+        data = _batches(shape, 1)
+        want = _one_process(_model(shape), data, opt)
+        plan = _plan(shape, P)
+        t = HybridTrainer(_model(shape), plan, OPTIMIZERS[opt], input_shape=shape)
+        for x, y in data:
+            t.step(x, y)
+        _is_sharded(t, P)
+        got, tag = t.full_state_dict(), f"P={P} {opt} {shape}"
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{tag}: {k}")
+        bytes_are_predicted(t.ledger, plan, tag, STEPS)
+        done.append(tag)
+    return done
+
+
+# a 2-d U-Net and a 3-d one (12 slices: 3 at its deepest level, one a rank at P = 3)
+SHAPES = [(3, 12, 12), (3, 12, 8, 8)]
 
 
 @pytest.mark.parametrize("P", [2, 3])
-def test_a_unet_trains_with_sharded_states_as_one_process(P):
+def test_unets_train_with_sharded_states_as_one_process(P):
     for opt in OPTIMIZERS:
-        assert run_ranks(_sharded, P, P, (3, 12, 12), opt, timeout_s=300)[0] == opt
+        assert len(run_ranks(_sharded, P, P, SHAPES, opt, timeout_s=300)[0]) == len(SHAPES)
+
+
+def _written(folder: str) -> None:
+    """(At P = 2, the states sharded.) Two steps, then a checkpoint into `folder`."""
+    shape = SHAPES[0]
+    t = HybridTrainer(_model(shape), _plan(shape, 2), OPTIMIZERS["sgd"], input_shape=shape,
+                      verify=False)  # fmt: skip
+    for x, y in _batches(shape, 1)[:2]:
+        t.step(x, y)
+    t.save(folder)
+
+
+def _resumed(P: int, folder: str, shard: bool) -> str:
+    """(At P, sharded or not.) The checkpoint and the third step: one process's 3 steps (the
+    momentum resharded with the parameters)."""
+    shape = SHAPES[0]
+    data = _batches(shape, 1)
+    want = _one_process(_model(shape), data, "sgd")
+    t = HybridTrainer(_model(shape), _plan(shape, P, shard), OPTIMIZERS["sgd"],
+                      input_shape=shape, verify=False)  # fmt: skip
+    t.load(folder)
+    t.step(*data[2])
+    got = t.full_state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"P={P} {k}")
+    return f"P={P} shard={shard}"
+
+
+def test_a_sharded_checkpoint_goes_on_at_another_p_and_loads_into_a_plain_module(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from hybridpar.runtime.parallel.checkpoint import latest
+
+    folder = str(tmp_path / "ck")
+    run_ranks(_written, 2, folder, timeout_s=300)
+    for P, shard in ((3, True), (2, False)):
+        assert run_ranks(_resumed, P, P, folder, shard, timeout_s=300)[0] == f"P={P} shard={shard}"
+    dcp_to_torch_save(latest(folder), tmp_path / "plain.pt")  # torch's own converter
+    plain = _model(SHAPES[0])
+    plain.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=False)["model"])
+    want = _one_process(_model(SHAPES[0]), _batches(SHAPES[0], 1)[:2], "sgd")
+    for k, v in want.items():
+        torch.testing.assert_close(plain.state_dict()[k], v, rtol=1e-7, atol=1e-10, msg=k)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_the_predicted_peak_with_sharded_states_is_what_memtracker_measures(P, monkeypatch):
+    """A U-Net whose parameters outweigh its activations (width 32 at 32^2, its 3-d twin at
+    16^3), trained with its states sharded: the plan's peak per rank within 10 % of MemTracker's
+    (benchmarks/peak_memory.py prints the table)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from peak_memory import SHARDED, measure
+
+    for label, _, want, got in run_ranks(measure, P, SHARDED, True, timeout_s=300)[0]:
+        assert want == pytest.approx(got, rel=0.10), (label, P, want, got)
+
+
+def test_what_sharded_states_cannot_run_is_refused_by_name():
+    """No layer on bands, batch groups beside the bands, a tied weight: one line each."""
+    from hybridpar.core.rules import why_not_choices
+
+    layers = cost_layers(analyze(_model(SHAPES[0]), SHAPES[0]))
+    on = Choices(shard_states=True)
+    said = why_not_choices(on, [Style.batch(2)] * len(layers), layers, whole=True)
+    assert "splits none" in said, said
+    said = why_not_choices(on, [Style.domain(2, 2)] * len(layers), layers)
+    assert "one batch group" in said, said
+    assert why_not_choices(on, [Style.domain(2, 1)] * len(layers), layers, whole=True) == ""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(F.relu(self.a(x)))
+
+    layers = cost_layers(analyze(Tied(), (3, 8, 8)))
+    said = why_not_choices(on, [Style.domain(2, 1)] * 2, layers, whole=True)
+    assert said.startswith("a: its weight is also b.weight (tied); sharded states"), said
