@@ -147,6 +147,85 @@ def test_a_sharded_checkpoint_goes_on_at_another_p_and_loads_into_a_plain_module
         torch.testing.assert_close(plain.state_dict()[k], v, rtol=1e-7, atol=1e-10, msg=k)
 
 
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, mid: int, stride: int) -> None:
+        super().__init__()
+        out = mid * 4
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, out, 1, bias=False), nn.BatchNorm2d(out)
+        self.down = None
+        if stride != 1 or cin != out:
+            self.down = nn.Sequential(
+                nn.Conv2d(cin, out, 1, stride, bias=False), nn.BatchNorm2d(out)
+            )
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResUNet(nn.Module):
+    """A U-Net on a ResNet-50-sized encoder (bottlenecks 3, 4, 6, 3; 23.5 M parameters in it)."""
+
+    def __init__(self, classes: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU()
+        )
+        stages, cin = [], 64
+        for i, (n, mid) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True)):
+            blocks = []
+            for j in range(n):
+                blocks.append(Bottleneck(cin, mid, 2 if j == 0 and i > 0 else 1))
+                cin = mid * 4
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.ModuleList(stages)
+        self.ups = nn.ModuleList()
+        for skip, out in ((1024, 256), (512, 128), (256, 64)):
+            self.ups.append(nn.Sequential(nn.Conv2d(cin + skip, out, 3, padding=1), nn.ReLU()))
+            cin = out
+        self.head = nn.Conv2d(cin, classes, 1)
+
+    def forward(self, x):
+        y, skips = self.stem(x), []
+        for stage in self.stages:
+            y = stage(y)
+            skips.append(y)
+        skips.pop()
+        for up in self.ups:
+            y = F.interpolate(y, scale_factor=2, mode="nearest")
+            y = up(torch.cat([y, skips.pop()], 1))
+        return self.head(F.interpolate(y, scale_factor=2, mode="nearest"))
+
+
+def test_the_planner_shards_the_states_where_a_memory_limit_needs_it():
+    """A hand-written U-Net on a ResNet-50-sized encoder (31.7 M parameters), one 1024 x 1024
+    image on P = 16 (traced on the meta device): without a limit the planner keeps the states
+    whole (faster: sharding sends 3/2 of the gradient sum's bytes, none hidden); under a limit
+    between the sharded plan's peak and the replicated one's it shards them, and that plan is
+    the one that fits."""
+    import dataclasses
+
+    from hybridpar.planning.search import plan_layers
+
+    with torch.device("meta"):
+        layers = cost_layers(analyze(ResUNet(), (3, 1024, 1024)))
+    req = PlanRequest(16, 1, NET, scenarios=["domain"], elem_bytes=4)
+    free = plan_layers(layers, req).best
+    styles = [x.style for x in free.layers]
+    shard = evaluate(layers, styles, dataclasses.replace(req, choices=Choices(shard_states=True)))
+    assert not free.sharded and free.total_s < shard.total_s
+    assert shard.memory_bytes < 0.7 * free.memory_bytes, (shard.memory_bytes, free.memory_bytes)
+    limit = (shard.memory_bytes + free.memory_bytes) / 2
+    result = plan_layers(layers, dataclasses.replace(req, memory_limit=limit))
+    assert result.best.sharded and result.best.memory_bytes <= limit
+    assert result.export().choices.shard_states
+
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

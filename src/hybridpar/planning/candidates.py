@@ -76,6 +76,7 @@ class Plan:
     placement: tuple[int, int] | None = None  # how its positions sit on ranks (core.groups)
     sync: Sync = field(default_factory=Sync)  # where the ranks meet (planning.cost.sync)
     shared_bytes: float = 0.0  # of the host shared segments a rank writes (cost.memory.segment)
+    sharded: bool = False  # its states sharded (Choices.shard_states), a memory limit's choice
 
     @property
     def feasible(self) -> bool:
@@ -230,15 +231,17 @@ class PlanResult:
         }
 
     def export(self, chosen: Plan | None = None, *, engine: str = "hybridpar") -> ParallelPlan:
-        """The ParallelPlan of `chosen` (default: the best), with this result's choices."""
+        """The ParallelPlan of `chosen` (default: the best), with this result's choices (its
+        states sharded where the planner sharded them)."""
+        chosen = chosen or self.best
         return export(
-            chosen or self.best,
+            chosen,
             procs=self.procs,
             batch=self.batch,
             model=self.model,
             input_shape=self.input_shape,
             cluster=self.cluster.name,
-            choices=self.choices,
+            choices=self.choices.with_(shard_states=True) if chosen.sharded else self.choices,
             engine=engine,
         )
 

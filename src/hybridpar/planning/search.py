@@ -664,9 +664,29 @@ def plan_layers(layers: list[CostLayer], request: PlanRequest) -> PlanResult:
             for n in r.scenarios:
                 found = _candidates(ctx, n, grids_here, r.memory_limit)
                 candidates[n] += _placed(found, placement)
+            for n, found in _sharded(layers, r, placement, grids_here).items():
+                candidates[n] += _placed(found, placement)
     best = [_best(candidates[n], n, f"no grid with Pr > 1 fits P={P}, B={B}") for n in r.scenarios]
     base = r.elem_bytes or r.cluster.word_bytes
     return PlanResult(r.model, P, B, r.cluster, best, candidates, base, r.choices, r.input_shape)
+
+
+def _sharded(layers, r: PlanRequest, placement, grids_here) -> dict[str, list[Plan]]:
+    """Under a memory limit, the scenarios that split layers by height once more with their
+    states sharded (Choices.shard_states): candidates beside the others, the fastest that fits
+    wins. Without a limit there is no point: sharded states send 3/2 of a replicated
+    gradient sum's bytes, none of it hidden behind the backward pass."""
+    if r.memory_limit is None or r.choices.shard_states or r.mode != "train":
+        return {}
+    alt = dataclasses.replace(r, choices=r.choices.with_(shard_states=True))
+    ctx, out = _Context(layers, alt, alt.priced(placement)), {}
+    for n in ("domain", "per-layer"):
+        if n in r.scenarios:
+            found = _candidates(ctx, n, grids_here, r.memory_limit)
+            out[n] = [p for p in found if any(x.style.kind == "domain" for x in p.layers)]
+            for p in out[n]:
+                p.sharded = True
+    return out
 
 
 @contextlib.contextmanager
