@@ -65,7 +65,10 @@ def _promise(command: str, job, plan) -> None:
         assert "model(2x2)" in styles and any(s.kind == "batch" for s in plan.styles.values())
     if "--preset domain" in command:  # images split by height
         assert any(s.kind == "domain" for s in plan.styles.values()), styles
-    if "--model unet --data digits-seg:128" in command:  # a U-Net on bands end to end
+    if "--shard-states" in command:  # 1/4 of the weights, gradients and momentum (FSDP2)
+        assert plan.choices.shard_states and {(s.pr, s.pc) for s in plan.styles.values()
+                                              if s.kind == "domain"} == {(4, 1)}, styles  # fmt: skip
+    elif "--model unet --data digits-seg:128" in command:  # a U-Net on bands end to end
         assert {s.kind for s in plan.styles.values()} == {"domain"}, styles
     if "--memory-limit 0.03" in command:  # the fastest plan whose bytes per rank fit
         assert 0 < plan.memory_bytes <= 0.03 * 2**30

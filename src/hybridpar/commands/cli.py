@@ -250,8 +250,12 @@ TRAIN_CONCERNS = {
         "runtime.bn_threshold",
         "runtime.bn_signal",
     ),
-    "compute": ("runtime.compile", "runtime.compile_backend", "choices.activation_checkpointing"),
-    "memory": ("choices.shard_states",),
+    "compute": (
+        "runtime.compile",
+        "runtime.compile_backend",
+        "choices.activation_checkpointing",
+        "choices.shard_states",
+    ),
     "checkpoints": ("save", "checkpoint_dir", "checkpoint_every", "checkpoint_keep", "resume"),
     "runtime": (
         "choices.device",
