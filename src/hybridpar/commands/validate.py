@@ -450,8 +450,8 @@ def _checked(args, cfg) -> list[str]:
     from hybridpar.core.cluster import localhost_path
     from hybridpar.core.config import writable
     from hybridpar.core.rules import why_not_grid
+    from hybridpar.planning.analysis_cache import model_layers
     from hybridpar.planning.presets import parse_preset
-    from hybridpar.planning.search import model_layers
     from hybridpar.runtime.launcher import under_torchrun
     from hybridpar.runtime.train.calibration import calibrate
 

@@ -16,9 +16,10 @@ import os
 from pathlib import Path
 
 from hybridpar.core.cluster import cache_dir, cache_write
+from hybridpar.core.errors import ConfigError
 from hybridpar.core.layers import CostLayer, cost_layers
 
-__all__ = ["zoo_cost_layers"]
+__all__ = ["model_layers", "zoo_cost_layers"]
 
 _PACKAGE = Path(__file__).parent.parent
 
@@ -69,3 +70,35 @@ def zoo_cost_layers(model: str, input_size: int | None = None) -> list[CostLayer
     with contextlib.suppress(OSError):  # a read-only home only costs the speed-up
         cache_write(path, [dataclasses.asdict(x) for x in layers], indent=None)
     return layers
+
+
+def model_layers(
+    model: str, input_size: int | None = None, input_shape: tuple[int, ...] | None = None
+) -> tuple[list[CostLayer], tuple[int, ...]]:
+    """(the cost layers, one example's shape) of a zoo model by name (its layers from the
+    analysis cache: no torch), or of the model a user's factory `package.module:function` builds,
+    traced for `input_shape`; a name, factory or shape that does not work is a ConfigError."""
+    from hybridpar.core.zoo import input_shape as zoo_shape
+    from hybridpar.core.zoo import is_factory, zoo_entry
+
+    if is_factory(model):
+        if input_shape is None:
+            raise ConfigError(f"--model {model} needs --input-shape C,H,W (one example's shape)")
+        import torch
+
+        from hybridpar.core.analysis import analyze
+        from hybridpar.core.models import build_user_model
+
+        with torch.device("meta"):
+            module = build_user_model(model)
+        layers = cost_layers(analyze(module, input_shape))
+        shape = tuple(input_shape)
+    else:
+        zoo_entry(model)  # an unknown name is named before anything else
+        if input_shape is not None:
+            raise ConfigError(
+                "--input-shape is for --model package.module:factory; zoo models take --input-size"
+            )
+        layers = zoo_cost_layers(model, input_size)
+        shape = zoo_shape(model, input_size)
+    return layers, shape

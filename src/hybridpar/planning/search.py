@@ -47,6 +47,7 @@ from hybridpar.core.plan import Style
 from hybridpar.core.rules import why_not, why_not_choices, why_not_grid, why_not_move
 from hybridpar.core.splits import buckets, even_split, slowest_batch
 from hybridpar.core.terms import Term
+from hybridpar.planning.analysis_cache import model_layers
 from hybridpar.planning.candidates import (
     OVERLAPPABLE,
     LayerPlan,
@@ -743,40 +744,6 @@ def make_plan(
     layers, shape = model_layers(model, input_size, input_shape)
     request = PlanRequest(P, B, cluster, model=model, input_shape=shape, **options)  # type: ignore[arg-type]
     return plan_layers(layers, request)
-
-
-def model_layers(
-    model: str, input_size: int | None = None, input_shape: tuple[int, ...] | None = None
-) -> tuple[list[CostLayer], tuple[int, ...]]:
-    """(the cost layers, one example's shape) of a zoo model by name (its layers from the
-    analysis cache: no torch), or of the model a user's factory `package.module:function` builds,
-    traced for `input_shape`; a name, factory or shape that does not work is a ConfigError."""
-    from hybridpar.core.zoo import input_shape as zoo_shape
-    from hybridpar.core.zoo import is_factory, zoo_entry
-
-    if is_factory(model):
-        if input_shape is None:
-            raise ConfigError(f"--model {model} needs --input-shape C,H,W (one example's shape)")
-        import torch
-
-        from hybridpar.core.analysis import analyze
-        from hybridpar.core.models import build_user_model
-
-        with torch.device("meta"):
-            module = build_user_model(model)
-        layers = cost_layers(analyze(module, input_shape))
-        shape = tuple(input_shape)
-    else:
-        from hybridpar.planning.analysis_cache import zoo_cost_layers
-
-        zoo_entry(model)  # an unknown name is named before anything else
-        if input_shape is not None:
-            raise ConfigError(
-                "--input-shape is for --model package.module:factory; zoo models take --input-size"
-            )
-        layers = zoo_cost_layers(model, input_size)
-        shape = zoo_shape(model, input_size)
-    return layers, shape
 
 
 def plan_for(
