@@ -56,12 +56,12 @@ def _one_process(model, data, opt) -> dict:
     return model.state_dict()
 
 
-def _plan(shape, P: int, shard: bool = True):
+def _plan(shape, P: int, shard: bool = True, pc: int = 1):
     layers = cost_layers(analyze(_model(shape), shape))
     choices = Choices(shard_states=shard)
-    req = PlanRequest(P, 1, NET, elem_bytes=8, choices=choices)
-    plan = evaluate(layers, [Style.domain(P, 1)] * len(layers), req)
-    return export(plan, procs=P, batch=1, choices=choices, input_shape=shape, model="unet")
+    req = PlanRequest(P, pc, NET, elem_bytes=8, choices=choices)
+    plan = evaluate(layers, [Style.domain(P // pc, pc)] * len(layers), req)
+    return export(plan, procs=P, batch=pc, choices=choices, input_shape=shape, model="unet")
 
 
 def _is_sharded(t: HybridTrainer, P: int) -> None:
@@ -76,16 +76,16 @@ def _is_sharded(t: HybridTrainer, P: int) -> None:
                 assert isinstance(v, DTensor) and v.to_local().shape == p.to_local().shape
 
 
-def _sharded(P: int, shapes, opt: str) -> list[str]:
+def _sharded(P: int, shapes, opt: str, pc: int = 1) -> list[str]:
     done = []
     for shape in shapes:
-        data = _batches(shape, 1)
+        data = _batches(shape, pc)
         want = _one_process(_model(shape), data, opt)
-        plan = _plan(shape, P)
+        plan = _plan(shape, P, pc=pc)
         t = HybridTrainer(_model(shape), plan, OPTIMIZERS[opt], input_shape=shape)
         for x, y in data:
             t.step(x, y)
-        _is_sharded(t, P)
+        _is_sharded(t, P // pc)
         got, tag = t.full_state_dict(), f"P={P} {opt} {shape}"
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=1e-7, atol=1e-10, msg=f"{tag}: {k}")
@@ -102,6 +102,12 @@ SHAPES = [(3, 12, 12), (3, 12, 8, 8)]
 def test_unets_train_with_sharded_states_as_one_process(P):
     for opt in OPTIMIZERS:
         assert len(run_ranks(_sharded, P, P, SHAPES, opt, timeout_s=300)[0]) == len(SHAPES)
+
+
+def test_bands_beside_batch_groups_shard_their_states_too():
+    """domain(2x2) on 4 ranks, two images: each shard summed over the other batch group's
+    ranks after the scatter (FSDP2's HSDP, in its all-reduce hook), priced and booked."""
+    assert len(run_ranks(_sharded, 4, 4, SHAPES[:1], "adam", 2, timeout_s=300)[0]) == 1
 
 
 def _written(folder: str) -> None:
@@ -242,15 +248,13 @@ def test_the_predicted_peak_with_sharded_states_is_what_memtracker_measures(P, m
 
 
 def test_what_sharded_states_cannot_run_is_refused_by_name():
-    """No layer on bands, batch groups beside the bands, a tied weight: one line each."""
+    """No layer on bands, a tied weight: one line each."""
     from hybridpar.core.rules import why_not_choices
 
     layers = cost_layers(analyze(_model(SHAPES[0]), SHAPES[0]))
     on = Choices(shard_states=True)
     said = why_not_choices(on, [Style.batch(2)] * len(layers), layers, whole=True)
     assert "splits none" in said, said
-    said = why_not_choices(on, [Style.domain(2, 2)] * len(layers), layers)
-    assert "one batch group" in said, said
     assert why_not_choices(on, [Style.domain(2, 1)] * len(layers), layers, whole=True) == ""
 
     class Tied(nn.Module):

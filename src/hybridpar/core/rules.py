@@ -185,12 +185,7 @@ def why_not_choices(
 
 def _why_not_sharded(styles: list[Style], layers: list[CostLayer]) -> str:
     """Why sharded states (runtime.parallel.sharded) cannot run with these styles; "" if they can:
-    they shard the layers split by height over one batch group, each module's own parameters."""
-    if any(s.pc > 1 for s in styles if s.kind == "domain"):
-        return (
-            "sharded states take one batch group (domain(Px1)): give the batch groups' ranks to "
-            "the bands or drop --shard-states"
-        )
+    they shard each module's own parameters."""
     for x, s in zip(layers, styles, strict=False):
         if s.kind == "domain" and "(tied)" in x.unsplit:
             return (

@@ -453,7 +453,8 @@ class _Context:
         groups: dict[tuple[int, int], list[LayerPlan]] = {}
         for lp in chosen:
             st = lp.style
-            if Term.DW_ALLREDUCE in lp.terms and lp.terms[Term.DW_ALLREDUCE].bytes > 0:
+            sums = Term.DW_ALLREDUCE in lp.terms and lp.terms[Term.DW_ALLREDUCE].bytes > 0
+            if sums and not self._sharded(st):  # sharded states sum a shard per member
                 key = (1, st.pr * st.pc) if st.kind == "domain" else (st.pr, st.pc)
                 groups.setdefault(key, []).append(lp)
         held = self.net.word_bytes / Wire.of(self.e).grads  # a bucket holds uncompressed ones

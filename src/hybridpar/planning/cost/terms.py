@@ -471,22 +471,34 @@ def sharded_elements(layer: CostLayer, pr: int) -> int:
     return sum(padded(leaf, pr) for leaf in layer.shards)
 
 
-def t_sharded(layer: CostLayer, pr: int, net: Cluster | Priced, e: float | Wire) -> dict:
+def t_sharded(layer: CostLayer, s: Style, net: Cluster | Priced, e: float | Wire) -> dict:
     """Sharded states (runtime.parallel.sharded): per member with parameters, its parameters
     all-gathered over the Pr ranks before its forward and again before its backward, and their
     gradient sums reduce-scattered after it, each member's parameters one flat buffer of the
-    tensors' own elements (never encoded)."""
-    net, m = as_priced(net, pr), sum(1 for leaf in layer.shards if leaf)
+    tensors' own elements (never encoded); with Pc > 1 each shard then all-reduced over its batch
+    group."""
+    pr, pc = s.pr, s.pc
+    net, m = as_priced(net, pr * pc), sum(1 for leaf in layer.shards if leaf)
+    model, batch = net.group("model", pr, pc), net.group("batch", pr, pc)
     gather, scatter = Comm.zero("all_gather", pr), Comm.zero("reduce_scatter", pr)
+    summed = Comm.zero("all_reduce", pc)
     for leaf in layer.shards:
         n = padded(leaf, pr) * Wire.of(e).halo
-        g, r = all_gather(n, pr, net), reduce_scatter(n, pr, net)
+        g, r, a = (
+            all_gather(n, pr, model),
+            reduce_scatter(n, pr, model),
+            all_reduce(n / pr, pc, batch),
+        )
         gather = Comm(g.kind, pr, gather.bytes + 2 * g.bytes, gather.seconds + 2 * g.seconds)
         scatter = Comm(r.kind, pr, scatter.bytes + r.bytes, scatter.seconds + r.seconds)
-    return {
+        summed = Comm(a.kind, pc, summed.bytes + a.bytes, summed.seconds + a.seconds)
+    terms = {
         Term.PARAM_ALLGATHER: replace(gather, calls=(m, m)),
         Term.DW_REDUCE_SCATTER: replace(scatter, calls=(0, m)),
     }
+    if pc > 1:
+        terms[Term.DW_ALLREDUCE] = replace(summed, calls=(0, m))
+    return terms
 
 
 def layer_comms(
@@ -516,7 +528,7 @@ def layer_comms(
             Term.HALO_BWD: t_halo(layer, s.pr, s.pc, B, net, e, True, first, s.pw),
         }
         if shard and s.pr > 1:
-            terms.update(t_sharded(layer, s.pr, net, e))
+            terms.update(t_sharded(layer, s, net, e))
         else:
             terms[Term.DW_ALLREDUCE] = t_dw_allreduce(layer, p, 1, net, e, reducer, bucket)
     else:

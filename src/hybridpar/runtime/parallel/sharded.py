@@ -3,8 +3,10 @@ on every rank of its model group; with `Choices.shard_states` each of the segmen
 holds parameters is handed to torch's FSDP2 (`fully_shard`) over the model group's mesh. Its
 parameters become DTensors sharded by their first dimension (torch.chunk's split, padded to equal
 shards), all-gathered before its forward and again before its backward (resharded after each),
-its gradient sums reduce-scattered over the group, and the optimizer, built on the shards, keeps
-its state sharded with them. What the style swapped stays: FSDP2 changes the module's class to a
+its gradient sums reduce-scattered over the group and, where batch groups hold other examples'
+bands (Pc > 1), each shard all-reduced over its batch group (the ranks holding the same shard:
+FSDP2's HSDP, the sum taken in its all-reduce hook by hybridpar's all-reduce), and the
+optimizer, built on the shards, keeps its state sharded with them. What the style swapped stays: FSDP2 changes the module's class to a
 subclass of its own (`FSDPConv2d` derives from `Conv2d`), so isinstance checks still hold, and
 the stand-in in its forward receives the gathered weight as the operation's argument.
 
@@ -15,6 +17,7 @@ hybridpar divides the loss by the global batch, so FSDP2's division is set to 1.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -22,9 +25,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from hybridpar.core.errors import ConfigError
 from hybridpar.core.terms import Term
-from hybridpar.runtime.comm.collectives import Via, flat_all_gather, flat_reduce_scatter
+from hybridpar.runtime.comm.collectives import Via, all_reduce, flat_all_gather, flat_reduce_scatter
 from hybridpar.runtime.comm.ledger import Ledger
 from hybridpar.runtime.parallel.layout import Layout
 
@@ -49,6 +51,10 @@ class _Scatter(_Gather, ReduceScatter):
         return flat_reduce_scatter(output_tensor, input_tensor, via, op, async_op)
 
 
+def _summed(shard: torch.Tensor, via: Via) -> None:
+    all_reduce(shard, via)
+
+
 def shard_states(model: nn.Module, layout: Layout, styles: list, ledger: Ledger | None) -> set:
     """Hand every module with parameters of the plan's domain segments to FSDP2 over its model
     group (collective); returns the ids of the sharded parameters (their sums are FSDP2's)."""
@@ -62,17 +68,15 @@ def shard_states(model: nn.Module, layout: Layout, styles: list, ledger: Ledger 
             continue
         seen.add(id(m))
         grid = styles[seg].grid
-        if grid.pc > 1:
-            raise ConfigError(
-                f"{name}: sharded states take one batch group (domain(Px1)); this plan's "
-                f"segment has {grid.pc}: give its batch groups' ranks to the bands"
-            )
         mesh = grid.mesh["model"]
         fully_shard(m, mesh=mesh, reshard_after_forward=True)
         assert isinstance(m, FSDPModule)
         layer = layout.layer_of.get(name, name)
         m.set_custom_all_gather(_Gather(ledger, layer))
         m.set_custom_reduce_scatter(_Scatter(ledger, layer))
+        if grid.pc > 1:  # the same shard of the other batch groups' bands: summed after the scatter
+            via = Via(grid.batch_group, ledger, Term.DW_ALLREDUCE, layer)
+            m.set_all_reduce_hook(functools.partial(_summed, via=via))
         m.set_gradient_divide_factor(1.0)  # the loss is divided by the global batch already
         m.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)
         sharded |= {id(p) for p in m.parameters(recurse=False)}
