@@ -1,6 +1,7 @@
 """The stand-ins of the domain style's windowed operations: a convolution, a transposed
-convolution, an interpolation and a max or average pooling on this rank's band of rows (or tile),
-from the band and the halo rows (columns) its window reads (`_Windowed`, over halo.py's exchange).
+convolution, an interpolation, a pad and a max or average pooling on this rank's band of rows
+(or tile), from the band and the halo rows (columns) its window reads (`_Windowed`, over
+halo.py's exchange).
 A convolution joins band, halo and padding once (`_ConvOfPieces`: a tile's widened rows are kept
 as their pieces)."""
 
@@ -152,7 +153,7 @@ class _Windowed:
         else:
             (x,) = _Post.apply(ex, call, x)
             like = x
-        own = [(ex.band[0], x)]  # (the band's rows from across an edge: with the halo's)
+        own = [(ex.band[0], x)]  # the band alone (its rows from across an edge come with the halo)
         # the interior rows while the halo rows travel, over the network; through shared memory
         # they are there at once, and three pieces (the interior, the rows next to each
         # neighbour, their concatenation, forward and backward) cost more than one call on band
@@ -219,13 +220,17 @@ class DomainConv(_Windowed):
             x = torch.cat(rows, dim=2)
             return _CONV[5][0](F.pad(x, self.wrap, "circular"), self.weight, self.bias, *conf)
         if self.wrap:  # the width wraps: its last and first columns as pieces (views) of a strip
-            a, b = self.wrap[:2]
-            rows = [_Strip([r.narrow(3, r.shape[3] - a, a), r, r.narrow(3, 0, b)]) for r in rows]
+            rows = [_wrapped(r, *self.wrap[:2]) for r in rows]
         if len(rows) == 1 and not isinstance(rows[0], _Strip):  # the band alone (a 1x1
             return _CONV[rows[0].dim()][0](rows[0], self.weight, self.bias, *conf)  # conv)
         layout = tuple(len(r.pieces) if isinstance(r, _Strip) else 1 for r in rows)
         flat = [p for r in rows for p in (r.pieces if isinstance(r, _Strip) else [r])]
         return _ConvOfPieces.apply(self.weight, self.bias, conf, layout, *flat)
+
+
+def _wrapped(rows: torch.Tensor, left: int, right: int) -> _Strip:
+    """`rows` widened by their last `left` and first `right` columns (views, not copies)."""
+    return _Strip([rows.narrow(3, rows.shape[3] - left, left), rows, rows.narrow(3, 0, right)])
 
 
 # input dims -> the convolution, its input gradient and its weight gradient
