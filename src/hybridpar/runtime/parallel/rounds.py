@@ -309,8 +309,8 @@ def optimizer_for(trainer, optimizer: Callable, head_optimizer: Callable | None 
         if not sharded or len(sharded) == len(params):
             return optimizer(params)
         # two param groups: a foreach step takes the DTensors and the tensors apart
-        return optimizer([{"params": [p for p in params if not isinstance(p, DTensor)]},
-                          {"params": sharded}])  # fmt: skip
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        return optimizer([{"params": plain}, {"params": sharded}])
     return VariableBatch(v, trainer, optimizer, head_optimizer or optimizer)
 
 
