@@ -153,7 +153,8 @@ def flat_all_gather(out: torch.Tensor, mine: torch.Tensor, via: Via, async_op: b
     """`out` (P times `mine`'s elements) := every rank's `mine`, in rank order (torch's
     all_gather_single; FSDP2's parameters: runtime.parallel.sharded)."""
     t0, p = time.perf_counter(), group_size(via.group)
-    work = dist.all_gather_single(out, mine, group=pg_of(via.group), async_op=async_op)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    work = gather(out, mine, group=pg_of(via.group), async_op=async_op)
     via.book("all_gather", p, out.numel() * out.element_size(), time.perf_counter() - t0, 1)
     return work
 
@@ -162,7 +163,8 @@ def flat_reduce_scatter(out: torch.Tensor, whole: torch.Tensor, via: Via, op, as
     """`out` := this rank's 1/P of `whole` summed over the group (reduce_scatter_single; FSDP2's
     gradient sums)."""
     t0, p = time.perf_counter(), group_size(via.group)
-    work = dist.reduce_scatter_single(out, whole, op=op, group=pg_of(via.group), async_op=async_op)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    work = scatter(out, whole, op=op, group=pg_of(via.group), async_op=async_op)
     via.book("reduce_scatter", p, whole.numel() * whole.element_size(), time.perf_counter() - t0, 1)
     return work
 
