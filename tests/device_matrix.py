@@ -114,6 +114,7 @@ CELLS = [
     Cell("model(2x1) everywhere", _every((*TRUNK, *HEAD), "model(2x1)")),
     Cell("domain(2x1) trunk", DOMAIN),
     Cell("domain trunk + model head", {**DOMAIN, **MODEL_HEAD}),
+    Cell("domain trunk, states sharded (FSDP2)", DOMAIN, {"shard_states": True}),
     Cell("1x2 tiles trunk + model head", {**_every(TRUNK, "domain(1x2x1)"), **MODEL_HEAD}),
     Cell("all batch, host reducer", choices={"reducer": "host"}),
     Cell("FC hand-off (b)", MODEL_HEAD, handoff=("b", 2)),
