@@ -337,9 +337,9 @@ def test_the_planner_splits_a_large_unet_by_height_end_to_end():
     """One 1024 x 1024 image on 4 ranks: no batch group can take it and the transposed
     convolutions split by no channels, so every layer is domain on all 4 ranks (2 x 2 tiles on
     the cluster file's prices: half the bytes of 4 bands' widest, in as many messages); the
-    bilinear U-Net's model plans are priced and lose. A 3-D U-Net's 32^3 volume split by depth
-    (volumes take no tiles), and a classifier's trunk (its globally pooled features go to a head
-    split by units)."""
+    bilinear U-Net's model plans are priced and lose. A 3-D U-Net's 32^3 volume on 2 x 2 tiles
+    of depth x height (as the images, for the same reason), and a classifier's trunk (its
+    globally pooled features go to a head split by units)."""
     for up in ("transposed", "bilinear"):
         with torch.device("meta"):
             m = UNet(1024, 3, up=up)
@@ -357,11 +357,11 @@ def test_the_planner_splits_a_large_unet_by_height_end_to_end():
     into = [Style.batch(2), Style.batch(2), Style.domain(2, 1), Style.model(2, 1)]
     refused = evaluate(layers, into, PlanRequest(2, 4, NET))
     assert "no redistribution from batch to domain(2x1) before head.0" in refused.reason
-    # a 3-D U-Net over one 32^3 volume on 4 ranks: split by depth end to end (it was "no plan fits")
+    # a 3-D U-Net over one 32^3 volume on 4 ranks: tiles of depth x height end to end
     with torch.device("meta"):
         m = UNet(32, 3, in_channels=1, norm="instance", dims=3)
     result = plan_for(m, (1, 32, 32, 32), 4, 1, load_cluster("cori-knl"))
-    assert set(result.export().styles.values()) == {Style.domain(4, 1)}
+    assert set(result.export().styles.values()) == {Style.domain(4, 1, 2)}
 
 
 def test_a_memory_limit_under_every_model_plan_gets_bands_with_their_bytes():
@@ -674,16 +674,14 @@ class _PadColumns(nn.Module):
         (lambda: ChannelsLast(CLASSES), (3, 16, 8), "permute of a band); give it batch or model "
          "or bands of rows (domain(RxC))"),
         (lambda: _PadColumns(), (3, 16, 8), "pad of the columns); give it batch or model or bands"),
-        (lambda: UNet((8, 6, 6), CLASSES, width=2, dims=3), (3, 8, 6, 6),
-         "only 2-d images split into tiles; split it by depth (domain(RxC))"),
         (lambda: nn.Sequential(nn.Conv2d(3, 4, 3, stride=2)), (3, 16, 5), "splits 2 columns over "
          "W=4 ranks; the largest W that works is 2, or give images about 2x as wide"),
     ],
 )  # fmt: skip
 def test_what_tiles_cannot_run_is_refused_by_name(net, shape, why):
-    """A permuted band and a pad of the columns (both run on bands), a volume, tiles narrower
-    than a rank each: 2 x 2 (1 x 4) tiles are refused for the first convolution they reach,
-    naming why."""
+    """A permuted band and a pad of the columns (both run on bands), tiles narrower than a rank
+    each: 2 x 2 (1 x 4) tiles are refused for the first convolution they reach, naming why
+    (volumes split into tiles of depth x height: tests/test_operations.py)."""
     from hybridpar.core.rules import why_not
 
     layers = cost_layers(analyze(net().double(), shape))

@@ -9,6 +9,7 @@ state that pads them (MONAI's ChannelPad) keep rows apart and train on bands too
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_helpers import bytes_are_predicted, run_ranks
 from torch import nn
 from torch.nn import functional as F
@@ -205,6 +206,53 @@ def _wrapping(P: int) -> list[str]:
                           options=RuntimeOptions(shared_memory=shm))  # fmt: skip
         done.append(_matches(t, plan, data, want, f"{name} {style} shm={shm}"))
     return done
+
+
+class HeightPadded(nn.Module):
+    """A 3-d U-Net whose outputs are padded along the height in its forward (a volume tile's
+    columns) before a last convolution along it."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        from hybridpar.core.models import UNet
+
+        super().__init__()
+        self.unet = UNet(shape[1:], CLASSES, in_channels=shape[0], width=4, dims=3)
+        self.along = nn.Conv3d(CLASSES, CLASSES, (1, 3, 1))
+
+    def forward(self, x):
+        return self.along(F.pad(self.unet(x), (0, 0, 1, 1), value=0.25))
+
+
+def _volume_tiles(P: int) -> list[str]:
+    """A 3-d U-Net on tiles of depth x height (1 x 2 on 2 ranks, 2 x 2 on 4; the width whole),
+    its outputs padded along the height: 3 steps as one process, bytes = prediction, and its
+    evaluation's outputs, each rank writing its tile, one process's."""
+    shape = (2, 8, 8, 5)
+    build = lambda: HeightPadded(shape).double()  # noqa: E731
+    data = _batches(shape, 2)
+    torch.manual_seed(0)
+    want = _one_process(build(), data)
+    layers = cost_layers(analyze(build(), shape))
+    style = Style.domain(P, 1, 2)
+    plan = evaluate(layers, [style] * len(layers), PlanRequest(P, 2, NET, elem_bytes=8))
+    plan = export(plan, procs=P, batch=2, choices=Choices(), input_shape=shape, model="unet3d")
+    torch.manual_seed(0)
+    t = HybridTrainer(build(), plan, _optimizer, input_shape=shape)
+    tag = _matches(t, plan, data, want, f"{style}")
+    trained = build()
+    trained.load_state_dict(want)
+    written = torch.zeros(2, CLASSES, *shape[1:], dtype=torch.float64)
+    t.predict(data[0][0], out=written)
+    written = written.clone()
+    dist.all_reduce(written)  # each rank wrote its tile: their sum is the whole outputs
+    torch.testing.assert_close(written, trained.eval()(data[0][0]), rtol=1e-7, atol=1e-10)
+    return tag
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_a_volume_trains_and_predicts_on_tiles_of_depth_and_height(P):
+    """Issue 75 item 3, in part: volumes split into tiles of depth x height."""
+    assert run_ranks(_volume_tiles, P, P, timeout_s=300)[0] == f"domain({P // 2}x2x1)"
 
 
 def test_circular_padding_wraps_around_on_tiles_bands_and_depth_bands():

@@ -182,12 +182,12 @@ def cost_layers(specs: list[LayerSpec]) -> list[CostLayer]:
 
 
 def _window(s: LayerSpec, axis: int = 0) -> tuple[Span, ...]:
-    """How a 2-d convolution, pooling or resampling leaf reads rows, as CostLayer.windows holds
-    it; `axis` 1: its columns (a 2-d leaf's, CostLayer.cols)."""
+    """How a 2-d (3-d) convolution, pooling or resampling leaf reads rows, as CostLayer.windows
+    holds it; `axis` 1: its columns (a volume's height: CostLayer.cols)."""
     dims = len(s.in_shape) - 1
     if s.kernel is None or len(s.kernel) != dims or dims not in (2, 3) or s.padding is None:
         return ()
-    if s.whole or (axis and dims != 2):  # unchanged on every rank; a volume's width: not split
+    if s.whole:  # unchanged on every rank
         return ()
     c, shape = s.in_shape[0], s.in_shape[1:]
     h = shape[axis]

@@ -243,15 +243,15 @@ def _pad_fields(pad: tuple, mode: str, dims: int) -> tuple[dict, str]:
 
 
 def _pad_call(func, args: tuple, kwargs: dict, x: tuple, y: tuple) -> tuple[dict | None, str]:
-    """F.pad in a forward of the rows (the height; a volume's depth) or of a 2-d image's
-    columns: a layer of its own; None where it pads neither (it keeps the rows apart:
-    core.rows.function_blocker), or the columns only in a mode a window does not take
+    """F.pad in a forward of the rows (the height; a volume's depth) or of a tile's columns (the
+    width; a volume's height): a layer of its own; None where it pads neither (it keeps the rows
+    apart: core.rows.function_blocker), or the columns only in a mode a window does not take
     (core.rows.column_blocker refuses it on tiles)."""
     pad = tuple(args[1] if len(args) > 1 else kwargs["pad"])
     mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
     fields, why = _pad_fields(pad, mode, len(x) - 1)
     tops, (bottoms, _) = fields["padding"], fields["rows"][1]
-    cols = len(x) == 3 and (tops[1] or bottoms[1])  # a 2-d image's (x: C, H, W)
+    cols = tops[1] or bottoms[1]  # a tile's columns (an image's width, a volume's height)
     if not (tops[0] or bottoms[0]) and not (cols and not why):
         return None, ""
     return fields, why

@@ -19,9 +19,9 @@ its rows went (`moved_rows`), and a layer norm or a Linear over the channels kee
 there (`permuted_blocker`); anything else on a permuted band, or a permuted band at a segment's
 cut or as the model's output, ends the claim.
 
-Tiles (a 2-d image split by rows and columns) need the columns kept apart too: everything above
-does, except a pad of the columns in another mode and a permuted band, whose columns the trace does not follow
-(`column_blocker`: blockers of tiles alone).
+Tiles (an image split by rows and columns, a volume by depth and height) need the columns kept
+apart too: everything above does, except a pad of the columns in another mode and a permuted
+band, whose columns the trace does not follow (`column_blocker`: blockers of tiles alone).
 
 A whole value (a global pooling's) meets the bands only by broadcasting (x * s, x + s,
 s.expand_as(x)) or an upsampling back to the image's size: each rank computes from it what its
@@ -164,10 +164,11 @@ def function_blocker(func: object, args: tuple, kwargs: dict | None) -> str:
 
 
 def column_blocker(func: object, args: tuple) -> str:
-    """Why a function that keeps rows apart mixes the columns of a 2-d image, ending a claim on
-    tiles only (core.halo.TILED); "" when it does not."""
+    """Why a function that keeps rows apart mixes a tile's columns (an image's width, a volume's
+    height), ending a claim on tiles only (core.halo.TILED); "" when it does not."""
     name = getattr(func, "__name__", "")
-    if name == "pad" and len(args) > 1 and _ndim(args) == 4 and tuple(args[1])[:2] != (0, 0):
+    at = 2 * (_ndim(args) - 4)  # the columns' pair (an image's width, a volume's height)
+    if name == "pad" and len(args) > 1 and tuple(args[1])[at : at + 2] not in ((0, 0), ()):
         return f"{TILED}pad of the columns"
     if name in ("permute", "transpose", "swapaxes", "swapdims"):
         return f"{TILED}{name} of a band"  # its columns are not followed

@@ -101,9 +101,10 @@ def _domain(layer: CostLayer, s: Style) -> str:
             f"{layer.name} cannot take {s}: its segment needs whole images "
             f"({blockers[0].removeprefix(TILED)}); give it batch or model{bands}"
         )
-    if s.pw > 1 and not whole and len(layer.x_shape) != 3:
+    if s.pw > 1 and len(layer.x_shape) == 4 and layer.pools:
         return (
-            f"{layer.name}: {s}: only 2-d images split into tiles; split it by depth (domain(RxC))"
+            f"{layer.name}: {s}: {layer.pools[0].member} pools a volume globally, which tiles "
+            "of depth x height do not sum; split it by depth (domain(RxC))"
         )
     if s.pw > 1 and len(layer.cols) != len(layer.windows):  # a layer described by hand
         return f"{layer.name}: {s}: its column maps are not described; give it bands (domain(RxC))"

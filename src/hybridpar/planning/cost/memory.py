@@ -45,7 +45,7 @@ def _share(layer: CostLayer, s: Style) -> float:
     if s.kind != "domain":
         return 1.0
     h = layer.y_shape[1] if len(layer.y_shape) in (3, 4) else 1
-    wide = layer.y_shape[2] if s.pw > 1 and len(layer.y_shape) == 3 else 1
+    wide = layer.y_shape[2] if s.pw > 1 and len(layer.y_shape) in (3, 4) else 1
     return -(-h // s.ph) / h * (-(-wide // s.pw) / wide)  # the largest band's (tile's)
 
 
@@ -97,9 +97,10 @@ def _window_kept(
     band's share of `v`, and what its output band reads beyond its band (halo and padding rows,
     on tiles columns too): a convolution keeps those alone (`pieces`,
     runtime.parallel.domain.windows._ConvOfPieces), a pooling a copy of band and beyond."""
-    win, row = w.row_map(), w.across
+    win, row, rest = w.row_map(), w.across, 1
     spans = [(row, row, row, row)]  # along a row: (own, read, both, whole); on bands all
     if cols is not None:
+        rest = w.across // cols.size_in  # a volume's width, whole on a tile of depth x height
         by_cols = cols.row_map()
         spans = []
         for p in by_cols.parts(pw):
@@ -113,8 +114,8 @@ def _window_kept(
         for mine, read, both, whole in spans:
             own = v * (b - a) / win.h_in * mine / whole
             if pieces:
-                out.append(own + ((hi - lo) * read - rows * both) * w.channels)
+                out.append(own + ((hi - lo) * read - rows * both) * w.channels * rest)
             else:
-                kept = (hi - lo) * w.channels * read
+                kept = (hi - lo) * w.channels * read * rest
                 out.append(own if (lo, hi, read) == (a, b, mine) else kept)
     return out

@@ -375,7 +375,7 @@ def _tile_halo(rows: Span, cols: Span, pr: int, pw: int, n: float, net: Priced):
     the tiles widened by them (and by the padding's columns: the corners) over each column of
     tiles. `n`: bytes of one element of every example of a batch group. Seconds: the busiest
     rank's messages and bytes of each stage, point to point."""
-    ph, c = pr // pw, rows.channels
+    ph, c = pr // pw, rows.channels * (rows.across // cols.size_in)  # x a volume's width
     by_rows, by_cols = rows.row_map(), cols.row_map()
     tall = [b - a for a, b in by_rows.held(ph)]  # a tile's rows
     wide = [max(p.reads[1] - p.reads[0], 0) for p in by_cols.parts(pw)]  # its widened columns

@@ -176,7 +176,7 @@ class Exchange:
                     for t in gs:  # a strip's pieces, side by side along the width
                         part = back.narrow(3, at, t.shape[3]) if len(gs) > 1 else back
                         t.narrow(self.dim, p.lo - lo, rows).add_(part)
-                        at += t.shape[-1]
+                        at += t.shape[3]
                     first += rows
         if self.ledger is not None:
             took, sent = time.perf_counter() - t0, call.get("back_bytes", 0)
@@ -186,7 +186,7 @@ class Exchange:
 
 def _wide(shape: tuple[int, ...], width: int | None) -> tuple[int, ...]:
     """`shape` with `width` columns (a strip's rows: every piece's); None: as it is."""
-    return shape if width is None else (*shape[:3], width)
+    return shape if width is None else (*shape[:3], width, *shape[4:])
 
 
 def _rows_like(like: torch.Tensor, rows: int, dim: int = 2) -> tuple[int, ...]:

@@ -6,6 +6,8 @@ The cost model (planning.cost.terms.redistribute) prices exactly these."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -24,7 +26,8 @@ def _sizes(shape: tuple[int, ...], pr: int, pw: int) -> tuple[list, Pieces]:
     boxes = [tile(shape, pr, pw, r) for r in range(pr)]
     if pw == 1:
         return boxes, Pieces(tuple(b - a for a, b in boxes), 2)
-    return boxes, Pieces(tuple((b - a) * (d - c) for (a, b), (c, d) in boxes), 2)
+    rest = math.prod(shape[2:])  # a volume's width, whole on every tile of depth x height
+    return boxes, Pieces(tuple((b - a) * (d - c) * rest for (a, b), (c, d) in boxes), 2)
 
 
 def join(x: torch.Tensor, shape: tuple[int, ...], pr: int, pw: int, via: Via) -> torch.Tensor:
@@ -35,7 +38,8 @@ def join(x: torch.Tensor, shape: tuple[int, ...], pr: int, pw: int, via: Via) ->
         return gather(x, pieces, via)
     parts = gather(x.flatten(2), pieces, via).split(list(pieces.sizes), 2)
     flat = [
-        t.unflatten(2, (b - a, d - c)) for t, ((a, b), (c, d)) in zip(parts, boxes, strict=True)
+        t.unflatten(2, (b - a, d - c, *shape[2:]))
+        for t, ((a, b), (c, d)) in zip(parts, boxes, strict=True)
     ]
     return torch.cat([torch.cat(flat[i : i + pw], 3) for i in range(0, pr, pw)], 2)
 
@@ -47,7 +51,7 @@ def cut(x: torch.Tensor, pr: int, pw: int, via: Via) -> torch.Tensor:
         return split(x, pieces, via)
     flat = torch.cat([x[:, :, a:b, c:d].flatten(2) for (a, b), (c, d) in boxes], 2)
     (a, b), (c, d) = boxes[via.group.rank]
-    return split(flat, pieces, via).unflatten(2, (b - a, d - c))
+    return split(flat, pieces, via).unflatten(2, (b - a, d - c, *x.shape[4:]))
 
 
 class _Rows:

@@ -35,7 +35,7 @@ class _Strip:
     @property
     def shape(self) -> tuple[int, ...]:
         first = self.pieces[0].shape
-        return (*first[:3], sum(p.shape[3] for p in self.pieces))
+        return (*first[:3], sum(p.shape[3] for p in self.pieces), *first[4:])
 
     def narrow(self, dim: int, start: int, length: int) -> _Strip:
         assert dim == 2, "a strip is cut by rows"
@@ -192,8 +192,9 @@ class DomainConv(_Windowed):
         self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
         self.setup(window, group, ledger, layer, **tiles)
         circular = getattr(conv, "padding_mode", "zeros") == "circular"  # padded by `compute`
+        split = 2 if self.cols else 1  # the rows' padding (a tile's columns'): the halo's
         zeros = (0,) * len(conv.padding)
-        self.width_padding = zeros if self.cols or circular else (0, *conv.padding[1:])
+        self.width_padding = zeros if circular else (0,) * split + tuple(conv.padding[split:])
         self.wrap: list[int] = []  # what `compute` pads circularly: the dims a rank holds whole
 
     def through(self, x: torch.Tensor, pad, mode="constant", *args, **kwargs) -> torch.Tensor:
@@ -251,8 +252,7 @@ def _join(layout: tuple[int, ...], pieces: list[torch.Tensor], dtype: torch.dtyp
     height = sum(row[0].shape[2] for row in rows)
     shape = list(first.shape)
     shape[2] = height
-    if len(first.shape) == 4:
-        shape[3] = sum(p.shape[3] for p in rows[0])
+    shape[3] = sum(p.shape[3] for p in rows[0])  # a strip's columns (else the piece's own)
     out, r0 = first.new_empty(shape, dtype=dtype), 0
     for row in rows:
         c0 = 0
@@ -294,9 +294,7 @@ class _ConvOfPieces(torch.autograd.Function):
             gx = conv_input(rows.shape, w, g, stride, padding, dilation, groups)
             for i, (p, (r0, c0)) in enumerate(zip(pieces, where, strict=True)):
                 if ctx.needs_input_grad[4 + i]:
-                    part = gx.narrow(2, r0, p.shape[2])
-                    if p.dim() == 4:  # a strip's column piece (else the whole width)
-                        part = part.narrow(3, c0, p.shape[3])
+                    part = gx.narrow(2, r0, p.shape[2]).narrow(3, c0, p.shape[3])  # its columns
                     grads[4 + i] = part.to(p.dtype)
         if ctx.needs_input_grad[0]:
             gw = conv_weight(rows, w.shape, g, stride, padding, dilation, groups)
@@ -331,9 +329,10 @@ class DomainTransposed(_Windowed):
             if rows.shape[d] == 0:  # no input row reaches these output rows: the bias alone
                 rows = rows.new_zeros(_rows_like(rows, 1, d))
         transposed = F.conv_transpose3d if rows.dim() == 5 else F.conv_transpose2d
-        width = ((0,), (0,)) if self.cols else (self.padding[1:], self.width_out)
-        y = transposed(rows, self.weight, None, self.stride, (0, *width[0]), (0, *width[1]),
-                       self.groups, self.dilation)  # fmt: skip
+        split = 2 if self.cols else 1  # dims the halo's rows (a tile's columns) padded
+        width = (self.padding[split:], self.width_out[split - 1 :])
+        pads = ((0,) * split + tuple(width[0]), (0,) * split + tuple(width[1]))
+        y = transposed(rows, self.weight, None, self.stride, *pads, self.groups, self.dilation)
         y = self._crop(y, 2, lo, a, b)
         if self.cols is not None:
             y = self._crop(y, 3, *self.cols)
@@ -392,14 +391,18 @@ class DomainResample(_Windowed):
 
     def compute(self, rows: torch.Tensor, lo: int, a: int, b: int) -> torch.Tensor:
         high = self._along(rows, 2, lo, a, b)
+        split = 1  # the dims weighed here: the rows (and a tile's columns)
         if self.cols is not None:
-            return self._along(high, 3, *self.cols)
-        n = rows.dim() - 3  # the other dimensions (width; a volume's height and width)
+            high, split = self._along(high, 3, *self.cols), 2
+        n = rows.dim() - 2  # the spatial dims; torch interpolates those beyond the split ones
+        if n == split:
+            return high
         if self.size is not None:
-            rest = self.size[1:] if isinstance(self.size, tuple | list) else (self.size,) * n
-            return F.interpolate(high, (b - a, *rest), None, *self.args, **self.kwargs)
-        scale = self.scale[1:] if isinstance(self.scale, tuple | list) else (self.scale,) * n
-        return F.interpolate(high, None, (1.0, *scale), *self.args, **self.kwargs)
+            size = tuple(self.size) if isinstance(self.size, tuple | list) else (self.size,) * n
+            return F.interpolate(high, (*high.shape[2 : 2 + split], *size[split:]), None,
+                                 *self.args, **self.kwargs)  # fmt: skip
+        scale = tuple(self.scale) if isinstance(self.scale, tuple | list) else (self.scale,) * n
+        return F.interpolate(high, None, (1.0,) * split + scale[split:], *self.args, **self.kwargs)
 
 
 class DomainPool(_Windowed):
@@ -418,7 +421,8 @@ class DomainPool(_Windowed):
             (F.max_pool3d, F.avg_pool3d) if n == 3 else (F.max_pool2d, F.avg_pool2d)
         )
         self.setup(window, group, ledger, layer, **tiles)
-        self.width_padding = (0, 0) if self.cols else (0, *tup(pool.padding)[1:])
+        split = 2 if self.cols else 1  # the rows' padding (a tile's columns'): the halo's
+        self.width_padding = (0,) * split + tup(pool.padding)[split:]
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return self.band(x)
