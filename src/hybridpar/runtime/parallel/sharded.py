@@ -51,22 +51,16 @@ class _Scatter(_Gather, ReduceScatter):
         return flat_reduce_scatter(output_tensor, input_tensor, via, op, async_op)
 
 
-def _summed(shard: torch.Tensor, via: Via) -> None:
-    all_reduce(shard, via)
-
-
 def shard_states(model: nn.Module, layout: Layout, styles: list, ledger: Ledger | None) -> set:
     """Hand every module with parameters of the plan's domain segments to FSDP2 over its model
     group (collective); returns the ids of the sharded parameters (their sums are FSDP2's)."""
     sharded: set[int] = set()
-    seen: set[int] = set()
     mesh = None
     for name, m in model.named_modules():
         seg = layout.module_segment.get(name)
         own = list(m.parameters(recurse=False))
-        if seg is None or not own or layout.segments[seg].kind != "domain" or id(m) in seen:
+        if seg is None or not own or layout.segments[seg].kind != "domain":
             continue
-        seen.add(id(m))
         grid = styles[seg].grid
         mesh = grid.mesh["model"]
         fully_shard(m, mesh=mesh, reshard_after_forward=True)
@@ -76,7 +70,7 @@ def shard_states(model: nn.Module, layout: Layout, styles: list, ledger: Ledger 
         m.set_custom_reduce_scatter(_Scatter(ledger, layer))
         if grid.pc > 1:  # the same shard of the other batch groups' bands: summed after the scatter
             via = Via(grid.batch_group, ledger, Term.DW_ALLREDUCE, layer)
-            m.set_all_reduce_hook(functools.partial(_summed, via=via))
+            m.set_all_reduce_hook(functools.partial(all_reduce, via=via))
         m.set_gradient_divide_factor(1.0)  # the loss is divided by the global batch already
         m.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)
         sharded |= {id(p) for p in m.parameters(recurse=False)}
