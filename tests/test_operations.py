@@ -191,8 +191,12 @@ def _wrapping(P: int) -> list[str]:
     from hybridpar.runtime.options import RuntimeOptions
 
     done = []
-    cases = [("periodic", Style.domain(P, 1, 2), True), ("periodic", Style.domain(P, 1), False),
-             ("volume", Style.domain(P, 1), True)]  # fmt: skip
+    cases = [
+        ("periodic", Style.domain(P, 1, 2), True),
+        ("periodic", Style.domain(P, 1), False),
+        ("volume", Style.domain(P, 1), True),
+        ("volume", Style.domain(P, 1, 2), False),
+    ]
     for name, style, shm in cases:
         build, shape = (PeriodicVolume, (1, 8, 5, 4)) if name == "volume" else NETS[name][:2]
         data = _batches(shape, 2)
@@ -258,9 +262,10 @@ def test_a_volume_trains_and_predicts_on_tiles_of_depth_and_height(P):
 def test_circular_padding_wraps_around_on_tiles_bands_and_depth_bands():
     """Issue 75 item 4 on 4 ranks (the 2 and 3 of `periodic` run above): the periodic net on
     2 x 2 tiles (the corners from across both edges), on 4 bands point to point (the first and
-    last band send each other rows), and a volume periodic in depth on 4 depth bands."""
+    last band send each other rows), and a volume periodic in depth on 4 depth bands and on 2 x 2
+    tiles of depth x height."""
     done = run_ranks(_wrapping, 4, 4, timeout_s=300)[0]
-    assert len(done) == 3, done
+    assert len(done) == 4, done
 
 
 def test_the_unshuffle_reads_across_a_cut_that_is_not_a_multiple_of_its_factor():

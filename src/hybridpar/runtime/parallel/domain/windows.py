@@ -217,8 +217,8 @@ class DomainConv(_Windowed):
 
     def compute(self, rows: list, lo: int, a: int, b: int) -> torch.Tensor:
         conf = (self.stride, self.width_padding, self.dilation, self.groups)
-        if self.wrap and rows[0].dim() == 5:  # a volume's height and width wrap: padded whole
-            x = torch.cat(rows, dim=2)
+        if self.wrap and len(rows[0].shape) == 5:  # a volume's width (and height): padded whole
+            x = torch.cat([r.joined() if isinstance(r, _Strip) else r for r in rows], dim=2)
             return _CONV[5][0](F.pad(x, self.wrap, "circular"), self.weight, self.bias, *conf)
         if self.wrap:  # the width wraps: its last and first columns as pieces (views) of a strip
             rows = [_wrapped(r, *self.wrap[:2]) for r in rows]
