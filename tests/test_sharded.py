@@ -277,6 +277,8 @@ def test_what_sharded_states_cannot_run_is_refused_by_name():
     on = Choices(shard_states=True)
     said = why_not_choices(on, [Style.batch(2)] * len(layers), layers, whole=True)
     assert "splits none" in said, said
+    planned = evaluate(layers, [Style.batch(2)] * len(layers), PlanRequest(2, 2, NET, choices=on))
+    assert "splits none" in planned.reason, planned.reason  # the planner never proposes it
     assert why_not_choices(on, [Style.domain(2, 1)] * len(layers), layers, whole=True) == ""
 
     class Tied(nn.Module):

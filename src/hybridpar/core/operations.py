@@ -257,18 +257,12 @@ def _pad_call(func, args: tuple, kwargs: dict, x: tuple, y: tuple) -> tuple[dict
     return fields, why
 
 
-def _pad_module(m, x: tuple, y: tuple) -> dict:
-    return _pad_fields(m.padding, "circular" if _circular(m) else "constant", len(x) - 1)[0]
-
-
-def _pad_blocker(m, x: tuple) -> str:
-    return _pad_fields(m.padding, "circular" if _circular(m) else "constant", len(x) - 1)[1]
-
-
-def _circular(m) -> bool:
+def _pad_module(m, x: tuple) -> tuple[dict, str]:
+    """A ConstantPad or CircularPad module's `_pad_fields`."""
     from torch import nn
 
-    return isinstance(m, nn.modules.padding._CircularPadNd)
+    circular = isinstance(m, nn.modules.padding._CircularPadNd)
+    return _pad_fields(m.padding, "circular" if circular else "constant", len(x) - 1)
 
 
 def _conv_record(name: str, dims: str, styles: tuple, transposed: bool = False) -> Operation:
@@ -335,7 +329,8 @@ OPERATIONS: tuple[Operation, ...] = (
               blocker=_shuffle_images, geometry=_shuffle_module, call=_shuffle_call,
               stand_in="shuffle"),
     Operation("pad", "other", ("modules.padding._ConstantPadNd", "modules.padding._CircularPadNd"),
-              bands="window", blocker=_pad_blocker, geometry=_pad_module, call=_pad_call,
+              bands="window", blocker=lambda m, x: _pad_module(m, x)[1],
+              geometry=lambda m, x, y: _pad_module(m, x)[0], call=_pad_call,
               stand_in="pad"),
     Operation("softmax", "activation", ("Softmax", "LogSoftmax"), swap=False, bands="unchanged",
               blocker=_softmax),

@@ -303,8 +303,7 @@ class _Context:
         x, w = self.layers[i], self.net.word_bytes
         held = x.params / (s.pr if s.kind == "model" else 1)
         if self._sharded(s):  # each rank 1/Pr of the padded parameters its members hold
-            whole = sum(d0 * rest for leaf in x.shards for d0, rest in leaf)
-            held = sharded_elements(x, s.pr) / s.pr + x.params - whole
+            held = sharded_elements(x, s.pr) / s.pr + x.params - sharded_elements(x, 1)
         if self.predict:
             return held * w
         n = self.slow(s) / s.pc  # the largest group's examples
@@ -411,6 +410,9 @@ class _Context:
         return LayerPlan(x, s, terms, fwd, bwd, self.memory(i, s), update, h, self.peak(i, s))
 
     def evaluate(self, scenario: str, grid: tuple[int, int] | None, styles: list[Style]) -> Plan:
+        whole = self.choices.shard_states and why_not_choices(self.choices, styles, whole=True)
+        if whole:  # what no layer's rule says: sharded states need a layer on bands
+            return Plan(scenario, grid, overlap=self.overlap, reason=whole)
         plan = Plan(scenario, grid, overlap=self.overlap)
         prev, self._heads, self._layouts = None, {}, [s.layout for s in styles]
         try:

@@ -53,8 +53,8 @@ class Exchange:
         self.receives: dict[int, list] = {}  # by sender, in row order
         for p in self.pieces:
             self.receives.setdefault(p.rank, []).append(p)
-        self.sends = {r: [p for p in plan[r] if p.rank == me] for r in range(pr) if r != me}
-        self.sends = {r: ps for r, ps in self.sends.items() if ps}  # by receiver, in row order
+        sends = ((r, [p for p in plan[r] if p.rank == me]) for r in range(pr) if r != me)
+        self.sends = {r: ps for r, ps in sends if ps}  # by receiver, in row order
         self.needed = any(p.rank != r for r in range(pr) for p in plan[r])  # else nothing moves
         # through shared memory each rank's slot holds its pieces by receiver in rank order
         # (forward: the rows it sends; backward: the gradients of the rows it got, by sender):

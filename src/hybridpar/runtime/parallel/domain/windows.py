@@ -191,19 +191,20 @@ class DomainConv(_Windowed):
     def __init__(self, conv: nn.Module, window: RowMap, group, ledger, layer: str, **tiles):
         self.stride, self.dilation, self.groups = conv.stride, conv.dilation, conv.groups
         self.setup(window, group, ledger, layer, **tiles)
-        circular = getattr(conv, "padding_mode", "zeros") == "circular"  # padded by `compute`
+        circular = getattr(conv, "padding_mode", "zeros") == "circular"
+        circular = circular and not isinstance(conv.padding, str)  # 'valid' pads nothing
         split = 2 if self.cols else 1  # the rows' padding (a tile's columns'): the halo's
         zeros = (0,) * len(conv.padding)
         self.width_padding = zeros if circular else (0,) * split + tuple(conv.padding[split:])
-        self.wrap: list[int] = []  # what `compute` pads circularly: the dims a rank holds whole
+        # a circular padding of the dims a rank holds whole, F.pad's pairs (last dim first): what
+        # `compute` pads; the split dims wrap by the rows (columns) the exchange brings
+        pairs = [v for p in reversed(conv.padding[split:]) for v in (p, p)] if circular else []
+        self.wrap = [*pairs, *[0] * (2 * split)] if any(pairs) else []
 
-    def through(self, x: torch.Tensor, pad, mode="constant", *args, **kwargs) -> torch.Tensor:
-        """The module's circular F.pad of its input before its convolution: the split dims
-        wrap around by the rows (columns) the exchange brings from across the edges
-        (core.halo.RowMap.wrap), the others are padded by `compute` (their rows travel
-        unpadded, as the cost model prices them)."""
-        split = 2 * (x.dim() - 3) - (2 if self.cols is not None else 0)  # F.pad: last dim first
-        self.wrap = [*pad[:split], *[0] * (len(pad) - split)] if any(pad[:split]) else []
+    def through(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """The module's circular F.pad of its input before its convolution: none here (`wrap`,
+        and the exchange's rows from across the edges, core.halo.RowMap.wrap); its rows travel
+        unpadded, as the cost model prices them."""
         return x
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None, *args, **kwargs):
